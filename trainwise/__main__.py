@@ -1,0 +1,3 @@
+from trainwise.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,39 @@
+"""Named model configurations: trainwise's own models and well-known published ones.
+
+The published ones are checked parameter-for-parameter against Hugging Face `transformers`
+(tests/test_presets.py). The default model is sized to train on the built-in corpus in a few minutes
+on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from trainwise.config import ModelConfig
+from trainwise.errors import TrainwiseError
+
+DEFAULT_MODEL = "trainwise-small"
+
+PRESETS: dict[str, dict] = {
+    # Llama-style: RMSNorm, RoPE, SwiGLU, GQA, no biases, tied embeddings (small vocab).
+    # The defaults of ModelConfig are this model.
+    "trainwise-small": dict(),
+    # GPT-2-style: LayerNorm, learned positions, GELU, biases, tied embeddings.
+    "trainwise-gpt2-small": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=8, activation="gelu_tanh",
+                                 norm="layernorm", position="learned", tie_embeddings=True, bias=True,
+                                 max_seq_len=256),
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, PRESETS, n=3, cutoff=0.4)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise TrainwiseError(
+            f"unknown model preset '{name}'.{hint} Known presets: {', '.join(preset_names())}."
+        )
+    return ModelConfig(name=name, **PRESETS[name])
