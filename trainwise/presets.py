@@ -37,3 +37,15 @@ def get_preset(name: str) -> ModelConfig:
             f"unknown model preset '{name}'.{hint} Known presets: {', '.join(preset_names())}."
         )
     return ModelConfig(name=name, **PRESETS[name])
+
+
+def _add_published() -> None:
+    # The published models (GPT-2, Llama, Mistral, Qwen, DeepSeek) are kept as config.json dicts in
+    # trainwise/hf_config.py and converted once here.
+    from trainwise.hf_config import published_presets
+
+    for name, kw in published_presets().items():
+        PRESETS.setdefault(name, kw)
+
+
+_add_published()

@@ -1,0 +1,70 @@
+"""Memory formulas: ZeRO-paper bytes per parameter, sharding, activations, tensor bytes, size parsing."""
+
+import pytest
+
+from trainwise.config import ModelConfig
+from trainwise.cost.memory import (activation_bytes, activation_bytes_per_token_layer, get_recipe, parse_bytes,
+                                   state_bytes, tensor_bytes)
+from trainwise.errors import TrainwiseError
+
+
+def test_fp32_adamw_16_bytes():
+    assert state_bytes(10**9, get_recipe("fp32"), "adamw").total == 16 * 10**9  # DESIGN.md worked example
+
+
+def test_zero_paper_mixed_precision():
+    # ZeRO paper (Rajbhandari et al. 2020) section 3.1: 7.5B params, Adam, mixed precision = 120 GB;
+    # figure 1 with Nd = 64: stage 1 -> 31.4 GB, stage 2 -> 16.6 GB, stage 3 -> 1.88 GB.
+    r, n = get_recipe("bf16"), 7.5e9
+    assert state_bytes(n, r, "adamw").total == 120e9
+    assert state_bytes(n, r, "adamw", zero=1, dp=64).total / 1e9 == pytest.approx(31.4, abs=0.05)
+    assert state_bytes(n, r, "adamw", zero=2, dp=64).total / 1e9 == pytest.approx(16.6, abs=0.05)
+    assert state_bytes(n, r, "adamw", zero=3, dp=64).total / 1e9 == pytest.approx(1.88, abs=0.01)
+
+
+def test_other_recipes():
+    n = 10**9
+    assert state_bytes(n, get_recipe("bf16-pure"), "adamw").total == 8 * n
+    assert state_bytes(n, get_recipe("fp32"), "sgd").total == 8 * n
+    assert state_bytes(n, get_recipe("fp32"), "sgd-momentum").total == 12 * n
+    assert state_bytes(n, get_recipe("fp32"), "adamw", model_parallel=8).total == 2 * n
+
+
+def test_tensor_bytes_worked_example():
+    t = tensor_bytes((8, 1024, 4096), "bf16")
+    assert t.bytes == 67_108_864 and t.mib == 64 and round(t.mb, 1) == 67.1
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("80GB") == 80e9
+    assert parse_bytes("1e9") == 10**9
+    for bad in ("eighty", "-1GB", "0"):
+        with pytest.raises(TrainwiseError):
+            parse_bytes(bad)
+
+
+def test_activation_per_layer_hand_worked():
+    # trainwise-small (H=256, nh=8, nkv=4, hd=32, F=704, SwiGLU), fp32 (c = s = 4):
+    # attention: norm in 4H + shared qkv input 4H + SDPA q,k,v 3*4*256 + out 4*256 + lse 4*8 + o_proj in 4*256
+    # MLP: norm in 4H + up input 4H + 4 * 4 * 704
+    cfg = ModelConfig()
+    attn = 4 * 256 + 4 * 256 + 3 * 4 * 256 + 4 * 256 + 32 + 4 * 256
+    mlp = 4 * 256 + 4 * 256 + 16 * 704
+    assert activation_bytes_per_token_layer(cfg, get_recipe("fp32"), 0) == attn + mlp == 20_512
+    # amp: bf16 matmul inputs (3 casts for q/k/v, 2 for gate/up), fp32 norm inputs
+    amp = (4 * 256 + 3 * 2 * 256 + 3 * 2 * 256 + 2 * 256 + 32 + 2 * 256) + (4 * 256 + 2 * 2 * 256 + 8 * 704)
+    assert activation_bytes_per_token_layer(cfg, get_recipe("amp"), 0) == amp
+
+
+def test_activation_checkpointing_orders_and_logits():
+    cfg = ModelConfig()
+    r = get_recipe("amp")
+    none, sel, full = (activation_bytes(cfg, r, 8, 256, c) for c in ("none", "selective", "full"))
+    assert full < sel < none
+    per_layer = activation_bytes_per_token_layer(cfg, r, 0)
+    head = 4 * 256 + 2 * 256 + 4 * 4096  # final norm in, LM head in, fp32 logits
+    assert none == 8 * 256 * (4 * per_layer + head)
+    assert full == 8 * 256 * (4 * 4 * 256 + per_layer + head)
+    # linear in batch, no T^2 term (SDPA): doubling T doubles the bytes
+    assert activation_bytes(cfg, r, 8, 128, "none") * 2 == none

@@ -1,0 +1,100 @@
+"""The Plan, its JSON contract (DESIGN.md), --fit, and the CLI through trainwise.cost.cli.main."""
+
+import json
+
+import pytest
+
+from trainwise.cost.cli import main
+from trainwise.cost.plan import fit, plan_run
+from trainwise.cost.time import training_seconds
+from trainwise.errors import TrainwiseError
+from trainwise.presets import get_preset
+
+KEYS = {"model": {"name", "params_total", "params_active", "params_embedding", "params_non_embedding"},
+        "flops": {"per_token_train", "total", "convention"},
+        "memory": {"params_bytes", "grads_bytes", "optimizer_bytes", "master_bytes", "states_bytes",
+                   "activations_bytes", "total_bytes", "per_device_bytes", "fits"},
+        "time": {"seconds", "days", "device_hours"},
+        "hardware": {"name", "peak_flops", "bandwidth_bytes_per_s", "devices", "mfu"}}
+
+
+def test_time_worked_example():
+    assert training_seconds(6e19, 1, 100e12, 0.4) == 1.5e6  # DESIGN.md: 1.5e6 s = 17.36 days
+
+
+def test_cli_bar_json(capsys):
+    rc = main(["plan", "--params", "1e9", "--tokens", "1e10", "--peak-flops", "100e12", "--mfu", "0.4",
+               "--precision", "fp32", "--json"])
+    assert rc == 0
+    j = json.loads(capsys.readouterr().out)
+    for section, keys in KEYS.items():
+        assert keys <= set(j[section])
+    assert j["memory"]["states_bytes"] == 16e9
+    assert j["flops"]["total"] == 6e19
+    assert j["time"]["seconds"] == 1.5e6
+    assert round(j["time"]["days"], 2) == 17.36
+    assert j["tokens"] == 1e10
+
+
+def test_cli_mem(capsys):
+    assert main(["mem", "--shape", "8,1024,4096", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "67,108,864 bytes" in out and "64.00 MiB" in out and "67.1 MB" in out
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["plan", "--model", "lama-3-8b", "--tokens", "1e9", "--gpu", "h100"], "llama-3-8b"),
+    (["plan", "--model", "llama-3-8b", "--tokens", "1e9", "--gpu", "h1000"], "h100"),
+    (["plan", "--params", "-5", "--tokens", "1e9", "--gpu", "h100"], "positive"),
+    (["plan", "--params", "1e9", "--tokens", "0", "--gpu", "h100"], "positive"),
+    (["mem", "--shape", "8,0", "--dtype", "bf16"], "positive"),
+])
+def test_cli_errors(capsys, argv, text):
+    assert main(argv) != 0
+    assert text in capsys.readouterr().err
+
+
+def test_cli_tables_and_explain(capsys, tmp_path):
+    assert main(["hardware"]) == 0
+    assert "H100" in capsys.readouterr().out
+    assert main(["plan", "--model", "mixtral-8x7b", "--tokens", "1e12", "--gpu", "h100", "--gpus", "64",
+                 "--zero", "3", "--explain", "--price", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "C / (G x peak x MFU)" in out and "active" in out
+    toml = tmp_path / "run.toml"
+    toml.write_text("[model]\nd_model = 128\nn_heads = 4\n[train]\nseq_len = 128\nmicro_batch = 4\n")
+    assert main(["plan", "--model", str(toml), "--tokens", "1e8", "--peak-flops", "1e12", "--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["run"]["micro_batch"] == 4 and j["run"]["seq_len"] == 128
+
+
+def test_moe_flops_active_memory_total():
+    p = plan_run(get_preset("mixtral-8x7b"), tokens=1e9, seq_len=4096, gpu="h100", precision="fp32")
+    assert p.counts.active < p.counts.total
+    assert p.states.total == 16 * p.counts.total
+    assert p.flops_per_token < 6 * p.counts.total
+
+
+def test_fits_and_budget():
+    small = plan_run(get_preset("trainwise-small"), tokens=1e6, seq_len=256, micro_batch=16, peak_flops=1e12,
+                     memory_budget=10**9)
+    assert small.fits is True
+    big = plan_run(get_preset("llama-3-70b"), tokens=1e9, gpu="h100")
+    assert big.fits is False
+
+
+def test_bad_parallel_layout():
+    with pytest.raises(TrainwiseError, match="multiple"):
+        plan_run(get_preset("gpt2"), tokens=1e9, gpu="a100", gpus=6, tp=4)
+
+
+def test_fit_prefers_no_recompute_when_it_fits():
+    good, bad = fit(get_preset("llama-3-8b"), global_batch=64, memory_budget=80 * 2**30, seq_len=8192, gpu="h100",
+                    gpus=8)
+    assert good and good[0].checkpointing == "none" and good[0].zero >= 2  # states need sharding
+    assert all(c.per_device_bytes <= 80 * 2**30 for c in good)
+    assert any("budget" in c.reason for c in bad)
+    # a tight budget forces recomputation
+    tight, _ = fit(get_preset("llama-3-8b"), global_batch=64, memory_budget=30 * 2**30, seq_len=8192, gpu="h100",
+                   gpus=8)
+    assert tight and tight[0].checkpointing == "full"

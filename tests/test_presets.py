@@ -1,0 +1,71 @@
+"""Every preset's parameter count equals transformers' num_parameters() for its published config.json."""
+
+import time
+import tracemalloc
+
+import pytest
+import torch
+
+from trainwise.cost.params import params
+from trainwise.cost.plan import plan_run
+from trainwise.errors import TrainwiseError
+from trainwise.hf_config import PUBLISHED
+from trainwise.presets import PRESETS, get_preset
+
+transformers = pytest.importorskip("transformers")
+
+REQUIRED = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-2-7b", "llama-3-8b", "llama-3-70b",
+            "llama-3.1-405b", "mistral-7b", "mixtral-8x7b", "qwen2.5-7b", "deepseek-v3", "qwen3-30b-a3b",
+            "trainwise-small"]
+# Published totals (model cards / HF Hub "Safetensors: model size"), for a second, independent check.
+PUBLISHED_TOTALS = {"gpt2": 124_439_808, "llama-2-7b": 6_738_415_616, "llama-3-8b": 8_030_261_248,
+                    "llama-3-70b": 70_553_706_496, "llama-3.1-405b": 405_853_388_800, "mistral-7b": 7_241_732_096,
+                    "mixtral-8x7b": 46_702_792_704, "qwen2.5-7b": 7_615_616_512, "qwen3-30b-a3b": 30_532_122_624}
+SLOW = {"llama-3.1-405b", "deepseek-v3", "llama-3-70b", "gpt2-xl", "gpt2-large"}
+
+
+def test_required_presets_exist():
+    assert set(REQUIRED) <= set(PRESETS)
+
+
+def hf_count(name):
+    cfg = transformers.AutoConfig.for_model(**PUBLISHED[name])
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg).num_parameters()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in PUBLISHED])
+def test_preset_matches_transformers(name):
+    assert params(get_preset(name)).total == hf_count(name)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_TOTALS))
+def test_preset_matches_published_total(name):
+    assert params(get_preset(name)).total == PUBLISHED_TOTALS[name]
+
+
+def test_moe_active_below_total():
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"):
+        c = params(get_preset(name))
+        assert c.active < c.total
+    # DeepSeek-V3 report: 671B total, 37B activated (without the 14B MTP module, which HF does not build)
+    c = params(get_preset("deepseek-v3"))
+    assert round(c.total / 1e9) == 671 and round(c.active / 1e9) in (37, 38)
+
+
+def test_405b_plan_fast_and_tensor_free():
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    plan = plan_run(get_preset("llama-3.1-405b"), tokens=15e12, seq_len=8192, gpu="h100", gpus=16384, tp=8, pp=16,
+                    zero=1, checkpointing="full")
+    plan.to_json(), plan.explain()
+    elapsed = time.perf_counter() - t0
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert elapsed < 1.0
+    assert peak < 5e6  # bytes of Python objects; a single 405B tensor would be ~1.6 TB
+
+
+def test_unknown_preset_suggests():
+    with pytest.raises(TrainwiseError, match="llama-3-8b"):
+        get_preset("lama-3-8b")

@@ -1,0 +1,169 @@
+"""The training run end to end: run directory contract, resume, sampling, and bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainwise.cli import main
+from trainwise.config import RunConfig, apply_overrides, load_config
+from trainwise.train.loop import train
+
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
+        "train.seq_len=32", "train.micro_batch=4", "tokenizer.vocab_size=300", "train.eval_every=5",
+        "train.eval_steps=2", "train.log_every=1", "train.warmup_steps=2", "train.sample_tokens=10",
+        "train.precision=fp32", "train.checkpoint_every=4"]
+METRIC_KEYS = {"step", "tokens", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "flops_per_s", "mfu"}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """About 60 KB of real English text (CPython's reference docs), as a plain .txt file."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("corpus") / "docs.txt"
+    path.write_text("\n\n".join(topics[k] for k in sorted(topics))[:60_000], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def tiny_config(corpus: Path, *extra: str) -> RunConfig:
+    return apply_overrides(RunConfig(), TINY + [f"data.paths=['{corpus}']", *extra])
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_directory_contract(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = train(tiny_config(corpus, "train.max_steps=20"), out=out, quiet=True)
+    for name in ("config.toml", "tokenizer.json", "plan.json", "metrics.jsonl"):
+        assert (out / name).is_file(), name
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert all(METRIC_KEYS <= row.keys() for row in rows)
+    assert [r["step"] for r in rows if "val_loss" in r] == [5, 10, 15, 20]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    checkpoints = sorted((out / "checkpoints").iterdir())
+    assert [c.name for c in checkpoints] == ["step_00000016", "step_00000020"]  # keep_checkpoints = 2
+    manifest = json.loads((checkpoints[-1] / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"model.safetensors", "optimizer.pt", "rng.pt", "trainer.json"}
+    resolved = load_config(out / "config.toml")
+    assert resolved.model.vocab_size == result_vocab(out)
+    assert resolved.train.max_steps == 20
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["model"]["params_total"] == sum(t.numel() for t in load_file(checkpoints[-1] / "model.safetensors").values())
+    assert result.val_loss == pytest.approx(rows[-1]["val_loss"])
+
+
+def result_vocab(out: Path) -> int:
+    from trainwise.tokenizer import Tokenizer
+
+    return Tokenizer.load(out / "tokenizer.json").vocab_size
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_sigterm_then_resume_reproduces_the_uninterrupted_run(corpus, tmp_path, precision):
+    """SIGTERM mid-run: the step finishes, a checkpoint is saved, exit 0; resuming gives bitwise the
+    same losses and weights as a run that was never interrupted (dropout on, so RNG state matters)."""
+    extra = ["train.max_steps=60", f"train.precision={precision}", "model.dropout=0.1", "train.eval_every=0",
+             "train.checkpoint_every=0"]
+    sets = [a for kv in TINY + extra + [f"data.paths=['{corpus}']"] for a in ("--set", kv)]
+    straight = tmp_path / "straight"
+    assert main(["train", "--out", str(straight), "--quiet", *sets]) == 0
+
+    split = tmp_path / "split"
+    proc = subprocess.Popen([sys.executable, "-m", "trainwise", "train", "--out", str(split), *sets],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = split / "metrics.jsonl"
+    while proc.poll() is None and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    stopped_at = len(read_metrics(split))
+    assert stopped_at < 60, "the run finished before the signal arrived"
+    assert f"trainwise train --resume {split}" in stdout
+    assert main(["train", "--resume", str(split), "--quiet"]) == 0
+
+    assert [r["loss"] for r in read_metrics(split)] == [r["loss"] for r in read_metrics(straight)]
+    a = load_file(straight / "checkpoints/step_00000060/model.safetensors")
+    b = load_file(split / "checkpoints/step_00000060/model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sample_is_reproducible_with_a_seed(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    train(tiny_config(corpus, "train.max_steps=4"), out=out, quiet=True)
+    args = ["sample", str(out), "--prompt", "The ", "--max-new-tokens", "12", "--seed", "3"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+    assert first.startswith("The ")
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainwise", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ})
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *words: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "error:" in proc.stderr
+    for word in words:
+        assert word in proc.stderr, (word, proc.stderr)
+
+
+def bad_inputs(tmp_path: Path, corpus: Path) -> dict:
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "no_text").mkdir()
+    (tmp_path / "no_text" / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.txt").write_text(corpus.read_text())
+    (mixed / "b.txt").write_bytes(b"\x00\x01\x02ELF" + bytes(range(256)) * 8)
+    return {
+        "empty corpus": (["--data", str(tmp_path / "empty.txt")], ["empty.txt"]),
+        "missing path": (["--data", str(tmp_path / "nope.txt")], ["nope.txt"]),
+        "no text files": (["--data", str(tmp_path / "no_text")], ["no_text"]),
+        "binary file": (["--data", str(mixed)], ["b.txt"]),
+        "config typo": (["--set", "train.max_step=3"], ["train.max_step", "train.max_steps"]),
+        "seq_len too long": (["--set", "train.seq_len=512"], ["train.seq_len", "max_seq_len"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["empty corpus", "missing path", "no text files", "binary file", "config typo",
+                                  "seq_len too long"])
+def test_bad_input_is_a_clean_error_and_writes_nothing(corpus, tmp_path, case, capsys):
+    args, words = bad_inputs(tmp_path, corpus)[case]
+    out = tmp_path / "run"
+    code = main(["train", "--out", str(out), "--quiet", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "error:" in err and all(w in err for w in words), err
+    assert not out.exists()
+
+
+def test_cli_error_has_no_traceback_and_existing_run_is_untouched(corpus, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    proc = run_cli("train", "--out", str(out), "--data", str(corpus), cwd=tmp_path)
+    assert_clean_error(proc, "already exists", "--resume")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    proc = run_cli("train", "--set", "trian.seed=1", cwd=tmp_path)
+    assert_clean_error(proc, "trian", "'train'")

@@ -1,0 +1,236 @@
+"""`trainwise plan`, `trainwise mem` and `trainwise hardware`: a thin layer over trainwise.cost."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from trainwise.config import ModelConfig
+from trainwise.cost.hardware import ACCELERATORS
+from trainwise.cost.memory import OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES, parse_bytes, tensor_bytes
+from trainwise.cost.plan import fit, fmt_bytes, plan_run
+from trainwise.cost.time import DEFAULT_MFU
+from trainwise.errors import TrainwiseError
+
+PLAN_EXAMPLES = """examples:
+  trainwise plan --model llama-3-8b --tokens 15e12 --gpu h100 --gpus 1024 --zero 3 --seq-len 8192
+  trainwise plan --params 1e9 --tokens 1e10 --peak-flops 100e12 --precision fp32 --json
+  trainwise plan --model config.json --tokens 1e11 --gpu a100-80gb --fit --global-batch 512
+"""
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number (e.g. 1e10)") from None
+
+
+def _int(text: str) -> int:
+    value = _number(text)
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"'{text}' must be a whole number")
+    return int(value)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="parameters, FLOPs, memory and time of a run, before running it",
+                              epilog=PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="preset name, trainwise TOML, or Hugging Face config.json")
+    p.add_argument("--params", type=_number, help="parameter count N alone (6ND rule; activations unknown)")
+    p.add_argument("--tokens", type=_number, default=None, help="training tokens D")
+    p.add_argument("--seq-len", type=_int, help="sequence length T")
+    p.add_argument("--micro-batch", type=_int, help="sequences per micro-batch B")
+    p.add_argument("--grad-accum", type=_int, help="gradient accumulation steps K")
+    p.add_argument("--precision", help=f"recipe: {', '.join(list(RECIPES) + list(RECIPE_ALIASES))}")
+    p.add_argument("--optimizer", choices=list(OPTIMIZER_MOMENTS), help="adamw, sgd, sgd-momentum")
+    p.add_argument("--checkpointing", choices=["none", "selective", "full"])
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (FSDP = 3)")
+    p.add_argument("--tp", type=_int, default=1)
+    p.add_argument("--pp", type=_int, default=1)
+    p.add_argument("--gpus", type=_int, default=1)
+    p.add_argument("--gpu", help="accelerator name (see `trainwise hardware`)")
+    p.add_argument("--peak-flops", type=_number, help="peak FLOP/s per device (overrides --gpu)")
+    p.add_argument("--bandwidth", type=_number, help="memory bandwidth, bytes/s")
+    p.add_argument("--memory", help="device memory capacity (bytes or 80GiB)")
+    p.add_argument("--memory-budget", help="per-device budget for `fits` (bytes, 80GiB or 80GB)")
+    p.add_argument("--mfu", type=_number, default=DEFAULT_MFU, help=f"model FLOP utilisation (default {DEFAULT_MFU})")
+    p.add_argument("--price", type=_number, help="$ per device-hour")
+    p.add_argument("--causal-halving", action="store_true", help="halve attention score/value FLOPs (causal)")
+    p.add_argument("--fit", action="store_true", help="search micro-batch, grad-accum, checkpointing, ZeRO")
+    p.add_argument("--global-batch", type=_int, help="--fit target, in sequences")
+    p.add_argument("--global-batch-tokens", type=_int, help="--fit target, in tokens")
+    p.add_argument("--json", action="store_true", help="print JSON only (SI units)")
+    p.add_argument("--explain", action="store_true", help="print each formula with the numbers substituted")
+    p.set_defaults(func=cmd_plan)
+
+    m = subparsers.add_parser("mem", help="bytes of one tensor",
+                              epilog="example:\n  trainwise mem --shape 8,1024,4096 --dtype bf16",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("--shape", required=True, help="comma-separated sizes, e.g. 8,1024,4096")
+    m.add_argument("--dtype", default="fp32")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_mem)
+
+    h = subparsers.add_parser("hardware", help="the table of known accelerators")
+    h.add_argument("--json", action="store_true")
+    h.set_defaults(func=cmd_hardware)
+
+
+def load_model(spec: str) -> tuple[ModelConfig, dict]:
+    """Preset name, .toml (trainwise config, returns its [train] section too) or config.json."""
+    from trainwise.config import load_config
+    from trainwise.hf_config import load_hf_config
+    from trainwise.presets import PRESETS, get_preset
+
+    path = Path(spec)
+    if spec in PRESETS:
+        return get_preset(spec), {}
+    if spec.endswith(".toml"):
+        from trainwise.cost.plan import train_settings
+
+        cfg = load_config(path)
+        return cfg.model, train_settings(cfg.train)
+    if spec.endswith(".json") or path.is_file():
+        return load_hf_config(path), {}
+    return get_preset(spec), {}  # raises with the closest preset names
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    model, train = (load_model(args.model) if args.model else (None, {}))
+    if model is None and args.params is None:
+        raise TrainwiseError("give --model PRESET|FILE or --params N.")
+    if args.tokens is None and not args.fit:
+        raise TrainwiseError("give --tokens D, the number of training tokens.")
+    run = dict(seq_len=2048 if model is None else min(2048, model.max_seq_len), micro_batch=1, grad_accum=1,
+               precision="bf16", optimizer="adamw", checkpointing="none")
+    run.update(train)
+    for key in run:
+        if getattr(args, key, None) is not None:
+            run[key] = getattr(args, key)
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    hw = dict(gpu=args.gpu, peak_flops=args.peak_flops, tp=args.tp, pp=args.pp, gpus=args.gpus, mfu=args.mfu,
+              causal_halving=args.causal_halving)
+    if args.fit:
+        return _cmd_fit(args, model, run, budget, hw)
+    plan = plan_run(model, params_count=args.params if model is None else None, tokens=args.tokens, zero=args.zero,
+                    bandwidth=args.bandwidth, memory=parse_bytes(args.memory) if args.memory else None,
+                    memory_budget=budget, price=args.price, **run, **hw)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    elif args.explain:
+        print(plan.explain())
+    else:
+        print(_plan_table(plan))
+    return 0
+
+
+def _plan_table(plan) -> str:
+    j, rows = plan.to_json(), []
+    mdl, fl, mem, t = j["model"], j["flops"], j["memory"], j["time"]
+    rows += [("model", mdl["name"]), ("params total", f"{mdl['params_total']:,}"),
+             ("params active", f"{mdl['params_active']:,}"), ("params embedding", f"{mdl['params_embedding']:,}"),
+             ("params non-embedding", f"{mdl['params_non_embedding']:,}"), ("tokens", f"{j['tokens']:.4g}"),
+             ("FLOPs / token (train)", f"{fl['per_token_train']:.4g} FLOPs ({fl['convention']})"),
+             ("FLOPs total", f"{fl['total']:.4g} FLOPs")]
+    for key in ("params", "grads", "optimizer", "master", "states", "activations"):
+        rows.append((f"{key} / device", fmt_bytes(mem[f"{key}_bytes"])))
+    rows += [("total / device", fmt_bytes(mem["per_device_bytes"])), ("budget / device", fmt_bytes(mem["budget_bytes"])),
+             ("fits", {True: "yes", False: "NO", None: "unknown"}[mem["fits"]]),
+             ("hardware", f"{plan.gpus} x {plan.hardware.name} @ {plan.hardware.peak_flops:.4g} FLOP/s, MFU {plan.mfu}"),
+             ("time", f"{t['seconds']:.4g} s = {t['days']:.2f} days = {t['device_hours']:,.1f} device-hours")]
+    if "cost_usd" in t:
+        rows.append(("cost", f"${t['cost_usd']:,.0f}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows + [("note", n) for n in plan.notes])
+
+
+def _cmd_fit(args, model, run, budget, hw) -> int:
+    if model is None:
+        raise TrainwiseError("--fit needs a model config (--model), not only --params.")
+    if budget is None:
+        if not args.gpu:
+            raise TrainwiseError("--fit needs --memory-budget or a --gpu whose capacity is known.")
+        budget = _gpu_capacity(args.gpu)
+    seq = run["seq_len"]
+    if args.global_batch_tokens:
+        if args.global_batch_tokens % seq:
+            raise TrainwiseError(f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of seq_len {seq}.")
+        gb = args.global_batch_tokens // seq
+    elif args.global_batch:
+        gb = args.global_batch
+    else:
+        raise TrainwiseError("--fit needs a target: --global-batch SEQUENCES or --global-batch-tokens TOKENS.")
+    good, bad = fit(model, global_batch=gb, memory_budget=budget, seq_len=seq, precision=run["precision"],
+                    optimizer=run["optimizer"], **hw)
+    if args.json:
+        print(json.dumps({"best": [c.__dict__ for c in good[:3]], "rejected": [c.__dict__ for c in bad]}, indent=2))
+        return 0 if good else 1
+    print(f"fit: {gb} sequences x {seq} tokens per step, budget {fmt_bytes(budget)} per device")
+    head = f"{'micro_batch':>11} {'grad_accum':>10} {'checkpointing':>13} {'zero':>4} {'memory/device':>28} {'step time':>10}"
+    print(head)
+    for c in good[:3]:
+        print(f"{c.micro_batch:>11} {c.grad_accum:>10} {c.checkpointing:>13} {c.zero:>4} "
+              f"{fmt_bytes(c.per_device_bytes):>28} {c.step_seconds:>9.3g}s")
+    if not good:
+        print("no candidate fits; raise --gpus, --tp/--pp or the budget.")
+    print(f"rejected ({len(bad)}):")
+    for c in bad[:20]:
+        print(f"  B={c.micro_batch} K={c.grad_accum} {c.checkpointing} ZeRO-{c.zero}: {c.reason}")
+    if len(bad) > 20:
+        print(f"  ... and {len(bad) - 20} more (use --json for all)")
+    return 0 if good else 1
+
+
+def _gpu_capacity(name: str) -> int:
+    from trainwise.cost.hardware import get_accelerator
+
+    acc = get_accelerator(name)
+    if acc.memory_bytes is None:
+        raise TrainwiseError(f"{acc.name} has no known capacity; pass --memory-budget.")
+    return acc.memory_bytes
+
+
+def cmd_mem(args: argparse.Namespace) -> int:
+    try:
+        shape = [int(float(s)) for s in args.shape.split(",") if s.strip()]
+    except ValueError:
+        raise TrainwiseError(f"--shape '{args.shape}' must be comma-separated integers, e.g. 8,1024,4096.") from None
+    t = tensor_bytes(shape, args.dtype)
+    if args.json:
+        print(json.dumps({"shape": list(t.shape), "dtype": t.dtype, "bytes": t.bytes, "MB": t.mb, "MiB": t.mib}))
+    else:
+        print(f"shape {tuple(t.shape)} {t.dtype}: {t.bytes:,} bytes = {t.mb:,.1f} MB = {t.mib:,.2f} MiB")
+    return 0
+
+
+def cmd_hardware(args: argparse.Namespace) -> int:
+    if args.json:
+        print(json.dumps({k: {"name": a.name, "peak_flops": a.peak_flops, "bandwidth_bytes_per_s": a.bandwidth_bytes_per_s,
+                              "memory_bytes": a.memory_bytes} for k, a in ACCELERATORS.items()}, indent=2))
+        return 0
+    print(f"{'key':<10} {'name':<18} {'bf16 TFLOP/s':>12} {'fp32 TFLOP/s':>12} {'GB/s':>7} {'memory':>26}")
+    for k, a in ACCELERATORS.items():
+        bf16 = a.peak_flops.get("bf16", a.peak_flops.get("fp16"))
+        fp32 = a.peak_flops.get("fp32")
+        print(f"{k:<10} {a.name:<18} {bf16 / 1e12 if bf16 else float('nan'):>12.1f} "
+              f"{fp32 / 1e12 if fp32 else float('nan'):>12.1f} {a.bandwidth_bytes_per_s / 1e9:>7.0f} "
+              f"{fmt_bytes(a.memory_bytes):>26}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trainwise")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except TrainwiseError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

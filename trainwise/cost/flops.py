@@ -1,0 +1,130 @@
+"""Training FLOPs: the 6ND rule and an exact per-layer matmul count of the model trainwise builds.
+
+Convention (DESIGN.md): a multiply-add is 2 FLOPs, matmul (M,K)x(K,N) = 2MNK; only matmuls are counted
+(norms, softmax, activations, bias adds and the residual are O(H) per token and left out, as in Kaplan
+et al. 2020 table 1 and PaLM appendix B). Backward = 2x forward. Attention score/value matmuls are
+not halved for causal masking unless asked (PaLM convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainwise.config import ModelConfig
+from trainwise.cost.params import mla_params, mha_params, mlp_params
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def six_nd(n_params: float, tokens: float) -> float:
+    """C = 6 N D (Kaplan et al. 2020, section 2.1): 2ND forward + 4ND backward."""
+    return 6.0 * n_params * tokens
+
+
+def matmul_flops(m: int, k: int, n: int) -> int:
+    """(M,K) x (K,N) = 2 M K N FLOPs."""
+    return 2 * m * k * n
+
+
+
+
+def attention_core_flops(cfg: ModelConfig, seq_len: int, causal_halving: bool = False) -> float:
+    """Per token, forward: scores Q K^T = 2 T nh d_qk, values A V = 2 T nh d_v (Megatron-LM paper,
+    Narayanan et al. 2021 appendix; PaLM appendix B). Halved under causal_halving."""
+    if cfg.attention == "mla":
+        d_qk, d_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    else:
+        d_qk = d_v = cfg.head_dim
+    f = 2.0 * seq_len * cfg.n_heads * (d_qk + d_v)
+    return f / 2 if causal_halving else f
+
+
+def attention_proj_flops(cfg: ModelConfig) -> float:
+    """Per token, forward: 2 x (weights of the q/k/v/o projections); for MLA all its down/up projections."""
+    if cfg.attention == "mla":
+        n = mla_params(cfg) - cfg.kv_lora_rank - (cfg.q_lora_rank or 0)  # minus the two RMSNorm weights
+    else:
+        n = mha_params(cfg) - (2 * cfg.head_dim if cfg.qk_norm else 0)
+    H, bias_terms = cfg.d_model, 0
+    if cfg.attention == "mha":
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        bias_terms = (q + 2 * kv if (cfg.bias or cfg.qkv_bias) else 0) + (H if cfg.bias else 0)
+    elif cfg.bias:
+        bias_terms = cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim + H
+    return 2.0 * (n - bias_terms)
+
+
+def mlp_flops(cfg: ModelConfig, hidden: int) -> float:
+    """Per token, forward: 2 x (3HF) gated, 2 x (2HF) plain."""
+    return 2.0 * mlp_params(cfg.d_model, hidden, cfg.gated, bias=False)
+
+
+def moe_flops(cfg: ModelConfig) -> float:
+    """Per token, forward: router 2HE + (top_k + n_shared) experts of width expert_ffn_hidden
+    (Switch Transformer, Fedus et al. 2022: FLOPs follow active, not total, parameters)."""
+    return 2.0 * cfg.d_model * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * mlp_flops(cfg, cfg.expert_ffn_hidden)
+
+
+def lm_head_flops(cfg: ModelConfig) -> float:
+    """Per token, forward: 2HV (also when tied to the embedding, which costs 0 FLOPs itself)."""
+    return 2.0 * cfg.d_model * cfg.vocab_size
+
+
+@dataclass(frozen=True)
+class ForwardFlops:
+    """Forward FLOPs per token, by part (sums over layers)."""
+
+    embedding: float
+    attention_proj: float
+    attention_core: float
+    mlp: float
+    router_and_experts: float
+    lm_head: float
+
+    @property
+    def total(self) -> float:
+        return (self.embedding + self.attention_proj + self.attention_core + self.mlp + self.router_and_experts
+                + self.lm_head)
+
+    @property
+    def blocks(self) -> float:
+        return self.attention_proj + self.attention_core + self.mlp + self.router_and_experts
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal_halving: bool = False) -> ForwardFlops:
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    n_dense = cfg.n_layers - n_moe
+    return ForwardFlops(
+        embedding=0.0,  # a table lookup
+        attention_proj=cfg.n_layers * attention_proj_flops(cfg),
+        attention_core=cfg.n_layers * attention_core_flops(cfg, seq_len, causal_halving),
+        mlp=n_dense * mlp_flops(cfg, cfg.ffn_hidden),
+        router_and_experts=n_moe * moe_flops(cfg) if n_moe else 0.0,
+        lm_head=lm_head_flops(cfg),
+    )
+
+
+def recompute_flops_per_token(fwd: ForwardFlops, checkpointing: str) -> float:
+    """Extra forward work in backward: full = every block's forward again (not the LM head);
+    selective = the attention core only (Korthikanti et al. 2022, section 5)."""
+    return {"none": 0.0, "selective": fwd.attention_core, "full": fwd.blocks}[checkpointing]
+
+
+def _as_checkpointing(recompute: bool | str) -> str:
+    if recompute is True:
+        return "full"
+    if recompute is False or recompute is None:
+        return "none"
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
+    return recompute
+
+
+def flops_per_token_train(cfg: ModelConfig, seq_len: int, causal_halving: bool = False,
+                          recompute: bool | str = False) -> float:
+    """Training FLOPs per token = 3 x forward (backward = 2x forward) + recompute.
+
+    `recompute`: False/"none", "selective", or True/"full". Model FLOPs (for MFU) use recompute=False;
+    hardware FLOPs (HFU) include it."""
+    fwd = forward_flops_per_token(cfg, seq_len, causal_halving)
+    return 3.0 * fwd.total + recompute_flops_per_token(fwd, _as_checkpointing(recompute))

@@ -1,0 +1,222 @@
+"""Memory per device: model states (params, grads, optimizer, master weights) and activations.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, section 3.1 and figure 1): mixed-precision
+Adam keeps 2+2+12 = 16 bytes per parameter, sharded over data-parallel ranks by stage (1: optimizer
+states incl. master, 2: + gradients, 3: + parameters; FSDP full-shard = 3). Tensor and pipeline
+parallelism split the model first (Megatron-LM; Narayanan et al. 2021).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from trainwise.config import ModelConfig
+from trainwise.errors import TrainwiseError
+
+DTYPE_BYTES = {"fp64": 8, "float64": 8, "fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2,
+               "fp16": 2, "float16": 2, "half": 2, "fp8": 1, "int8": 1, "uint8": 1, "int32": 4, "int64": 8,
+               "bool": 1}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Bytes per parameter of each model state, and the dtypes the forward pass works in."""
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    master_bytes: int  # fp32 master copy kept beside low-precision params
+    moment_bytes: int  # bytes of ONE optimizer moment per parameter
+    compute_bytes: int  # matmul inputs/outputs saved for backward
+    residual_bytes: int  # the residual stream and norm inputs
+    compute_dtype: str  # selects the peak FLOP/s
+    description: str
+
+
+RECIPES = {
+    "fp32": Recipe("fp32", 4, 4, 0, 4, 4, 4, "fp32", "fp32 params, grads and optimizer states"),
+    "amp": Recipe("amp", 4, 4, 0, 4, 2, 4, "bf16",
+                  "fp32 params/grads/states, bf16 autocast matmuls (what trainwise's trainer does for bf16)"),
+    "bf16-mixed": Recipe("bf16-mixed", 2, 2, 4, 4, 2, 2, "bf16",
+                         "bf16 params and grads + fp32 master weights + fp32 moments (ZeRO paper: 2+2+12)"),
+    "bf16-pure": Recipe("bf16-pure", 2, 2, 0, 2, 2, 2, "bf16", "everything bf16, optimizer moments included"),
+}
+RECIPE_ALIASES = {"bf16": "bf16-mixed", "mixed": "bf16-mixed", "fp16": "bf16-mixed", "fp16-mixed": "bf16-mixed",
+                  "pure-bf16": "bf16-pure", "autocast": "amp", "auto": "amp", "float32": "fp32"}
+OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+
+
+def get_recipe(name: str) -> Recipe:
+    key = RECIPE_ALIASES.get(name, name)
+    if key not in RECIPES:
+        raise TrainwiseError(f"unknown precision '{name}'; choose one of {', '.join(list(RECIPES) + list(RECIPE_ALIASES))}.")
+    return RECIPES[key]
+
+
+def optimizer_moments(optimizer: str) -> int:
+    """AdamW keeps two moments (m, v), SGD with momentum one, plain SGD none."""
+    if optimizer not in OPTIMIZER_MOMENTS:
+        raise TrainwiseError(f"unknown optimizer '{optimizer}'; choose one of {', '.join(OPTIMIZER_MOMENTS)}.")
+    return OPTIMIZER_MOMENTS[optimizer]
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+    master: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.master
+
+
+def state_bytes(n_params: int, recipe: Recipe, optimizer: str, zero: int = 0, dp: int = 1,
+                model_parallel: int = 1) -> StateBytes:
+    """Per-device bytes of model states. Each part = n_params / (tp*pp) x bytes/param, divided by the
+    data-parallel degree dp when the ZeRO stage shards it (ZeRO paper, section 5.1-5.3):
+    stage >= 1 shards optimizer + master, >= 2 grads, 3 params. fp32 AdamW, 1e9 params: 16e9 bytes."""
+    if zero not in (0, 1, 2, 3):
+        raise TrainwiseError(f"--zero {zero} must be 0, 1, 2 or 3 (FSDP full sharding = 3).")
+    n = n_params / model_parallel
+
+    def part(bytes_per_param: int, sharded: bool) -> int:
+        return math.ceil(n * bytes_per_param / (dp if sharded else 1))
+
+    return StateBytes(
+        params=part(recipe.param_bytes, zero >= 3),
+        grads=part(recipe.grad_bytes, zero >= 2),
+        optimizer=part(recipe.moment_bytes * optimizer_moments(optimizer), zero >= 1),
+        master=part(recipe.master_bytes, zero >= 1),
+    )
+
+
+def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: int, checkpointing: str = "none") -> float:
+    """Bytes autograd saves per token in one block of the model trainwise builds (pre-norm, SDPA).
+
+    After Korthikanti et al. 2022 ("Reducing Activation Recomputation", section 4.1) but for this block,
+    with c = compute dtype bytes, s = residual dtype bytes, q = nh*hd, kv = nkv*hd, F = MLP width:
+      attention: norm1 input sH; q/k/v linear input cH per linear under autocast (the cast is not cached
+        for activations), one shared sH otherwise; SDPA saves q, k, v (k, v repeated to nh heads for GQA)
+        = 3cq, out cq and logsumexp 4nh (flash/efficient kernels: no T^2 term); o_proj input cq;
+        qk_norm inputs c(q + kv); dropout masks 1 byte/elem on the two residual branches when dropout>0.
+      MLP: norm2 input sH; up/gate input cH (x2 gated under autocast); gated: gate out, act out, up out,
+        product = 4cF; plain: act input + proj input = 2cF. MoE: router logits and probabilities 8E
+        (fp32), dispatched copies top_k*cH, and the MLP terms for top_k + n_shared experts.
+    Selective checkpointing recomputes the attention core, dropping its out and logsumexp."""
+    c, s, H = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model
+    autocast = c != s
+    nh = cfg.n_heads
+    if cfg.attention == "mla":
+        q = nh * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        vdim = nh * cfg.v_head_dim
+        lora = cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        attn = s * H + (2 if autocast else 1) * c * H + 2 * c * lora  # inputs to down and up projections
+        core_inputs, core_out = c * (2 * q + vdim), c * vdim + 4 * nh
+        attn += core_inputs + core_out + c * vdim
+    else:
+        q, kv = nh * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        attn = s * H + (3 if autocast else 1) * c * H
+        core_inputs, core_out = 3 * c * q, c * q + 4 * nh
+        attn += core_inputs + core_out + c * q + (c * (q + kv) if cfg.qk_norm else 0)
+    if checkpointing == "selective":
+        attn -= core_out
+    if cfg.dropout > 0:
+        attn += 2 * H
+    gated = cfg.gated
+    up_inputs = (2 if gated and autocast else 1) * c * H
+
+    def mlp(width: int) -> float:
+        return (4 if gated else 2) * c * width
+
+    if cfg.is_moe_layer(layer):
+        E, k = cfg.n_experts, cfg.top_k
+        ffn = s * H + 8 * E + k * up_inputs + (k + cfg.n_shared_experts) * mlp(cfg.expert_ffn_hidden)
+        if cfg.n_shared_experts:
+            ffn += up_inputs
+    else:
+        ffn = s * H + up_inputs + mlp(cfg.ffn_hidden)
+    return attn + ffn
+
+
+def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len: int,
+                     checkpointing: str = "none", tp: int = 1) -> int:
+    """Per micro-batch activation bytes on one device.
+
+    none/selective: sum over layers of the per-token-layer bytes x B x T.
+    full: each block keeps only its input (s x B x T x H) plus one block's full activations while it is
+      recomputed (Chen et al. 2016; Korthikanti et al. 2022 section 4.3).
+    Always: embedding output is the first block input; final norm input sH, LM head input cH and the
+      logits buffer B x T x V in fp32 (4V) that cross-entropy works on.
+    With pipeline parallelism under 1F1B the first stage holds pp micro-batches of L/pp layers, i.e. the
+    same L-layer total (Korthikanti section 4.2.3); tensor parallelism with sequence parallelism
+    divides everything by tp."""
+    if checkpointing not in ("none", "selective", "full"):
+        raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective or full.")
+    tokens = micro_batch * seq_len
+    per_layer = [activation_bytes_per_token_layer(cfg, recipe, i, checkpointing) for i in _distinct_layers(cfg)]
+    if checkpointing == "full":
+        layers = cfg.n_layers * recipe.residual_bytes * cfg.d_model + max(per_layer)
+    else:
+        layers = sum(activation_bytes_per_token_layer(cfg, recipe, i, checkpointing) for i in range(cfg.n_layers))
+    head = recipe.residual_bytes * cfg.d_model + recipe.compute_bytes * cfg.d_model + 4 * cfg.vocab_size
+    return math.ceil(tokens * (layers + head) / tp)
+
+
+def _distinct_layers(cfg: ModelConfig) -> list[int]:
+    """One dense and one MoE layer index (their per-token bytes differ), whichever exist."""
+    out = {}
+    for i in range(cfg.n_layers):
+        out.setdefault(cfg.is_moe_layer(i), i)
+        if len(out) == 2:
+            break
+    return list(out.values())
+
+
+@dataclass(frozen=True)
+class TensorSize:
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+
+    @property
+    def mb(self) -> float:
+        return self.bytes / 1e6
+
+    @property
+    def mib(self) -> float:
+        return self.bytes / 2**20
+
+
+def tensor_bytes(shape: tuple[int, ...] | list[int], dtype: str) -> TensorSize:
+    """numel x element size. (8,1024,4096) bf16 = 67,108,864 bytes = 64 MiB = 67.1 MB."""
+    if dtype not in DTYPE_BYTES:
+        raise TrainwiseError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPE_BYTES)}.")
+    shape = tuple(int(d) for d in shape)
+    if not shape or any(d <= 0 for d in shape):
+        raise TrainwiseError(f"shape {shape} must be one or more positive sizes, e.g. 8,1024,4096.")
+    return TensorSize(shape, dtype, math.prod(shape) * DTYPE_BYTES[dtype])
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'80GiB' -> 85899345920, '80GB' -> 8e10, '1e9' -> 1e9 bytes."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise TrainwiseError(f"memory size '{text}' is not understood; write bytes or e.g. 80GiB, 80GB, 512MiB.")
+        try:
+            value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        except ValueError:
+            raise TrainwiseError(f"memory size '{text}' is not a number followed by a unit (e.g. 80GiB).") from None
+    if value <= 0:
+        raise TrainwiseError(f"memory size '{text}' must be positive.")
+    return int(value)

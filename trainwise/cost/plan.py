@@ -1,0 +1,344 @@
+"""The Plan: parameters, FLOPs, memory and time of one training run, its JSON (DESIGN.md) and its
+worked derivation (`explain`); and the `--fit` search over micro-batch, grad-accum, checkpointing and ZeRO.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainwise.config import ModelConfig, RunConfig, TrainConfig
+from trainwise.cost import flops as F
+from trainwise.cost import memory as M
+from trainwise.cost.hardware import Accelerator, get_accelerator
+from trainwise.cost.params import ParamCount, params
+from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time
+from trainwise.errors import TrainwiseError
+
+
+@dataclass
+class Hardware:
+    name: str
+    peak_flops: float
+    bandwidth_bytes_per_s: float | None = None
+    memory_bytes: int | None = None
+
+
+def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float | None, memory: int | None,
+                     dtype: str) -> Hardware:
+    """--gpu NAME from the table, overridden by --peak-flops/--bandwidth/--memory where given."""
+    if gpu:
+        acc: Accelerator = get_accelerator(gpu)
+        hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes)
+    elif peak_flops:
+        hw = Hardware("custom", peak_flops)
+    else:
+        raise TrainwiseError("give the hardware: --gpu NAME (see `trainwise hardware`) or --peak-flops P (FLOP/s).")
+    if peak_flops:
+        hw.peak_flops = float(peak_flops)
+    if bandwidth:
+        hw.bandwidth_bytes_per_s = float(bandwidth)
+    if memory:
+        hw.memory_bytes = int(memory)
+    if hw.peak_flops <= 0:
+        raise TrainwiseError("--peak-flops must be positive.")
+    return hw
+
+
+@dataclass
+class Plan:
+    name: str
+    model: ModelConfig | None
+    counts: ParamCount
+    tokens: float
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    recipe: M.Recipe
+    optimizer: str
+    checkpointing: str
+    zero: int
+    tp: int
+    pp: int
+    gpus: int
+    hardware: Hardware
+    mfu: float
+    causal_halving: bool
+    forward: F.ForwardFlops | None
+    model_flops_per_token: float  # fwd + bwd, no recompute (for MFU)
+    flops_per_token: float  # + recompute (what the devices execute)
+    convention: str
+    states: M.StateBytes
+    activations_bytes: int | None
+    memory_budget: int | None
+    time: TimeEstimate
+    price: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def total_flops(self) -> float:
+        return self.flops_per_token * self.tokens
+
+    @property
+    def per_device_bytes(self) -> int:
+        return self.states.total + (self.activations_bytes or 0)
+
+    @property
+    def budget(self) -> int | None:
+        return self.memory_budget or self.hardware.memory_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        if self.budget is None:
+            return None
+        if self.per_device_bytes > self.budget:
+            return False
+        return None if self.activations_bytes is None else True
+
+    @property
+    def cost(self) -> float | None:
+        return None if self.price is None else cost_usd(self.time.device_hours, self.price)
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.counts
+        return {
+            "model": {"name": self.name, "params_total": c.total, "params_active": c.active,
+                      "params_embedding": c.embedding, "params_non_embedding": c.non_embedding},
+            "tokens": float(self.tokens),
+            "flops": {"per_token_train": self.flops_per_token, "total": self.total_flops,
+                      "convention": self.convention, "model_flops_per_token": self.model_flops_per_token,
+                      "causal_halving": self.causal_halving},
+            "memory": {"params_bytes": self.states.params, "grads_bytes": self.states.grads,
+                       "optimizer_bytes": self.states.optimizer, "master_bytes": self.states.master,
+                       "states_bytes": self.states.total, "activations_bytes": self.activations_bytes,
+                       "total_bytes": self.per_device_bytes * self.gpus, "per_device_bytes": self.per_device_bytes,
+                       "fits": self.fits, "budget_bytes": self.budget, "precision": self.recipe.name,
+                       "optimizer": self.optimizer, "checkpointing": self.checkpointing, "zero": self.zero,
+                       "scope": "per device except total_bytes (all devices)"},
+            "time": {"seconds": self.time.seconds, "days": self.time.days, "device_hours": self.time.device_hours,
+                     **({"cost_usd": self.cost} if self.price is not None else {})},
+            "hardware": {"name": self.hardware.name, "peak_flops": self.hardware.peak_flops,
+                         "bandwidth_bytes_per_s": self.hardware.bandwidth_bytes_per_s, "devices": self.gpus,
+                         "mfu": self.mfu, "tp": self.tp, "pp": self.pp, "dp": self.dp},
+            "run": {"seq_len": self.seq_len, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+                    "global_batch_tokens": self.seq_len * self.micro_batch * self.grad_accum * self.dp},
+        }
+
+    def explain(self) -> str:
+        return explain_plan(self)
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise TrainwiseError(f"{name} = {value} must be positive.")
+
+
+def train_settings(train: TrainConfig, precision: str | None = None) -> dict:
+    """The planner's view of a trainer's [train] section. The trainer's bf16/fp16 are autocast over fp32
+    weights, which is the planner's "amp" recipe; SGD with momentum keeps one moment per parameter."""
+    precision = precision or train.precision
+    optimizer = train.optimizer if train.optimizer != "sgd" or train.momentum == 0 else "sgd-momentum"
+    return dict(seq_len=train.seq_len, micro_batch=train.micro_batch, grad_accum=train.grad_accum_steps,
+                precision="fp32" if precision == "fp32" else "amp", optimizer=optimizer,
+                checkpointing=train.activation_checkpointing)
+
+
+def plan_for_run(cfg: RunConfig, precision: str, peak_flops: float) -> Plan:
+    """The plan of a trainwise run as the trainer will execute it, on one device of `peak_flops`."""
+    t = cfg.train
+    tokens = t.max_steps * t.micro_batch * t.grad_accum_steps * t.seq_len
+    return plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, **train_settings(t, precision))
+
+
+def plan_run(model: ModelConfig | None = None, *, params_count: float | None = None, tokens: float,
+             seq_len: int = 2048, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16",
+             optimizer: str = "adamw", checkpointing: str = "none", zero: int = 0, tp: int = 1, pp: int = 1,
+             gpus: int = 1, gpu: str | None = None, peak_flops: float | None = None,
+             bandwidth: float | None = None, memory: int | None = None, mfu: float = DEFAULT_MFU,
+             causal_halving: bool = False, memory_budget: int | None = None, price: float | None = None) -> Plan:
+    """Everything the planner knows about one run. Pass a ModelConfig, or only `params_count` (6ND rule)."""
+    for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--micro-batch", micro_batch),
+                        ("--grad-accum", grad_accum), ("--tp", tp), ("--pp", pp), ("--gpus", gpus),
+                        ("--params", params_count), ("--price", price)):
+        _positive(name, value)
+    if gpus % (tp * pp):
+        raise TrainwiseError(f"--gpus {gpus} must be a multiple of --tp x --pp = {tp * pp}; data parallel = gpus / (tp x pp).")
+    if model is None and params_count is None:
+        raise TrainwiseError("give a model (--model PRESET|FILE) or a parameter count (--params N).")
+    if checkpointing not in F.RECOMPUTE:
+        raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective or full.")
+    recipe = M.get_recipe(precision)
+    hw = resolve_hardware(gpu, peak_flops, bandwidth, memory, recipe.compute_dtype)
+    dp = gpus // (tp * pp)
+    notes = []
+    if model is not None:
+        counts = params(model)
+        if seq_len > model.max_seq_len:
+            notes.append(f"seq_len {seq_len} > model.max_seq_len {model.max_seq_len}")
+        fwd = F.forward_flops_per_token(model, seq_len, causal_halving)
+        model_fpt = 3.0 * fwd.total
+        fpt = model_fpt + F.recompute_flops_per_token(fwd, checkpointing)
+        convention = "exact" if checkpointing == "none" else "exact+recompute"
+        acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp)
+        name = model.name
+    else:
+        n = int(params_count)
+        counts = ParamCount(total=n, active=n, embedding=0, non_embedding=n)
+        fwd, acts, name = None, None, f"{n:.3g} params"
+        model_fpt = 6.0 * n
+        fpt = model_fpt + (2.0 * n if checkpointing == "full" else 0.0)
+        convention = "8ND" if checkpointing == "full" else "6ND"
+        notes.append("activations unknown without a model config (--params only)")
+    states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp)
+    t = estimate_time(fpt * tokens, gpus, hw.peak_flops, mfu)
+    return Plan(name=name, model=model, counts=counts, tokens=float(tokens), seq_len=seq_len,
+                micro_batch=micro_batch, grad_accum=grad_accum, recipe=recipe, optimizer=optimizer,
+                checkpointing=checkpointing, zero=zero, tp=tp, pp=pp, gpus=gpus, hardware=hw, mfu=mfu,
+                causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
+                convention=convention, states=states, activations_bytes=acts, memory_budget=memory_budget,
+                time=t, price=price, notes=notes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# --fit
+
+
+@dataclass(frozen=True)
+class Candidate:
+    micro_batch: int
+    grad_accum: int
+    checkpointing: str
+    zero: int
+    per_device_bytes: int
+    step_seconds: float
+    fits: bool
+    reason: str = ""
+
+
+def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: int, precision: str = "bf16",
+        optimizer: str = "adamw", tp: int = 1, pp: int = 1, gpus: int = 1, gpu: str | None = None,
+        peak_flops: float | None = None, mfu: float = DEFAULT_MFU, causal_halving: bool = False,
+        max_micro_batch: int = 1024) -> tuple[list[Candidate], list[Candidate]]:
+    """Search micro_batch x checkpointing x ZeRO stage for a global batch of `global_batch` sequences.
+
+    grad_accum = global_batch / (micro_batch x dp) must be a whole number. Estimated step time =
+    step FLOPs including recompute / (G x peak x MFU), so recomputation costs time; ties go to the lower
+    ZeRO stage (less communication), then to fewer accumulation steps (larger, more efficient matmuls).
+    Returns (fitting candidates best first, rejected candidates with the reason)."""
+    _positive("global batch", global_batch)
+    dp = gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0
+    if dp == 0:
+        raise TrainwiseError(f"--gpus {gpus} must be a multiple of --tp x --pp = {tp * pp}.")
+    if global_batch % dp:
+        raise TrainwiseError(f"global batch {global_batch} sequences does not split over {dp} data-parallel ranks.")
+    per_rank = global_batch // dp
+    micro_batches = [b for b in range(1, min(per_rank, max_micro_batch) + 1) if per_rank % b == 0]
+    recipe = M.get_recipe(precision)
+    hw = resolve_hardware(gpu, peak_flops, None, None, recipe.compute_dtype)
+    counts = params(model)
+    fwd = F.forward_flops_per_token(model, seq_len, causal_halving)
+    good, bad = [], []
+    for zero in (0, 1, 2, 3):
+        if zero and dp == 1:
+            continue  # nothing to shard over
+        states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp).total
+        for ckpt in F.RECOMPUTE:
+            fpt = 3.0 * fwd.total + F.recompute_flops_per_token(fwd, ckpt)
+            step_s = fpt * global_batch * seq_len / (gpus * hw.peak_flops * mfu)
+            for b in micro_batches:
+                total = states + M.activation_bytes(model, recipe, b, seq_len, ckpt, tp)
+                ok = total <= memory_budget
+                reason = "" if ok else (f"needs {total / 2**30:.1f} GiB > budget {memory_budget / 2**30:.1f} GiB"
+                                        + (" (states alone)" if states > memory_budget else ""))
+                (good if ok else bad).append(Candidate(b, per_rank // b, ckpt, zero, total, step_s, ok, reason))
+    good.sort(key=lambda c: (c.step_seconds, c.zero, c.grad_accum))
+    for c in good[3:]:
+        bad.append(Candidate(c.micro_batch, c.grad_accum, c.checkpointing, c.zero, c.per_device_bytes,
+                             c.step_seconds, True, _why_worse(c, good[0])))
+    return good, bad
+
+
+def _why_worse(c: Candidate, best: Candidate) -> str:
+    if c.step_seconds > best.step_seconds * (1 + 1e-9):
+        return f"fits, but recompute ({c.checkpointing}) makes the step {c.step_seconds / best.step_seconds - 1:.1%} slower"
+    if c.zero > best.zero:
+        return f"fits, same FLOPs, but ZeRO-{c.zero} communicates more than ZeRO-{best.zero}"
+    return f"fits, same FLOPs, but {c.grad_accum} accumulation steps of micro-batch {c.micro_batch} use smaller matmuls"
+
+
+# ---------------------------------------------------------------------------------------------------
+# --explain: formula, numbers substituted, result
+
+
+def fmt_bytes(n: float | None) -> str:
+    """'16.00 GB (14.90 GiB)'; DESIGN.md: print MB/GB (10^k) and MiB/GiB (2^k)."""
+    if n is None:
+        return "unknown"
+    for si, bi, unit in ((1e12, 2**40, "T"), (1e9, 2**30, "G"), (1e6, 2**20, "M"), (1e3, 2**10, "K")):
+        if n >= si:
+            return f"{n / si:,.2f} {unit}B ({n / bi:,.2f} {unit}iB)"
+    return f"{n:,.0f} B"
+
+
+def explain_plan(p: Plan) -> str:
+    c, r, out = p.counts, p.recipe, []
+    add = out.append
+    add(f"Plan for {p.name}: {p.tokens:.4g} tokens, seq_len T={p.seq_len}, micro-batch B={p.micro_batch}, "
+        f"grad-accum K={p.grad_accum}, {p.gpus} device(s) (tp={p.tp}, pp={p.pp}, dp={p.dp})")
+    add("")
+    add("1. Parameters")
+    if p.model is not None:
+        m = p.model
+        add(f"   embedding = V*H{' + max_seq_len*H' if m.position == 'learned' else ''} = {c.embedding:,}")
+        add(f"   total = embedding + L blocks + final norm + LM head{' (tied: 0)' if m.tie_embeddings else ''}"
+            f" = {c.total:,}")
+        if c.active != c.total:
+            add(f"   active (top_k={m.top_k} of n_experts={m.n_experts} routed experts) = {c.active:,}")
+    else:
+        add(f"   N = {c.total:,} (given with --params)")
+    add("")
+    add("2. FLOPs (matmul (M,K)x(K,N) = 2MNK; backward = 2 x forward)")
+    N, D = c.active, p.tokens
+    if p.forward is not None:
+        f = p.forward
+        add(f"   forward per token: attention projections {f.attention_proj:.4g} + attention core "
+            f"4*T*nh*hd*L = {f.attention_core:.4g}{' (halved, causal)' if p.causal_halving else ''}")
+        add(f"                      + MLP {f.mlp:.4g} + router/experts {f.router_and_experts:.4g} "
+            f"+ LM head 2HV = {f.lm_head:.4g} + embedding 0 = {f.total:.4g}")
+        add(f"   train per token = 3 x forward = 3 x {f.total:.4g} = {p.model_flops_per_token:.4g}")
+        if p.checkpointing != "none":
+            add(f"   + recompute ({p.checkpointing}) = {p.flops_per_token - p.model_flops_per_token:.4g}"
+                f" -> {p.flops_per_token:.4g}")
+        add(f"   (6N rule for comparison: 6 x {N:,} = {6 * N:.4g})")
+    else:
+        add(f"   per token = 6N = 6 x {N:,} = {p.model_flops_per_token:.4g}"
+            + (" (+2N recompute, full checkpointing)" if p.checkpointing == "full" else ""))
+    add(f"   total C = per token x D = {p.flops_per_token:.4g} x {D:.4g} = {p.total_flops:.4g} FLOPs")
+    add("")
+    s = p.states
+    mp = p.tp * p.pp
+    add(f"3. Memory per device ({r.name}: {r.description}; optimizer {p.optimizer}; ZeRO-{p.zero} over dp={p.dp}"
+        f"{'' if mp == 1 else f'; model split over tp*pp={mp}'})")
+    add(f"   params     = N x {r.param_bytes} B{' / dp' if p.zero >= 3 else ''} = {fmt_bytes(s.params)}")
+    add(f"   grads      = N x {r.grad_bytes} B{' / dp' if p.zero >= 2 else ''} = {fmt_bytes(s.grads)}")
+    add(f"   optimizer  = N x {M.optimizer_moments(p.optimizer)} x {r.moment_bytes} B{' / dp' if p.zero >= 1 else ''}"
+        f" = {fmt_bytes(s.optimizer)}")
+    add(f"   master     = N x {r.master_bytes} B{' / dp' if p.zero >= 1 else ''} = {fmt_bytes(s.master)}")
+    add(f"   states     = {fmt_bytes(s.total)}")
+    add(f"   activations ({p.checkpointing} checkpointing, B x T = {p.micro_batch * p.seq_len:,} tokens, "
+        f"incl. fp32 logits B*T*V) = {fmt_bytes(p.activations_bytes)}")
+    add(f"   per device = {fmt_bytes(p.per_device_bytes)}; budget {fmt_bytes(p.budget)} -> fits: {p.fits}")
+    add("")
+    add("4. Time = C / (G x peak x MFU)")
+    add(f"   = {p.total_flops:.4g} / ({p.gpus} x {p.hardware.peak_flops:.4g} x {p.mfu}) = {p.time.seconds:.4g} s"
+        f" = {p.time.days:.2f} days = {p.time.device_hours:,.1f} device-hours")
+    if p.price is not None:
+        add(f"   cost = {p.time.device_hours:,.1f} device-hours x ${p.price}/h = ${p.cost:,.0f}")
+    for n in p.notes:
+        add(f"note: {n}")
+    return "\n".join(out)

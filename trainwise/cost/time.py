@@ -1,0 +1,45 @@
+"""Wall-clock time and cost from FLOPs, device count, peak FLOP/s and MFU.
+
+time = C / (G x peak x MFU)  (Chinchilla, Hoffmann et al. 2022 appendix F; PaLM section 4.1 for MFU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainwise.errors import TrainwiseError
+
+DEFAULT_MFU = 0.4
+SECONDS_PER_DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    seconds: float
+    devices: int
+
+    @property
+    def days(self) -> float:
+        return self.seconds / SECONDS_PER_DAY
+
+    @property
+    def device_hours(self) -> float:
+        return self.seconds * self.devices / 3600.0
+
+
+def training_seconds(total_flops: float, devices: int, peak_flops: float, mfu: float = DEFAULT_MFU) -> float:
+    """seconds = total FLOPs / (G x peak FLOP/s x MFU). 6e19 / (1 x 100e12 x 0.4) = 1.5e6 s = 17.36 days."""
+    if not 0 < mfu <= 1:
+        raise TrainwiseError(f"--mfu {mfu} must be in (0, 1], e.g. 0.4.")
+    if devices <= 0 or peak_flops <= 0:
+        raise TrainwiseError("device count and peak FLOP/s must be positive.")
+    return total_flops / (devices * peak_flops * mfu)
+
+
+def estimate_time(total_flops: float, devices: int, peak_flops: float, mfu: float = DEFAULT_MFU) -> TimeEstimate:
+    return TimeEstimate(training_seconds(total_flops, devices, peak_flops, mfu), devices)
+
+
+def cost_usd(device_hours: float, price_per_device_hour: float) -> float:
+    """cost = device-hours x $ per device-hour."""
+    return device_hours * price_per_device_hour

@@ -1,0 +1,113 @@
+"""Measure this machine's peak: dense matmul FLOP/s per dtype and memory bandwidth.
+
+MFU on a CPU is only meaningful against what this CPU can really do, so trainwise measures it (once,
+then caches it) instead of guessing from a spec sheet. The matmul peak is the best of a few square
+sizes; bandwidth is a large tensor copy (bytes read + bytes written per second).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from trainwise.train.precision import DTYPES
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TRAINWISE_CACHE", Path.home() / ".cache" / "trainwise"))
+
+
+def machine_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = _cpu_model()
+    return f"{device.type}|{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, size: int, seconds: float = 0.4) -> float:
+    """FLOP/s of (size x size) @ (size x size), 2 * size^3 FLOPs each, best of repeated timings."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    a @ b  # warm-up: kernel selection, page faults
+    _sync(device)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = max(best, 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+def bandwidth_bytes_per_s(device: torch.device, n_bytes: int = 256 << 20, seconds: float = 0.4) -> float:
+    """Bytes moved per second by a tensor copy: each copy reads and writes n_bytes."""
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = max(best, 2 * n_bytes / (time.perf_counter() - start))
+    return best
+
+
+def calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dict:
+    """Return (and cache) {"peak_flops": {dtype: FLOP/s}, "bandwidth_bytes_per_s": B/s, ...}."""
+    device = torch.device(device)
+    path = cache_root() / "calibration.json"
+    key = machine_key(device)
+    cached = _read(path)
+    if key in cached and not refresh:
+        return cached[key]
+    sizes = (1024, 2048) if device.type == "cpu" else (4096, 8192)
+    dtypes = ["fp32", "bf16"] + (["fp16"] if device.type == "cuda" else [])
+    peaks = {
+        name: max(matmul_flops_per_s(device, DTYPES[name], n) for n in sizes) for name in dtypes
+    }
+    result = {
+        "machine": key,
+        "peak_flops": peaks,
+        "bandwidth_bytes_per_s": bandwidth_bytes_per_s(device),
+        "method": f"best dense matmul of square sizes {sizes}; bandwidth from a 256 MiB copy",
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    cached[key] = result
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home still gets a measured peak, just not a cached one
+    return result
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}

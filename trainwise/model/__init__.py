@@ -1,0 +1,3 @@
+from trainwise.model.transformer import KVCache, Transformer
+
+__all__ = ["Transformer", "KVCache"]

@@ -1,0 +1,265 @@
+"""A decoder-only Transformer, built from one `ModelConfig`.
+
+Shapes in comments: B batch, T tokens, H d_model, V vocab, L layers, nh query heads, nkv key/value
+heads, hd head dimension, F MLP width. The model is plain PyTorch: activation checkpointing,
+mixed precision and compilation are applied from outside (trainwise.train.loop).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from trainwise.config import ModelConfig
+from trainwise.errors import TrainwiseError
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_seq_len, hd), in the rotate-half layout Llama uses (RoFormer, eq. 34)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, heads, T, hd); cos, sin: (T, hd)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class KVCache:
+    """Keys and values of past positions, so each generated token costs one position of work."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype):
+        shape = (batch, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.length = 0  # positions filled (shared by all layers)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self.length, self.length + k.shape[2]
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        # One matmul for q, k and v: (H) -> (nh + 2 nkv) hd. Same parameters as three projections.
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=qkv_bias)
+        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.use_rope = cfg.position == "rope"
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, rope: tuple | None, cache: KVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(
+            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
+            dim=-1,
+        )
+        q = rearrange(q, "b t (h d) -> b h t d", d=self.head_dim)  # (B, nh, T, hd)
+        k = rearrange(k, "b t (h d) -> b h t d", d=self.head_dim)  # (B, nkv, T, hd)
+        v = rearrange(v, "b t (h d) -> b h t d", d=self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        causal = True
+        if cache is not None:
+            causal = cache.length == 0  # prefill is causal; one new token sees every cached position
+            k, v = cache.update(layer, k, v)
+        y = self.core(q, k, v, causal)  # (B, nh, T, hd)
+        return self.out(rearrange(y, "b h t d -> b t (h d)"))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hd)) v through SDPA (flash / memory-efficient kernels where available)."""
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+
+
+ACTIVATION_FNS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "swiglu": F.silu,  # gate activation of the gated variants (Shazeer 2020, "GLU Variants")
+    "geglu": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class MLP(nn.Module):
+    """Two matrices (H->F->H), or three for gated activations: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
+        super().__init__()
+        hidden = hidden or cfg.ffn_hidden
+        self.gated = cfg.gated
+        self.act = ACTIVATION_FNS[cfg.activation]
+        # For gated MLPs gate and up are one (H) -> (2F) matmul; same parameters as two.
+        self.fc = nn.Linear(cfg.d_model, 2 * hidden if self.gated else hidden, bias=cfg.bias)
+        self.proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return self.proj(self.act(gate) * up)
+        return self.proj(self.act(h))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.norm1 = make_norm(cfg, cfg.d_model)
+        self.attn = Attention(cfg)
+        self.norm2 = make_norm(cfg, cfg.d_model)
+        if cfg.is_moe_layer(layer):
+            from trainwise.model.moe import MoE
+
+            self.mlp = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), rope, cache, self.layer))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.attention != "mha":
+            raise TrainwiseError(
+                f"model.attention = '{cfg.attention}' can be planned (`trainwise plan`) but trainwise does "
+                "not build it for training yet; use attention = \"mha\" (with n_kv_heads for GQA/MQA)."
+            )
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = make_norm(cfg, cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        if cfg.position == "rope":
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights, zero biases, unit norms; residual output projections scaled by
+        1/sqrt(2L) so the residual stream's variance does not grow with depth (GPT-2 paper, sec. 2.3)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif "norm" in name:
+                nn.init.ones_(p)
+            elif name.endswith(("out.weight", "proj.weight")):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """idx (B, T) token ids -> (B, T, H) final-normed hidden states."""
+        T = idx.shape[1]
+        start = cache.length if cache is not None else 0
+        if start + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
+        x = self.embed(idx)  # (B, T, H)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(torch.arange(start, start + T, device=idx.device))
+        x = self.drop(x)
+        rope = None
+        if self.cfg.position == "rope":
+            rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])
+        for block in self.blocks:
+            x = block(x, rope, cache)
+        if cache is not None:
+            cache.length += T
+        return self.norm(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) when targets is None, else the mean next-token cross-entropy (scalar),
+        plus the MoE auxiliary losses when the model has MoE layers."""
+        x = self.hidden_states(idx)
+        logits = self.lm_head(x)  # (B, T, V)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return loss + self.aux_loss()
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """Sum of the MoE layers' load-balancing and router z-losses of the last forward (0 if dense)."""
+        total = 0.0
+        for block in self.blocks:
+            if hasattr(block.mlp, "last_aux_loss"):
+                total = total + block.mlp.last_aux_loss
+        return total
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, generator: torch.Generator | None = None,
+                 stop_token: int | None = None) -> torch.Tensor:
+        """Sample max_new_tokens continuations of idx (B, T) with a KV cache: each new token runs the
+        model on one position. When the window is full, the cache is rebuilt from the last half."""
+        was_training = self.training
+        self.eval()
+        dtype = next(self.parameters()).dtype
+        window = self.cfg.max_seq_len
+        cache = KVCache(self.cfg, idx.shape[0], idx.device, dtype)
+        logits = self.lm_head(self.hidden_states(idx[:, -window:], cache))[:, -1]
+        for _ in range(max_new_tokens):
+            next_id = sample_next(logits.float(), temperature, top_k, top_p, generator)  # (B, 1)
+            idx = torch.cat([idx, next_id], dim=1)
+            if stop_token is not None and bool((next_id == stop_token).all()):
+                break
+            if cache.length >= window:
+                cache = KVCache(self.cfg, idx.shape[0], idx.device, dtype)
+                logits = self.lm_head(self.hidden_states(idx[:, -(window // 2):], cache))[:, -1]
+            else:
+                logits = self.lm_head(self.hidden_states(next_id, cache))[:, -1]
+        self.train(was_training)
+        return idx
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """logits (B, V) -> token ids (B, 1). temperature 0 = greedy; top-k then nucleus (top-p) filtering."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative - sorted_logits.softmax(dim=-1) > top_p  # keep the smallest set reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)

@@ -1,0 +1,177 @@
+"""Checkpoints that survive crashes: atomic, checksummed, and loadable without pickle.
+
+Layout of one checkpoint, DIR/checkpoints/step_XXXXXXXX/:
+    model.safetensors   weights (tied weights stored once)
+    optimizer.pt        optimizer state: tensors and numbers only, read with weights_only=True
+    rng.pt              torch CPU/CUDA generator states (tensors), read with weights_only=True
+    trainer.json        step, token count, sampler state, Python/NumPy RNG states, scaler state
+    manifest.json       SHA-256 and size of every file above
+
+A checkpoint is written to a hidden temporary directory, every file is fsync'ed, and only then is the
+directory renamed into place, so a reader never sees a half-written `step_*` directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainwise.errors import TrainwiseError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with tied weights stored once (safetensors refuses shared storage)."""
+    state, seen = {}, {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tensor.shape, tensor.stride()) if tensor.numel() else None
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen[key] = name
+        state[name] = tensor.detach().contiguous().cpu()
+    return state
+
+
+def load_model_state(model: torch.nn.Module, path: Path) -> None:
+    state = load_file(str(path))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(getattr(model, "cfg", None), "tie_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise TrainwiseError(
+            f"weights in '{path}' do not fit this model (missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}): the checkpoint was made with a different [model] "
+            "config. Use the config.toml saved beside it."
+        )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any], rng_state: dict[str, Any], keep: int) -> Path:
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file(model_state(model), str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(rng_state, tmp / "rng.pt")
+        (tmp / "trainer.json").write_text(json.dumps(trainer_state), encoding="utf-8")
+        files = {}
+        for path in sorted(tmp.iterdir()):
+            _fsync(path)
+            files[path.name] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+        manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        _fsync(tmp / MANIFEST)
+        if final.exists():  # same step saved twice (e.g. the final save right after a periodic one)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync(root)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TrainwiseError(
+            f"could not write checkpoint {final}: {err.strerror or err}. The previous checkpoint is intact; "
+            "free disk space or fix the permissions of the run directory, then resume with "
+            f"`trainwise train --resume {run_dir}`."
+        ) from None
+    prune_checkpoints(run_dir, keep)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    for leftover in root.glob(".tmp-step_*"):
+        warnings.warn(f"ignoring half-written checkpoint {leftover} (a save was interrupted)", stacklevel=2)
+    return sorted(p for p in root.glob("step_*") if p.is_dir())
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """Check every file against the manifest; raise TrainwiseError on any difference."""
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError):
+        raise TrainwiseError(
+            f"checkpoint {path} has no readable manifest; it is damaged. Delete it to resume from the one "
+            "before it."
+        ) from None
+    for name, meta in files.items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != meta["bytes"] or _sha256(file) != meta["sha256"]:
+            raise TrainwiseError(
+                f"checkpoint file {file} does not match its SHA-256 in {manifest_path} (truncated or "
+                f"corrupted). Delete the directory {path} to resume from the checkpoint before it."
+            )
+    return manifest
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    trainer_state: dict[str, Any]
+    rng_state: dict[str, Any]
+    optimizer_state: dict[str, Any]
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module) -> Checkpoint:
+    """Verify, then load weights into `model`; return the rest for the trainer to restore."""
+    verify_checkpoint(path)
+    load_model_state(model, path / "model.safetensors")
+    try:
+        optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        rng_state = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
+    except Exception as err:  # pickle.UnpicklingError and friends: refuse anything that isn't plain data
+        raise TrainwiseError(
+            f"refusing to load {path}: it holds objects other than tensors and plain data ({err}). "
+            "trainwise never unpickles arbitrary objects; this file was not written by trainwise."
+        ) from None
+    trainer_state = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
+    return Checkpoint(path, trainer_state, rng_state, optimizer_state)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None

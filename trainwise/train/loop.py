@@ -1,0 +1,308 @@
+"""The training run: text in, trained model, metrics and checkpoints out.
+
+`train()` is what `trainwise train` calls. It validates everything that can be wrong with the input
+(config, data, run directory) before it writes a single file, then runs the loop:
+
+    for each optimizer step:          lr from the schedule
+        for each of K micro-batches:  loss = model(x, y) under autocast;  (loss / K).backward()
+        clip the gradient norm;  optimizer.step();  zero the gradients
+        log, evaluate, checkpoint at their intervals
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from trainwise import data as data_mod
+from trainwise.config import RunConfig, load_config, save_config
+from trainwise.errors import TrainwiseError
+from trainwise.model import Transformer
+from trainwise.tokenizer import Tokenizer
+from trainwise.train import checkpoint as ckpt
+from trainwise.train.optim import build_optimizer, lr_at
+from trainwise.train.parallelize import apply_activation_checkpointing
+from trainwise.train.precision import autocast, resolve_device, resolve_precision
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    train_loss: float
+    val_loss: float
+    unigram_loss: float
+    sample: str
+    stopped_early: bool = False
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
+
+
+def check_run_dir(out: Path, resume: bool) -> None:
+    if resume:
+        if not (out / "config.toml").is_file():
+            raise TrainwiseError(
+                f"cannot resume '{out}': it has no config.toml, so it is not a trainwise run directory. "
+                "Pass the directory a previous `trainwise train --out DIR` wrote."
+            )
+        return
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise TrainwiseError(
+            f"run directory '{out}' already exists and is not empty; nothing was written to it. Continue "
+            f"it with `trainwise train --resume {out}` or choose a new --out."
+        )
+
+
+class _StopRequest:
+    """SIGTERM/SIGINT set a flag; the loop finishes the current optimizer step, saves, and exits."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def capture_rng() -> tuple[dict, dict]:
+    """(tensor states for rng.pt, JSON-able states for trainer.json)."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["torch_cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    py = random.getstate()
+    np_state = np.random.get_state()
+    plain = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+    return tensors, plain
+
+
+def restore_rng(tensors: dict, plain: dict) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    if "torch_cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(tensors["torch_cuda"]))
+    version, state, gauss = plain["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop rows logged after the checkpoint we resume from (a killed run may have logged past it)."""
+    if not path.is_file():
+        return
+    rows = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = []
+    for row in rows:
+        try:
+            if json.loads(row)["step"] <= step:
+                kept.append(row)
+        except (ValueError, KeyError):
+            break  # a torn last line
+    if len(kept) != len(rows):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        tmp.replace(path)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokens: np.ndarray, cfg: RunConfig, device: torch.device,
+             precision: str) -> float:
+    """Mean loss over eval_steps batches of the validation split: the same batches every time."""
+    sampler = data_mod.BatchSampler(tokens, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.train.seed + 1)
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for _ in range(cfg.train.eval_steps):
+        x, y = sampler.next_batch()
+        with autocast(device, precision):
+            total += model(x.to(device), y.to(device)).item()
+    model.train(was_training)
+    return total / cfg.train.eval_steps
+
+
+def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: bool = False,
+          max_steps: int | None = None, init_from: str | None = None, quiet: bool = False) -> TrainResult:
+    """Run (or continue) a training run; see the module docstring. Returns the final numbers."""
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    out = Path(out) if out else default_run_dir()
+    check_run_dir(out, resume)
+    if resume:
+        cfg = load_config(out / "config.toml")
+    cfg = cfg or RunConfig()
+    if max_steps is not None:
+        cfg.train.max_steps = max_steps
+    cfg.validate()
+    device = resolve_device(cfg.train.device)
+    precision, why = resolve_precision(cfg.train.precision, device)
+
+    # Everything that can fail on user input happens before the run directory is touched.
+    if resume:
+        tokenizer = Tokenizer.load(out / "tokenizer.json")
+    else:
+        tokenizer = data_mod.prepare_tokenizer(cfg.data, cfg.tokenizer.vocab_size)
+        cfg.model.vocab_size = tokenizer.vocab_size
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        raise TrainwiseError(
+            f"tokenizer.json in {out} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{cfg.model.vocab_size}: the tokenizer does not belong to this run."
+        )
+    tokens = data_mod.prepare_data(cfg.data, tokenizer, cfg.train.seq_len)
+    seed_everything(cfg.train.seed)
+    model = Transformer(cfg.model).to(device)
+    if cfg.train.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    optimizer = build_optimizer(model, cfg.train)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    sampler = data_mod.BatchSampler(tokens.train, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.train.seed)
+    from trainwise.train.report import RunReporter  # noqa: E402  (kept late: pulls in the planner)
+
+    reporter = RunReporter(cfg, model, device, precision, say)
+
+    step, tokens_seen = 0, 0
+    if resume:
+        latest = ckpt.latest_checkpoint(out)
+        if latest is not None:
+            state = ckpt.load_checkpoint(latest, model)
+            optimizer.load_state_dict(state.optimizer_state)
+            t = state.trainer_state
+            step, tokens_seen = t["step"], t["tokens"]
+            sampler.load_state_dict(t["sampler"])
+            scaler.load_state_dict(t["scaler"]) if t.get("scaler") else None
+            restore_rng(state.rng_state, t["rng"])
+            truncate_metrics(out / "metrics.jsonl", step)
+            say(f"resumed {out} from {latest.name} (step {step}, {tokens_seen:,} tokens)")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.toml")
+        tokenizer.save(out / "tokenizer.json")
+        reporter.write_plan(out / "plan.json")
+
+    tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum_steps * cfg.train.seq_len
+    say(f"precision: {precision} ({why}); device: {device}")
+    say(f"data: {len(tokens.train):,} train / {len(tokens.val):,} val tokens; "
+        f"B_eff = micro_batch {cfg.train.micro_batch} x grad_accum {cfg.train.grad_accum_steps} = "
+        f"{cfg.train.micro_batch * cfg.train.grad_accum_steps} sequences of {cfg.train.seq_len} tokens "
+        f"= {tokens_per_step:,} tokens per step")
+
+    def save() -> None:
+        rng_tensors, rng_plain = capture_rng()
+        trainer_state = {"step": step, "tokens": tokens_seen, "sampler": sampler.state_dict(),
+                         "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rng_plain}
+        ckpt.save_checkpoint(out, step, model, optimizer, trainer_state, rng_tensors, cfg.train.keep_checkpoints)
+
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    metrics = open(out / "metrics.jsonl", "a", encoding="utf-8")
+    bar = tqdm(total=cfg.train.max_steps, initial=step, disable=quiet, unit="step", dynamic_ncols=True,
+               file=sys.stderr)
+    loss_sum = torch.zeros((), device=device)
+    last_loss, val_loss, stopped = float("nan"), float("nan"), False
+    interval_start, interval_steps = time.perf_counter(), 0
+    with _StopRequest() as stop:
+        while step < cfg.train.max_steps:
+            lr = lr_at(step, cfg.train)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            for _ in range(cfg.train.grad_accum_steps):
+                x, y = sampler.next_batch()
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with autocast(device, precision):
+                    loss = model(x, y)
+                scaler.scale(loss / cfg.train.grad_accum_steps).backward()
+                loss_sum += loss.detach()
+            if cfg.train.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += tokens_per_step
+            interval_steps += 1
+            bar.update(1)
+
+            do_eval = cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.max_steps)
+            if step % cfg.train.log_every == 0 or do_eval or step == cfg.train.max_steps or stop.requested:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                elapsed = time.perf_counter() - interval_start
+                last_loss = loss_sum.item() / (interval_steps * cfg.train.grad_accum_steps)
+                row = reporter.metrics_row(step, tokens_seen, last_loss, lr, grad_norm.item(),
+                                           elapsed / interval_steps, tokens_per_step)
+                if do_eval:
+                    val_loss = evaluate(model, tokens.val, cfg, device, precision)
+                    row["val_loss"] = val_loss
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                bar.set_postfix_str(reporter.postfix(row))
+                loss_sum.zero_()
+                interval_start, interval_steps = time.perf_counter(), 0
+            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or stop.requested:
+                save()
+            if stop.requested:
+                stopped = True
+                break
+    bar.close()
+    metrics.close()
+    if not stopped:
+        save()
+    if stopped:
+        say(f"stopped at step {step} and saved a checkpoint; continue with: trainwise train --resume {out}")
+        return TrainResult(out, step, last_loss, val_loss, float("nan"), "", stopped_early=True)
+
+    if not val_loss == val_loss:  # nan: no evaluation happened yet
+        val_loss = evaluate(model, tokens.val, cfg, device, precision)
+    unigram = data_mod.unigram_loss(tokens)
+    sample = sample_text(model, tokenizer, device, cfg.train.sample_tokens, seed=cfg.train.seed)
+    say(f"\nfinal: train loss {last_loss:.4f}, val loss {val_loss:.4f} nats/token "
+        f"(unigram baseline {unigram:.4f}; {unigram - val_loss:+.3f} better)")
+    say("sample (temperature 0.8, top-k 50):\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
+    reporter.finish(out, tokens_seen, step)
+    say(f"run saved in {out}")
+    return TrainResult(out, step, last_loss, val_loss, unigram, sample)
+
+
+def sample_text(model: torch.nn.Module, tokenizer: Tokenizer, device: torch.device, n_tokens: int,
+                seed: int, prompt: str = "", temperature: float = 0.8, top_k: int = 50,
+                top_p: float = 1.0) -> str:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    out = model.generate(idx, n_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    new = out[0, len(ids):].tolist() if not prompt else out[0].tolist()
+    return tokenizer.decode(new)

@@ -1,0 +1,44 @@
+"""Optimizers and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from trainwise.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms, biases and embeddings keep weight_decay 0 (as in GPT-3 / Llama
+    practice), since shrinking a gain or an embedding row towards zero is not regularisation."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_embedding = "embed" in name
+        (decay if p.ndim >= 2 and not is_embedding else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    # AdamW with decoupled weight decay (Loshchilov & Hutter 2019). foreach keeps the update to a
+    # handful of multi-tensor kernels on every device.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup from lr/warmup to lr over warmup_steps, then cosine decay to min_lr at max_steps.
+    `step` counts optimizer steps from 0."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)

@@ -1,0 +1,57 @@
+"""Device and precision recipe: which one a run uses and why."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from trainwise.errors import TrainwiseError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise TrainwiseError(f"train.device = '{requested}' is not a device; use auto, cpu or cuda.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainwiseError("train.device = 'cuda' but this PyTorch sees no CUDA GPU; use train.device=cpu.")
+    return device
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True where oneDNN runs bf16 matmuls natively (AVX512-BF16 or AMX), about 2x fp32 speed."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_precision(requested: str, device: torch.device) -> tuple[str, str]:
+    """(recipe, reason). auto: bf16 autocast where the device multiplies bf16 fast, fp16 + GradScaler on
+    CUDA GPUs without bf16, else fp32."""
+    if requested == "fp16" and device.type != "cuda":
+        raise TrainwiseError(
+            "train.precision = 'fp16' needs a CUDA GPU (fp16 autocast with a GradScaler); on this CPU use "
+            "bf16 or fp32."
+        )
+    if requested != "auto":
+        return requested, "set in the config"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "this GPU supports bf16"
+        return "fp16", "this GPU has no bf16; fp16 with loss scaling"
+    if cpu_has_fast_bf16():
+        return "bf16", "this CPU has native bf16 matmuls (AVX512-BF16/AMX)"
+    return "fp32", "this CPU has no native bf16 matmuls"
+
+
+def autocast(device: torch.device, precision: str):
+    """Mixed precision context: matmuls in bf16/fp16, weights and the residual stream in fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[precision])

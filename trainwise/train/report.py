@@ -1,0 +1,79 @@
+"""What a run says about itself while it trains: the plan up front, metrics rows, the progress bar.
+
+Throughput numbers follow DESIGN.md's conventions: model FLOPs per token come from the planner
+(`cost.flops.flops_per_token_train`, no recompute, attention not halved); MFU = model FLOP/s /
+(devices x peak FLOP/s of the dtype in use); HFU adds the recompute of activation checkpointing.
+On a CPU the peak is this machine's measured matmul peak (`trainwise hardware --calibrate`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from trainwise.config import RunConfig
+from trainwise.cost.flops import flops_per_token_train
+from trainwise.cost.params import params as count_params
+
+
+def device_peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from) for MFU on this device and precision."""
+    if device.type == "cuda":
+        from trainwise.cost.hardware import lookup_cuda_device
+
+        found = lookup_cuda_device(torch.cuda.get_device_name(device))
+        if found is not None:
+            return found.peak(precision), f"{found.name} datasheet ({precision})"
+    from trainwise.measure.calibrate import calibrate
+
+    measured = calibrate(device)
+    return measured["peak_flops"][precision], f"measured {precision} matmul peak of this {device.type}"
+
+
+class RunReporter:
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, device: torch.device, precision: str, say):
+        self.cfg, self.device, self.precision, self.say = cfg, device, precision, say
+        t = cfg.train
+        self.counts = count_params(cfg.model)
+        self.model_flops_per_token = flops_per_token_train(cfg.model, t.seq_len)
+        self.hardware_flops_per_token = flops_per_token_train(cfg.model, t.seq_len,
+                                                               recompute=t.activation_checkpointing)
+        self.peak_flops, self.peak_source = device_peak_flops(device, precision)
+        built = sum(p.numel() for p in model.parameters())
+        say(f"model {cfg.model.name}: {built:,} parameters ({self.counts.active:,} active per token), "
+            f"{cfg.model.n_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}")
+        say(f"compute: {self.model_flops_per_token:,.0f} model FLOPs per token (fwd+bwd, exact, attention "
+            f"not halved); MFU against {self.peak_flops / 1e9:,.1f} GFLOP/s ({self.peak_source})")
+
+    def plan(self):
+        from trainwise.cost.plan import plan_for_run  # noqa: PLC0415
+
+        return plan_for_run(self.cfg, precision=self.precision, peak_flops=self.peak_flops)
+
+    def write_plan(self, path: Path) -> None:
+        path.write_text(json.dumps(self.plan().to_json(), indent=1), encoding="utf-8")
+
+    def metrics_row(self, step: int, tokens: int, loss: float, lr: float, grad_norm: float,
+                    step_time_s: float, tokens_per_step: int) -> dict:
+        tokens_per_s = tokens_per_step / step_time_s
+        flops_per_s = self.model_flops_per_token * tokens_per_s
+        row = {
+            "step": step, "tokens": tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "step_time_s": step_time_s, "tokens_per_s": tokens_per_s, "flops_per_s": flops_per_s,
+            "mfu": flops_per_s / self.peak_flops,
+        }
+        if self.hardware_flops_per_token != self.model_flops_per_token:
+            row["hfu"] = self.hardware_flops_per_token * tokens_per_s / self.peak_flops
+        return row
+
+    @staticmethod
+    def postfix(row: dict) -> str:
+        text = f"loss {row['loss']:.3f} lr {row['lr']:.1e} {row['tokens_per_s']:,.0f} tok/s MFU {row['mfu']:.0%}"
+        if "val_loss" in row:
+            text += f" val {row['val_loss']:.3f}"
+        return text
+
+    def finish(self, out: Path, tokens_seen: int, step: int) -> None:
+        pass
