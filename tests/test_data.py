@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from trainwise.config import DataConfig
 from trainwise.data import (
@@ -151,9 +152,11 @@ def test_long_line_is_read_in_whitespace_cut_chunks(tmp_path):
     assert all(p.startswith(" ") for p in pieces[1:])  # cut just before a space
 
 
-def test_rechunk_cuts_text_without_whitespace():
+def test_rechunk_cuts_where_whitespace_starts():
     assert list(_rechunk(["x" * 25], 10)) == ["x" * 10, "x" * 10, "x" * 5]
     assert list(_rechunk(["ab", "c d", "ef"], 3)) == ["abc", " de", "f"]
+    assert list(_rechunk(["one two  \n three"], 12)) == ["one two", "  \n three"]
+    assert list(_rechunk([" " * 30], 10)) == [" " * 9, " " * 9, " " * 9, " " * 3]
 
 
 def test_invalid_utf8_is_replaced_and_counted(tmp_path, tok):
@@ -184,8 +187,10 @@ def test_prepare_data_tokens_split_and_eot(tmp_path, tok):
     assert data.eot_id == tok.eot_id and data.vocab_size == tok.vocab_size
 
 
-def test_small_chunks_give_the_same_text(tmp_path, tok):
-    text = words(20_000)
+def test_small_chunks_give_the_same_tokens(tmp_path, tok):
+    rng = np.random.default_rng(5)
+    seps = rng.choice([" ", "  ", "   ", "\n", "\n\n", " \n", "\t"], size=20_000, p=[.7, .05, .05, .1, .05, .03, .02])
+    text = "".join(w + sep for w, sep in zip(words(20_000).split(" "), seps))
     cfg = DataConfig(paths=[str(write(tmp_path / "a.txt", text))])
     data = prepare_data(cfg, tok, seq_len=8, chunk_chars=1000)
     assert tok.decode(full_stream(data).tolist()) == text + EOT
@@ -271,7 +276,7 @@ def test_sampler_windows_are_slices_and_y_is_x_shifted():
     sampler = BatchSampler(tokens, micro_batch=4, seq_len=16, seed=3)
     expected_offsets = np.random.Generator(np.random.PCG64(3)).integers(0, 1000 - 16, size=4)
     x, y = sampler.next_batch()
-    assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == __import__("torch").int64
+    assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
     for row, offset in enumerate(expected_offsets):
         assert x[row].tolist() == tokens[offset:offset + 16].tolist()
         assert y[row].tolist() == tokens[offset + 1:offset + 17].tolist()
@@ -283,7 +288,7 @@ def test_sampler_on_a_memmap_covers_the_ends(tmp_path):
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     sampler = BatchSampler(tokens, micro_batch=64, seq_len=19, seed=0)  # only one window fits
     x, y = sampler.next_batch()
-    assert (x == __import__("torch").arange(19)).all() and (y == x + 1).all()
+    assert (x == torch.arange(19)).all() and (y == x + 1).all()
 
 
 def test_sampler_state_round_trip():
@@ -308,7 +313,7 @@ def test_ranks_take_disjoint_slices_of_the_global_batch():
     single = BatchSampler(tokens, micro_batch=6, seq_len=5, seed=1)
     for _ in range(3):
         xs = [s.next_batch()[0] for s in world]
-        together = __import__("torch").cat(xs)
+        together = torch.cat(xs)
         assert (together == single.next_batch()[0]).all()
         starts = [set(x[:, 0].tolist()) for x in xs]
         assert not (starts[0] & starts[1] or starts[0] & starts[2] or starts[1] & starts[2])

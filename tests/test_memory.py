@@ -45,16 +45,20 @@ def test_parse_bytes():
 
 
 def test_activation_per_layer_hand_worked():
-    # trainwise-small (H=256, nh=8, nkv=4, hd=32, F=704, SwiGLU), fp32 (c = s = 4):
-    # attention: norm in 4H + shared qkv input 4H + SDPA q,k,v 3*4*256 + out 4*256 + lse 4*8 + o_proj in 4*256
-    # MLP: norm in 4H + up input 4H + 4 * 4 * 704
+    # trainwise-small (H=256, nh=8, nkv=4, hd=32, q=256, kv=128, F=704, SwiGLU, RMSNorm, RoPE), fp32
+    # (c = s = 4), the tensors autograd really saves (read with saved_tensors_hooks):
+    # attention: RMSNorm 2*4H + 4, qkv input 4H, qkv output 4*(q+2kv), RoPE'd q,k 4*(q+kv), SDPA out
+    #   4q (= o_proj input) + logsumexp 4*nh
+    # MLP: RMSNorm 2*4H + 4, fc input 4H, gate|up output 2*4F, act(gate) 4F, product 4F
     cfg = ModelConfig()
-    attn = 4 * 256 + 4 * 256 + 3 * 4 * 256 + 4 * 256 + 32 + 4 * 256
-    mlp = 4 * 256 + 4 * 256 + 16 * 704
-    assert activation_bytes_per_token_layer(cfg, get_recipe("fp32"), 0) == attn + mlp == 20_512
-    # amp: bf16 matmul inputs (3 casts for q/k/v, 2 for gate/up), fp32 norm inputs
-    amp = (4 * 256 + 3 * 2 * 256 + 3 * 2 * 256 + 2 * 256 + 32 + 2 * 256) + (4 * 256 + 2 * 2 * 256 + 8 * 704)
-    assert activation_bytes_per_token_layer(cfg, get_recipe("amp"), 0) == amp
+    norm = 2 * 4 * 256 + 4
+    attn = norm + 4 * 256 + 4 * 512 + 4 * 384 + 4 * 256 + 32
+    mlp = norm + 4 * 256 + 16 * 704
+    assert activation_bytes_per_token_layer(cfg, get_recipe("fp32"), 0) == attn + mlp == 22_056
+    # amp: the matmul inputs and outputs in bf16 (one cast of the fused qkv input, one of the fused
+    # gate|up input), fp32 residual stream and norms
+    amp = (norm + 2 * 256 + 2 * 512 + 2 * 384 + 2 * 256 + 32) + (norm + 2 * 256 + 8 * 704)
+    assert activation_bytes_per_token_layer(cfg, get_recipe("amp"), 0) == amp == 13_096
 
 
 def test_activation_checkpointing_orders_and_logits():
@@ -63,8 +67,11 @@ def test_activation_checkpointing_orders_and_logits():
     none, sel, full = (activation_bytes(cfg, r, 8, 256, c) for c in ("none", "selective", "full"))
     assert full < sel < none
     per_layer = activation_bytes_per_token_layer(cfg, r, 0)
-    head = 4 * 256 + 2 * 256 + 4 * 4096  # final norm in, LM head in, fp32 logits
-    assert none == 8 * 256 * (4 * per_layer + head)
-    assert full == 8 * 256 * (4 * 4 * 256 + per_layer + head)
-    # linear in batch, no T^2 term (SDPA): doubling T doubles the bytes
-    assert activation_bytes(cfg, r, 8, 128, "none") * 2 == none
+    head = 16 + (2 * 4 * 256 + 4) + 2 * 256 + 4 * 4096  # ids+targets, final norm, LM head in, fp32 log-probs
+    block_weights = 256 * 512 + 256 * 256 + 3 * 256 * 704  # qkv, out, fc (2F), proj
+    weights = 2 * (4 * block_weights + 4096 * 256)  # autocast's bf16 weight copies, LM head included
+    assert none == 8 * 256 * (4 * per_layer + head) + weights
+    assert full == 8 * 256 * (4 * 4 * 256 + head) + 2 * 4096 * 256  # block inputs; recompute is in peak_bytes
+    # no T^2 term (SDPA): the per-token part doubles with T
+    fp32 = get_recipe("fp32")
+    assert activation_bytes(cfg, fp32, 8, 128, "none") * 2 == activation_bytes(cfg, fp32, 8, 256, "none")

@@ -162,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         message = textwrap.fill(str(err), width=100, break_long_words=False, break_on_hyphens=False)
         print(f"trainwise {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk, a permission, a vanished file: the user's environment, not a bug
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"trainwise {args.command}: error: {err.strerror or err}{where}. Free disk space or fix the "
+              "permissions, then run the command again (a training run resumes with --resume DIR).",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

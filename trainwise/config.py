@@ -181,6 +181,7 @@ class TrainConfig:
     beta2: float = 0.95
     momentum: float = 0.9  # SGD only
     grad_clip: float = 1.0  # 0 = no clipping
+    on_nonfinite: str = "skip"  # a NaN/inf loss or gradient: skip the step and count it, or "stop"
     precision: str = "auto"  # auto = bf16 autocast where the device has fast bf16 matmuls, else fp32
     activation_checkpointing: str = "none"
     compile: bool = False
@@ -205,6 +206,7 @@ class TrainConfig:
         _choice("train.optimizer", self.optimizer, OPTIMIZERS)
         _choice("train.precision", self.precision, PRECISIONS)
         _choice("train.activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
+        _choice("train.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
 
 
 @dataclass

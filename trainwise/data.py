@@ -1,7 +1,7 @@
 """The corpus, from files on disk to batches of token windows.
 
-    paths ──discover_files──> files ──iter_texts──> text pieces ──prepare_data──> tokens.bin (memmap)
-                                                                 ──BatchSampler──> (x, y) batches
+    paths ─discover_files─> files ─iter_texts─> text pieces ─prepare_data─> train/val token memmaps
+    train tokens ─BatchSampler─> (x, y) batches;  unigram_loss(data): the no-context baseline
 
 Sources: .txt and .md (one file = one document), .jsonl (one document per line, in the field
 `DataConfig.text_field`), .parquet (one document per row, same field), directories (recursive, hidden
@@ -276,22 +276,31 @@ def _document(text: str, chunk_chars: int) -> Iterator[tuple[str, bool]]:
 
 
 def _rechunk(parts: Iterable[str], chunk_chars: int) -> Iterator[str]:
-    """Re-cut a stream of strings into pieces of about chunk_chars, cutting just before a whitespace
-    character: GPT-2's pre-tokenizer attaches a space to the word after it, so a piece that starts
-    with the space tokenizes as it would have inside the whole text."""
+    """Re-cut a stream of strings into pieces of at most chunk_chars, cutting where a run of
+    whitespace starts. No pre-token of GPT-2's pattern runs from a non-space into a space, and a run
+    of spaces is split the same way wherever it starts, so the pieces encode exactly as the whole
+    text would."""
     buf = ""
     for part in parts:
         buf += part
         start = 0
         while len(buf) - start >= chunk_chars:
-            end = start + chunk_chars
-            cut = max(buf.rfind(ws, start + 1, end) for ws in " \n\t")
-            cut = cut if cut > start else end  # no whitespace at all: cut anyway
+            cut = _cut_point(buf, start, start + chunk_chars)
             yield buf[start:cut]
             start = cut
         buf = buf[start:]
     if buf:
         yield buf
+
+
+def _cut_point(buf: str, start: int, end: int) -> int:
+    cut = max(buf.rfind(ws, start + 1, end) for ws in " \n\t")
+    if cut <= start:
+        return end  # no whitespace at all: cut anyway
+    run_start = cut
+    while run_start > start + 1 and buf[run_start - 1].isspace():
+        run_start -= 1
+    return run_start if run_start > start + 1 else cut  # a run filling the window: cut inside it
 
 
 def _mark_last(items: Iterator[str]) -> Iterator[tuple[str, bool]]:

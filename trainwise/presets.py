@@ -22,6 +22,10 @@ PRESETS: dict[str, dict] = {
     "trainwise-gpt2-small": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=8, activation="gelu_tanh",
                                  norm="layernorm", position="learned", tie_embeddings=True, bias=True,
                                  max_seq_len=256),
+    # trainwise-small with every MLP replaced by 8 SwiGLU experts of half its width, top-2 routed:
+    # the same active parameters per token (+ the 8H router per layer), 2.6x the total. Trains on the
+    # built-in corpus in about the default model's wall time (benchmarks/bench_moe.py).
+    "trainwise-moe-small": dict(n_experts=8, top_k=2, expert_ffn_hidden=352),
 }
 
 

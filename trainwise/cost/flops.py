@@ -104,9 +104,18 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal_halving: bool
     )
 
 
-def recompute_flops_per_token(fwd: ForwardFlops, checkpointing: str) -> float:
+def recompute_flops_per_token(fwd: ForwardFlops, checkpointing: str, cfg: ModelConfig | None = None) -> float:
     """Extra forward work in backward: full = every block's forward again (not the LM head);
-    selective = the attention core only (Korthikanti et al. 2022, section 5)."""
+    selective = the attention core only (Korthikanti et al. 2022, section 5).
+
+    With `cfg`, full recompute describes what PyTorch's non-reentrant checkpoint really runs: it stops
+    recomputing once every tensor backward needs is back (`torch.utils.checkpoint`, early stop, on by
+    default), and a dense block's last matmul, the MLP down projection 2FH, produces no saved tensor,
+    so it is not re-run. (Measured with trainwise.measure.flopcount; MoE layers end in the weighted
+    combine, which needs the experts' outputs, so they recompute in full.)"""
+    if checkpointing == "full" and cfg is not None:
+        n_dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+        return fwd.blocks - n_dense * 2.0 * cfg.ffn_hidden * cfg.d_model
     return {"none": 0.0, "selective": fwd.attention_core, "full": fwd.blocks}[checkpointing]
 
 
@@ -127,4 +136,4 @@ def flops_per_token_train(cfg: ModelConfig, seq_len: int, causal_halving: bool =
     `recompute`: False/"none", "selective", or True/"full". Model FLOPs (for MFU) use recompute=False;
     hardware FLOPs (HFU) include it."""
     fwd = forward_flops_per_token(cfg, seq_len, causal_halving)
-    return 3.0 * fwd.total + recompute_flops_per_token(fwd, _as_checkpointing(recompute))
+    return 3.0 * fwd.total + recompute_flops_per_token(fwd, _as_checkpointing(recompute), cfg)

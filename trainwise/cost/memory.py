@@ -94,22 +94,33 @@ def state_bytes(n_params: int, recipe: Recipe, optimizer: str, zero: int = 0, dp
     )
 
 
+def norm_saved_bytes(cfg: ModelConfig, s: int) -> int:
+    """Bytes per token a pre-norm saves for backward. RMSNorm (PyTorch's composite, as on CPU): its
+    input sH, x*rsqrt sH and rsqrt 4; LayerNorm (native_layer_norm): input sH, mean and rstd 8."""
+    return (2 * s * cfg.d_model + 4) if cfg.norm == "rmsnorm" else (s * cfg.d_model + 8)
+
+
 def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: int, checkpointing: str = "none") -> float:
     """Bytes autograd saves per token in one block of the model trainwise builds (pre-norm, SDPA).
 
     After Korthikanti et al. 2022 ("Reducing Activation Recomputation", section 4.1) but for this block,
-    with c = compute dtype bytes, s = residual dtype bytes, q = nh*hd, kv = nkv*hd, F = MLP width:
-      attention: norm1 input sH; q/k/v linear input cH per linear under autocast (the cast is not cached
-        for activations), one shared sH otherwise; SDPA saves q, k, v (k, v repeated to nh heads for GQA)
-        = 3cq, out cq and logsumexp 4nh (flash/efficient kernels: no T^2 term); o_proj input cq;
-        qk_norm inputs c(q + kv); dropout masks 1 byte/elem on the two residual branches when dropout>0.
-      MLP: norm2 input sH; up/gate input cH (x2 gated under autocast); gated: gate out, act out, up out,
-        product = 4cF; plain: act input + proj input = 2cF. MoE: router logits and probabilities 8E
+    read off the tensors autograd saves (torch.autograd.graph.saved_tensors_hooks), with c = compute
+    dtype bytes, s = residual dtype bytes, q = nh*hd, kv = nkv*hd, F = MLP width:
+      attention: norm1 (see norm_saved_bytes); the fused qkv Linear's input cH (the norm output, or
+        its one cast under autocast); the qkv output c(q + 2kv), kept whole because v is a view of it;
+        RoPE'd q and k c(q + kv) (none with learned positions: q, k are views of the qkv output too);
+        SDPA out cq (also the o_proj input: a view) and logsumexp 4nh (flash kernel, no T^2 term);
+        qk_norm inputs c(q + kv); dropout masks 1 byte/elem on the two residual branches.
+      MLP: norm2; fc input cH; gated: the fused gate|up output 2cF (gate and up are views of it),
+        act(gate) cF, the product (proj input) cF = 4cF; plain: act input and output 2cF (ReLU saves
+        only its output, which is also the proj input: cF). MoE: router logits and probabilities 8E
         (fp32), dispatched copies top_k*cH, and the MLP terms for top_k + n_shared experts.
-    Selective checkpointing recomputes the attention core, dropping its out and logsumexp."""
+    Selective checkpointing recomputes the attention core, dropping its out and logsumexp.
+    Autocast's bf16 copies of the weights are per parameter, not per token: see autocast_weight_bytes."""
     c, s, H = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model
     autocast = c != s
     nh = cfg.n_heads
+    norm = norm_saved_bytes(cfg, s)
     if cfg.attention == "mla":
         q = nh * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         vdim = nh * cfg.v_head_dim
@@ -119,27 +130,45 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: in
         attn += core_inputs + core_out + c * vdim
     else:
         q, kv = nh * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        attn = s * H + (3 if autocast else 1) * c * H
-        core_inputs, core_out = 3 * c * q, c * q + 4 * nh
-        attn += core_inputs + core_out + c * q + (c * (q + kv) if cfg.qk_norm else 0)
+        attn = norm + c * H + c * (q + 2 * kv)
+        if cfg.position == "rope":
+            attn += c * (q + kv)
+        core_out = c * q + 4 * nh
+        attn += core_out + (c * (q + kv) if cfg.qk_norm else 0)
     if checkpointing == "selective":
         attn -= core_out
     if cfg.dropout > 0:
         attn += 2 * H
     gated = cfg.gated
-    up_inputs = (2 if gated and autocast else 1) * c * H
+    up_inputs = c * H
 
     def mlp(width: int) -> float:
-        return (4 if gated else 2) * c * width
+        if gated:
+            return 4 * c * width
+        return (1 if cfg.activation == "relu" else 2) * c * width
 
     if cfg.is_moe_layer(layer):
         E, k = cfg.n_experts, cfg.top_k
-        ffn = s * H + 8 * E + k * up_inputs + (k + cfg.n_shared_experts) * mlp(cfg.expert_ffn_hidden)
+        ffn = norm + 8 * E + k * up_inputs + (k + cfg.n_shared_experts) * mlp(cfg.expert_ffn_hidden)
         if cfg.n_shared_experts:
             ffn += up_inputs
     else:
-        ffn = s * H + up_inputs + mlp(cfg.ffn_hidden)
+        ffn = norm + up_inputs + mlp(cfg.ffn_hidden)
     return attn + ffn
+
+
+def autocast_weight_bytes(cfg: ModelConfig, recipe: Recipe, checkpointing: str = "none") -> int:
+    """Under autocast each Linear's weight is cast to the compute dtype once per forward, and the copy is
+    saved for backward: c x (matmul weights) of every block (none under full checkpointing: a block's
+    are recast when it is recomputed, see recompute_bytes) plus the LM head's V x H. 0 without autocast."""
+    from trainwise.cost.params import attention_params, mlp_params
+
+    c = recipe.compute_bytes
+    if c == recipe.residual_bytes:
+        return 0
+    block = attention_params(cfg) + mlp_params(cfg.d_model, cfg.ffn_hidden, cfg.gated, bias=False)
+    blocks = 0 if checkpointing == "full" else cfg.n_layers * block
+    return c * (blocks + cfg.vocab_size * cfg.d_model)
 
 
 def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len: int,
@@ -147,10 +176,11 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
     """Per micro-batch activation bytes on one device.
 
     none/selective: sum over layers of the per-token-layer bytes x B x T.
-    full: each block keeps only its input (s x B x T x H) plus one block's full activations while it is
-      recomputed (Chen et al. 2016; Korthikanti et al. 2022 section 4.3).
-    Always: embedding output is the first block input; final norm input sH, LM head input cH and the
-      logits buffer B x T x V in fp32 (4V) that cross-entropy works on.
+    full: each block keeps only its input (s x B x T x H) (Chen et al. 2016; Korthikanti et al. 2022
+      section 4.3); one block's activations while it is recomputed in backward are in peak_bytes.
+    Always: token ids and targets (int64, 16 bytes/token); the final norm; the LM head input cH; the
+      fp32 log-softmax output B x T x V (4V) that cross-entropy saves; under autocast, the weight
+      copies (autocast_weight_bytes).
     With pipeline parallelism under 1F1B the first stage holds pp micro-batches of L/pp layers, i.e. the
     same L-layer total (Korthikanti section 4.2.3); tensor parallelism with sequence parallelism
     divides everything by tp."""
@@ -159,11 +189,53 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
     tokens = micro_batch * seq_len
     per_layer = [activation_bytes_per_token_layer(cfg, recipe, i, checkpointing) for i in _distinct_layers(cfg)]
     if checkpointing == "full":
-        layers = cfg.n_layers * recipe.residual_bytes * cfg.d_model + max(per_layer)
+        layers = cfg.n_layers * recipe.residual_bytes * cfg.d_model
     else:
         layers = sum(activation_bytes_per_token_layer(cfg, recipe, i, checkpointing) for i in range(cfg.n_layers))
-    head = recipe.residual_bytes * cfg.d_model + recipe.compute_bytes * cfg.d_model + 4 * cfg.vocab_size
-    return math.ceil(tokens * (layers + head) / tp)
+    head = 16 + norm_saved_bytes(cfg, recipe.residual_bytes) + recipe.compute_bytes * cfg.d_model + 4 * cfg.vocab_size
+    weights = autocast_weight_bytes(cfg, recipe, checkpointing)
+    return math.ceil((tokens * (layers + head) + weights) / tp)
+
+
+def optimizer_step_temporary_bytes(n_params: int, recipe: Recipe, optimizer: str, model_parallel: int = 1) -> int:
+    """Scratch of the optimizer step. trainwise's AdamW is foreach: it builds sqrt(v) for every
+    parameter at once (torch.optim.adamw._multi_tensor_adamw), one moment-sized buffer = N x moment
+    bytes; SGD updates in place (0)."""
+    if optimizer_moments(optimizer) < 2:
+        return 0
+    return math.ceil(n_params / model_parallel * recipe.moment_bytes)
+
+
+def recompute_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1) -> int:
+    """Full checkpointing: one block's activations (and, under autocast, its weight copies) rebuilt in
+    backward while that block's gradients are computed."""
+    per_token = max(activation_bytes_per_token_layer(cfg, recipe, i) for i in _distinct_layers(cfg))
+    from trainwise.cost.params import attention_params, mlp_params
+
+    weights = 0
+    if recipe.compute_bytes != recipe.residual_bytes:
+        weights = recipe.compute_bytes * (attention_params(cfg) + mlp_params(cfg.d_model, cfg.ffn_hidden, cfg.gated, False))
+    return math.ceil((tokens * per_token + weights) / tp)
+
+
+def peak_bytes(cfg: ModelConfig, states: StateBytes, activations: int, optimizer: str, micro_batch: int,
+               seq_len: int, grad_accum: int = 1, tp: int = 1, recipe: Recipe | None = None,
+               checkpointing: str = "none") -> int:
+    """Peak of one training step = the larger of its two high points:
+      start of backward: params + optimizer + master + activations + the two fp32 B x T x V buffers of the
+        cross-entropy backward (8V per token) or, under full checkpointing, one recomputed block if larger
+        (recompute_bytes), + the gradients when accumulating (K > 1: they already
+        hold the earlier micro-batches; with K = 1 they are None, zero_grad(set_to_none=True));
+      optimizer step: all states + the step's scratch, one moment's worth for foreach AdamW
+        (optimizer_step_temporary_bytes; sharded like the moments)."""
+    logits_grads = math.ceil(8 * cfg.vocab_size * micro_batch * seq_len / tp)
+    if checkpointing == "full" and recipe is not None:
+        logits_grads = max(logits_grads, recompute_bytes(cfg, recipe, micro_batch * seq_len, tp))
+    backward = (states.params + states.optimizer + states.master + activations + logits_grads
+                + (states.grads if grad_accum > 1 else 0))
+    moments = optimizer_moments(optimizer)
+    scratch = states.optimizer // moments if moments >= 2 else 0
+    return max(backward, states.total + scratch)
 
 
 def _distinct_layers(cfg: ModelConfig) -> list[int]:

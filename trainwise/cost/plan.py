@@ -89,6 +89,14 @@ class Plan:
         return self.states.total + (self.activations_bytes or 0)
 
     @property
+    def peak_bytes(self) -> int | None:
+        """Peak of one step (memory.peak_bytes): what `trainwise verify` compares with tracked memory."""
+        if self.activations_bytes is None or self.model is None:
+            return None
+        return M.peak_bytes(self.model, self.states, self.activations_bytes, self.optimizer, self.micro_batch,
+                            self.seq_len, self.grad_accum, self.tp, self.recipe, self.checkpointing)
+
+    @property
     def budget(self) -> int | None:
         return self.memory_budget or self.hardware.memory_bytes
 
@@ -117,6 +125,7 @@ class Plan:
                        "optimizer_bytes": self.states.optimizer, "master_bytes": self.states.master,
                        "states_bytes": self.states.total, "activations_bytes": self.activations_bytes,
                        "total_bytes": self.per_device_bytes * self.gpus, "per_device_bytes": self.per_device_bytes,
+                       "peak_bytes": self.peak_bytes,
                        "fits": self.fits, "budget_bytes": self.budget, "precision": self.recipe.name,
                        "optimizer": self.optimizer, "checkpointing": self.checkpointing, "zero": self.zero,
                        "scope": "per device except total_bytes (all devices)"},
@@ -182,7 +191,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
             notes.append(f"seq_len {seq_len} > model.max_seq_len {model.max_seq_len}")
         fwd = F.forward_flops_per_token(model, seq_len, causal_halving)
         model_fpt = 3.0 * fwd.total
-        fpt = model_fpt + F.recompute_flops_per_token(fwd, checkpointing)
+        fpt = model_fpt + F.recompute_flops_per_token(fwd, checkpointing, model)
         convention = "exact" if checkpointing == "none" else "exact+recompute"
         acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp)
         name = model.name
@@ -248,7 +257,7 @@ def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: i
             continue  # nothing to shard over
         states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp).total
         for ckpt in F.RECOMPUTE:
-            fpt = 3.0 * fwd.total + F.recompute_flops_per_token(fwd, ckpt)
+            fpt = 3.0 * fwd.total + F.recompute_flops_per_token(fwd, ckpt, model)
             step_s = fpt * global_batch * seq_len / (gpus * hw.peak_flops * mfu)
             for b in micro_batches:
                 total = states + M.activation_bytes(model, recipe, b, seq_len, ckpt, tp)

@@ -47,8 +47,10 @@ def _sync(device: torch.device) -> None:
 
 def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, size: int, seconds: float = 0.4) -> float:
     """FLOP/s of (size x size) @ (size x size), 2 * size^3 FLOPs each, best of repeated timings."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    # A private generator: measuring must not move the global RNG a training run depends on.
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=gen).to(dtype)
+    b = torch.randn(size, size, device=device, generator=gen).to(dtype)
     a @ b  # warm-up: kernel selection, page faults
     _sync(device)
     best, deadline = 0.0, time.perf_counter() + seconds

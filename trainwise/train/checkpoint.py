@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from trainwise.errors import TrainwiseError
@@ -50,14 +51,18 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_model_state(model: torch.nn.Module, path: Path) -> None:
     state = load_file(str(path))
-    missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(getattr(model, "cfg", None), "tie_embeddings", False) else set()
-    if unexpected or set(missing) - tied:
+    expected = model.state_dict()
+    missing = set(expected) - set(state) - tied
+    unexpected = set(state) - set(expected)
+    wrong_shape = [k for k in set(state) & set(expected) if state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong_shape:
         raise TrainwiseError(
-            f"weights in '{path}' do not fit this model (missing {sorted(set(missing) - tied)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}): the checkpoint was made with a different [model] "
-            "config. Use the config.toml saved beside it."
+            f"weights in '{path}' do not fit this model (missing {sorted(missing)[:3]}, unexpected "
+            f"{sorted(unexpected)[:3]}, other shape {sorted(wrong_shape)[:3]}): the checkpoint was made "
+            "with a different [model] config. Use the config.toml saved beside it."
         )
+    model.load_state_dict(state, strict=False)
 
 
 def _sha256(path: Path) -> str:
@@ -100,10 +105,11 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync(root)
-    except OSError as err:
+    except (OSError, RuntimeError, SafetensorError) as err:  # ENOSPC, EFBIG, EACCES from any writer
         shutil.rmtree(tmp, ignore_errors=True)
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
         raise TrainwiseError(
-            f"could not write checkpoint {final}: {err.strerror or err}. The previous checkpoint is intact; "
+            f"could not write checkpoint {final}: {reason}. The previous checkpoint is intact; "
             "free disk space or fix the permissions of the run directory, then resume with "
             f"`trainwise train --resume {run_dir}`."
         ) from None

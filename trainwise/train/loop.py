@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -64,6 +66,21 @@ def check_run_dir(out: Path, resume: bool) -> None:
         )
 
 
+def create_run_dir(out: Path, cfg: RunConfig, tokenizer: Tokenizer, reporter) -> None:
+    """Write config.toml, tokenizer.json and plan.json into a hidden directory, then rename it to `out`:
+    a run directory either has all three or does not exist."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_config(cfg, tmp / "config.toml")
+    tokenizer.save(tmp / "tokenizer.json")
+    reporter.write_plan(tmp / "plan.json")
+    if out.is_dir():  # an existing empty directory (check_run_dir refused a non-empty one)
+        out.rmdir()
+    os.rename(tmp, out)
+
+
 class _StopRequest:
     """SIGTERM/SIGINT set a flag; the loop finishes the current optimizer step, saves, and exits."""
 
@@ -111,6 +128,25 @@ def restore_rng(tensors: dict, plain: dict) -> None:
     random.setstate((version, tuple(state), gauss))
     name, keys, pos, has_gauss, cached = plain["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def nonfinite_diagnostic(model: torch.nn.Module, step: int, loss: torch.Tensor) -> str:
+    """Name the step and the first tensor that went non-finite, for train.on_nonfinite = "stop"."""
+    where = "the loss" if not torch.isfinite(loss).all() else None
+    if where is None:
+        for name, p in model.named_parameters():
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                where = f"the gradient of {name}"
+                break
+    return (f"non-finite values at step {step}: {where or 'the gradient norm'} is NaN or inf. The weights "
+            "were not updated and no checkpoint was written with them. Lower train.lr, keep train.grad_clip "
+            "on, or use train.precision=fp32; set train.on_nonfinite=skip to skip such steps instead.")
+
+
+def expert_counts(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Tokens each MoE layer routed to each expert in the last forward, by layer index."""
+    return {str(i): block.mlp.last_expert_counts.tolist() for i, block in enumerate(model.blocks)
+            if getattr(block.mlp, "last_expert_counts", None) is not None}
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -202,13 +238,10 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
             sampler.load_state_dict(t["sampler"])
             scaler.load_state_dict(t["scaler"]) if t.get("scaler") else None
             restore_rng(state.rng_state, t["rng"])
-            truncate_metrics(out / "metrics.jsonl", step)
             say(f"resumed {out} from {latest.name} (step {step}, {tokens_seen:,} tokens)")
+        truncate_metrics(out / "metrics.jsonl", step)
     else:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.toml")
-        tokenizer.save(out / "tokenizer.json")
-        reporter.write_plan(out / "plan.json")
+        create_run_dir(out, cfg, tokenizer, reporter)
 
     tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum_steps * cfg.train.seq_len
     say(f"precision: {precision} ({why}); device: {device}")
@@ -230,6 +263,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                file=sys.stderr)
     loss_sum = torch.zeros((), device=device)
     last_loss, val_loss, stopped = float("nan"), float("nan"), False
+    skipped = 0  # optimizer steps skipped for a non-finite loss or gradient (this session)
     interval_start, interval_steps = time.perf_counter(), 0
     with _StopRequest() as stop:
         while step < cfg.train.max_steps:
@@ -243,14 +277,19 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                     loss = model(x, y)
                 scaler.scale(loss / cfg.train.grad_accum_steps).backward()
                 loss_sum += loss.detach()
-            if cfg.train.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
+            # One host sync per optimizer step: a NaN/inf must never reach the weights. (With fp16 the
+            # GradScaler also skips such steps on its own and lowers the scale.)
+            if not scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
+                if cfg.train.on_nonfinite == "stop":
+                    raise TrainwiseError(nonfinite_diagnostic(model, step + 1, loss))
+                skipped += 1
+                optimizer.zero_grad(set_to_none=True)
             else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += tokens_per_step
             interval_steps += 1
@@ -264,6 +303,11 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                 last_loss = loss_sum.item() / (interval_steps * cfg.train.grad_accum_steps)
                 row = reporter.metrics_row(step, tokens_seen, last_loss, lr, grad_norm.item(),
                                            elapsed / interval_steps, tokens_per_step)
+                if skipped:
+                    row["skipped_steps"] = skipped
+                experts = expert_counts(model)
+                if experts:
+                    row["expert_tokens"] = experts
                 if do_eval:
                     val_loss = evaluate(model, tokens.val, cfg, device, precision)
                     row["val_loss"] = val_loss
@@ -292,7 +336,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     say(f"\nfinal: train loss {last_loss:.4f}, val loss {val_loss:.4f} nats/token "
         f"(unigram baseline {unigram:.4f}; {unigram - val_loss:+.3f} better)")
     say("sample (temperature 0.8, top-k 50):\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
-    reporter.finish(out, tokens_seen, step)
+    reporter.finish(out, tokens_seen, step, model=model, optimizer=optimizer)
     say(f"run saved in {out}")
     return TrainResult(out, step, last_loss, val_loss, unigram, sample)
 

@@ -75,5 +75,21 @@ class RunReporter:
             text += f" val {row['val_loss']:.3f}"
         return text
 
-    def finish(self, out: Path, tokens_seen: int, step: int) -> None:
-        pass
+    def finish(self, out: Path, tokens_seen: int, step: int, model: torch.nn.Module | None = None,
+               optimizer: torch.optim.Optimizer | None = None) -> dict | None:
+        """Write verify.json and print the predicted-vs-measured table. One extra training step runs on a
+        copy of the model and optimizer (trainwise.measure.verify.measure_step): the run's weights,
+        optimizer, sampler and RNG are left as they were."""
+        if model is None:
+            return None
+        from trainwise.measure.verify import build_verify, format_table, measure_step, measured_from_step, steady_step_time
+
+        measured = measured_from_step(measure_step(self.cfg, model, optimizer, self.device, self.precision))
+        step_time, _ = steady_step_time(out / "metrics.jsonl")
+        device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else f"{self.device.type}")
+        result = build_verify(self.cfg, self.plan(), measured, step_time, device, self.peak_source)
+        result["run"] = {"precision": self.precision, "peak_flops": self.peak_flops, "peak_source": self.peak_source,
+                         "step": step, "tokens": tokens_seen}
+        (out / "verify.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+        self.say("\npredicted vs measured (verify.json):\n" + format_table(result))
+        return result

@@ -1,0 +1,189 @@
+"""Predicted vs measured: the planner's numbers held against one real step of the run.
+
+`measure_step` runs one extra training step on a copy of the trained model and optimizer (the run's
+weights, optimizer state, sampler and RNG are untouched) under the FLOP counter and the memory
+tracker. `build_verify` pairs those with the plan and the logged step times into verify.json
+(DESIGN.md): every entry {"predicted", "measured", "error"}, error = measured / predicted - 1.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainwise.config import RunConfig, load_config
+from trainwise.errors import TrainwiseError
+from trainwise.measure.flopcount import FlopCount, flop_counter
+from trainwise.measure.memtrack import MemoryBreakdown, track_train_step
+from trainwise.measure.step import random_batches, train_step
+
+
+@dataclass
+class StepMeasurement:
+    flops: FlopCount
+    memory: MemoryBreakdown
+
+
+def fresh_copy(cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+               device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+    """A new model and optimizer holding the same weights and states (wrappers re-applied), so a step on
+    them changes nothing of the run. (deepcopy would keep checkpoint wrappers bound to the original.)"""
+    from trainwise.model import Transformer
+    from trainwise.train.optim import build_optimizer
+    from trainwise.train.parallelize import apply_activation_checkpointing
+
+    copy = Transformer(cfg.model).to(device)
+    copy.load_state_dict(model.state_dict())
+    if cfg.train.activation_checkpointing != "none":
+        apply_activation_checkpointing(copy, cfg.train.activation_checkpointing)
+    copy.train()
+    opt = None
+    if optimizer is not None:
+        opt = build_optimizer(copy, cfg.train)
+        opt.load_state_dict(optimizer.state_dict())  # copies the state tensors
+    return copy, opt
+
+
+def measure_step(cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 device: torch.device, precision: str) -> StepMeasurement:
+    """FLOPs and memory of one training step (K micro-batches, clip, optimizer step) on a copy.
+    Token ids are seeded random ids of the run's shapes: FLOPs and memory depend on shapes only."""
+    t = cfg.train
+    batches = random_batches(cfg.model.vocab_size, t.micro_batch, t.seq_len, t.grad_accum_steps, device, t.seed)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        copy, opt = fresh_copy(cfg, model, optimizer, device)
+        if opt is not None and not opt.state:  # no states yet: take one step so they exist
+            train_step(copy, opt, batches[:1], device, precision, t.grad_clip)
+        with flop_counter() as counter:
+            memory = track_train_step(copy, opt, batches, device, precision, t.grad_clip)
+    return StepMeasurement(FlopCount.from_counter(counter), memory)
+
+
+def steady_step_time(metrics_path: Path) -> tuple[float | None, int]:
+    """Mean logged step_time_s over the steady state: every training row after the first log interval
+    (which holds start-up: allocation, kernel selection). Returns (mean, rows used)."""
+    if not metrics_path.is_file():
+        return None, 0
+    rows = [json.loads(line) for line in metrics_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r]
+    steady = times[1:] or times
+    return (statistics.fmean(steady) if steady else None), len(steady)
+
+
+def _entry(predicted: float | None, measured: float | None) -> dict:
+    error = None
+    if predicted and measured is not None:
+        error = measured / predicted - 1
+    return {"predicted": predicted, "measured": measured, "error": error}
+
+
+def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None, device: str,
+                 peak_source: str) -> dict:
+    """verify.json from a plan (cost.plan.Plan of this run) and the measured numbers:
+    measured = {"flops_per_step", "model_flops_per_step", "peak_memory_bytes", "memory_bytes": {...}}."""
+    t = cfg.train
+    tokens_per_step = t.micro_batch * t.grad_accum_steps * t.seq_len
+    flops_pred = plan.flops_per_token * tokens_per_step  # what runs, recompute included (HFU)
+    model_flops_pred = plan.model_flops_per_token * tokens_per_step
+    peak = plan.hardware.peak_flops
+    time_pred = flops_pred / (peak * plan.mfu)
+    mfu_meas = model_flops_pred / step_time_s / peak if step_time_s else None
+    mem = measured["memory_bytes"]
+    s = plan.states
+    out = {
+        "flops_per_step": _entry(flops_pred, measured["flops_per_step"]),
+        "peak_memory_bytes": _entry(plan.peak_bytes, measured["peak_memory_bytes"]),
+        "step_time_s": _entry(time_pred, step_time_s),
+        "mfu": _entry(plan.mfu, mfu_meas),
+        "memory_bytes": {
+            "params": _entry(s.params + s.master, mem["params"]),
+            "grads": _entry(s.grads, mem["grads"]),
+            "optimizer": _entry(s.optimizer, mem["optimizer"]),
+            "activations": _entry(plan.activations_bytes, mem["activations"]),
+        },
+        "device": device,
+        "notes": [
+            "error = measured / predicted - 1",
+            f"FLOPs: planner (matmuls; backward = 2 x forward; recompute of {t.activation_checkpointing} "
+            "checkpointing included) vs trainwise.measure.flopcount on one real step",
+            f"step time predicted = FLOPs per step / (peak {peak:.4g} FLOP/s x assumed MFU {plan.mfu}); "
+            f"peak: {peak_source}",
+            "step time measured = mean logged step_time_s after the first log interval",
+            "memory measured with MemTracker on one extra real step of a copy of the trained model; "
+            "peak predicted = cost.memory.peak_bytes",
+        ],
+    }
+    if t.activation_checkpointing != "none":
+        hfu = flops_pred / step_time_s / peak if step_time_s else None
+        out["hfu"] = _entry(plan.mfu * flops_pred / model_flops_pred, hfu)
+    if measured.get("cuda_max_allocated_bytes") is not None:
+        out["cuda"] = {"max_allocated_bytes": measured["cuda_max_allocated_bytes"],
+                       "max_reserved_bytes": measured["cuda_max_reserved_bytes"]}
+    return out
+
+
+def measured_from_step(m: StepMeasurement) -> dict:
+    mem = m.memory
+    return {"flops_per_step": m.flops.total, "peak_memory_bytes": mem.peak_bytes,
+            "memory_bytes": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
+                             "activations": mem.activations},
+            "cuda_max_allocated_bytes": mem.cuda_max_allocated_bytes,
+            "cuda_max_reserved_bytes": mem.cuda_max_reserved_bytes}
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    if unit == "FLOPs":
+        return f"{value:.4g} FLOPs"
+    if unit == "bytes":
+        return f"{value / 1e6:,.2f} MB ({value / 2**20:,.2f} MiB)"
+    if unit == "s":
+        return f"{value:.4g} s"
+    return f"{value:.2%}"
+
+
+def format_table(v: dict) -> str:
+    rows = [("FLOPs / step", v["flops_per_step"], "FLOPs"), ("peak memory", v["peak_memory_bytes"], "bytes")]
+    rows += [(f"  {k}", e, "bytes") for k, e in v["memory_bytes"].items()]
+    rows += [("step time", v["step_time_s"], "s"), ("MFU", v["mfu"], "%")]
+    if "hfu" in v:
+        rows.append(("HFU", v["hfu"], "%"))
+    cells = [(name, _fmt(e["predicted"], u), _fmt(e["measured"], u),
+              "n/a" if e["error"] is None else f"{e['error']:+.1%}") for name, e, u in rows]
+    head = ("quantity", "predicted", "measured", "error")
+    w = [max(len(r[i]) for r in cells + [head]) for i in range(4)]
+    lines = [f"{head[0]:<{w[0]}}  {head[1]:>{w[1]}}  {head[2]:>{w[2]}}  {head[3]:>{w[3]}}"]
+    lines.append("-" * len(lines[0]))
+    lines += [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}  {d:>{w[3]}}" for a, b, c, d in cells]
+    lines.append(f"device: {v['device']}")
+    return "\n".join(lines)
+
+
+def verify_run(run_dir: str | Path) -> dict:
+    """Recompute verify.json of a finished run: re-plan from its config.toml, re-read metrics.jsonl,
+    keep the measured FLOPs and memory from the stored verify.json."""
+    from trainwise.cost.plan import plan_for_run
+
+    run_dir = Path(run_dir)
+    path = run_dir / "verify.json"
+    if not (run_dir / "config.toml").is_file() or not path.is_file():
+        raise TrainwiseError(f"'{run_dir}' has no config.toml and verify.json; pass a directory that "
+                             "`trainwise train` finished (verify.json is written at the end of a run).")
+    old = json.loads(path.read_text(encoding="utf-8"))
+    cfg = load_config(run_dir / "config.toml")
+    info = old.get("run", {})
+    plan = plan_for_run(cfg, precision=info.get("precision", "fp32"), peak_flops=info["peak_flops"])
+    measured = {"flops_per_step": old["flops_per_step"]["measured"],
+                "peak_memory_bytes": old["peak_memory_bytes"]["measured"],
+                "memory_bytes": {k: e["measured"] for k, e in old["memory_bytes"].items()},
+                "cuda_max_allocated_bytes": old.get("cuda", {}).get("max_allocated_bytes"),
+                "cuda_max_reserved_bytes": old.get("cuda", {}).get("max_reserved_bytes")}
+    step_time, _ = steady_step_time(run_dir / "metrics.jsonl")
+    new = build_verify(cfg, plan, measured, step_time, old["device"], info.get("peak_source", "stored"))
+    new["run"] = info
+    return new

@@ -1,0 +1,226 @@
+"""Sparse Mixture-of-Experts feed-forward block (Shazeer et al. 2017; Switch Transformer, Fedus et al. 2022).
+
+A router picks top_k of n_experts routed experts per token; n_shared_experts always-on experts
+(DeepSeekMoE, Dai et al. 2024) see every token. Shapes: B batch, T tokens, H d_model, N = B*T tokens,
+E routed experts, k top_k, F expert width (2F for the fused gate+up of gated activations), S = N*k
+token-expert assignments.
+
+Dispatch has no Python loop over tokens: the S assignments are sorted by expert, each expert runs one
+matmul on its contiguous group (a loop over E experts), and the results are scattered back with
+`index_add_`, weighted by the router. Expert weights are stacked 3-D parameters so that the loop body
+is two matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainwise.config import ModelConfig
+from trainwise.model.transformer import ACTIVATION_FNS, MLP
+
+
+class ExpertLinear(nn.Module):
+    """E independent Linear layers held as one (E, d_in, d_out) weight (+ (E, d_out) bias)."""
+
+    def __init__(self, n_experts: int, d_in: int, d_out: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, d_in, d_out))
+        self.bias = nn.Parameter(torch.empty(n_experts, d_out)) if bias else None
+        bound = 1 / math.sqrt(d_in)  # nn.Linear's default; Transformer.reset_parameters overrides it
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x (n, d_in) tokens of expert e -> (n, d_out)."""
+        y = x @ self.weight[e]  # autocast casts matmul inputs as it does nn.Linear's
+        return y if self.bias is None else y + self.bias[e].to(y.dtype)
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts). forward: (B, T, H) -> (B, T, H).
+
+    After each forward: `last_aux_loss` (scalar, already weighted: aux_loss_coef x load balancing +
+    z_loss_coef x router z-loss; 0 in eval mode), `last_expert_counts` (LongTensor (E,), assignments
+    routed to each expert, before any capacity drop) and `last_dropped` (int, assignments dropped by
+    the capacity limit; 0 when dropless)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, Fe = cfg.n_experts, cfg.d_model, cfg.expert_ffn_hidden
+        self.n_experts, self.top_k, self.gated = E, cfg.top_k, cfg.gated
+        self.act = ACTIVATION_FNS[cfg.activation]
+        self.gating, self.renormalize = cfg.router_gating, cfg.renormalize_top_k
+        self.dropless, self.capacity_factor = cfg.dropless, cfg.capacity_factor
+        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        self.router = nn.Linear(H, E, bias=False)
+        # DeepSeek-V3's e_score_correction_bias: added to the scores for choosing experts only, never to
+        # the weights; not trained by gradients (see balance_expert_bias).
+        self.expert_bias = nn.Parameter(torch.zeros(E), requires_grad=False) if cfg.router_bias else None
+        self.experts_fc = ExpertLinear(E, H, 2 * Fe if self.gated else Fe, cfg.bias)  # gate+up fused
+        self.experts_proj = ExpertLinear(E, Fe, H, cfg.bias)
+        # n shared experts of width F have the parameters and FLOPs of one MLP of width n*F.
+        self.shared = MLP(cfg, hidden=cfg.n_shared_experts * Fe) if cfg.n_shared_experts else None
+        self.last_aux_loss: torch.Tensor | float = 0.0
+        self.last_expert_counts: torch.Tensor | None = None
+        self.last_dropped = 0
+        self.grouped_mm: bool | None = None  # None = torch._grouped_mm where usable; False = loop over experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        tokens = x.reshape(B * T, H)  # (N, H)
+        logits = self.router_logits(tokens)  # (N, E) fp32
+        probs, weights, chosen = self.route(logits)  # (N, E), (N, k), (N, k)
+        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)  # (E,)
+        out = self.dispatch(tokens, weights, chosen, counts)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        self.last_expert_counts = counts.detach()
+        if self.training:
+            self.last_aux_loss = (self.aux_loss_coef * load_balancing_loss(probs, counts, self.top_k)
+                                  + self.z_loss_coef * router_z_loss(logits))
+        else:
+            self.last_aux_loss = 0.0
+        return out.reshape(B, T, H)
+
+    def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(N, H) -> (N, E) in fp32 also under autocast: top-k choices and softmax are sensitive to
+        rounding (Switch Transformer section 2.4, "selective precision")."""
+        with torch.autocast(tokens.device.type, enabled=False):
+            return F.linear(tokens.float(), self.router.weight.float())
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """logits (N, E) -> probabilities (N, E) for the balancing loss, combine weights (N, k) and the
+        chosen experts (N, k). softmax: Mixtral/Qwen-MoE; sigmoid: DeepSeek-V3 (section 2.1.2), whose
+        balancing loss uses the scores normalised to sum to 1."""
+        if self.gating == "softmax":
+            scores = logits.softmax(dim=-1)
+            probs = scores
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        choice_scores = scores if self.expert_bias is None else scores + self.expert_bias
+        chosen = choice_scores.topk(self.top_k, dim=-1).indices  # (N, k)
+        weights = scores.gather(-1, chosen)  # (N, k)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return probs, weights, chosen
+
+    def dispatch(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        """Sort the S = N*k assignments by expert, run each expert on its group, scatter back weighted."""
+        order = chosen.flatten().argsort(stable=True)  # (S,) assignments grouped by expert, token order inside
+        self.last_dropped = 0
+        if not self.dropless:
+            order, counts = self.apply_capacity(order, counts, tokens.shape[0])
+        token_of = order // self.top_k  # (S',) the token of each grouped assignment
+        grouped = tokens[token_of]  # (S', H) the dispatch buffer
+        if self.use_grouped_mm(grouped):
+            y = self.experts_grouped(grouped, counts, chosen.flatten()[order])
+        else:
+            y = self.experts_looped(grouped, counts)
+        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)  # (S', H)
+        return torch.zeros(tokens.shape, dtype=y.dtype, device=y.device).index_add_(0, token_of, y)
+
+    def apply_capacity(self, order: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the first `capacity` assignments of each expert in token order (Switch Transformer,
+        section 2.2); capacity = ceil(capacity_factor * N * k / E). A dropped assignment adds nothing:
+        the token passes on through the residual connection."""
+        capacity = math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
+        starts = counts.cumsum(0) - counts  # (E,) where each expert's group begins in `order`
+        rank = torch.arange(order.numel(), device=order.device) - starts.repeat_interleave(counts)
+        kept = counts.clamp(max=capacity)
+        self.last_dropped = int(counts.sum() - kept.sum())
+        return order[rank < capacity], kept
+
+    def use_grouped_mm(self, grouped: torch.Tensor) -> bool:
+        """torch._grouped_mm (one kernel for all experts) where this build has it for the device and
+        dtype, and every row stride is a multiple of 16 bytes as it requires; else a loop over experts."""
+        if self.grouped_mm is False or not hasattr(torch, "_grouped_mm"):
+            return False
+        device = grouped.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else grouped.dtype
+        if device == "cuda" and dtype != torch.bfloat16 or device not in ("cpu", "cuda"):
+            return False
+        widths = (grouped.shape[1], self.experts_proj.weight.shape[1], self.experts_fc.weight.shape[2])
+        return all(w * dtype.itemsize % 16 == 0 for w in widths)
+
+    def experts_grouped(self, x: torch.Tensor, counts: torch.Tensor, expert_of: torch.Tensor) -> torch.Tensor:
+        """x (S', H) grouped by expert -> (S', H), each group through its expert, in two grouped matmuls.
+        No host sync: the group offsets stay on the device."""
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        offsets = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's group
+        with torch.autocast(device, enabled=False):  # autocast does not cover _grouped_mm: cast by hand
+            h = torch._grouped_mm(x.to(dtype), self.experts_fc.weight.to(dtype), offs=offsets)  # (S', 2F)
+            if self.experts_fc.bias is not None:
+                h = h + self.experts_fc.bias.to(dtype)[expert_of]
+            h = self.activate(h)
+            y = torch._grouped_mm(h, self.experts_proj.weight.to(dtype), offs=offsets)  # (S', H)
+            if self.experts_proj.bias is not None:
+                y = y + self.experts_proj.bias.to(dtype)[expert_of]
+        return y
+
+    def experts_looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (S', H) grouped by expert -> (S', H): one iteration per expert with tokens."""
+        outputs = []
+        for e, xe in enumerate(x.split(counts.tolist())):  # the split sizes cost one host sync
+            if xe.shape[0]:
+                h = self.activate(self.experts_fc.forward_expert(e, xe))
+                outputs.append(self.experts_proj.forward_expert(e, h))
+        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
+
+    def activate(self, h: torch.Tensor) -> torch.Tensor:
+        """The middle of trainwise.model.transformer.MLP: act(gate) * up for gated MLPs, else act(h)."""
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return self.act(gate) * up
+        return self.act(h)
+
+    @torch.no_grad()
+    def balance_expert_bias(self, rate: float = 1e-3) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing (section 2.1.2): after a step, raise the choice
+        bias of under-loaded experts and lower it for over-loaded ones by `rate`. Call it outside the
+        forward (it must not change between a forward and its activation-checkpointing recompute)."""
+        if self.expert_bias is None or self.last_expert_counts is None:
+            return
+        load = self.last_expert_counts.float()
+        self.expert_bias += rate * torch.sign(load.mean() - load)
+
+
+def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch Transformer eq. 4, for top-k routing: E * sum_i f_i P_i, where f_i = counts_i / (N k) is
+    the fraction of assignments sent to expert i and P_i the mean router probability of expert i.
+    Equals 1 for a uniform router and a uniform assignment; f carries no gradient, P does."""
+    E = probs.shape[-1]
+    fraction = counts.to(probs.dtype) / (probs.shape[0] * top_k)  # (E,)
+    return E * (fraction * probs.mean(dim=0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE (Zoph et al. 2022) eq. 5: mean over tokens of logsumexp(logits)^2, keeps logits small."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of torch._grouped_mm for FlopCounterMode, which has no formula for it: 2 x rows x K x N.
+    (S, K) x (E, K, N) and (K, S) x (S, N) with groups along S (its backward) are 2SKN; (E, M, K) x
+    (E, K, N) is a batched matmul."""
+    if len(a_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[-1]
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+def _register_grouped_mm_flops() -> None:
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    op = getattr(torch.ops.aten, "_grouped_mm", None)
+    if op is not None and op not in flop_registry:
+        register_flop_formula(op)(_grouped_mm_flops)
+
+
+_register_grouped_mm_flops()
