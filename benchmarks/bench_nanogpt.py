@@ -167,7 +167,7 @@ def run_shape(shape_name: str, shape: dict, nanogpt, steps: int, warmup: int, wh
 
 
 def print_table(results: list[dict], peaks: dict) -> None:
-    print(f"\npeaks (trainwise.measure.calibrate): fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, "
+    print(f"\npeaks (trainwise.measure.calibrate method): fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, "
           f"bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s; torch {torch.__version__}, threads {torch.get_num_threads()}")
     head = (f"{'shape':<12} {'B x T':<9} {'variant':<14} {'tok/s (median)':>15} {'ratio vs nanoGPT':>22} "
             f"{'MFU own':>8} {'MFU bf16':>9} {'MFU fp32':>9}")
@@ -198,14 +198,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="nanogpt,tw-gpt2 bf16,tw-gpt2 fp32,tw-llama bf16",
                     help="comma-separated subset of: nanogpt, tw-gpt2 bf16, tw-gpt2 fp32, tw-llama bf16, "
                          "tw-llama fp32")
+    ap.add_argument("--peaks", choices=["measure", "cached"], default="measure",
+                    help="matmul peaks for MFU: 'measure' (default) re-runs calibrate()'s matmul timing now "
+                         "without touching its cache; 'cached' uses calibrate('cpu'), which may have been "
+                         "measured while the machine was busy")
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                     help="also write the results as JSON to PATH ('-' or no PATH: stdout)")
     args = ap.parse_args(argv)
 
     nanogpt = load_nanogpt(args.nanogpt)
-    from trainwise.measure.calibrate import calibrate
+    from trainwise.measure.calibrate import calibrate, matmul_flops_per_s
+    from trainwise.train.precision import DTYPES
 
-    peaks = calibrate("cpu")["peak_flops"]
+    if args.peaks == "cached":
+        peaks = calibrate("cpu")["peak_flops"]
+    else:  # calibrate()'s own method, measured now and not written to its cache
+        cpu = torch.device("cpu")
+        peaks = {d: max(matmul_flops_per_s(cpu, DTYPES[d], n) for n in (1024, 2048)) for d in ("fp32", "bf16")}
     which = [w.strip() for w in args.variants.split(",") if w.strip()]
     names = ["default", "shakespeare"] if args.shape == "both" else [args.shape]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

@@ -33,18 +33,41 @@ def build_config(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import os
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return _train(args)
+    try:
+        return _train(args)
+    except RuntimeError as err:  # a collective failed: another rank died or hung past the timeout
+        from torch.distributed import DistError
+
+        text = str(err)
+        if not isinstance(err, DistError) and not any(w in text for w in ("gloo", "Connection", "NCCL", "imed out")):
+            raise
+        rank = os.environ.get("RANK", "?")
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TrainwiseError(
+            f"rank {rank} of {world_size}: lost contact with the other ranks ({first_line[:200]}). The job "
+            "stops; once every rank is back, continue from the last checkpoint with the same torchrun "
+            "command and --resume DIR."
+        ) from None
+
+
+def _train(args: argparse.Namespace) -> int:
     from trainwise.train.loop import train
 
     if args.resume:
-        if args.config or args.data or args.set or args.model:
+        if args.config or args.data or args.set or args.model or args.init_from:
             raise TrainwiseError(
                 "--resume continues a run with the config saved in its directory; drop --config, --data, "
-                "--model and --set (only --max-steps may change)."
+                "--model, --set and --init-from (only --max-steps may change)."
             )
         result = train(out=args.resume, resume=True, max_steps=args.max_steps, quiet=args.quiet)
     else:
         cfg = build_config(args)
-        result = train(cfg, out=args.out, max_steps=args.max_steps, quiet=args.quiet)
+        result = train(cfg, out=args.out, max_steps=args.max_steps, quiet=args.quiet, init_from=args.init_from)
     if args.json:
         print(json.dumps({"run_dir": str(result.run_dir), "step": result.step, "train_loss": result.train_loss,
                           "val_loss": result.val_loss, "unigram_loss": result.unigram_loss,
@@ -105,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config value")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     p.add_argument("--max-steps", type=int, help="train until this optimizer step")
+    p.add_argument("--init-from", metavar="HF_DIR", help="start from a local Hugging Face checkpoint (llama, qwen3, "
+                   "gpt2, mixtral): its config, weights and tokenizer")
     p.add_argument("--quiet", action="store_true", help="no progress bar or messages")
     p.add_argument("--json", action="store_true", help="print the final numbers as JSON")
     p.set_defaults(func=cmd_train)
@@ -142,14 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("ids", nargs="+")
     p.set_defaults(func=cmd_tokenizer)
 
-    for module in ("trainwise.cost.cli", "trainwise.measure.cli", "trainwise.explain"):
+    for module in ("trainwise.cost.cli", "trainwise.measure.cli", "trainwise.explain", "trainwise.report.cli"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as err:
             if err.name != module:
                 raise
             continue
-        mod.register(sub)
+        if hasattr(mod, "register"):
+            mod.register(sub)
     return parser
 
 

@@ -168,14 +168,14 @@ def default_ffn_hidden(d_model: int, activation: str) -> int:
 @dataclass
 class TrainConfig:
     seed: int = 1337
-    max_steps: int = 600
+    max_steps: int = 200
     micro_batch: int = 16
     grad_accum_steps: int = 1
     seq_len: int = 256
     optimizer: str = "adamw"
     lr: float = 2e-3
     min_lr: float = 2e-4
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -186,10 +186,10 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     compile: bool = False
     device: str = "auto"
-    eval_every: int = 100
+    eval_every: int = 50
     eval_steps: int = 10
     log_every: int = 10
-    checkpoint_every: int = 200
+    checkpoint_every: int = 100
     keep_checkpoints: int = 2
     sample_tokens: int = 120
 

@@ -64,6 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch-tokens", type=_int, help="--fit target, in tokens")
     p.add_argument("--json", action="store_true", help="print JSON only (SI units)")
     p.add_argument("--explain", action="store_true", help="print each formula with the numbers substituted")
+    p.add_argument("--simulate", action="store_true",
+                   help="also run one training step on fake tensors and print tracked vs analytic memory")
     p.set_defaults(func=cmd_plan)
 
     m = subparsers.add_parser("mem", help="bytes of one tensor",
@@ -76,6 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     h = subparsers.add_parser("hardware", help="the table of known accelerators")
     h.add_argument("--json", action="store_true")
+    h.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's matmul peak (fp32, bf16) and memory bandwidth, and cache it")
     h.set_defaults(func=cmd_hardware)
 
 
@@ -102,6 +106,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model, train = (load_model(args.model) if args.model else (None, {}))
     if model is None and args.params is None:
         raise TrainwiseError("give --model PRESET|FILE or --params N.")
+    if args.tokens is None and args.simulate:
+        args.tokens = 1.0  # --simulate is about one step; time figures then cover one token
+        if not args.gpu and not args.peak_flops:
+            args.peak_flops = 1e12  # no time figures are shown; any peak will do
     if args.tokens is None and not args.fit:
         raise TrainwiseError("give --tokens D, the number of training tokens.")
     run = dict(seq_len=2048 if model is None else min(2048, model.max_seq_len), micro_batch=1, grad_accum=1,
@@ -118,6 +126,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_run(model, params_count=args.params if model is None else None, tokens=args.tokens, zero=args.zero,
                     bandwidth=args.bandwidth, memory=parse_bytes(args.memory) if args.memory else None,
                     memory_budget=budget, price=args.price, **run, **hw)
+    if args.simulate:
+        return _cmd_simulate(args, model, run, plan)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     elif args.explain:
@@ -207,6 +217,8 @@ def cmd_mem(args: argparse.Namespace) -> int:
 
 
 def cmd_hardware(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return _cmd_calibrate(args)
     if args.json:
         print(json.dumps({k: {"name": a.name, "peak_flops": a.peak_flops, "bandwidth_bytes_per_s": a.bandwidth_bytes_per_s,
                               "memory_bytes": a.memory_bytes} for k, a in ACCELERATORS.items()}, indent=2))
@@ -234,3 +246,52 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _cmd_simulate(args, model, run, plan) -> int:
+    """Planner vs one fake-tensor training step of the trainer's recipe (fp32, or bf16 autocast = amp)."""
+    from trainwise.measure.simulate import simulate_report, simulate_step
+
+    if model is None:
+        raise TrainwiseError("--simulate needs a model config (--model), not only --params.")
+    precision = "fp32" if run["precision"] == "fp32" else "bf16"
+    if run["precision"] not in ("fp32", "amp"):
+        run = {**run, "precision": "amp"}  # what trainwise's trainer runs for bf16: autocast over fp32
+        plan = plan_run(model, tokens=args.tokens or 1, zero=args.zero, **run, gpu=args.gpu,
+                        peak_flops=args.peak_flops or (None if args.gpu else 1e12), mfu=args.mfu)
+    mem = simulate_step(model, run["micro_batch"], run["seq_len"], precision, run["checkpointing"],
+                        "adamw" if run["optimizer"] == "adamw" else "sgd", run["grad_accum"])
+    if args.json:
+        print(json.dumps({"plan": plan.to_json(), "simulated": mem.to_json()}, indent=2, default=str))
+        return 0
+    print(f"{model.name}: B={run['micro_batch']} T={run['seq_len']} K={run['grad_accum']}, recipe {plan.recipe.name}, "
+          f"{run['checkpointing']} checkpointing; one step simulated on fake tensors (nothing allocated)")
+    print(simulate_report(plan, mem))
+    return 0
+
+
+def _cmd_calibrate(args) -> int:
+    import torch
+
+    from trainwise.cost.hardware import lookup_cuda_device
+    from trainwise.measure.calibrate import calibrate
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    out = {}
+    for dev in devices:
+        out[dev] = calibrate(dev, refresh=True)
+        if dev == "cuda":
+            acc = lookup_cuda_device(torch.cuda.get_device_name())
+            out[dev]["table"] = None if acc is None else {"name": acc.name, "peak_flops": acc.peak_flops,
+                                                          "bandwidth_bytes_per_s": acc.bandwidth_bytes_per_s}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for dev, r in out.items():
+        print(f"{r['machine']}")
+        for dtype, p in r["peak_flops"].items():
+            table = (r.get("table") or {}).get("peak_flops", {}).get(dtype)
+            extra = f"  (table: {table / 1e12:,.1f} TFLOP/s)" if table else ""
+            print(f"  {dtype:<5} matmul peak {p / 1e9:,.1f} GFLOP/s measured{extra}")
+        print(f"  memory bandwidth {r['bandwidth_bytes_per_s'] / 1e9:,.2f} GB/s measured (cached)")
+    return 0

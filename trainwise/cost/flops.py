@@ -137,3 +137,38 @@ def flops_per_token_train(cfg: ModelConfig, seq_len: int, causal_halving: bool =
     hardware FLOPs (HFU) include it."""
     fwd = forward_flops_per_token(cfg, seq_len, causal_halving)
     return 3.0 * fwd.total + recompute_flops_per_token(fwd, _as_checkpointing(recompute), cfg)
+
+
+def linear_train_flops(m: int, k: int, n: int) -> int:
+    """A Linear layer (M,K)x(K,N) in training = forward 2MKN + backward 4MKN (dX = dY W^T and
+    dW = X^T dY, two matmuls of the same size) = 6MKN FLOPs; with M = tokens, K N = parameters this is
+    the per-layer form of 6ND (Kaplan et al. 2020, section 2.1)."""
+    return 3 * matmul_flops(m, k, n)
+
+
+def einsum_flops(equation: str, *shapes: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """Output shape and FLOPs of einsum(equation, *operands of these shapes), evaluated in one pass:
+    FLOPs = prod(size of every distinct index) x (operands - 1 multiplies, + 1 add if an index is summed
+    away), as opt_einsum.helpers.flop_count counts it. Two operands with a contraction: 2 x prod, e.g.
+    "mk,kn->mn" = 2MKN (so (2,3)x(3,4) = 48). Implicit output (no "->") keeps the indices that occur once,
+    sorted, as numpy/torch do."""
+    eq = equation.replace(" ", "")
+    lhs, _, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(shapes):
+        raise ValueError(f"'{equation}' has {len(terms)} operands but {len(shapes)} shapes were given")
+    sizes: dict[str, int] = {}
+    for term, shape in zip(terms, shapes):
+        if len(term) != len(shape):
+            raise ValueError(f"operand '{term}' has {len(term)} indices but shape {tuple(shape)}")
+        for idx, size in zip(term, shape):
+            if sizes.setdefault(idx, int(size)) != int(size):
+                raise ValueError(f"index '{idx}' has sizes {sizes[idx]} and {size}")
+    if "->" not in eq:
+        out = "".join(sorted(i for i in sizes if lhs.count(i) == 1))
+    total = 1
+    for size in sizes.values():
+        total *= size
+    summed = any(i not in out for i in sizes)
+    factor = max(1, len(terms) - 1) + (1 if summed else 0)
+    return tuple(sizes[i] for i in out), total * factor

@@ -43,3 +43,26 @@ def estimate_time(total_flops: float, devices: int, peak_flops: float, mfu: floa
 def cost_usd(device_hours: float, price_per_device_hour: float) -> float:
     """cost = device-hours x $ per device-hour."""
     return device_hours * price_per_device_hour
+
+
+def ridge_point(peak_flops: float, bandwidth_bytes_per_s: float) -> float:
+    """Ridge point of the roofline = P / BW, in FLOPs per byte: the arithmetic intensity above which a
+    kernel is compute-bound (Williams, Waterman, Patterson 2009, "Roofline"). 100e12 / 1e12 = 100."""
+    return peak_flops / bandwidth_bytes_per_s
+
+
+def attainable_flops(intensity: float, peak_flops: float, bandwidth_bytes_per_s: float) -> float:
+    """Roofline: attainable FLOP/s = min(P, I x BW) for arithmetic intensity I (FLOPs/byte)
+    (Williams et al. 2009). 100 TFLOP/s, 1 TB/s: I = 20 -> 20e12; I = 150 -> 100e12."""
+    return min(peak_flops, intensity * bandwidth_bytes_per_s)
+
+
+def roofline_seconds(flops: float, bytes_moved: float, peak_flops: float, bandwidth_bytes_per_s: float) -> float:
+    """Lower-bound time of a kernel = max(F / P, Q / BW) seconds (Williams et al. 2009)."""
+    return max(flops / peak_flops, bytes_moved / bandwidth_bytes_per_s)
+
+
+def model_flops_utilization(model_flops_per_s: float, peak_flops: float, devices: int = 1) -> float:
+    """MFU = model FLOPs per second / (devices x peak FLOP/s) (PaLM, Chowdhery et al. 2022, appendix B);
+    model FLOPs exclude recomputation. 40e12 / 100e12 = 0.4."""
+    return model_flops_per_s / (devices * peak_flops)

@@ -144,7 +144,10 @@ class MoE(nn.Module):
             return False
         device = grouped.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else grouped.dtype
-        if device == "cuda" and dtype != torch.bfloat16 or device not in ("cpu", "cuda"):
+        if device == "cuda":  # torch's CUDA kernels: bf16 on Hopper and newer (unverified here: no GPU)
+            if dtype != torch.bfloat16 or torch.cuda.get_device_capability(grouped.device) < (9, 0):
+                return False
+        elif device != "cpu":
             return False
         widths = (grouped.shape[1], self.experts_proj.weight.shape[1], self.experts_fc.weight.shape[2])
         return all(w * dtype.itemsize % 16 == 0 for w in widths)

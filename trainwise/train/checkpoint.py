@@ -36,17 +36,17 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def dedup_tied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state dict with tied weights stored once (safetensors refuses shared storage)."""
-    state, seen = {}, {}
-    for name, tensor in model.state_dict().items():
+    out, seen = {}, set()
+    for name, tensor in state.items():
         key = (tensor.data_ptr(), tensor.shape, tensor.stride()) if tensor.numel() else None
         if key is not None and key in seen:
             continue
         if key is not None:
-            seen[key] = name
-        state[name] = tensor.detach().contiguous().cpu()
-    return state
+            seen.add(key)
+        out[name] = tensor.detach().contiguous().cpu()
+    return out
 
 
 def load_model_state(model: torch.nn.Module, path: Path) -> None:
@@ -81,7 +81,7 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
                     trainer_state: dict[str, Any], rng_state: dict[str, Any], keep: int) -> Path:
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -90,8 +90,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_file(model_state(model), str(tmp / "model.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        save_file(dedup_tied(model_state), str(tmp / "model.safetensors"))
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(rng_state, tmp / "rng.pt")
         (tmp / "trainer.json").write_text(json.dumps(trainer_state), encoding="utf-8")
         files = {}

@@ -31,6 +31,7 @@ from trainwise.errors import TrainwiseError
 from trainwise.model import Transformer
 from trainwise.tokenizer import Tokenizer
 from trainwise.train import checkpoint as ckpt
+from trainwise.train import distributed
 from trainwise.train.optim import build_optimizer, lr_at
 from trainwise.train.parallelize import apply_activation_checkpointing
 from trainwise.train.precision import autocast, resolve_device, resolve_precision
@@ -120,7 +121,15 @@ def capture_rng() -> tuple[dict, dict]:
     return tensors, plain
 
 
-def restore_rng(tensors: dict, plain: dict) -> None:
+def restore_rng(tensors: dict, plain: dict | list, rank: int = 0) -> None:
+    """Restore this rank's generators (checkpoints hold one entry per rank)."""
+    if "ranks" in tensors:
+        if rank >= len(tensors["ranks"]):
+            raise TrainwiseError(
+                f"the checkpoint was saved by {len(tensors['ranks'])} ranks; resume it with the same number "
+                "of processes (torchrun --nproc-per-node)."
+            )
+        tensors, plain = tensors["ranks"][rank], plain[rank]
     torch.set_rng_state(tensors["torch_cpu"])
     if "torch_cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(tensors["torch_cuda"]))
@@ -201,12 +210,26 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     if max_steps is not None:
         cfg.train.max_steps = max_steps
     cfg.validate()
-    device = resolve_device(cfg.train.device)
+    d = distributed.init(cfg.parallel.strategy, cfg.train.device)
+    if not d.is_main:
+        say = lambda *a: None  # noqa: E731
+        quiet = True
+    device = distributed.device_for(d, resolve_device(cfg.train.device))
     precision, why = resolve_precision(cfg.train.precision, device)
 
-    # Everything that can fail on user input happens before the run directory is touched.
+    # Everything that can fail on user input happens before the run directory is touched. Rank 0
+    # tokenizes first; the other ranks then find its work in the cache.
+    if not d.is_main:
+        distributed.barrier(d)
+    init_state = None
     if resume:
         tokenizer = Tokenizer.load(out / "tokenizer.json")
+    elif init_from:  # a Hugging Face checkpoint: its architecture, weights and tokenizer replace ours
+        from trainwise.export.hf import load_hf_dir
+
+        cfg.model, init_state, tokenizer = load_hf_dir(init_from)
+        cfg.tokenizer.vocab_size = tokenizer.vocab_size
+        cfg.validate()
     else:
         tokenizer = data_mod.prepare_tokenizer(cfg.data, cfg.tokenizer.vocab_size)
         cfg.model.vocab_size = tokenizer.vocab_size
@@ -216,49 +239,75 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
             f"{cfg.model.vocab_size}: the tokenizer does not belong to this run."
         )
     tokens = data_mod.prepare_data(cfg.data, tokenizer, cfg.train.seq_len)
+    if d.is_main:
+        distributed.barrier(d)
     seed_everything(cfg.train.seed)
-    model = Transformer(cfg.model).to(device)
+    model = Transformer(cfg.model)
+    if init_state is not None:
+        from trainwise.export.hf import load_into
+
+        load_into(model, init_state)
+    state = None
+    if resume and (latest := ckpt.latest_checkpoint(out)) is not None:
+        state = ckpt.load_checkpoint(latest, model)  # full weights on every rank, before sharding
+    model.to(device)
+    if d.rank:
+        torch.manual_seed(cfg.train.seed + d.rank)  # ranks draw different dropout masks
     if cfg.train.activation_checkpointing != "none":
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    model = distributed.wrap(model, d, device, precision)
     optimizer = build_optimizer(model, cfg.train)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    sampler = data_mod.BatchSampler(tokens.train, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.train.seed)
+    sampler = data_mod.BatchSampler(tokens.train, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.train.seed,
+                                    rank=d.rank, world_size=d.world_size)
     from trainwise.train.report import RunReporter  # noqa: E402  (kept late: pulls in the planner)
 
-    reporter = RunReporter(cfg, model, device, precision, say)
+    reporter = RunReporter(cfg, distributed.unwrap(model), device, precision, say)
 
     step, tokens_seen = 0, 0
     if resume:
-        latest = ckpt.latest_checkpoint(out)
-        if latest is not None:
-            state = ckpt.load_checkpoint(latest, model)
-            optimizer.load_state_dict(state.optimizer_state)
+        if state is not None:
+            distributed.load_full_state(model, optimizer, state.optimizer_state, d)
             t = state.trainer_state
             step, tokens_seen = t["step"], t["tokens"]
             sampler.load_state_dict(t["sampler"])
             scaler.load_state_dict(t["scaler"]) if t.get("scaler") else None
-            restore_rng(state.rng_state, t["rng"])
-            say(f"resumed {out} from {latest.name} (step {step}, {tokens_seen:,} tokens)")
-        truncate_metrics(out / "metrics.jsonl", step)
-    else:
+            restore_rng(state.rng_state, t["rng"], d.rank)
+            say(f"resumed {out} from {state.path.name} (step {step}, {tokens_seen:,} tokens)")
+        if d.is_main:
+            truncate_metrics(out / "metrics.jsonl", step)
+    elif d.is_main:
         create_run_dir(out, cfg, tokenizer, reporter)
+    distributed.barrier(d)
 
-    tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum_steps * cfg.train.seq_len
-    say(f"precision: {precision} ({why}); device: {device}")
+    tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum_steps * cfg.train.seq_len * d.world_size
+    say(f"precision: {precision} ({why}); device: {device}"
+        + (f"; {d.strategy} over {d.world_size} ranks" if d.active else ""))
     say(f"data: {len(tokens.train):,} train / {len(tokens.val):,} val tokens; "
-        f"B_eff = micro_batch {cfg.train.micro_batch} x grad_accum {cfg.train.grad_accum_steps} = "
-        f"{cfg.train.micro_batch * cfg.train.grad_accum_steps} sequences of {cfg.train.seq_len} tokens "
+        f"B_eff = micro_batch {cfg.train.micro_batch} x grad_accum {cfg.train.grad_accum_steps}"
+        + (f" x world_size {d.world_size}" if d.active else "")
+        + f" = {tokens_per_step // cfg.train.seq_len} sequences of {cfg.train.seq_len} tokens "
         f"= {tokens_per_step:,} tokens per step")
 
     def save() -> None:
-        rng_tensors, rng_plain = capture_rng()
-        trainer_state = {"step": step, "tokens": tokens_seen, "sampler": sampler.state_dict(),
-                         "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rng_plain}
-        ckpt.save_checkpoint(out, step, model, optimizer, trainer_state, rng_tensors, cfg.train.keep_checkpoints)
+        model_state, optimizer_state = distributed.full_state(model, optimizer)  # collective under FSDP
+        rng_tensors, rng_plain = zip(*distributed.gather_objects(capture_rng(), d))
+        if d.is_main:
+            trainer_state = {"step": step, "tokens": tokens_seen, "sampler": sampler.state_dict(),
+                             "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+                             "rng": list(rng_plain), "world_size": d.world_size}
+            ckpt.save_checkpoint(out, step, model_state, optimizer_state, trainer_state,
+                                 {"ranks": list(rng_tensors)}, cfg.train.keep_checkpoints)
+        distributed.barrier(d)
 
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    metrics = open(out / "metrics.jsonl", "a", encoding="utf-8")
+    metrics = open(out / "metrics.jsonl", "a", encoding="utf-8") if d.is_main else None
+    tensorboard = None
+    if cfg.log.tensorboard and d.is_main:
+        from trainwise.report.tensorboard import TensorBoardLogger
+
+        tensorboard = TensorBoardLogger(out)  # fed the same rows as metrics.jsonl
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=quiet, unit="step", dynamic_ncols=True,
                file=sys.stderr)
     loss_sum = torch.zeros((), device=device)
@@ -270,15 +319,17 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
             lr = lr_at(step, cfg.train)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            for _ in range(cfg.train.grad_accum_steps):
+            for micro in range(cfg.train.grad_accum_steps):
                 x, y = sampler.next_batch()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with autocast(device, precision):
-                    loss = model(x, y)
-                scaler.scale(loss / cfg.train.grad_accum_steps).backward()
+                with distributed.gradient_sync(model, d, micro == cfg.train.grad_accum_steps - 1):
+                    with autocast(device, precision):
+                        loss = model(x, y)
+                    scaler.scale(loss / cfg.train.grad_accum_steps).backward()
                 loss_sum += loss.detach()
             scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
+            grad_norm = distributed.local_value(
+                torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf")))
             # One host sync per optimizer step: a NaN/inf must never reach the weights. (With fp16 the
             # GradScaler also skips such steps on its own and lowers the scale.)
             if not scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
@@ -294,49 +345,71 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
             tokens_seen += tokens_per_step
             interval_steps += 1
             bar.update(1)
+            stop_now = distributed.any_rank(stop.requested, d)  # every rank stops at the same step
 
             do_eval = cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.max_steps)
-            if step % cfg.train.log_every == 0 or do_eval or step == cfg.train.max_steps or stop.requested:
+            if step % cfg.train.log_every == 0 or do_eval or step == cfg.train.max_steps or stop_now:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - interval_start
+                loss_sum = distributed.mean_across_ranks(loss_sum, d)
                 last_loss = loss_sum.item() / (interval_steps * cfg.train.grad_accum_steps)
                 row = reporter.metrics_row(step, tokens_seen, last_loss, lr, grad_norm.item(),
                                            elapsed / interval_steps, tokens_per_step)
                 if skipped:
                     row["skipped_steps"] = skipped
-                experts = expert_counts(model)
+                experts = expert_counts(distributed.unwrap(model))
                 if experts:
                     row["expert_tokens"] = experts
                 if do_eval:
                     val_loss = evaluate(model, tokens.val, cfg, device, precision)
                     row["val_loss"] = val_loss
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
+                if metrics is not None:
+                    metrics.write(json.dumps(row) + "\n")
+                    metrics.flush()
+                if tensorboard is not None:
+                    tensorboard.log(row)
                 bar.set_postfix_str(reporter.postfix(row))
                 loss_sum.zero_()
                 interval_start, interval_steps = time.perf_counter(), 0
-            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or stop.requested:
+            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or stop_now:
                 save()
-            if stop.requested:
+            if stop_now:
                 stopped = True
                 break
     bar.close()
-    metrics.close()
+    if metrics is not None:
+        metrics.close()
+    if tensorboard is not None:
+        tensorboard.close()
     if not stopped:
         save()
     if stopped:
         say(f"stopped at step {step} and saved a checkpoint; continue with: trainwise train --resume {out}")
+        distributed.shutdown(d)
         return TrainResult(out, step, last_loss, val_loss, float("nan"), "", stopped_early=True)
 
     if not val_loss == val_loss:  # nan: no evaluation happened yet
         val_loss = evaluate(model, tokens.val, cfg, device, precision)
+    if d.active:  # the rest is rank 0's, on the gathered weights of the checkpoint just saved
+        distributed.shutdown(d)
+        if not d.is_main:
+            return TrainResult(out, step, last_loss, val_loss, float("nan"), "")
+        from trainwise.api import load
+
+        model = load(out, device=str(device)).model
     unigram = data_mod.unigram_loss(tokens)
     sample = sample_text(model, tokenizer, device, cfg.train.sample_tokens, seed=cfg.train.seed)
     say(f"\nfinal: train loss {last_loss:.4f}, val loss {val_loss:.4f} nats/token "
         f"(unigram baseline {unigram:.4f}; {unigram - val_loss:+.3f} better)")
     say("sample (temperature 0.8, top-k 50):\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
-    reporter.finish(out, tokens_seen, step, model=model, optimizer=optimizer)
+    # Distributed runs: the optimizer holds shards; verify measures one step of the gathered model.
+    reporter.finish(out, tokens_seen, step, model=model, optimizer=None if d.active else optimizer)
+    if d.is_main:
+        (out / "sample.txt").write_text(sample, encoding="utf-8")
+        from trainwise.report.html import write_report
+
+        say(f"report: {write_report(out)}")
     say(f"run saved in {out}")
     return TrainResult(out, step, last_loss, val_loss, unigram, sample)
 

@@ -1,0 +1,117 @@
+"""torchrun with DDP and FSDP2 on 2 CPU ranks (gloo): same losses as one process, clean failure, resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainwise.api import load
+from trainwise.cli import main
+
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
+        "train.seq_len=32", "tokenizer.vocab_size=300", "train.eval_every=0", "train.log_every=1",
+        "train.precision=fp32", "train.sample_tokens=8", "train.warmup_steps=2"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("corpus") / "docs.txt"
+    path.write_text("\n\n".join(topics[k] for k in sorted(topics))[:60_000], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def sets(corpus: Path, *extra: str) -> list[str]:
+    return [a for kv in [*TINY, f"data.paths=['{corpus}']", *extra] for a in ("--set", kv)]
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*TORCHRUN, "-m", "trainwise", "train", "--quiet", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_process_with_grad_accum(corpus, tmp_path, strategy):
+    """micro-batch b on 2 ranks == micro-batch b x grad_accum 2 in one process, on the same data."""
+    single = tmp_path / "single"
+    assert main(["train", "--out", str(single), "--quiet",
+                 *sets(corpus, "train.max_steps=5", "train.micro_batch=2", "train.grad_accum_steps=2")]) == 0
+    multi = tmp_path / strategy
+    proc = torchrun("--out", str(multi), *sets(corpus, "train.max_steps=5", "train.micro_batch=2",
+                                               f"parallel.strategy={strategy}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(multi) == pytest.approx(losses(single), rel=1e-5)
+    # the gathered checkpoint loads into one process and matches the single-process weights
+    a = load_file(single / "checkpoints/step_00000005/model.safetensors")
+    b = load_file(multi / "checkpoints/step_00000005/model.safetensors")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
+    assert load(multi).generate("The ", max_new_tokens=5, seed=0).startswith("The ")
+
+
+def test_grad_accum_composes_with_fsdp_and_checkpointing(corpus, tmp_path):
+    single = tmp_path / "single"
+    extra = ("train.max_steps=3", "train.micro_batch=1", "train.activation_checkpointing=full")
+    assert main(["train", "--out", str(single), "--quiet", *sets(corpus, *extra, "train.grad_accum_steps=4")]) == 0
+    multi = tmp_path / "multi"
+    proc = torchrun("--out", str(multi), *sets(corpus, *extra, "train.grad_accum_steps=2", "parallel.strategy=fsdp"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(multi) == pytest.approx(losses(single), rel=1e-5)
+
+
+def test_strategy_none_under_torchrun_is_a_clear_error(corpus, tmp_path):
+    proc = torchrun("--out", str(tmp_path / "run"), *sets(corpus, "train.max_steps=2"), timeout=120)
+    assert proc.returncode != 0
+    assert "parallel.strategy=ddp" in proc.stderr
+
+
+def _workers(parent: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in out]
+
+
+@pytest.mark.slow
+def test_killing_one_rank_stops_the_job_and_resume_reproduces_the_losses(corpus, tmp_path):
+    extra = ("train.max_steps=60", "train.micro_batch=2", "parallel.strategy=ddp", "train.checkpoint_every=5")
+    straight = tmp_path / "straight"
+    assert torchrun("--out", str(straight), *sets(corpus, *extra)).returncode == 0
+
+    run = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([*TORCHRUN, "-m", "trainwise", "train", "--quiet", "--out", str(run), *sets(corpus, *extra)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = run / "metrics.jsonl"
+    while proc.poll() is None and (not metrics.exists() or len(metrics.read_text().splitlines()) < 12):
+        time.sleep(0.01)
+    workers = _workers(proc.pid)
+    assert len(workers) == 2
+    os.kill(max(workers), signal.SIGKILL)  # the rank started last
+    start = time.time()
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    assert time.time() - start < 180
+    assert "lost contact with the other ranks" in stderr or "SIGKILL" in stderr or "Signal 9" in stderr
+
+    resumed = subprocess.run([*TORCHRUN, "-m", "trainwise", "train", "--quiet", "--resume", str(run)],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(run) == pytest.approx(losses(straight), rel=1e-6)

@@ -1,0 +1,170 @@
+"""Hugging Face export and import: logits and greedy generations equal transformers', the inverse is exact,
+what no HF family can represent is refused, and `--init-from` an exported run keeps its validation loss."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainwise.cli import main
+from trainwise.config import ModelConfig, RunConfig, apply_overrides
+from trainwise.errors import TrainwiseError
+from trainwise.export.hf import choose_family, load_hf_dir, load_into, save_hf
+from trainwise.model import Transformer
+from trainwise.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
+        "train.seq_len=32", "train.micro_batch=4", "tokenizer.vocab_size=300", "train.eval_every=5",
+        "train.eval_steps=2", "train.log_every=1", "train.warmup_steps=2", "train.sample_tokens=10",
+        "train.precision=fp32", "train.checkpoint_every=100", "train.max_steps=10"]
+PROMPT = "The for statement is used to iterate over the elements of a sequence"
+
+# name -> (ModelConfig overrides, expected HF class)
+CASES = {
+    "llama": (dict(n_kv_heads=2), "LlamaForCausalLM"),
+    "llama-bias-untied": (dict(n_kv_heads=2, bias=True, tie_embeddings=False), "LlamaForCausalLM"),
+    "llama-qkv-bias-geglu": (dict(n_kv_heads=1, qkv_bias=True, activation="geglu"), "LlamaForCausalLM"),
+    "qwen3-qk-norm": (dict(n_kv_heads=2, qk_norm=True), "Qwen3ForCausalLM"),
+    "gpt2": (dict(n_kv_heads=4, norm="layernorm", position="learned", activation="gelu_tanh", bias=True), "GPT2LMHeadModel"),
+    "gpt2-exact-gelu": (dict(n_kv_heads=4, norm="layernorm", position="learned", activation="gelu", bias=True), "GPT2LMHeadModel"),
+    "gpt2-nobias-relu-untied": (dict(n_kv_heads=4, norm="layernorm", position="learned", activation="relu",
+                                     tie_embeddings=False), "GPT2LMHeadModel"),
+    "mixtral": (dict(n_kv_heads=2, n_experts=4, top_k=2), "MixtralForCausalLM"),
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("corpus") / "docs.txt"
+    path.write_text("\n\n".join(topics[k] for k in sorted(topics))[:60_000], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus) -> Tokenizer:
+    return Tokenizer.train([corpus.read_text(encoding="utf-8")], 300)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # everything loads from the local directory
+
+
+def random_model(tokenizer: Tokenizer, **overrides) -> Transformer:
+    """Weights far from init (norm gains, biases), so that a mis-mapped tensor shows in the logits."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=2, n_heads=4, max_seq_len=64,
+                      init_std=0.2, **overrides)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def until_eot(ids: list[int], eot: int) -> list[int]:
+    return ids[: ids.index(eot) + 1] if eot in ids else ids
+
+
+def compare_with_hf(model: Transformer, tokenizer: Tokenizer, hf_dir: Path, new_tokens: int = 16) -> float:
+    """Max |logit difference| trainwise vs transformers; asserts greedy continuations are identical."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    ids = torch.tensor([tokenizer.encode(PROMPT)[:16]])
+    with torch.no_grad():
+        diff = (model(ids) - hf(ids).logits).abs().max().item()
+        ours = model.generate(ids, new_tokens, temperature=0)[0].tolist()
+        theirs = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0].tolist()
+    assert until_eot(ours, tokenizer.eot_id) == until_eot(theirs, tokenizer.eot_id)
+    return diff
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_round_trip(name, tokenizer, tmp_path):
+    overrides, architecture = CASES[name]
+    model = random_model(tokenizer, **overrides)
+    summary = save_hf(model, tokenizer, tmp_path / "hf")
+    assert summary["architecture"] == architecture
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == [architecture]
+
+    diff = compare_with_hf(model, tokenizer, tmp_path / "hf")
+    print(f"{name}: max |logit diff| = {diff:.2e}")
+    assert diff < 1e-4
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert hf_tok.encode(PROMPT) == tokenizer.encode(PROMPT)
+    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == tokenizer.eot_id
+
+    # the inverse (used by --init-from) is exact
+    cfg, state, tok = load_hf_dir(tmp_path / "hf")
+    back = Transformer(cfg).eval()
+    load_into(back, state)
+    ids = torch.tensor([tokenizer.encode(PROMPT)])
+    with torch.no_grad():
+        assert torch.equal(back(ids), model(ids))
+    assert tok.fingerprint() == tokenizer.fingerprint()
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (dict(norm="layernorm", position="rope", activation="gelu"), "GPT-2 uses learned positions"),
+    (dict(activation="gelu"), "not gated"),
+    (dict(position="learned"), "GPT-2 uses LayerNorm"),
+    (dict(norm="layernorm", position="learned", activation="gelu", n_kv_heads=2), "grouped-query"),
+    (dict(norm="layernorm", position="learned", activation="swiglu", n_kv_heads=0), "gated"),
+    (dict(qk_norm=True, bias=True), "Qwen3"),
+    (dict(n_experts=4, top_k=2, n_shared_experts=1), "shared experts"),
+    (dict(n_experts=4, top_k=2, router_gating="sigmoid"), "softmax"),
+    (dict(n_experts=4, top_k=2, first_dense_layers=1), "every Mixtral layer"),
+    (dict(n_experts=4, top_k=2, dropless=False), "dropless"),
+])
+def test_unrepresentable_configs_are_refused_with_the_reason(overrides, reason):
+    cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, **{"n_kv_heads": 2, **overrides})
+    with pytest.raises(TrainwiseError, match=reason):
+        choose_family(cfg)
+
+
+def test_cli_export_and_init_from_keep_the_validation_loss(corpus, tmp_path, capsys):
+    from trainwise import data as data_mod
+    from trainwise.train.loop import evaluate, train
+
+    cfg = apply_overrides(RunConfig(), TINY + [f"data.paths=['{corpus}']"])
+    run = train(cfg, out=tmp_path / "run", quiet=True)
+
+    assert main(["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["architecture"] == "LlamaForCausalLM"
+    from trainwise.api import load
+
+    loaded = load(tmp_path / "run", device="cpu")
+    assert compare_with_hf(loaded.model, loaded.tokenizer, tmp_path / "hf", new_tokens=8) < 1e-4
+
+    # the exported model, loaded back as trainwise's --init-from does, has the run's validation loss
+    model_cfg, state, tokenizer = load_hf_dir(tmp_path / "hf")
+    model = Transformer(model_cfg)
+    load_into(model, state)
+    cfg_b = apply_overrides(RunConfig(), TINY + [f"data.paths=['{corpus}']"])
+    tokens = data_mod.prepare_data(cfg_b.data, tokenizer, cfg_b.train.seq_len)
+    val = evaluate(model, tokens.val, cfg_b, torch.device("cpu"), "fp32")
+    assert abs(val - run.val_loss) < 1e-4
+
+    # and `trainwise train --init-from` continues from it: config, tokenizer and weights come from HF_DIR
+    assert main(["train", "--init-from", str(tmp_path / "hf"), "--data", str(corpus), "--out", str(tmp_path / "b"),
+                 "--quiet", "--max-steps", "2", *[a for s in TINY for a in ("--set", s) if not s.startswith("model.")]]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    fresh = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["loss"] < fresh[0]["loss"] - 0.3  # starts trained, not from scratch
+    assert (tmp_path / "b" / "tokenizer.json").read_text() == (tmp_path / "run" / "tokenizer.json").read_text()
+
+
+def test_export_refuses_a_non_empty_out(tokenizer, tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "x").write_text("x")
+    with pytest.raises(TrainwiseError, match="not empty"):
+        save_hf(random_model(tokenizer), tokenizer, tmp_path / "hf")

@@ -1,0 +1,70 @@
+"""`trainwise verify` and `trainwise roofline`: a thin layer over trainwise.measure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    v = subparsers.add_parser("verify", help="recompute and print a run's predicted-vs-measured table",
+                              epilog="example:\n  trainwise verify runs/run-1",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    v.add_argument("run_dir")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_verify)
+
+    r = subparsers.add_parser("roofline", help="every operator of one training step on the roofline",
+                              epilog="examples:\n  trainwise roofline --model trainwise-small --plot roof.png\n"
+                                     "  trainwise roofline --model llama-3-8b --gpu h100 --seq-len 2048",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--model", default="trainwise-small", help="preset, trainwise TOML or config.json")
+    r.add_argument("--gpu", help="accelerator from `trainwise hardware` (default: this CPU, calibrated)")
+    r.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    r.add_argument("--seq-len", type=int)
+    r.add_argument("--micro-batch", type=int, default=1)
+    r.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none")
+    r.add_argument("--plot", metavar="FILE.png")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_roofline)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from trainwise.measure.verify import format_table, verify_run
+
+    result = verify_run(args.run_dir)
+    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    return 0
+
+
+def cmd_roofline(args: argparse.Namespace) -> int:
+    from trainwise.cost.cli import load_model
+    from trainwise.measure.roofline import plot_roofline, roofline_ops, roofline_table
+
+    model, _ = load_model(args.model)
+    if args.gpu:
+        from trainwise.cost.hardware import get_accelerator
+
+        acc = get_accelerator(args.gpu)
+        peak, bw, hw = acc.peak(args.precision), acc.bandwidth_bytes_per_s, acc.name
+    else:
+        from trainwise.measure.calibrate import calibrate
+
+        cal = calibrate("cpu")
+        peak, bw, hw = cal["peak_flops"][args.precision], cal["bandwidth_bytes_per_s"], "this CPU (calibrated)"
+    seq = args.seq_len or min(model.max_seq_len, 2048)
+    points = roofline_ops(model, args.micro_batch, seq, args.precision, args.checkpointing)
+    if args.json:
+        print(json.dumps({"hardware": hw, "peak_flops": peak, "bandwidth_bytes_per_s": bw, "ridge": peak / bw,
+                          "ops": [{"op": p.name, "class": p.cls, "calls": p.calls, "flops": p.flops,
+                                   "bytes": p.bytes, "intensity": p.intensity(),
+                                   "bound": "compute" if p.intensity() >= peak / bw else "memory",
+                                   "min_time_s": p.bound_s(peak, bw)} for p in points]}, indent=1))
+    else:
+        print(f"{model.name}, B={args.micro_batch}, T={seq}, {args.precision}, on {hw}")
+        print(roofline_table(points, peak, bw))
+    if args.plot:
+        plot_roofline(points, peak, bw, args.plot, f"{model.name} training step on {hw}")
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0

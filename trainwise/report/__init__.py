@@ -1,0 +1,1 @@
+"""The run report: `report.html` (self-contained, plots embedded) and terminal tables."""

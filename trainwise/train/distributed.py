@@ -1,0 +1,160 @@
+"""More than one device, on PyTorch's own engine: DDP or FSDP2 under `torchrun`.
+
+    torchrun --nproc-per-node N -m trainwise train --set parallel.strategy=ddp|fsdp ...
+
+The same config runs unchanged in one process (the strategy then has nothing to shard). The model is
+wrapped from outside, after activation checkpointing; checkpoints are gathered to rank 0 in the
+single-process format, so any run directory loads in one process for sampling and export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from trainwise.errors import TrainwiseError
+from trainwise.train.precision import DTYPES
+
+
+@dataclass
+class Dist:
+    strategy: str  # none | ddp | fsdp (none whenever world_size == 1)
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+
+def init(strategy: str, device_request: str, timeout_s: float = 120.0) -> Dist:
+    """Join the process group torchrun set up (env WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR...)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Dist("none")
+    if strategy == "none":
+        raise TrainwiseError(
+            f"this process was launched by torchrun as one of {world_size} ranks, but parallel.strategy = "
+            "'none'; add --set parallel.strategy=ddp (replicated weights) or parallel.strategy=fsdp (sharded)."
+        )
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and device_request != "cpu"
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return Dist(strategy, rank, world_size, local_rank)
+
+
+def device_for(d: Dist, device: torch.device) -> torch.device:
+    return torch.device("cuda", d.local_rank) if device.type == "cuda" and d.active else device
+
+
+def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.Module:
+    """DDP: replicate and all-reduce gradients. FSDP2: shard every block and the root, gathering weights
+    just in time; with bf16/fp16 the mixed-precision policy computes in that dtype and reduces in fp32."""
+    if not d.active:
+        return model
+    if d.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if precision != "fp32":
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "no_sync") and hasattr(model, "module") else model
+
+
+def gradient_sync(model: nn.Module, d: Dist, last_micro_batch: bool):
+    """Under gradient accumulation, communicate gradients only on the last micro-batch of a step."""
+    if not d.active:
+        return contextlib.nullcontext()
+    if d.strategy == "ddp":
+        return contextlib.nullcontext() if last_micro_batch else model.no_sync()
+    model.set_requires_gradient_sync(last_micro_batch)
+    return contextlib.nullcontext()
+
+
+def mean_across_ranks(value: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.active:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM)
+        if dist.get_backend() != "nccl":  # gloo has no AVG
+            value /= d.world_size
+    return value
+
+
+def any_rank(flag: bool, d: Dist) -> bool:
+    """True on every rank if it is True on any (a signal reaches one rank; all must stop together)."""
+    if not d.active:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a DTensor (FSDP2 gradient norms are DTensors)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state gathered to full tensors (on rank 0 for FSDP), optimizer keyed by
+    parameter name: the same format in one process, under DDP and under FSDP."""
+    return get_model_state_dict(model, options=_FULL), get_optimizer_state_dict(model, optimizer, options=_FULL)
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict, d: Dist) -> None:
+    """Load an optimizer state saved by `full_state` on every rank (model weights are loaded into the
+    plain model before it is wrapped, so each rank shards from the full tensors)."""
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
+
+
+def gather_objects(obj, d: Dist) -> list:
+    """Every rank's `obj`, in rank order (each rank's RNG state, for exact resume)."""
+    if not d.active:
+        return [obj]
+    out = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(d: Dist) -> None:
+    if d.active:
+        dist.barrier()
+
+
+def shutdown(d: Dist) -> None:
+    if d.active and dist.is_initialized():
+        dist.destroy_process_group()
