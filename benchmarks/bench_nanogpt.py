@@ -35,9 +35,12 @@ from pathlib import Path
 
 import torch
 
+from trainwise.config import ModelConfig as _Model, TrainConfig as _Train  # noqa: E402
+
 SHAPES = {
-    # trainwise's default ModelConfig / TrainConfig shape
-    "default": dict(vocab=4096, d_model=256, layers=4, heads=8, T=256, B=16),
+    # trainwise's default ModelConfig / TrainConfig shape, read from the config so it follows the defaults
+    "default": dict(vocab=_Model().vocab_size, d_model=_Model().d_model, layers=_Model().n_layers,
+                    heads=_Model().n_heads, T=_Train().seq_len, B=_Train().micro_batch),
     # nanoGPT's config/train_shakespeare_char.py shape (its batch_size is 64)
     "shakespeare": dict(vocab=65, d_model=384, layers=6, heads=6, T=256, B=64),
 }

@@ -45,7 +45,7 @@ def test_parse_bytes():
 
 
 def test_activation_per_layer_hand_worked():
-    # trainwise-small (H=256, nh=8, nkv=4, hd=32, q=256, kv=128, F=704, SwiGLU, RMSNorm, RoPE), fp32
+    # H=256, nh=8, nkv=4, hd=32, q=256, kv=128, F=704, SwiGLU, RMSNorm, RoPE, fp32
     # (c = s = 4), the tensors autograd really saves (read with saved_tensors_hooks):
     # attention: RMSNorm 2*4H + 4, qkv input 4H, qkv output 4*(q+2kv), RoPE'd q,k 4*(q+kv), SDPA out
     #   4q (= o_proj input) + logsumexp 4*nh
@@ -54,6 +54,7 @@ def test_activation_per_layer_hand_worked():
     norm = 2 * 4 * 256 + 4
     attn = norm + 4 * 256 + 4 * 512 + 4 * 384 + 4 * 256 + 32
     mlp = norm + 4 * 256 + 16 * 704
+    cfg = ModelConfig(n_heads=8, n_kv_heads=4)
     assert activation_bytes_per_token_layer(cfg, get_recipe("fp32"), 0) == attn + mlp == 22_056
     # amp: the matmul inputs and outputs in bf16 (one cast of the fused qkv input, one of the fused
     # gate|up input), fp32 residual stream and norms

@@ -188,3 +188,21 @@ def test_top_k_and_top_p_filter():
     # probabilities ~ [0.03, 0.09, 0.24, 0.64]: top_p 0.5 keeps only the largest
     draws = {sample_next(logits, 1.0, 0, 0.5, g).item() for _ in range(100)}
     assert draws == {3}
+
+
+def test_compiled_blocks_keep_keys_and_match_eager():
+    from trainwise.train.parallelize import apply_compile, remove_compile
+
+    torch.manual_seed(0)
+    cfg = tiny()
+    eager, compiled = Transformer(cfg), Transformer(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    apply_compile(compiled)
+    assert compiled.state_dict().keys() == eager.state_dict().keys()
+    x, y = batch(cfg)
+    eager(x, y).backward()
+    compiled(x, y).backward()
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    remove_compile(compiled)
+    assert torch.equal(compiled.generate(x[:1, :3], 5, temperature=0), eager.generate(x[:1, :3], 5, temperature=0))

@@ -4,12 +4,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # lazy, so `import trainwise` stays fast and torch-free until needed
-    if name in ("train", "load"):
+    if name in ("train", "load", "plan"):
         from trainwise import api
 
         return getattr(api, name)
-    if name == "plan":
-        from trainwise.cost.plan import plan
-
-        return plan
     raise AttributeError(name)

@@ -60,3 +60,20 @@ def train(config: RunConfig | None = None, out: str | Path | None = None, **kwar
     from trainwise.train.loop import train as _train
 
     return _train(config, out, **kwargs)
+
+
+def plan(model=None, *, params: float | None = None, tokens: float, **run):
+    """Same as `trainwise plan`: `model` is a preset name, a trainwise TOML, a HF config.json or a
+    ModelConfig; `run` takes plan_run's keywords (seq_len, micro_batch, gpu, gpus, precision, zero, ...).
+    Returns a Plan (`.to_json()`, `.explain()`)."""
+    from trainwise.config import ModelConfig
+    from trainwise.cost.cli import load_model
+    from trainwise.cost.plan import plan_run
+
+    settings = {}
+    if isinstance(model, str):
+        model, settings = load_model(model)
+    elif model is not None and not isinstance(model, ModelConfig):
+        raise TrainwiseError("plan(model=...) takes a preset name, a file path or a ModelConfig.")
+    settings.update(run)
+    return plan_run(model, params_count=params, tokens=tokens, **settings)

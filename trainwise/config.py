@@ -43,8 +43,8 @@ class ModelConfig:
     vocab_size: int = 4096
     d_model: int = 256
     n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4  # 0 = n_heads (MHA); 1 = MQA; in between = GQA
+    n_heads: int = 4
+    n_kv_heads: int = 2  # 0 = n_heads (MHA); 1 = MQA; in between = GQA
     head_dim: int = 0  # 0 = d_model // n_heads
     ffn_hidden: int = 0  # 0 = 4*d_model, or 8/3*d_model rounded up to 64 for gated activations
     activation: str = "swiglu"

@@ -33,7 +33,7 @@ from trainwise.tokenizer import Tokenizer
 from trainwise.train import checkpoint as ckpt
 from trainwise.train import distributed
 from trainwise.train.optim import build_optimizer, lr_at
-from trainwise.train.parallelize import apply_activation_checkpointing
+from trainwise.train.parallelize import apply_activation_checkpointing, apply_compile, remove_compile
 from trainwise.train.precision import autocast, resolve_device, resolve_precision
 
 
@@ -255,6 +255,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         torch.manual_seed(cfg.train.seed + d.rank)  # ranks draw different dropout masks
     if cfg.train.activation_checkpointing != "none":
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    if cfg.train.compile:
+        apply_compile(model)
     model = distributed.wrap(model, d, device, precision)
     optimizer = build_optimizer(model, cfg.train)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -398,6 +400,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         from trainwise.api import load
 
         model = load(out, device=str(device)).model
+    if cfg.train.compile:
+        remove_compile(distributed.unwrap(model))
     unigram = data_mod.unigram_loss(tokens)
     sample = sample_text(model, tokenizer, device, cfg.train.sample_tokens, seed=cfg.train.seed)
     say(f"\nfinal: train loss {last_loss:.4f}, val loss {val_loss:.4f} nats/token "

@@ -26,3 +26,17 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
             block.forward = _checkpointed(block.forward)
         else:
             block.attn.core = _checkpointed(block.attn.core)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block in place (torchtitan's per-block compile): the state dict keys stay the
+    same, repeated blocks share one compiled graph, and fusing the norm/RoPE/activation element-wise
+    work is where the speed comes from. The first steps pay the compile time."""
+    for block in model.blocks:
+        block.compile()
+
+
+def remove_compile(model: nn.Module) -> None:
+    """Back to eager blocks, e.g. before KV-cache generation, whose growing cache would recompile."""
+    for block in model.blocks:
+        block._compiled_call_impl = None
