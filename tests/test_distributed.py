@@ -14,29 +14,13 @@ from safetensors.torch import load_file
 
 from trainwise.api import load
 from trainwise.cli import main
+from tiny import set_args
 
-TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
-        "train.seq_len=32", "tokenizer.vocab_size=300", "train.eval_every=0", "train.log_every=1",
-        "train.precision=fp32", "train.sample_tokens=8", "train.warmup_steps=2"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    from pydoc_data.topics import topics
-
-    path = tmp_path_factory.mktemp("corpus") / "docs.txt"
-    path.write_text("\n\n".join(topics[k] for k in sorted(topics))[:60_000], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-
-
 def sets(corpus: Path, *extra: str) -> list[str]:
-    return [a for kv in [*TINY, f"data.paths=['{corpus}']", *extra] for a in ("--set", kv)]
+    return set_args(corpus, "train.eval_every=0", *extra)
 
 
 def losses(run: Path) -> list[float]:

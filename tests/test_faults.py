@@ -19,29 +19,13 @@ from trainwise.api import load
 from trainwise.cli import main
 from trainwise.errors import TrainwiseError
 from trainwise.train import checkpoint as ckpt
+from tiny import set_args
 
-TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
-        "train.seq_len=32", "train.micro_batch=4", "tokenizer.vocab_size=300", "train.eval_every=0",
-        "train.log_every=1", "train.warmup_steps=2", "train.sample_tokens=8", "train.precision=fp32",
-        "model.dropout=0.1"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    from pydoc_data.topics import topics
-
-    path = tmp_path_factory.mktemp("corpus") / "docs.txt"
-    path.write_text("\n\n".join(topics[k] for k in sorted(topics))[:60_000], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+FAULTS = ["train.micro_batch=4", "train.eval_every=0", "model.dropout=0.1"]
 
 
 def sets(corpus: Path, *extra: str) -> list[str]:
-    return [a for kv in [*TINY, f"data.paths=['{corpus}']", *extra] for a in ("--set", kv)]
+    return set_args(corpus, *FAULTS, *extra)
 
 
 def weights(run: Path, step: int) -> dict:
@@ -50,7 +34,6 @@ def weights(run: Path, step: int) -> dict:
 
 @pytest.fixture(scope="module")
 def finished_run(corpus, tmp_path_factory) -> Path:
-    os.environ["TRAINWISE_CACHE"] = str(tmp_path_factory.getbasetemp() / "cache")
     out = tmp_path_factory.mktemp("runs") / "done"
     assert main(["train", "--out", str(out), "--quiet", *sets(corpus, "train.max_steps=6")]) == 0
     return out

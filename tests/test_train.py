@@ -15,31 +15,14 @@ from safetensors.torch import load_file
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides, load_config
 from trainwise.train.loop import train
+from tiny import TINY, set_args
 
-TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
-        "train.seq_len=32", "train.micro_batch=4", "tokenizer.vocab_size=300", "train.eval_every=5",
-        "train.eval_steps=2", "train.log_every=1", "train.warmup_steps=2", "train.sample_tokens=10",
-        "train.precision=fp32", "train.checkpoint_every=4"]
+TRAIN = [*TINY, "train.micro_batch=4", "train.eval_every=5", "train.eval_steps=2", "train.checkpoint_every=4"]
 METRIC_KEYS = {"step", "tokens", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "flops_per_s", "mfu"}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """About 60 KB of real English text (CPython's reference docs), as a plain .txt file."""
-    from pydoc_data.topics import topics
-
-    path = tmp_path_factory.mktemp("corpus") / "docs.txt"
-    path.write_text("\n\n".join(topics[k] for k in sorted(topics))[:60_000], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-
-
 def tiny_config(corpus: Path, *extra: str) -> RunConfig:
-    return apply_overrides(RunConfig(), TINY + [f"data.paths=['{corpus}']", *extra])
+    return apply_overrides(RunConfig(), TRAIN + [f"data.paths=['{corpus}']", *extra])
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -80,7 +63,7 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run(corpus, tmp_path, 
     same losses and weights as a run that was never interrupted (dropout on, so RNG state matters)."""
     extra = ["train.max_steps=60", f"train.precision={precision}", "model.dropout=0.1", "train.eval_every=0",
              "train.checkpoint_every=0"]
-    sets = [a for kv in TINY + extra + [f"data.paths=['{corpus}']"] for a in ("--set", kv)]
+    sets = set_args(corpus, *TRAIN[len(TINY):], *extra)
     straight = tmp_path / "straight"
     assert main(["train", "--out", str(straight), "--quiet", *sets]) == 0
 

@@ -1,0 +1,28 @@
+"""Fixtures shared by the test files: a small real corpus and a private trainwise cache."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """Tokenizers, token shards and the calibrated peak go to a per-session directory, never ~/.cache."""
+    old = os.environ.get("TRAINWISE_CACHE")
+    os.environ["TRAINWISE_CACHE"] = str(tmp_path_factory.getbasetemp() / "cache")
+    yield
+    if old is None:
+        os.environ.pop("TRAINWISE_CACHE", None)
+    else:
+        os.environ["TRAINWISE_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """About 60 KB of real English text (CPython's reference docs), as a plain .txt file."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("corpus") / "docs.txt"
+    path.write_text("\n\n".join(topics[k] for k in sorted(topics))[:60_000], encoding="utf-8")
+    return path
