@@ -50,6 +50,13 @@ def test_two_ranks_equal_one_process_with_grad_accum(corpus, tmp_path, strategy)
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
     assert load(multi).generate("The ", max_new_tokens=5, seed=0).startswith("The ")
+    # per-rank model states against the planner's ZeRO math (FSDP = ZeRO-3, DDP = replicated)
+    per_rank = json.loads((multi / "verify.json").read_text())["per_rank"]
+    assert per_rank["zero_stage_planned"] == (3 if strategy == "fsdp" else 0)
+    for rank in per_rank["ranks"]:
+        for name in ("params", "grads", "optimizer"):
+            assert abs(rank[name]["error"]) < 0.01, (name, rank[name])
+    assert main(["verify", str(multi)]) == 0
 
 
 def test_grad_accum_composes_with_fsdp_and_checkpointing(corpus, tmp_path):

@@ -59,6 +59,10 @@ class ModelConfig:
     dropout: float = 0.0
     max_seq_len: int = 256
     init_std: float = 0.02
+    # > 0: the loss computes the LM head's logits this many tokens at a time and recomputes them in
+    # backward (trainwise.model.loss), so the fp32 B x T x V logits never exist whole. Changes memory
+    # and adds one head matmul (2HV FLOPs/token); the loss and gradients stay the same. 0 = plain.
+    loss_chunk_tokens: int = 0
     # Mixture-of-Experts (n_experts = 0: every layer dense)
     n_experts: int = 0
     top_k: int = 0
@@ -116,7 +120,7 @@ class ModelConfig:
                     f"--set model.{key}=N (for example the default {getattr(ModelConfig, key)})."
                 )
         for key in ("n_kv_heads", "head_dim", "ffn_hidden", "n_experts", "top_k", "expert_ffn_hidden",
-                    "n_shared_experts", "first_dense_layers"):
+                    "n_shared_experts", "first_dense_layers", "loss_chunk_tokens"):
             if getattr(self, key) < 0:
                 raise TrainwiseError(f"model.{key} = {getattr(self, key)} must not be negative.")
         _choice("model.activation", self.activation, ACTIVATIONS)

@@ -104,19 +104,30 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal_halving: bool
     )
 
 
+def loss_recompute_flops_per_token(cfg: ModelConfig) -> float:
+    """Per token: 2HV with model.loss_chunk_tokens > 0, else 0. The chunked cross-entropy
+    (trainwise.model.loss) recomputes each chunk's logits in backward, a second LM-head matmul; like
+    activation checkpointing this is hardware work, not model FLOPs (MFU keeps 6HV for the head)."""
+    return lm_head_flops(cfg) if cfg.loss_chunk_tokens else 0.0
+
+
 def recompute_flops_per_token(fwd: ForwardFlops, checkpointing: str, cfg: ModelConfig | None = None) -> float:
     """Extra forward work in backward: full = every block's forward again (not the LM head);
-    selective = the attention core only (Korthikanti et al. 2022, section 5).
+    selective = the attention core only (Korthikanti et al. 2022, section 5). With `cfg`, plus the
+    chunked loss's LM-head recompute (loss_recompute_flops_per_token).
 
     With `cfg`, full recompute describes what PyTorch's non-reentrant checkpoint really runs: it stops
     recomputing once every tensor backward needs is back (`torch.utils.checkpoint`, early stop, on by
     default), and a dense block's last matmul, the MLP down projection 2FH, produces no saved tensor,
     so it is not re-run. (Measured with trainwise.measure.flopcount; MoE layers end in the weighted
     combine, which needs the experts' outputs, so they recompute in full.)"""
-    if checkpointing == "full" and cfg is not None:
+    if cfg is None:
+        return {"none": 0.0, "selective": fwd.attention_core, "full": fwd.blocks}[checkpointing]
+    loss = loss_recompute_flops_per_token(cfg)
+    if checkpointing == "full":
         n_dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-        return fwd.blocks - n_dense * 2.0 * cfg.ffn_hidden * cfg.d_model
-    return {"none": 0.0, "selective": fwd.attention_core, "full": fwd.blocks}[checkpointing]
+        return fwd.blocks - n_dense * 2.0 * cfg.ffn_hidden * cfg.d_model + loss
+    return {"none": 0.0, "selective": fwd.attention_core}[checkpointing] + loss
 
 
 def _as_checkpointing(recompute: bool | str) -> str:
@@ -133,9 +144,13 @@ def flops_per_token_train(cfg: ModelConfig, seq_len: int, causal_halving: bool =
                           recompute: bool | str = False) -> float:
     """Training FLOPs per token = 3 x forward (backward = 2x forward) + recompute.
 
-    `recompute`: False/"none", "selective", or True/"full". Model FLOPs (for MFU) use recompute=False;
-    hardware FLOPs (HFU) include it."""
+    Model FLOPs (for MFU): recompute=False (the default), no recomputation of any kind. Hardware FLOPs
+    (HFU): recompute = the run's activation checkpointing, "none", "selective" or "full" (True = "full"),
+    which also adds the chunked loss's LM-head recompute when model.loss_chunk_tokens > 0; without
+    chunking "none" equals False."""
     fwd = forward_flops_per_token(cfg, seq_len, causal_halving)
+    if recompute is False or recompute is None:
+        return 3.0 * fwd.total
     return 3.0 * fwd.total + recompute_flops_per_token(fwd, _as_checkpointing(recompute), cfg)
 
 

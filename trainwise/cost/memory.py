@@ -179,7 +179,8 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
     full: each block keeps only its input (s x B x T x H) (Chen et al. 2016; Korthikanti et al. 2022
       section 4.3); one block's activations while it is recomputed in backward are in peak_bytes.
     Always: token ids and targets (int64, 16 bytes/token); the final norm; the LM head input cH; the
-      fp32 log-softmax output B x T x V (4V) that cross-entropy saves; under autocast, the weight
+      fp32 log-softmax output B x T x V (4V) that cross-entropy saves, or with model.loss_chunk_tokens
+      only the fp32 logsumexp (4 bytes/token, loss_saved_bytes_per_token); under autocast, the weight
       copies (autocast_weight_bytes).
     With pipeline parallelism under 1F1B the first stage holds pp micro-batches of L/pp layers, i.e. the
     same L-layer total (Korthikanti section 4.2.3); tensor parallelism with sequence parallelism
@@ -192,9 +193,32 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
         layers = cfg.n_layers * recipe.residual_bytes * cfg.d_model
     else:
         layers = sum(activation_bytes_per_token_layer(cfg, recipe, i, checkpointing) for i in range(cfg.n_layers))
-    head = 16 + norm_saved_bytes(cfg, recipe.residual_bytes) + recipe.compute_bytes * cfg.d_model + 4 * cfg.vocab_size
+    head = 16 + norm_saved_bytes(cfg, recipe.residual_bytes) + recipe.compute_bytes * cfg.d_model
+    head += loss_saved_bytes_per_token(cfg)
     weights = autocast_weight_bytes(cfg, recipe, checkpointing)
     return math.ceil((tokens * (layers + head) + weights) / tp)
+
+
+def loss_saved_bytes_per_token(cfg: ModelConfig) -> int:
+    """What the cross-entropy saves for backward per token: the fp32 log-softmax row (4V) for
+    F.cross_entropy, or the fp32 logsumexp (4) for the chunked loss (trainwise.model.loss)."""
+    return 4 if cfg.loss_chunk_tokens else 4 * cfg.vocab_size
+
+
+def loss_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1) -> int:
+    """Scratch of the cross-entropy's backward, alive at the start of backward beside the activations.
+
+    Plain F.cross_entropy: two fp32 N x V buffers (the log-softmax gradient and the logits gradient),
+    8V per token. Chunked (model.loss_chunk_tokens = C > 0, trainwise.model.loss): the fp32 grad_weight
+    accumulator 4VH, grad_hidden cNH, and one chunk's recomputed fp32 logits/softmax 4CV plus, when the
+    compute dtype c is not fp32, its c-byte cast for the matmuls cCV and the c-byte VH product each
+    chunk adds to the accumulator. N x V never appears."""
+    V, H, c = cfg.vocab_size, cfg.d_model, recipe.compute_bytes
+    if not cfg.loss_chunk_tokens:
+        return math.ceil(8 * V * tokens / tp)
+    chunk = min(cfg.loss_chunk_tokens, tokens)
+    cast = c if c != 4 else 0
+    return math.ceil((4 * V * H + c * tokens * H + (4 + cast) * chunk * V + cast * V * H) / tp)
 
 
 def optimizer_step_temporary_bytes(n_params: int, recipe: Recipe, optimizer: str, model_parallel: int = 1) -> int:
@@ -222,13 +246,14 @@ def peak_bytes(cfg: ModelConfig, states: StateBytes, activations: int, optimizer
                seq_len: int, grad_accum: int = 1, tp: int = 1, recipe: Recipe | None = None,
                checkpointing: str = "none") -> int:
     """Peak of one training step = the larger of its two high points:
-      start of backward: params + optimizer + master + activations + the two fp32 B x T x V buffers of the
-        cross-entropy backward (8V per token) or, under full checkpointing, one recomputed block if larger
+      start of backward: params + optimizer + master + activations + the cross-entropy backward's
+        scratch (loss_backward_bytes: two fp32 B x T x V buffers, 8V per token, or one chunk's worth with
+        model.loss_chunk_tokens) or, under full checkpointing, one recomputed block if larger
         (recompute_bytes), + the gradients when accumulating (K > 1: they already
         hold the earlier micro-batches; with K = 1 they are None, zero_grad(set_to_none=True));
       optimizer step: all states + the step's scratch, one moment's worth for foreach AdamW
         (optimizer_step_temporary_bytes; sharded like the moments)."""
-    logits_grads = math.ceil(8 * cfg.vocab_size * micro_batch * seq_len / tp)
+    logits_grads = loss_backward_bytes(cfg, recipe or RECIPES["fp32"], micro_batch * seq_len, tp)
     if checkpointing == "full" and recipe is not None:
         logits_grads = max(logits_grads, recompute_bytes(cfg, recipe, micro_batch * seq_len, tp))
     backward = (states.params + states.optimizer + states.master + activations + logits_grads

@@ -192,7 +192,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         fwd = F.forward_flops_per_token(model, seq_len, causal_halving)
         model_fpt = 3.0 * fwd.total
         fpt = model_fpt + F.recompute_flops_per_token(fwd, checkpointing, model)
-        convention = "exact" if checkpointing == "none" else "exact+recompute"
+        convention = "exact" if fpt == model_fpt else "exact+recompute"
         acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp)
         name = model.name
     else:
@@ -320,8 +320,9 @@ def explain_plan(p: Plan) -> str:
         add(f"                      + MLP {f.mlp:.4g} + router/experts {f.router_and_experts:.4g} "
             f"+ LM head 2HV = {f.lm_head:.4g} + embedding 0 = {f.total:.4g}")
         add(f"   train per token = 3 x forward = 3 x {f.total:.4g} = {p.model_flops_per_token:.4g}")
-        if p.checkpointing != "none":
-            add(f"   + recompute ({p.checkpointing}) = {p.flops_per_token - p.model_flops_per_token:.4g}"
+        if p.flops_per_token != p.model_flops_per_token:
+            what = p.checkpointing if p.checkpointing != "none" else "chunked loss, LM head 2HV"
+            add(f"   + recompute ({what}) = {p.flops_per_token - p.model_flops_per_token:.4g}"
                 f" -> {p.flops_per_token:.4g}")
         add(f"   (6N rule for comparison: 6 x {N:,} = {6 * N:.4g})")
     else:

@@ -33,7 +33,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from trainwise.measure.verify import format_table, verify_run
 
     result = verify_run(args.run_dir)
-    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(format_table(result))
+    if "per_rank" in result:
+        from trainwise.train.distributed import format_per_rank
+
+        print(format_per_rank(result["per_rank"]))
     return 0
 
 

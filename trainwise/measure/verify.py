@@ -186,4 +186,6 @@ def verify_run(run_dir: str | Path) -> dict:
     step_time, _ = steady_step_time(run_dir / "metrics.jsonl")
     new = build_verify(cfg, plan, measured, step_time, old["device"], info.get("peak_source", "stored"))
     new["run"] = info
+    if "per_rank" in old:  # measured on the ranks of a torchrun job; kept as the run recorded it
+        new["per_rank"] = old["per_rank"]
     return new

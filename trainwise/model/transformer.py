@@ -16,6 +16,7 @@ from torch import nn
 
 from trainwise.config import ModelConfig
 from trainwise.errors import TrainwiseError
+from trainwise.model.loss import chunked_cross_entropy
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -206,6 +207,11 @@ class Transformer(nn.Module):
         """Logits (B, T, V) when targets is None, else the mean next-token cross-entropy (scalar),
         plus the MoE auxiliary losses when the model has MoE layers."""
         x = self.hidden_states(idx)
+        if targets is not None and self.cfg.loss_chunk_tokens:
+            # the same loss without the whole (B*T, V) fp32 logits (trainwise.model.loss)
+            loss = chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                         self.cfg.loss_chunk_tokens)
+            return loss + self.aux_loss()
         logits = self.lm_head(x)  # (B, T, V)
         if targets is None:
             return logits

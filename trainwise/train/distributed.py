@@ -141,6 +141,51 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, optimize
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
 
 
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds of these tensors (the local shard of a DTensor)."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def rank_state_bytes(params: list, optimizer: torch.optim.Optimizer, grad_bytes: int) -> dict:
+    """This rank's parameter, gradient and optimizer-state bytes, as the planner's ZeRO math predicts
+    them per device (grads are measured by the caller before they are freed)."""
+    states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.ndim]
+    return {"params": local_bytes(params), "grads": grad_bytes, "optimizer": local_bytes(states)}
+
+
+def per_rank_verify(cfg, measured: list[dict], d: Dist) -> dict:
+    """Predicted (planner, ZeRO-3 for FSDP, ZeRO-0 for DDP, dp = world size) vs measured, per rank."""
+    from trainwise.cost import memory as M
+    from trainwise.cost.params import params as count_params
+    from trainwise.cost.plan import train_settings
+
+    settings = train_settings(cfg.train)
+    zero = 3 if d.strategy == "fsdp" else 0
+    plan = M.state_bytes(count_params(cfg.model).total, M.get_recipe(settings["precision"]),
+                         settings["optimizer"], zero=zero, dp=d.world_size)
+    predicted = {"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer + plan.master}
+    ranks = [{k: {"predicted": predicted[k], "measured": m[k], "error": m[k] / predicted[k] - 1 if predicted[k] else None}
+              for k in predicted} for m in measured]
+    return {"strategy": d.strategy, "world_size": d.world_size, "zero_stage_planned": zero, "ranks": ranks}
+
+
+def format_per_rank(section: dict) -> str:
+    lines = [f"per-rank model states, {section['strategy']} on {section['world_size']} ranks vs the "
+             f"ZeRO-{section['zero_stage_planned']} plan:",
+             f"{'rank':>4}  {'state':<10}{'predicted':>16}{'measured':>16}{'error':>9}"]
+    for r, entries in enumerate(section["ranks"]):
+        for name, e in entries.items():
+            lines.append(f"{r:>4}  {name:<10}{e['predicted'] / 1e6:>13.3f} MB{e['measured'] / 1e6:>13.3f} MB"
+                         f"{e['error']:>+9.1%}")
+    return "\n".join(lines)
+
+
 def gather_objects(obj, d: Dist) -> list:
     """Every rank's `obj`, in rank order (each rank's RNG state, for exact resume)."""
     if not d.active:

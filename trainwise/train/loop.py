@@ -314,6 +314,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                file=sys.stderr)
     loss_sum = torch.zeros((), device=device)
     last_loss, val_loss, stopped = float("nan"), float("nan"), False
+    last_grad_bytes = 0
     skipped = 0  # optimizer steps skipped for a non-finite loss or gradient (this session)
     interval_start, interval_steps = time.perf_counter(), 0
     with _StopRequest() as stop:
@@ -342,6 +343,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
             else:
                 scaler.step(optimizer)
                 scaler.update()
+                if d.active and step + 1 == cfg.train.max_steps:  # for the per-rank memory check
+                    last_grad_bytes = distributed.local_bytes(p.grad for p in params)
                 optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += tokens_per_step
@@ -393,7 +396,10 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
 
     if not val_loss == val_loss:  # nan: no evaluation happened yet
         val_loss = evaluate(model, tokens.val, cfg, device, precision)
+    per_rank = None
     if d.active:  # the rest is rank 0's, on the gathered weights of the checkpoint just saved
+        measured = distributed.rank_state_bytes(params, optimizer, last_grad_bytes)
+        per_rank = distributed.per_rank_verify(cfg, distributed.gather_objects(measured, d), d)
         distributed.shutdown(d)
         if not d.is_main:
             return TrainResult(out, step, last_loss, val_loss, float("nan"), "")
@@ -407,8 +413,15 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     say(f"\nfinal: train loss {last_loss:.4f}, val loss {val_loss:.4f} nats/token "
         f"(unigram baseline {unigram:.4f}; {unigram - val_loss:+.3f} better)")
     say("sample (temperature 0.8, top-k 50):\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
-    # Distributed runs: the optimizer holds shards; verify measures one step of the gathered model.
-    reporter.finish(out, tokens_seen, step, model=model, optimizer=None if d.active else optimizer)
+    # Distributed: verify measures one step of the gathered model with a fresh optimizer, in one process;
+    # the per-rank shards were measured above and are checked against the ZeRO plan.
+    reporter.finish(out, tokens_seen, step, model=model,
+                    optimizer=build_optimizer(model, cfg.train) if d.active else optimizer)
+    if per_rank is not None and (out / "verify.json").is_file():
+        result = json.loads((out / "verify.json").read_text(encoding="utf-8"))
+        result["per_rank"] = per_rank
+        (out / "verify.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+        say(distributed.format_per_rank(per_rank))
     if d.is_main:
         (out / "sample.txt").write_text(sample, encoding="utf-8")
         from trainwise.report.html import write_report

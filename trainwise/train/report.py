@@ -2,7 +2,8 @@
 
 Throughput numbers follow DESIGN.md's conventions: model FLOPs per token come from the planner
 (`cost.flops.flops_per_token_train`, no recompute, attention not halved); MFU = model FLOP/s /
-(devices x peak FLOP/s of the dtype in use); HFU adds the recompute of activation checkpointing.
+(devices x peak FLOP/s of the dtype in use); HFU adds the recompute of activation checkpointing and of
+the chunked loss (model.loss_chunk_tokens).
 On a CPU the peak is this machine's measured matmul peak (`trainwise hardware --calibrate`).
 """
 
