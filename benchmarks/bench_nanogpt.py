@@ -115,9 +115,13 @@ def build_variants(shape: dict, nanogpt, which: list[str]) -> list[Variant]:
                                                  device_type="cpu")
             variants.append(Variant(name, model, opt, contextlib.nullcontext, gpt2_cfg, "fp32"))
             continue
-        arch, precision = name.split()
+        arch, precision, *compiled = name.split()
         cfg = gpt2_cfg if arch == "tw-gpt2" else llama_cfg
         model = Transformer(cfg)
+        if compiled:  # "tw-llama bf16 compile": the trainer's train.compile=true path
+            from trainwise.train.parallelize import apply_compile
+
+            apply_compile(model)
         opt = build_optimizer(model, TrainConfig())
         variants.append(Variant(name, model, opt, lambda p=precision: autocast(cpu, p), cfg, precision))
     return variants
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="micro-batch B for every shape (default: the shape's own, 16 / 64)")
     ap.add_argument("--variants", default="nanogpt,tw-gpt2 bf16,tw-gpt2 fp32,tw-llama bf16",
                     help="comma-separated subset of: nanogpt, tw-gpt2 bf16, tw-gpt2 fp32, tw-llama bf16, "
-                         "tw-llama fp32")
+                         "tw-llama fp32; append ' compile' to a trainwise variant for train.compile=true")
     ap.add_argument("--peaks", choices=["measure", "cached"], default="measure",
                     help="matmul peaks for MFU: 'measure' (default) re-runs calibrate()'s matmul timing now "
                          "without touching its cache; 'cached' uses calibrate('cpu'), which may have been "

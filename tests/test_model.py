@@ -125,6 +125,14 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
         assert (id(p) in decayed) == expect, name
 
 
+def test_adamw_is_foreach_on_cpu_and_fused_only_on_cuda():
+    opt = build_optimizer(Transformer(tiny()), TrainConfig())
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    if torch.cuda.is_available():
+        opt = build_optimizer(Transformer(tiny()).cuda(), TrainConfig())
+        assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+
+
 def test_lr_schedule_warmup_then_cosine():
     cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
     assert lr_at(0, cfg) == pytest.approx(0.1)
