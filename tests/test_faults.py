@@ -192,3 +192,20 @@ def test_nonfinite_stop_names_the_step(corpus, tmp_path, capsys):
                                                               "train.grad_clip=0", "train.on_nonfinite=stop")])
     assert code == 2
     assert "non-finite values at step" in capsys.readouterr().err
+
+
+def test_keep_best_spares_the_checkpoint_with_the_lowest_validation_loss(corpus, tmp_path):
+    out = tmp_path / "run"
+    # a learning rate that first helps and then hurts, so the best checkpoint is not the last one
+    args = sets(corpus, "train.max_steps=12", "train.eval_every=2", "train.eval_steps=2", "train.keep_best=true",
+                "train.keep_checkpoints=1", "train.checkpoint_every=0", "train.warmup_steps=1", "train.lr=0.3",
+                "train.min_lr=0.3")
+    assert main(["train", "--out", str(out), "--quiet", *args]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    best_step = min(evals, key=evals.get)
+    best = ckpt.best_checkpoint(out)
+    assert best["step"] == best_step and best["val_loss"] == evals[best_step]
+    kept = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert f"step_{best_step:08d}" in kept and "step_00000012" in kept
+    assert len(kept) == (1 if best_step == 12 else 2)

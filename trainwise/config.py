@@ -195,6 +195,7 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
+    keep_best: bool = False  # also keep the checkpoint with the lowest validation loss (checkpoints/best.json)
     sample_tokens: int = 120
 
     def validate(self) -> None:

@@ -127,10 +127,29 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints, sparing the best one (best.json) if there is one."""
     if keep <= 0:
         return
+    best = best_checkpoint(run_dir)
     for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if best is None or old.name != best["name"]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def best_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    """{"name", "step", "val_loss"} of the best checkpoint by validation loss, if one was marked."""
+    try:
+        return json.loads((checkpoint_dir(run_dir) / "best.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def mark_best(run_dir: Path, step: int, val_loss: float) -> None:
+    """Record step's (already saved) checkpoint as the best one, atomically."""
+    path = checkpoint_dir(run_dir) / "best.json"
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"name": f"step_{step:08d}", "step": step, "val_loss": val_loss}), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:

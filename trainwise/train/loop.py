@@ -315,6 +315,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     loss_sum = torch.zeros((), device=device)
     last_loss, val_loss, stopped = float("nan"), float("nan"), False
     last_grad_bytes = 0
+    best = ckpt.best_checkpoint(out)
+    best_val = best["val_loss"] if best else float("inf")
     skipped = 0  # optimizer steps skipped for a non-finite loss or gradient (this session)
     interval_start, interval_steps = time.perf_counter(), 0
     with _StopRequest() as stop:
@@ -377,8 +379,13 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                 bar.set_postfix_str(reporter.postfix(row))
                 loss_sum.zero_()
                 interval_start, interval_steps = time.perf_counter(), 0
-            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or stop_now:
+            new_best = do_eval and cfg.train.keep_best and val_loss < best_val
+            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or stop_now or new_best:
                 save()
+            if new_best:
+                best_val = val_loss
+                if d.is_main:
+                    ckpt.mark_best(out, step, val_loss)
             if stop_now:
                 stopped = True
                 break
