@@ -98,3 +98,14 @@ def test_fit_prefers_no_recompute_when_it_fits():
     tight, _ = fit(get_preset("llama-3-8b"), global_batch=64, memory_budget=30 * 2**30, seq_len=8192, gpu="h100",
                    gpus=8)
     assert tight and tight[0].checkpointing == "full"
+
+
+def test_plan_of_a_run_config_uses_its_run_length_and_this_cpu(tmp_path):
+    """A trainwise TOML carries the run: tokens = max_steps x micro_batch x grad_accum x seq_len."""
+    import trainwise
+    from trainwise.config import RunConfig, apply_overrides, save_config
+
+    cfg = apply_overrides(RunConfig(), ["train.max_steps=10", "train.micro_batch=2", "train.seq_len=64"])
+    save_config(cfg, tmp_path / "config.toml")
+    plan = trainwise.plan(str(tmp_path / "config.toml"), peak_flops=1e12)
+    assert plan.to_json()["tokens"] == 10 * 2 * 64

@@ -62,7 +62,7 @@ def train(config: RunConfig | None = None, out: str | Path | None = None, **kwar
     return _train(config, out, **kwargs)
 
 
-def plan(model=None, *, params: float | None = None, tokens: float, **run):
+def plan(model=None, *, params: float | None = None, tokens: float | None = None, **run):
     """Same as `trainwise plan`: `model` is a preset name, a trainwise TOML, a HF config.json or a
     ModelConfig; `run` takes plan_run's keywords (seq_len, micro_batch, gpu, gpus, precision, zero, ...).
     Returns a Plan (`.to_json()`, `.explain()`)."""
@@ -75,5 +75,8 @@ def plan(model=None, *, params: float | None = None, tokens: float, **run):
         model, settings = load_model(model)
     elif model is not None and not isinstance(model, ModelConfig):
         raise TrainwiseError("plan(model=...) takes a preset name, a file path or a ModelConfig.")
+    run_tokens = settings.pop("tokens", None)  # a trainwise TOML knows its run length
     settings.update(run)
-    return plan_run(model, params_count=params, tokens=tokens, **settings)
+    if tokens is None and run_tokens is None:
+        raise TrainwiseError("plan() needs tokens=D, the number of training tokens.")
+    return plan_run(model, params_count=params, tokens=tokens or run_tokens, **settings)

@@ -96,7 +96,9 @@ def load_model(spec: str) -> tuple[ModelConfig, dict]:
         from trainwise.cost.plan import train_settings
 
         cfg = load_config(path)
-        return cfg.model, train_settings(cfg.train)
+        t = cfg.train
+        tokens = t.max_steps * t.micro_batch * t.grad_accum_steps * t.seq_len
+        return cfg.model, {**train_settings(t), "tokens": tokens}
     if spec.endswith(".json") or path.is_file():
         return load_hf_config(path), {}
     return get_preset(spec), {}  # raises with the closest preset names
@@ -104,6 +106,9 @@ def load_model(spec: str) -> tuple[ModelConfig, dict]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     model, train = (load_model(args.model) if args.model else (None, {}))
+    run_tokens = train.pop("tokens", None)  # a trainwise TOML knows its run length
+    if args.tokens is None and run_tokens and not args.simulate:
+        args.tokens = run_tokens
     if model is None and args.params is None:
         raise TrainwiseError("give --model PRESET|FILE or --params N.")
     if args.tokens is None and args.simulate:

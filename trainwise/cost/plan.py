@@ -28,13 +28,20 @@ class Hardware:
 def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float | None, memory: int | None,
                      dtype: str) -> Hardware:
     """--gpu NAME from the table, overridden by --peak-flops/--bandwidth/--memory where given."""
-    if gpu:
+    if gpu and gpu.lower() == "cpu":  # this machine, as `trainwise hardware --calibrate` measured it
+        from trainwise.measure.calibrate import calibrate
+
+        measured = calibrate("cpu")
+        peak = measured["peak_flops"].get(dtype, measured["peak_flops"]["fp32"])
+        hw = Hardware("this CPU (measured)", peak, measured["bandwidth_bytes_per_s"], None)
+    elif gpu:
         acc: Accelerator = get_accelerator(gpu)
         hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes)
     elif peak_flops:
         hw = Hardware("custom", peak_flops)
     else:
-        raise TrainwiseError("give the hardware: --gpu NAME (see `trainwise hardware`) or --peak-flops P (FLOP/s).")
+        raise TrainwiseError("give the hardware: --gpu NAME (see `trainwise hardware`), --gpu cpu (this machine's "
+                             "measured peak) or --peak-flops P (FLOP/s).")
     if peak_flops:
         hw.peak_flops = float(peak_flops)
     if bandwidth:

@@ -33,6 +33,10 @@ def device_peak_flops(device: torch.device, precision: str) -> tuple[float, str]
     return measured["peak_flops"][precision], f"measured {precision} matmul peak of this {device.type}"
 
 
+def _mb(n_bytes: float) -> str:
+    return f"{n_bytes / 1e6:,.1f} MB ({n_bytes / 2**20:,.1f} MiB)"
+
+
 class RunReporter:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, device: torch.device, precision: str, say):
         self.cfg, self.device, self.precision, self.say = cfg, device, precision, say
@@ -47,6 +51,12 @@ class RunReporter:
             f"{cfg.model.n_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}")
         say(f"compute: {self.model_flops_per_token:,.0f} model FLOPs per token (fwd+bwd, exact, attention "
             f"not halved); MFU against {self.peak_flops / 1e9:,.1f} GFLOP/s ({self.peak_source})")
+        plan = self.plan().to_json()
+        mem, when = plan["memory"], plan["time"]
+        say(f"plan: peak memory {_mb(mem['peak_bytes'])} (states {_mb(mem['states_bytes'])}, activations "
+            f"{_mb(mem['activations_bytes'])}); {plan['flops']['total']:.3g} FLOPs in all, "
+            f"{when['seconds']:,.0f} s at {plan['hardware']['mfu']:.0%} MFU")
+        say("      (plan.json; `trainwise plan --model RUN/config.toml --gpu cpu --explain` derives it)")
 
     def plan(self):
         from trainwise.cost.plan import plan_for_run  # noqa: PLC0415
