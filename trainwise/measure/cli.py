@@ -16,7 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     r = subparsers.add_parser("roofline", help="every operator of one training step on the roofline",
                               epilog="examples:\n  trainwise roofline --model trainwise-small --plot roof.png\n"
-                                     "  trainwise roofline --model llama-3-8b --gpu h100 --seq-len 2048",
+                                     "  trainwise roofline --model llama-3-8b --gpu h100 --seq-len 2048\n"
+                                     "  trainwise roofline --model trainwise-small --measure --plot roof.png",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--model", default="trainwise-small", help="preset, trainwise TOML or config.json")
     r.add_argument("--gpu", help="accelerator from `trainwise hardware` (default: this CPU, calibrated)")
@@ -24,6 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--seq-len", type=int)
     r.add_argument("--micro-batch", type=int, default=1)
     r.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none")
+    r.add_argument("--measure", action="store_true",
+                   help="also profile one real training step on this CPU (torch.profiler) and put each "
+                        "operator's achieved FLOP/s beside its bound (models up to 200M parameters)")
     r.add_argument("--plot", metavar="FILE.png")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_roofline)
@@ -49,6 +53,10 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     from trainwise.measure.roofline import plot_roofline, roofline_ops, roofline_table
 
     model, _ = load_model(args.model)
+    if args.measure and args.gpu:
+        from trainwise.errors import TrainwiseError
+
+        raise TrainwiseError("--measure profiles a step on this CPU; it cannot be combined with --gpu.")
     if args.gpu:
         from trainwise.cost.hardware import get_accelerator
 
@@ -60,18 +68,39 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         cal = calibrate("cpu")
         peak, bw, hw = cal["peak_flops"][args.precision], cal["bandwidth_bytes_per_s"], "this CPU (calibrated)"
     seq = args.seq_len or min(model.max_seq_len, 2048)
+    if args.measure:
+        from trainwise.measure.roofline import check_measurable
+
+        check_measurable(model, args.micro_batch, seq, [], peak, bw)  # size first: before the fake step
     points = roofline_ops(model, args.micro_batch, seq, args.precision, args.checkpointing)
+    measured = None
+    if args.measure:
+        from trainwise.measure.roofline import measure_ops
+
+        check_measurable(model, args.micro_batch, seq, points, peak, bw)
+        measured = measure_ops(model, args.micro_batch, seq, points, args.precision, args.checkpointing)
     if args.json:
-        print(json.dumps({"hardware": hw, "peak_flops": peak, "bandwidth_bytes_per_s": bw, "ridge": peak / bw,
-                          "ops": [{"op": p.name, "class": p.cls, "calls": p.calls, "flops": p.flops,
-                                   "bytes": p.bytes, "intensity": p.intensity(),
-                                   "bound": "compute" if p.intensity() >= peak / bw else "memory",
-                                   "min_time_s": p.bound_s(peak, bw)} for p in points]}, indent=1))
+        out = {"hardware": hw, "peak_flops": peak, "bandwidth_bytes_per_s": bw, "ridge": peak / bw,
+               "ops": [{"op": p.name, "class": p.cls, "calls": p.calls, "flops": p.flops,
+                        "bytes": p.bytes, "intensity": p.intensity(),
+                        "bound": "compute" if p.intensity() >= peak / bw else "memory",
+                        "min_time_s": p.bound_s(peak, bw)} for p in points]}
+        if measured is not None:
+            from trainwise.measure.roofline import measured_json
+
+            out["measured"] = measured_json(measured, peak, bw)
+        print(json.dumps(out, indent=1))
     else:
         print(f"{model.name}, B={args.micro_batch}, T={seq}, {args.precision}, on {hw}")
         print(roofline_table(points, peak, bw))
+        if measured is not None:
+            from trainwise.measure.roofline import measured_table
+
+            print(measured_table(measured, peak, bw))
     if args.plot:
-        plot_roofline(points, peak, bw, args.plot, f"{model.name} training step on {hw}")
+        what = "measured vs bound" if measured is not None else "training step"
+        plot_roofline(points, peak, bw, args.plot, f"{model.name} (B={args.micro_batch}, T={seq}) {what} on {hw}",
+                      measured=measured)
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0

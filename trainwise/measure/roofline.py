@@ -133,8 +133,11 @@ def roofline_table(points: list[OpPoint], peak: float, bw: float) -> str:
     return "\n".join(lines)
 
 
-def plot_roofline(points: list[OpPoint], peak: float, bw: float, path: str, title: str = "") -> None:
-    """Log-log roofline: attainable FLOP/s = min(P, I x BW), each operator at (I, its bound FLOP/s)."""
+def plot_roofline(points: list[OpPoint], peak: float, bw: float, path: str, title: str = "",
+                  measured: list[MeasuredOp] | None = None) -> None:
+    """Log-log roofline: attainable FLOP/s = min(P, I x BW), each operator at (I, its bound FLOP/s).
+    With `measured`, each measured operator gets its own colour: a hollow marker at its bound, a filled
+    one at its achieved FLOP/s, joined by a thin line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,11 +146,16 @@ def plot_roofline(points: list[OpPoint], peak: float, bw: float, path: str, titl
     ridge = peak / bw
     xs = [p.intensity() for p in points if p.flops and p.bytes]
     lo, hi = min(xs + [ridge]) / 4, max(xs + [ridge]) * 4
-    fig, ax = plt.subplots(figsize=(9, 6))
+    fig, ax = plt.subplots(figsize=(13, 7.5) if measured else (9, 6))
     ax.plot([lo, ridge, hi], [lo * bw, peak, peak], color="black", lw=2, label="roofline min(P, I x BW)")
     ax.axvline(ridge, color="gray", ls="--")
     ax.annotate(f"ridge point {ridge:.3g} FLOPs/byte", (ridge, peak), textcoords="offset points",
-                xytext=(8, -18))
+                xytext=(-8, 8) if measured else (8, -18), ha="right" if measured else "left")
+    if measured:
+        _plot_measured(ax, fig, measured, peak, bw, title)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
     colors = {cls: f"C{i}" for i, (cls, _) in enumerate(CLASSES + (("elementwise/other", ()),))}
     for p in points:
         if p.flops and p.bytes:
@@ -165,3 +173,157 @@ def plot_roofline(points: list[OpPoint], peak: float, bw: float, path: str, titl
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# --- measured roofline (`trainwise roofline --measure`) -------------------------------------------------
+
+MAX_MEASURE_PARAMS = 200_000_000  # a real fp32 step + Adam state of more than this is not a CPU check
+MAX_MEASURE_STEP_S = 120.0  # refuse when the roofline's own lower bound says the step takes longer
+
+
+@dataclass
+class MeasuredOp:
+    """One roofline operator with its measured self time in a real profiled step."""
+
+    point: OpPoint
+    time_s: float  # profiler self CPU time summed over the op's calls in the step
+    calls: int  # calls the profiler saw
+
+    def achieved(self) -> float:
+        return self.point.flops / self.time_s if self.time_s > 0 else float("nan")
+
+    def attainable(self, peak: float, bw: float) -> float:
+        return min(peak, self.point.intensity() * bw)
+
+    def fraction(self, peak: float, bw: float) -> float:
+        return self.achieved() / self.attainable(peak, bw)
+
+
+def check_measurable(model_cfg, micro_batch: int, seq_len: int, points: list[OpPoint], peak: float,
+                     bw: float) -> None:
+    """Raise TrainwiseError when a real CPU step of this config is too big or too slow to profile."""
+    from trainwise.cost.params import params
+    from trainwise.errors import TrainwiseError
+
+    n = params(model_cfg).total
+    if n > MAX_MEASURE_PARAMS:
+        raise TrainwiseError(
+            f"--measure runs a real training step on this CPU; {model_cfg.name} has {n / 1e6:.0f}M parameters "
+            f"(limit {MAX_MEASURE_PARAMS / 1e6:.0f}M). Use a smaller model (e.g. --model trainwise-small), "
+            f"or drop --measure for the analytic roofline.")
+    t_min = sum(p.bound_s(peak, bw) for p in points)
+    if t_min > MAX_MEASURE_STEP_S:
+        raise TrainwiseError(
+            f"--measure: one step of {model_cfg.name} at B={micro_batch}, T={seq_len} takes at least "
+            f"{t_min:.0f} s on this hardware (roofline lower bound; limit {MAX_MEASURE_STEP_S:.0f} s). "
+            f"Shrink it with --seq-len and/or --micro-batch.")
+
+
+def measure_ops(model_cfg, micro_batch: int, seq_len: int, points: list[OpPoint], precision: str = "fp32",
+                checkpointing: str = "none", seed: int = 0) -> list[MeasuredOp]:
+    """Run one warm-up and one profiled real training step on the CPU (torch.profiler, CPU activity) and
+    match the profiler's aten events to the roofline's operators by name. FLOPs stay the roofline's
+    (the project's counter), never the profiler's estimate; time is each op's self CPU time (its own
+    kernel, children excluded), summed over its calls. Operators the profiler did not see are left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainwise.config import TrainConfig
+    from trainwise.measure.step import random_batches, train_step
+    from trainwise.model import Transformer
+    from trainwise.train.optim import build_optimizer
+    from trainwise.train.parallelize import apply_activation_checkpointing
+
+    device = torch.device("cpu")
+    rng_state = torch.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Transformer(model_cfg)
+        if checkpointing != "none":
+            apply_activation_checkpointing(model, checkpointing)
+        opt = build_optimizer(model, TrainConfig())
+        batches = random_batches(model_cfg.vocab_size, micro_batch, seq_len, 1, device, seed)
+        train_step(model, opt, batches, device, precision)  # warm-up: allocations, optimizer state
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            train_step(model, opt, batches, device, precision)
+    finally:
+        torch.set_rng_state(rng_state)
+    times = _attribute(prof.events(), {p.name for p in points})
+    return [MeasuredOp(p, times[p.name][0], times[p.name][1]) for p in points
+            if p.name in times and times[p.name][0] > 0 and p.flops > 0]
+
+
+def _attribute(events, names: set[str]) -> dict[str, list]:
+    """{roofline op name: [seconds, calls]}. Each profiler event's self time goes to its nearest enclosing
+    event that is a roofline operator (itself included): a kernel an op runs through an unlisted helper
+    (embedding -> index_select, a CPU _foreach_ op's per-tensor loop) counts as that op's time, and a
+    roofline op nested in another keeps its own. Events under no roofline op (autograd nodes, views,
+    composite wrappers such as aten::linear) are not charged to any operator."""
+    times: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    stack = [(ev, None) for ev in events if ev.cpu_parent is None]
+    while stack:
+        ev, owner = stack.pop()
+        name = ev.name.replace("::", ".")  # profiler "aten::mm" == dispatch packet "aten.mm"
+        if name in names:
+            owner = name
+            times[name][1] += 1
+        if owner is not None:
+            times[owner][0] += ev.self_cpu_time_total * 1e-6  # microseconds
+        stack.extend((child, owner) for child in ev.cpu_children)
+    return times
+
+
+def measured_table(measured: list[MeasuredOp], peak: float, bw: float) -> str:
+    lines = [f"measured: one real step (after a warm-up step) under torch.profiler; FLOPs from the trainwise "
+             f"counter, time = profiler self CPU time "
+             f"(incl. helper kernels the op calls), all calls in the step",
+             f"peak {peak:.4g} FLOP/s, bandwidth {bw:.4g} B/s, ridge point {peak / bw:.3g} FLOPs/byte",
+             f"{'operator':<50} {'class':<22} {'FLOPs':>10} {'time ms':>9} {'achieved FLOP/s':>15} "
+             f"{'attainable FLOP/s':>17} {'% bound':>8}"]
+    tot_f = tot_t = 0.0
+    for m in measured:
+        p = m.point
+        lines.append(f"{p.name:<50} {p.cls:<22} {p.flops:>10.3g} {m.time_s * 1e3:>9.3g} {m.achieved():>15.3g} "
+                     f"{m.attainable(peak, bw):>17.3g} {100 * m.fraction(peak, bw):>7.1f}%")
+        tot_f += p.flops
+        tot_t += m.time_s
+    if tot_t:
+        lines.append(f"{'all measured ops':<73} {tot_f:>10.3g} {tot_t * 1e3:>9.3g} {tot_f / tot_t:>15.3g}")
+    return "\n".join(lines)
+
+
+def measured_json(measured: list[MeasuredOp], peak: float, bw: float) -> list[dict]:
+    return [{"op": m.point.name, "class": m.point.cls, "calls": m.calls, "flops": m.point.flops,
+             "bytes": m.point.bytes, "intensity": m.point.intensity(), "time_s": m.time_s,
+             "achieved_flops_per_s": m.achieved(), "attainable_flops_per_s": m.attainable(peak, bw),
+             "fraction_of_bound": m.fraction(peak, bw)} for m in measured]
+
+
+def _plot_measured(ax, fig, measured: list[MeasuredOp], peak: float, bw: float, title: str) -> None:
+    from matplotlib.lines import Line2D
+
+    import matplotlib
+
+    cmap = list(matplotlib.colormaps["tab20"].colors)
+    cmap = cmap[0::2] + cmap[1::2]  # the 10 strong colours first, then their light partners
+    markers = "osD^v<>ph*"
+    handles = []
+    for i, m in enumerate(measured):
+        x, color, marker = m.point.intensity(), cmap[i % len(cmap)], markers[(i // 10) % len(markers)]
+        ax.plot([x, x], [m.achieved(), m.attainable(peak, bw)], color=color, lw=0.8, alpha=0.6)
+        ax.scatter(x, m.attainable(peak, bw), facecolors="none", edgecolors=color, marker=marker, s=70, lw=1.5)
+        label = f"{m.point.name.removeprefix('aten.')} ({100 * m.fraction(peak, bw):.2g}% of bound)"
+        handles.append(ax.scatter(x, m.achieved(), color=color, marker=marker, s=45, label=label))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOPs/byte)")
+    ax.set_ylabel("performance (FLOP/s)")
+    ax.set_title(title or "roofline of one training step: measured vs bound")
+    ax.grid(True, which="both", alpha=0.3)
+    style = [Line2D([], [], color="black", lw=2, label="roofline min(P, I x BW)"),
+             Line2D([], [], ls="", marker="o", mfc="none", mec="gray", ms=8, label="bound (attainable)"),
+             Line2D([], [], ls="", marker="o", color="gray", ms=7, label="measured (achieved)")]
+    first = ax.legend(handles=style, loc="lower right", fontsize=9)
+    ax.add_artist(first)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+              title="operator (filled = measured)", title_fontsize=9, borderaxespad=0)
+    fig.tight_layout()
