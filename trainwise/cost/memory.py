@@ -113,8 +113,9 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: in
         qk_norm inputs c(q + kv); dropout masks 1 byte/elem on the two residual branches.
       MLP: norm2; fc input cH; gated: the fused gate|up output 2cF (gate and up are views of it),
         act(gate) cF, the product (proj input) cF = 4cF; plain: act input and output 2cF (ReLU saves
-        only its output, which is also the proj input: cF). MoE: router logits and probabilities 8E
-        (fp32), dispatched copies top_k*cH, and the MLP terms for top_k + n_shared experts.
+        only its output, which is also the proj input: cF). MoE: see moe_saved_bytes (router, routing
+        indices and weights, 3 top_k*cH of dispatch buffers, top_k expert MLPs) + the shared experts'
+        MLP of width n_shared*F and its input cH (none in fp32: it is the router's input tensor).
     Selective checkpointing recomputes the attention core, dropping its out and logsumexp.
     Autocast's bf16 copies of the weights are per parameter, not per token: see autocast_weight_bytes."""
     c, s, H = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model
@@ -148,26 +149,61 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: in
         return (1 if cfg.activation == "relu" else 2) * c * width
 
     if cfg.is_moe_layer(layer):
-        E, k = cfg.n_experts, cfg.top_k
-        ffn = norm + 8 * E + k * up_inputs + (k + cfg.n_shared_experts) * mlp(cfg.expert_ffn_hidden)
+        ffn = norm + moe_saved_bytes(cfg, recipe, mlp(cfg.expert_ffn_hidden))
         if cfg.n_shared_experts:
-            ffn += up_inputs
+            ffn += mlp(cfg.n_shared_experts * cfg.expert_ffn_hidden)
+            if not (c == 4 and s == 4):  # in fp32 the shared fc input is the router's input tensor
+                ffn += up_inputs
     else:
         ffn = norm + up_inputs + mlp(cfg.ffn_hidden)
     return attn + ffn
+
+
+def moe_saved_bytes(cfg: ModelConfig, recipe: Recipe, expert_mlp: float) -> float:
+    """Bytes per token trainwise.model.moe.MoE saves for backward (training mode, shared experts not
+    included), read off torch.autograd.graph.saved_tensors_hooks; the same for the torch._grouped_mm
+    and the loop-over-experts dispatch. c = compute bytes, k = top_k, E = n_experts:
+      router: its fp32 input 4H (tokens.float(): a copy unless the norm output is fp32 already; then it
+        is that output, which nothing else in a MoE layer saves), the fp32 logits 4E (logsumexp of the
+        z-loss, computed also when its coefficient is 0) and the softmax probabilities 4E, logsumexp's
+        output 4;
+      routing indices, int64: the top-k choices, the dispatch order and the token of each assignment,
+        8k each = 24k; renormalize_top_k: the top-k weights 4k and their sum 4; the weights gathered
+        in dispatch order ck;
+      dispatch: the grouped expert input (the dispatch buffer, or its cast under autocast) kcH, the
+        expert outputs before weighting (saved by the weighting multiply) kcH, and the weighted outputs
+        (saved by index_add_) kcH; each assignment's expert MLP: k x expert_mlp.
+    With a capacity limit (dropless=False) the k terms are an upper bound: dropped assignments save
+    nothing. Sigmoid gating saves a little more (sigmoid output and its normalisation, O(E))."""
+    c, H, E, k = recipe.compute_bytes, cfg.d_model, cfg.n_experts, cfg.top_k
+    router = 4 * H + 8 * E + 4
+    routing = 24 * k + (4 * k + 4 if cfg.renormalize_top_k else 0) + c * k
+    return router + routing + 3 * k * c * H + k * expert_mlp
+
+
+def matmul_weight_params(cfg: ModelConfig, layer: int) -> int:
+    """Matmul weights of one block that autocast casts to the compute dtype: attention + the MLP, or for
+    a MoE layer every routed expert's weights (torch._grouped_mm takes the stacked weights whole, the
+    loop casts each expert's slice) + the shared experts; the router runs in fp32 (no copy)."""
+    from trainwise.cost.params import attention_params, mlp_params
+
+    if not cfg.is_moe_layer(layer):
+        return attention_params(cfg) + mlp_params(cfg.d_model, cfg.ffn_hidden, cfg.gated, bias=False)
+    F = cfg.expert_ffn_hidden
+    experts = cfg.n_experts * mlp_params(cfg.d_model, F, cfg.gated, bias=False)
+    shared = mlp_params(cfg.d_model, cfg.n_shared_experts * F, cfg.gated, bias=False) if cfg.n_shared_experts else 0
+    return attention_params(cfg) + experts + shared
 
 
 def autocast_weight_bytes(cfg: ModelConfig, recipe: Recipe, checkpointing: str = "none") -> int:
     """Under autocast each Linear's weight is cast to the compute dtype once per forward, and the copy is
     saved for backward: c x (matmul weights) of every block (none under full checkpointing: a block's
     are recast when it is recomputed, see recompute_bytes) plus the LM head's V x H. 0 without autocast."""
-    from trainwise.cost.params import attention_params, mlp_params
 
     c = recipe.compute_bytes
     if c == recipe.residual_bytes:
         return 0
-    block = attention_params(cfg) + mlp_params(cfg.d_model, cfg.ffn_hidden, cfg.gated, bias=False)
-    blocks = 0 if checkpointing == "full" else cfg.n_layers * block
+    blocks = 0 if checkpointing == "full" else sum(matmul_weight_params(cfg, i) for i in range(cfg.n_layers))
     return c * (blocks + cfg.vocab_size * cfg.d_model)
 
 
@@ -233,13 +269,9 @@ def optimizer_step_temporary_bytes(n_params: int, recipe: Recipe, optimizer: str
 def recompute_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1) -> int:
     """Full checkpointing: one block's activations (and, under autocast, its weight copies) rebuilt in
     backward while that block's gradients are computed."""
-    per_token = max(activation_bytes_per_token_layer(cfg, recipe, i) for i in _distinct_layers(cfg))
-    from trainwise.cost.params import attention_params, mlp_params
-
-    weights = 0
-    if recipe.compute_bytes != recipe.residual_bytes:
-        weights = recipe.compute_bytes * (attention_params(cfg) + mlp_params(cfg.d_model, cfg.ffn_hidden, cfg.gated, False))
-    return math.ceil((tokens * per_token + weights) / tp)
+    weights = recipe.compute_bytes if recipe.compute_bytes != recipe.residual_bytes else 0
+    return math.ceil(max(tokens * activation_bytes_per_token_layer(cfg, recipe, i) + weights * matmul_weight_params(cfg, i)
+                         for i in _distinct_layers(cfg)) / tp)
 
 
 def peak_bytes(cfg: ModelConfig, states: StateBytes, activations: int, optimizer: str, micro_batch: int,

@@ -1,0 +1,88 @@
+"""Planner memory vs tracked memory of real CPU steps of a MoE model (trainwise-moe-small's shape,
+shrunk): states within 1%, peak within 10%, the same bars as the dense models in test_memtrack.py.
+And the planner's per-token MoE term against what autograd actually saves in one MoE block."""
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from trainwise.config import TrainConfig
+from trainwise.cost.memory import get_recipe, moe_saved_bytes
+from trainwise.cost.plan import plan_run
+from trainwise.measure.memtrack import track_train_step
+from trainwise.measure.step import random_batches, train_step
+from trainwise.model import Transformer
+from trainwise.model.moe import MoE
+from trainwise.presets import get_preset
+from trainwise.train.optim import build_optimizer
+from trainwise.train.parallelize import apply_activation_checkpointing
+
+from test_memtrack import check  # tests/ is on sys.path (rootdir conftest), as for `tiny`
+
+CPU = torch.device("cpu")
+
+
+def moe_cfg(**kw):
+    """trainwise-moe-small (8 SwiGLU experts of half the dense width, top-2, RMSNorm, RoPE, GQA) with a
+    smaller d_model, depth and vocabulary so that a step takes well under a second on one core."""
+    shape = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=256,
+                 ffn_hidden=176, expert_ffn_hidden=88)
+    shape.update(kw)
+    return dataclasses.replace(get_preset("trainwise-moe-small"), **shape)
+
+
+def measure(precision: str, checkpointing: str, micro_batch: int = 4, seq_len: int = 256):
+    cfg = moe_cfg(max_seq_len=seq_len)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    if checkpointing != "none":
+        apply_activation_checkpointing(model, checkpointing)
+    opt = build_optimizer(model, TrainConfig())
+    batches = random_batches(cfg.vocab_size, micro_batch, seq_len, 1, CPU)
+    train_step(model, opt, batches, CPU, precision)  # optimizer states exist from here on
+    tracked = track_train_step(model, opt, batches, CPU, precision)
+    plan = plan_run(cfg, tokens=1, seq_len=seq_len, micro_batch=micro_batch, peak_flops=1e12,
+                    precision="fp32" if precision == "fp32" else "amp", checkpointing=checkpointing)
+    return plan, tracked
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_moe_memory_tracked_vs_planned(precision, checkpointing):
+    assert moe_cfg().is_moe_layer(0)
+    check(*measure(precision, checkpointing))
+
+
+def saved_bytes(block: MoE, x: torch.Tensor, precision: str) -> int:
+    """Sum of the unique storages autograd saves in one forward, parameters excluded."""
+    param_storages = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        block(x)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("grouped_mm", [None, False])
+def test_moe_saved_bytes_per_token(precision, grouped_mm):
+    """The per-token slope of what one MoE block saves (two token counts, so the per-parameter weight
+    copies and O(E) terms cancel) equals moe_saved_bytes exactly, on both dispatch paths."""
+    cfg = moe_cfg()
+    torch.manual_seed(0)
+    block = MoE(cfg)
+    block.grouped_mm = grouped_mm
+    measured = [saved_bytes(block, torch.randn(1, n, cfg.d_model, requires_grad=True), precision) for n in (128, 256)]
+    recipe = get_recipe("fp32" if precision == "fp32" else "amp")
+    c = recipe.compute_bytes
+    expected = moe_saved_bytes(cfg, recipe, 4 * c * cfg.expert_ffn_hidden)
+    assert (measured[1] - measured[0]) / 128 == expected
