@@ -198,6 +198,11 @@ class TrainConfig:
     keep_best: bool = False  # also keep the checkpoint with the lowest validation loss (checkpoints/best.json)
     sample_tokens: int = 120
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one process consumes per optimizer step: micro_batch x grad_accum_steps x seq_len."""
+        return self.micro_batch * self.grad_accum_steps * self.seq_len
+
     def validate(self) -> None:
         for key in ("max_steps", "micro_batch", "grad_accum_steps", "seq_len", "eval_steps", "log_every"):
             if getattr(self, key) <= 0:

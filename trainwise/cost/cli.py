@@ -96,9 +96,7 @@ def load_model(spec: str) -> tuple[ModelConfig, dict]:
         from trainwise.cost.plan import train_settings
 
         cfg = load_config(path)
-        t = cfg.train
-        tokens = t.max_steps * t.micro_batch * t.grad_accum_steps * t.seq_len
-        return cfg.model, {**train_settings(t), "tokens": tokens}
+        return cfg.model, {**train_settings(cfg.train), "tokens": cfg.train.max_steps * cfg.train.tokens_per_step}
     if spec.endswith(".json") or path.is_file():
         return load_hf_config(path), {}
     return get_preset(spec), {}  # raises with the closest preset names

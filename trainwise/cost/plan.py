@@ -167,7 +167,7 @@ def train_settings(train: TrainConfig, precision: str | None = None) -> dict:
 def plan_for_run(cfg: RunConfig, precision: str, peak_flops: float) -> Plan:
     """The plan of a trainwise run as the trainer will execute it, on one device of `peak_flops`."""
     t = cfg.train
-    tokens = t.max_steps * t.micro_batch * t.grad_accum_steps * t.seq_len
+    tokens = t.max_steps * t.tokens_per_step
     return plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, **train_settings(t, precision))
 
 

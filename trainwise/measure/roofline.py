@@ -18,6 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from trainwise.cost.time import attainable_flops, ridge_point, roofline_seconds
+
 CLASSES = (("attention", ("attention",)), ("matmul", ("mm", "bmm", "addmm", "baddbmm")),
            ("norm", ("rsqrt", "layer_norm", "pow", "mean", "rms")),
            ("softmax/cross-entropy", ("softmax", "nll_loss", "log_softmax")),
@@ -50,7 +52,7 @@ class OpPoint:
         return self.flops / self.bytes if self.bytes else float("inf")
 
     def bound_s(self, peak: float, bw: float) -> float:
-        return max(self.flops / peak, self.bytes / bw)
+        return roofline_seconds(self.flops, self.bytes, peak, bw)
 
 
 def _nbytes(t) -> int:
@@ -113,7 +115,7 @@ def roofline_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp
 
 
 def roofline_table(points: list[OpPoint], peak: float, bw: float) -> str:
-    ridge = peak / bw
+    ridge = ridge_point(peak, bw)
     lines = [f"ridge point = peak / bandwidth = {peak:.4g} / {bw:.4g} = {ridge:.3g} FLOPs/byte",
              f"{'operator':<52} {'class':<22} {'FLOPs':>10} {'bytes':>10} {'FLOPs/B':>8} {'bound':>8} {'t_min s':>9}"]
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
@@ -143,7 +145,7 @@ def plot_roofline(points: list[OpPoint], peak: float, bw: float, path: str, titl
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ridge = peak / bw
+    ridge = ridge_point(peak, bw)
     xs = [p.intensity() for p in points if p.flops and p.bytes]
     lo, hi = min(xs + [ridge]) / 4, max(xs + [ridge]) * 4
     fig, ax = plt.subplots(figsize=(13, 7.5) if measured else (9, 6))
@@ -159,7 +161,7 @@ def plot_roofline(points: list[OpPoint], peak: float, bw: float, path: str, titl
     colors = {cls: f"C{i}" for i, (cls, _) in enumerate(CLASSES + (("elementwise/other", ()),))}
     for p in points:
         if p.flops and p.bytes:
-            ax.scatter(p.intensity(), min(peak, p.intensity() * bw), color=colors[p.cls], s=30,
+            ax.scatter(p.intensity(), attainable_flops(p.intensity(), peak, bw), color=colors[p.cls], s=30,
                        label=p.cls)
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
@@ -193,7 +195,7 @@ class MeasuredOp:
         return self.point.flops / self.time_s if self.time_s > 0 else float("nan")
 
     def attainable(self, peak: float, bw: float) -> float:
-        return min(peak, self.point.intensity() * bw)
+        return attainable_flops(self.point.intensity(), peak, bw)
 
     def fraction(self, peak: float, bw: float) -> float:
         return self.achieved() / self.attainable(peak, bw)

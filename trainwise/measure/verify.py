@@ -86,7 +86,7 @@ def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None
     """verify.json from a plan (cost.plan.Plan of this run) and the measured numbers:
     measured = {"flops_per_step", "model_flops_per_step", "peak_memory_bytes", "memory_bytes": {...}}."""
     t = cfg.train
-    tokens_per_step = t.micro_batch * t.grad_accum_steps * t.seq_len
+    tokens_per_step = t.tokens_per_step
     flops_pred = plan.flops_per_token * tokens_per_step  # what runs, recompute included (HFU)
     model_flops_pred = plan.model_flops_per_token * tokens_per_step
     peak = plan.hardware.peak_flops

@@ -282,7 +282,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         create_run_dir(out, cfg, tokenizer, reporter)
     distributed.barrier(d)
 
-    tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum_steps * cfg.train.seq_len * d.world_size
+    tokens_per_step = cfg.train.tokens_per_step * d.world_size
     say(f"precision: {precision} ({why}); device: {device}"
         + (f"; {d.strategy} over {d.world_size} ranks" if d.active else ""))
     say(f"data: {len(tokens.train):,} train / {len(tokens.val):,} val tokens; "

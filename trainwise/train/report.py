@@ -17,6 +17,7 @@ import torch
 from trainwise.config import RunConfig
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.params import params as count_params
+from trainwise.cost.plan import fmt_bytes
 
 
 def device_peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
@@ -31,10 +32,6 @@ def device_peak_flops(device: torch.device, precision: str) -> tuple[float, str]
 
     measured = calibrate(device)
     return measured["peak_flops"][precision], f"measured {precision} matmul peak of this {device.type}"
-
-
-def _mb(n_bytes: float) -> str:
-    return f"{n_bytes / 1e6:,.1f} MB ({n_bytes / 2**20:,.1f} MiB)"
 
 
 class RunReporter:
@@ -53,8 +50,8 @@ class RunReporter:
             f"not halved); MFU against {self.peak_flops / 1e9:,.1f} GFLOP/s ({self.peak_source})")
         plan = self.plan().to_json()
         mem, when = plan["memory"], plan["time"]
-        say(f"plan: peak memory {_mb(mem['peak_bytes'])} (states {_mb(mem['states_bytes'])}, activations "
-            f"{_mb(mem['activations_bytes'])}); {plan['flops']['total']:.3g} FLOPs in all, "
+        say(f"plan: peak memory {fmt_bytes(mem['peak_bytes'])} (states {fmt_bytes(mem['states_bytes'])}, "
+            f"activations {fmt_bytes(mem['activations_bytes'])}); {plan['flops']['total']:.3g} FLOPs in all, "
             f"{when['seconds']:,.0f} s at {plan['hardware']['mfu']:.0%} MFU")
         say("      (plan.json; `trainwise plan --model RUN/config.toml --gpu cpu --explain` derives it)")
 
