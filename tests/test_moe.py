@@ -313,3 +313,16 @@ def test_training_a_tiny_moe_lowers_the_loss_and_logs_expert_counts(tmp_path, mo
     counts = rows[-1]["expert_tokens"]  # the trainer logs MoE.last_expert_counts by layer index
     assert list(counts) == ["1"]  # layer 0 is dense (first_dense_layers = 1)
     assert len(counts["1"]) == 4 and sum(counts["1"]) == 4 * 32 * 2  # micro_batch x seq_len x top_k
+
+
+def test_training_with_a_capacity_limit_reports_dropped_assignments(tmp_path, corpus):
+    from trainwise.train.loop import train
+
+    # capacity factor 0.5: each expert takes at most half its even share, so some assignments drop
+    cfg = apply_overrides(RunConfig(), TINY + [f"data.paths=['{corpus}']", "train.max_steps=3",
+                                                "model.dropless=false", "model.capacity_factor=0.5"])
+    out = tmp_path / "run"
+    train(cfg, out=out, quiet=True)
+    rows = [json.loads(line) for line in Path(out / "metrics.jsonl").read_text().splitlines()]
+    dropped = rows[-1]["expert_dropped"]
+    assert list(dropped) == ["1"] and dropped["1"] > 0

@@ -368,6 +368,9 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                 experts = expert_counts(distributed.unwrap(model))
                 if experts:
                     row["expert_tokens"] = experts
+                    if not cfg.model.dropless:  # token-expert assignments over capacity, last forward
+                        row["expert_dropped"] = {i: b.mlp.last_dropped for i, b in
+                                                 enumerate(distributed.unwrap(model).blocks) if str(i) in experts}
                 if do_eval:
                     val_loss = evaluate(model, tokens.val, cfg, device, precision)
                     row["val_loss"] = val_loss
