@@ -39,7 +39,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if world_size == 1:
         return _train(args)
     try:
-        return _train(args)
+        code = _train(args)
+        # Leave without the interpreter's teardown: under load, a torch.distributed worker thread that
+        # outlives destroy_process_group() can abort the process at exit ("terminate called without an
+        # active exception"), turning a finished run into a failed job. Every file is closed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     except RuntimeError as err:  # a collective failed: another rank died or hung past the timeout
         from torch.distributed import DistError
 

@@ -201,5 +201,8 @@ def barrier(d: Dist) -> None:
 
 
 def shutdown(d: Dist) -> None:
+    """Leave the process group together: a rank that tears down its gloo threads while a peer is still
+    talking to it can abort ("terminate called without an active exception")."""
     if d.active and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
