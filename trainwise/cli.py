@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (default: the small default model on the built-in corpus)",
                        epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML file with [model], [train], [data], [tokenizer] sections")
-    p.add_argument("--model", help="model preset name (see `trainwise plan --list-presets`)")
+    p.add_argument("--model", help="model preset name (trainwise-small, trainwise-gpt2-small, trainwise-moe-small, ...; "
+                   "an unknown name lists them all)")
     p.add_argument("--data", nargs="+", metavar="PATH", help="text files, directories or globs (.txt .md .jsonl .parquet)")
     p.add_argument("--out", help="run directory to create (default runs/run-DATE-TIME)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config value")
