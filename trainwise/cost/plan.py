@@ -270,7 +270,7 @@ def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: i
                 total = states + M.activation_bytes(model, recipe, b, seq_len, ckpt, tp)
                 ok = total <= memory_budget
                 reason = "" if ok else (f"needs {total / 2**30:.1f} GiB > budget {memory_budget / 2**30:.1f} GiB"
-                                        + (" (states alone)" if states > memory_budget else ""))
+                                        + (" (the model states alone exceed it)" if states > memory_budget else ""))
                 (good if ok else bad).append(Candidate(b, per_rank // b, ckpt, zero, total, step_s, ok, reason))
     good.sort(key=lambda c: (c.step_seconds, c.zero, c.grad_accum))
     for c in good[3:]:
