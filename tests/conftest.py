@@ -4,6 +4,11 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run: the suite is deterministic, as CI needs.
+settings.register_profile("trainwise", derandomize=True, deadline=None)
+settings.load_profile("trainwise")
 
 
 @pytest.fixture(scope="session", autouse=True)
