@@ -92,7 +92,10 @@ def test_matmul_defaults(capsys):
 
 def test_einsum_defaults_and_args(capsys):
     v = run_json(capsys, "einsum")
-    assert v["output_shape"] == [1, 8, 256, 256] and v["summed"] == ["d"]
+    # the default is trainwise-small's q k^T: (1, nh, 256, hd) x (1, nh, 256, hd), 2*nh*hd = 2*256 per t,s
+    from trainwise.config import ModelConfig
+
+    assert v["output_shape"] == [1, ModelConfig().n_heads, 256, 256] and v["summed"] == ["d"]
     assert v["flops"] == v["flops_counted"] == 33_554_432
     v = run_json(capsys, "einsum", "--equation", "mk,kn->mn", "--shapes", "2,3", "3,4")
     assert v["flops"] == v["flops_counted"] == 48

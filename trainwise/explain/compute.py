@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from trainwise.config import ModelConfig
+from trainwise.config import ModelConfig, TrainConfig
 from trainwise.cost.flops import einsum_flops, flops_per_token_train, linear_train_flops, matmul_flops
 from trainwise.cost.memory import tensor_bytes
 from trainwise.cost.time import attainable_flops, model_flops_utilization, ridge_point, roofline_seconds
@@ -77,14 +77,14 @@ EIN = {
                why="One pass over every combination of the indices: (operands - 1) multiplies, + 1 add when an "
                    "index is summed away. Two operands with a contraction: 2 x product of all sizes, i.e. 2MNK.",
                run=["The default is the attention score matmul q k^T of trainwise-small at T = 256 "
-                    "(B=1, nh=8, hd=32): the planner's attention core counts it (and the matching A V) per layer.",
+                    "(B=1, shapes (B, nh, T, hd)): the planner's attention core counts it (and the matching A V) per layer.",
                     "Attention in the model is written with SDPA; `trainwise.measure.flopcount` adds the FLOP "
                     "formula the CPU kernel lacks, so its count equals this one."]),
     "zh": dict(title="爱因斯坦求和 (einsum)：任意缩并的输出形状与 FLOPs", sizes="各下标大小", out="输出形状",
                flops="FLOPs", counted="FlopCounterMode 计数", summed="被求和的下标",
                why="对所有下标组合遍历一次：(操作数 - 1) 次乘法，有下标被求和时再加 1 次加法。"
                    "两个操作数且有缩并时：2 x 所有下标大小之积，即 2MNK。",
-               run=["默认例子是 trainwise-small 在 T = 256 时的注意力分数 q k^T（B=1, nh=8, hd=32）："
+               run=["默认例子是 trainwise-small 在 T = 256 时的注意力分数 q k^T（B=1，形状为 (B, nh, T, hd)）："
                     "规划器在每层的注意力核心部分计入它（以及对应的 A V）。",
                     "模型中的注意力用 SDPA 实现；`trainwise.measure.flopcount` 补上了 CPU 内核缺失的 FLOP 公式，"
                     "因此计数与这里一致。"]),
@@ -93,7 +93,9 @@ EIN = {
 
 def einsum(equation: str = "bhtd,bhsd->bhts", shapes: list[list[int]] | None = None, lang: str = "en") -> Doc:
     t = EIN[lang]
-    shapes = shapes or [[1, 8, 256, 32], [1, 8, 256, 32]]
+    if shapes is None:  # trainwise-small's q and k (B=1): the defaults of the config, not a copy of them
+        model_cfg, seq_len = ModelConfig(), TrainConfig().seq_len
+        shapes = [[1, model_cfg.n_heads, seq_len, model_cfg.head_dim]] * 2
     try:
         out_shape, flops = einsum_flops(equation, *shapes)
     except ValueError as err:
