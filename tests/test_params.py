@@ -18,7 +18,7 @@ def test_gqa_attention_hand_worked():
 
 
 def test_trainwise_small_by_hand():
-    # V=4096, H=256, L=4, nh=8, nkv=4, hd=32, F=ceil(8*256/3/64)*64=704, SwiGLU, RMSNorm, tied.
+    # V=4096, H=256, L=4, nh=4, nkv=2, hd=64 (q 256, kv 128), F=ceil(8*256/3/64)*64=704, SwiGLU, RMSNorm, tied.
     emb = 4096 * 256
     attn = 256 * 256 + 2 * 256 * 128 + 256 * 256
     mlp = 3 * 256 * 704
