@@ -31,3 +31,13 @@ def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "docs.txt"
     path.write_text("\n\n".join(topics[k] for k in sorted(topics))[:60_000], encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """A 512-token BPE trained on the built-in corpus (shared by the data tests)."""
+    from pydoc_data.topics import topics
+
+    from trainwise.tokenizer import Tokenizer
+
+    return Tokenizer.train([topics[k] for k in sorted(topics)], 512)

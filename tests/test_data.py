@@ -32,13 +32,6 @@ def cache_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path / "cache"))
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from pydoc_data.topics import topics
-
-    return Tokenizer.train([topics[k] for k in sorted(topics)], 512)
-
-
 def write(path, content):
     path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(content, bytes):

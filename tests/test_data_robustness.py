@@ -14,7 +14,6 @@ import pytest
 
 from trainwise.config import DataConfig
 from trainwise.data import discover_files, prepare_data
-from trainwise.tokenizer import Tokenizer
 
 # Peak RSS a 16 MB and a 64 MB single-line file add on top of the imports: ~90-105 MiB each (tokenizer
 # batches of ~1M characters, HF Encoding objects, the id list); 300 MB leaves room for allocator noise.
@@ -24,13 +23,6 @@ RSS_BUDGET_MIB = 300
 @pytest.fixture(autouse=True)
 def cache_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from pydoc_data.topics import topics
-
-    return Tokenizer.train([topics[k] for k in sorted(topics)], 512)
 
 
 @pytest.mark.parametrize("n_files", [10_000, pytest.param(100_000, marks=pytest.mark.slow)])

@@ -17,6 +17,12 @@ SIZES = {"xs": dict(d_model=32, n_layers=1), "s": dict(d_model=64, n_layers=2), 
 
 def measure(size: str, precision: str, checkpointing: str, micro_batch: int, seq_len: int = 32):
     cfg = ModelConfig(vocab_size=512, n_heads=4, n_kv_heads=2, max_seq_len=seq_len, **SIZES[size])
+    return track_vs_plan(cfg, precision, checkpointing, micro_batch, seq_len)
+
+
+def track_vs_plan(cfg: ModelConfig, precision: str, checkpointing: str, micro_batch: int, seq_len: int):
+    """(plan, tracked memory) of one real CPU training step of `cfg` (after a step that creates the
+    optimizer states)."""
     torch.manual_seed(0)
     model = Transformer(cfg)
     if checkpointing != "none":

@@ -8,18 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from trainwise.config import TrainConfig
 from trainwise.cost.memory import get_recipe, moe_saved_bytes
-from trainwise.cost.plan import plan_run
-from trainwise.measure.memtrack import track_train_step
-from trainwise.measure.step import random_batches, train_step
-from trainwise.model import Transformer
 from trainwise.model.moe import MoE
 from trainwise.presets import get_preset
-from trainwise.train.optim import build_optimizer
-from trainwise.train.parallelize import apply_activation_checkpointing
 
-from test_memtrack import check  # tests/ is on sys.path (rootdir conftest), as for `tiny`
+from test_memtrack import check, track_vs_plan  # tests/ is on sys.path (rootdir conftest), as for `tiny`
 
 CPU = torch.device("cpu")
 
@@ -34,18 +27,7 @@ def moe_cfg(**kw):
 
 
 def measure(precision: str, checkpointing: str, micro_batch: int = 4, seq_len: int = 256):
-    cfg = moe_cfg(max_seq_len=seq_len)
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    if checkpointing != "none":
-        apply_activation_checkpointing(model, checkpointing)
-    opt = build_optimizer(model, TrainConfig())
-    batches = random_batches(cfg.vocab_size, micro_batch, seq_len, 1, CPU)
-    train_step(model, opt, batches, CPU, precision)  # optimizer states exist from here on
-    tracked = track_train_step(model, opt, batches, CPU, precision)
-    plan = plan_run(cfg, tokens=1, seq_len=seq_len, micro_batch=micro_batch, peak_flops=1e12,
-                    precision="fp32" if precision == "fp32" else "amp", checkpointing=checkpointing)
-    return plan, tracked
+    return track_vs_plan(moe_cfg(max_seq_len=seq_len), precision, checkpointing, micro_batch, seq_len)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -12,7 +12,6 @@ import pytest
 
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides
-from trainwise.report.html import write_report
 from trainwise.train.loop import train
 
 CHROMIUM = "/usr/bin/chromium"

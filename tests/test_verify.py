@@ -1,7 +1,6 @@
 """Every train run writes verify.json with errors for FLOPs, memory and step time; verify recomputes it."""
 
 import json
-from pathlib import Path
 
 import pytest
 
