@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import textwrap
-from pathlib import Path
 
 from trainwise.errors import TrainwiseError
 

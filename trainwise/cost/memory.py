@@ -224,7 +224,6 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
     if checkpointing not in ("none", "selective", "full"):
         raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective or full.")
     tokens = micro_batch * seq_len
-    per_layer = [activation_bytes_per_token_layer(cfg, recipe, i, checkpointing) for i in _distinct_layers(cfg)]
     if checkpointing == "full":
         layers = cfg.n_layers * recipe.residual_bytes * cfg.d_model
     else:

@@ -4,7 +4,6 @@ worked derivation (`explain`); and the `--fit` search over micro-batch, grad-acc
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 

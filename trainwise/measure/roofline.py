@@ -275,10 +275,9 @@ def _attribute(events, names: set[str]) -> dict[str, list]:
 
 
 def measured_table(measured: list[MeasuredOp], peak: float, bw: float) -> str:
-    lines = [f"measured: one real step (after a warm-up step) under torch.profiler; FLOPs from the trainwise "
-             f"counter, time = profiler self CPU time "
-             f"(incl. helper kernels the op calls), all calls in the step",
-             f"peak {peak:.4g} FLOP/s, bandwidth {bw:.4g} B/s, ridge point {peak / bw:.3g} FLOPs/byte",
+    lines = ["measured: one real step (after a warm-up step) under torch.profiler; FLOPs from the trainwise "
+             "counter, time = profiler self CPU time (incl. helper kernels the op calls), all calls in the step",
+             f"peak {peak:.4g} FLOP/s, bandwidth {bw:.4g} B/s, ridge point {ridge_point(peak, bw):.3g} FLOPs/byte",
              f"{'operator':<50} {'class':<22} {'FLOPs':>10} {'time ms':>9} {'achieved FLOP/s':>15} "
              f"{'attainable FLOP/s':>17} {'% bound':>8}"]
     tot_f = tot_t = 0.0
