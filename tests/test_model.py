@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from trainwise.config import ModelConfig, TrainConfig
 from trainwise.model import Transformer
@@ -125,12 +126,29 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
         assert (id(p) in decayed) == expect, name
 
 
-def test_adamw_is_foreach_on_cpu_and_fused_only_on_cuda():
-    opt = build_optimizer(Transformer(tiny()), TrainConfig())
-    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
-    if torch.cuda.is_available():
-        opt = build_optimizer(Transformer(tiny()).cuda(), TrainConfig())
-        assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_fused_step_is_skipped_on_device_when_the_gradient_is_not_finite(optimizer):
+    from trainwise.train.optim import step_if_finite
+
+    torch.manual_seed(0)
+    cfg = tiny()
+    model = Transformer(cfg)
+    opt = build_optimizer(model, TrainConfig(optimizer=optimizer))
+    assert opt.defaults["fused"] is True
+    x, y = batch(cfg)
+    model(x, y).backward()
+    assert step_if_finite(opt, torch.tensor(1.0)).item() == 0.0  # a finite norm: a normal step
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    states = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
+    model(x, y).backward()
+    next(model.parameters()).grad[0, 0] = float("nan")
+    assert step_if_finite(opt, torch.tensor(float("nan"))).item() == 1.0
+    for k, v in model.state_dict().items():  # weights, moments and step counts untouched
+        assert torch.equal(v, before[k]), k
+    for old, new in zip(states, opt.state.values()):
+        for k in old:
+            assert torch.equal(old[k], new[k]), k
+    assert not hasattr(opt, "found_inf")
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -198,14 +216,15 @@ def test_top_k_and_top_p_filter():
     assert draws == {3}
 
 
-def test_compiled_blocks_keep_keys_and_match_eager():
+@pytest.mark.parametrize("per_block", [False, True], ids=["whole", "per_block"])
+def test_compiled_model_keeps_keys_and_matches_eager(per_block):
     from trainwise.train.parallelize import apply_compile, remove_compile
 
     torch.manual_seed(0)
     cfg = tiny()
     eager, compiled = Transformer(cfg), Transformer(cfg)
     compiled.load_state_dict(eager.state_dict())
-    apply_compile(compiled)
+    apply_compile(compiled, per_block=per_block)
     assert compiled.state_dict().keys() == eager.state_dict().keys()
     x, y = batch(cfg)
     eager(x, y).backward()
@@ -214,3 +233,17 @@ def test_compiled_blocks_keep_keys_and_match_eager():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
     remove_compile(compiled)
     assert torch.equal(compiled.generate(x[:1, :3], 5, temperature=0), eager.generate(x[:1, :3], 5, temperature=0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_explicit_attention_equals_sdpa(dtype, kv_heads):
+    """The two-matmul causal attention used under compile on CPU is SDPA's causal attention."""
+    from trainwise.model.transformer import explicit_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 9, 8, generator=g, dtype=dtype)
+    k, v = (torch.randn(2, kv_heads, 9, 8, generator=g, dtype=dtype) for _ in range(2))
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=kv_heads != 4)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(explicit_attention(q, k, v).float(), want, **tol)

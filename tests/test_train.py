@@ -150,3 +150,38 @@ def test_cli_error_has_no_traceback_and_existing_run_is_untouched(corpus, tmp_pa
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     proc = run_cli("train", "--set", "trian.seed=1", cwd=tmp_path)
     assert_clean_error(proc, "trian", "'train'")
+
+
+def test_compile_setting_auto_compiles_only_long_dense_single_process_or_ddp_runs():
+    from trainwise.config import ModelConfig
+    from trainwise.train.parallelize import COMPILE_MIN_STEPS, resolve_compile
+
+    dense, moe = ModelConfig(), ModelConfig(n_experts=4, top_k=2)
+    assert resolve_compile("auto", dense, COMPILE_MIN_STEPS, "none")[0]
+    assert resolve_compile("auto", dense, COMPILE_MIN_STEPS, "ddp")[0]
+    assert not resolve_compile("auto", dense, COMPILE_MIN_STEPS - 1, "none")[0]
+    assert not resolve_compile("auto", moe, 10 * COMPILE_MIN_STEPS, "none")[0]
+    assert not resolve_compile("auto", dense, 10 * COMPILE_MIN_STEPS, "fsdp")[0]
+    assert resolve_compile("true", dense, 1, "none") == (True, "set in the config")
+    assert resolve_compile("false", dense, 10 * COMPILE_MIN_STEPS, "none")[0] is False
+    # --set train.compile=true (a TOML bool) means "true"; anything else names the choices
+    assert apply_overrides(RunConfig(), ["train.compile=true"]).train.compile == "true"
+    assert apply_overrides(RunConfig(), ["train.compile=false"]).train.compile == "false"
+    assert apply_overrides(RunConfig(), ["train.activation_checkpointing=true"]).train.activation_checkpointing == "full"
+    from trainwise.errors import TrainwiseError
+
+    with pytest.raises(TrainwiseError, match="train.compile = 'sometimes' is not one of auto, true, false"):
+        apply_overrides(RunConfig(), ["train.compile=sometimes"]).validate()
+
+
+def test_compiled_run_trains_evaluates_eagerly_and_samples(corpus, tmp_path, capsys):
+    """train.compile=true end to end: the whole-model compile trains, evaluation and the final sample
+    run eager (no second compile), and the run directory is the same as an eager run's."""
+    out = tmp_path / "run"
+    result = train(tiny_config(corpus, "train.max_steps=5", "train.compile=true", "train.precision=bf16"), out=out)
+    printed = capsys.readouterr().out
+    assert "compile: on (set in the config" in printed
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows if "val_loss" in r] == [5] and rows[-1]["loss"] < rows[0]["loss"]
+    assert result.val_loss == result.val_loss and result.sample
+    assert (out / "checkpoints" / "step_00000005" / "model.safetensors").is_file()

@@ -31,6 +31,7 @@ GATINGS = ("softmax", "sigmoid")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
 CHECKPOINTING = ("none", "selective", "full")
+COMPILE = ("auto", "true", "false")
 STRATEGIES = ("none", "ddp", "fsdp")
 
 
@@ -172,7 +173,7 @@ def default_ffn_hidden(d_model: int, activation: str) -> int:
 @dataclass
 class TrainConfig:
     seed: int = 1337
-    max_steps: int = 200
+    max_steps: int = 300
     micro_batch: int = 16
     grad_accum_steps: int = 1
     seq_len: int = 256
@@ -188,7 +189,7 @@ class TrainConfig:
     on_nonfinite: str = "skip"  # a NaN/inf loss or gradient: skip the step and count it, or "stop"
     precision: str = "auto"  # auto = bf16 autocast where the device has fast bf16 matmuls, else fp32
     activation_checkpointing: str = "none"
-    compile: bool = False
+    compile: str = "auto"  # torch.compile the model: auto = where the run is long enough to repay it
     device: str = "auto"
     eval_every: int = 50
     eval_steps: int = 10
@@ -216,6 +217,7 @@ class TrainConfig:
         _choice("train.optimizer", self.optimizer, OPTIMIZERS)
         _choice("train.precision", self.precision, PRECISIONS)
         _choice("train.activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
+        _choice("train.compile", self.compile, COMPILE)
         _choice("train.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
 
 
@@ -421,8 +423,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise TrainwiseError(f"{where} = {value!r} must be a number.")
         return float(value)
     if hint is str:
-        if isinstance(value, bool):  # --set train.activation_checkpointing=true
-            return "full" if value else "none"
+        if isinstance(value, bool):  # --set train.activation_checkpointing=true, train.compile=false
+            if where.endswith("activation_checkpointing"):
+                return "full" if value else "none"
+            return "true" if value else "false"
         return str(value)
     if "list" in str(hint):
         if isinstance(value, str):

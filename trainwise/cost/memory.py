@@ -256,15 +256,6 @@ def loss_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int =
     return math.ceil((4 * V * H + c * tokens * H + (4 + cast) * chunk * V + cast * V * H) / tp)
 
 
-def optimizer_step_temporary_bytes(n_params: int, recipe: Recipe, optimizer: str, model_parallel: int = 1) -> int:
-    """Scratch of the optimizer step. trainwise's AdamW is foreach: it builds sqrt(v) for every
-    parameter at once (torch.optim.adamw._multi_tensor_adamw), one moment-sized buffer = N x moment
-    bytes; SGD updates in place (0)."""
-    if optimizer_moments(optimizer) < 2:
-        return 0
-    return math.ceil(n_params / model_parallel * recipe.moment_bytes)
-
-
 def recompute_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1) -> int:
     """Full checkpointing: one block's activations (and, under autocast, its weight copies) rebuilt in
     backward while that block's gradients are computed."""
@@ -282,8 +273,9 @@ def peak_bytes(cfg: ModelConfig, states: StateBytes, activations: int, optimizer
         model.loss_chunk_tokens) or, under full checkpointing, one recomputed block if larger
         (recompute_bytes), + the gradients when accumulating (K > 1: they already
         hold the earlier micro-batches; with K = 1 they are None, zero_grad(set_to_none=True));
-      optimizer step: all states + the step's scratch, one moment's worth for foreach AdamW
-        (optimizer_step_temporary_bytes; sharded like the moments)."""
+      optimizer step: all states + one moment's worth of scratch for AdamW (sharded like the moments).
+        trainwise's fused AdamW needs none itself; the term stays as the margin for what the step's
+        neighbours (gradient-norm clipping, the last gradients of backward) hold at that point."""
     logits_grads = loss_backward_bytes(cfg, recipe or RECIPES["fp32"], micro_batch * seq_len, tp)
     if checkpointing == "full" and recipe is not None:
         logits_grads = max(logits_grads, recompute_bytes(cfg, recipe, micro_batch * seq_len, tp))

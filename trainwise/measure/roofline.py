@@ -24,7 +24,7 @@ CLASSES = (("attention", ("attention",)), ("matmul", ("mm", "bmm", "addmm", "bad
            ("norm", ("rsqrt", "layer_norm", "pow", "mean", "rms")),
            ("softmax/cross-entropy", ("softmax", "nll_loss", "log_softmax")),
            ("activation", ("silu", "gelu", "relu")),
-           ("optimizer", ("_foreach", "lerp", "addcdiv", "addcmul", "sqrt")))
+           ("optimizer", ("_fused_adam", "_fused_sgd", "_foreach", "lerp", "addcdiv", "addcmul", "sqrt")))
 VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "split", "split_with_sizes", "slice",
          "select", "detach", "alias", "unsqueeze", "squeeze", "as_strided", "chunk", "unbind", "reshape", "_to_copy",
          "lift_fresh", "empty", "empty_like", "zeros_like", "ones_like", "new_empty_strided", "new_empty",

@@ -32,8 +32,9 @@ from trainwise.model import Transformer
 from trainwise.tokenizer import Tokenizer
 from trainwise.train import checkpoint as ckpt
 from trainwise.train import distributed
-from trainwise.train.optim import build_optimizer, lr_at
-from trainwise.train.parallelize import apply_activation_checkpointing, apply_compile, remove_compile
+from trainwise.train.optim import build_optimizer, lr_at, step_if_finite
+from trainwise.train.parallelize import (apply_activation_checkpointing, apply_compile, remove_compile,
+                                        resolve_compile)
 from trainwise.train.precision import autocast, resolve_device, resolve_precision
 
 
@@ -189,11 +190,15 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, cfg: RunConfig, device:
     sampler = data_mod.BatchSampler(tokens, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.train.seed + 1)
     was_training = model.training
     model.eval()
+    # A whole-model compile traced the training graph; under no_grad it would compile a second one
+    # (~12 s cold on this 2-core CPU) to save ~1 s per evaluation, so evaluation runs the eager forward.
+    inner = distributed.unwrap(model)
+    forward = inner.forward if getattr(inner, "_compiled_call_impl", None) is not None else model
     total = 0.0
     for _ in range(cfg.train.eval_steps):
         x, y = sampler.next_batch()
         with autocast(device, precision):
-            total += model(x.to(device), y.to(device)).item()
+            total += forward(x.to(device), y.to(device)).item()
     model.train(was_training)
     return total / cfg.train.eval_steps
 
@@ -255,8 +260,11 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         torch.manual_seed(cfg.train.seed + d.rank)  # ranks draw different dropout masks
     if cfg.train.activation_checkpointing != "none":
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
-    if cfg.train.compile:
-        apply_compile(model)
+    start_step = state.trainer_state["step"] if state is not None else 0
+    compiled, why_compile = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps - start_step,
+                                            cfg.parallel.strategy)
+    if compiled:
+        apply_compile(model, per_block=cfg.parallel.strategy == "fsdp")
     model = distributed.wrap(model, d, device, precision)
     optimizer = build_optimizer(model, cfg.train)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -283,7 +291,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     distributed.barrier(d)
 
     tokens_per_step = cfg.train.tokens_per_step * d.world_size
-    say(f"precision: {precision} ({why}); device: {device}"
+    say(f"precision: {precision} ({why}); compile: {'on' if compiled else 'off'} ({why_compile}"
+        + ("; the first step compiles, tens of seconds" if compiled else "") + f"); device: {device}"
         + (f"; {d.strategy} over {d.world_size} ranks" if d.active else ""))
     say(f"data: {len(tokens.train):,} train / {len(tokens.val):,} val tokens; "
         f"B_eff = micro_batch {cfg.train.micro_batch} x grad_accum {cfg.train.grad_accum_steps}"
@@ -317,7 +326,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     last_grad_bytes = 0
     best = ckpt.best_checkpoint(out)
     best_val = best["val_loss"] if best else float("inf")
-    skipped = 0  # optimizer steps skipped for a non-finite loss or gradient (this session)
+    skipped = torch.zeros((), device=device)  # optimizer steps skipped for a non-finite gradient (this session)
     interval_start, interval_steps = time.perf_counter(), 0
     with _StopRequest() as stop:
         while step < cfg.train.max_steps:
@@ -335,19 +344,19 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
             scaler.unscale_(optimizer)
             grad_norm = distributed.local_value(
                 torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf")))
-            # One host sync per optimizer step: a NaN/inf must never reach the weights. (With fp16 the
-            # GradScaler also skips such steps on its own and lowers the scale.)
-            if not scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
-                if cfg.train.on_nonfinite == "stop":
-                    raise TrainwiseError(nonfinite_diagnostic(model, step + 1, loss))
-                skipped += 1
-                optimizer.zero_grad(set_to_none=True)
-            else:
+            # A NaN/inf must never reach the weights. The default (skip) decides on the device, with no
+            # host sync; "stop" waits for the verdict every step so that it can name the step. (With
+            # fp16 the GradScaler skips such steps on its own and lowers the scale.)
+            if scaler.is_enabled():
                 scaler.step(optimizer)
                 scaler.update()
-                if d.active and step + 1 == cfg.train.max_steps:  # for the per-rank memory check
-                    last_grad_bytes = distributed.local_bytes(p.grad for p in params)
-                optimizer.zero_grad(set_to_none=True)
+            elif cfg.train.on_nonfinite == "stop" and not bool(torch.isfinite(grad_norm)):
+                raise TrainwiseError(nonfinite_diagnostic(model, step + 1, loss))
+            else:
+                skipped += step_if_finite(optimizer, grad_norm)
+            if d.active and step + 1 == cfg.train.max_steps:  # for the per-rank memory check
+                last_grad_bytes = distributed.local_bytes(p.grad for p in params)
+            optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += tokens_per_step
             interval_steps += 1
@@ -363,8 +372,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                 last_loss = loss_sum.item() / (interval_steps * cfg.train.grad_accum_steps)
                 row = reporter.metrics_row(step, tokens_seen, last_loss, lr, grad_norm.item(),
                                            elapsed / interval_steps, tokens_per_step)
-                if skipped:
-                    row["skipped_steps"] = skipped
+                if skipped_steps := int(skipped.item()):
+                    row["skipped_steps"] = skipped_steps
                 experts = expert_counts(distributed.unwrap(model))
                 if experts:
                     row["expert_tokens"] = experts
@@ -416,7 +425,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         from trainwise.api import load
 
         model = load(out, device=str(device)).model
-    if cfg.train.compile:
+    if compiled:
         remove_compile(distributed.unwrap(model))
     unigram = data_mod.unigram_loss(tokens)
     sample = sample_text(model, tokenizer, device, cfg.train.sample_tokens, seed=cfg.train.seed)

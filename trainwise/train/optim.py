@@ -26,15 +26,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay (Loshchilov & Hutter 2019) or SGD with momentum, both with
+    PyTorch's fused kernels (one launch per parameter group, on CPU and CUDA alike): the fused step
+    also takes the on-device skip flag that step_if_finite relies on."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    # AdamW with decoupled weight decay (Loshchilov & Hutter 2019). On CUDA the fused kernel does the
-    # whole update in one launch per group; elsewhere (CPU, or params split across devices) foreach
-    # keeps it to a handful of multi-tensor kernels. fused and foreach cannot both be set.
-    on_cuda = all(p.is_cuda for group in groups for p in group["params"])
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             **({"fused": True} if on_cuda else {"foreach": True}))
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+    """optimizer.step(), except that weights, moments and step counts stay as they were when grad_norm
+    is NaN or inf, decided on the device: the fused kernels take a found_inf flag (the mechanism
+    GradScaler uses for fp16), so the step loop never waits for the device to learn whether to step.
+    Returns the flag as a 0-dim fp32 tensor, 1.0 = skipped."""
+    found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+    optimizer.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+    return found_inf
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
