@@ -33,7 +33,7 @@ def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
 def test_two_ranks_equal_one_process_with_grad_accum(corpus, tmp_path, strategy):
     """micro-batch b on 2 ranks == micro-batch b x grad_accum 2 in one process, on the same data."""
     single = tmp_path / "single"
@@ -50,9 +50,9 @@ def test_two_ranks_equal_one_process_with_grad_accum(corpus, tmp_path, strategy)
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
     assert load(multi).generate("The ", max_new_tokens=5, seed=0).startswith("The ")
-    # per-rank model states against the planner's ZeRO math (FSDP = ZeRO-3, DDP = replicated)
+    # per-rank model states against the planner's ZeRO math (DDP = replicated, zero1 = ZeRO-1, FSDP = ZeRO-3)
     per_rank = json.loads((multi / "verify.json").read_text())["per_rank"]
-    assert per_rank["zero_stage_planned"] == (3 if strategy == "fsdp" else 0)
+    assert per_rank["zero_stage_planned"] == {"ddp": 0, "zero1": 1, "fsdp": 3}[strategy]
     for rank in per_rank["ranks"]:
         for name in ("params", "grads", "optimizer"):
             assert abs(rank[name]["error"]) < 0.01, (name, rank[name])
@@ -106,3 +106,24 @@ def test_killing_one_rank_stops_the_job_and_resume_reproduces_the_losses(corpus,
                              capture_output=True, text=True, timeout=300, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert losses(run) == pytest.approx(losses(straight), rel=1e-6)
+
+
+def test_zero1_checkpoint_resumes_exactly_and_loads_in_one_process(corpus, tmp_path):
+    """ZeRO-1's optimizer states live on their owner ranks: the checkpoint gathers them to rank 0 in
+    the single-process format, and a resume hands each rank its own states back."""
+    run = tmp_path / "run"
+    extra = ("train.max_steps=5", "train.micro_batch=2", "parallel.strategy=zero1", "train.checkpoint_every=3")
+    proc = torchrun("--out", str(run), *sets(corpus, *extra))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    straight = losses(run)
+    optimizer = torch.load(run / "checkpoints/step_00000005/optimizer.pt", weights_only=True)
+    names = {name for name, _ in load(run).model.named_parameters()}
+    assert set(optimizer["state"]) == names  # every parameter's states, from both ranks, by name
+    # lose the last checkpoint, resume from step 3: steps 4 and 5 come out the same
+    for f in (run / "checkpoints/step_00000005").iterdir():
+        f.unlink()
+    (run / "checkpoints/step_00000005").rmdir()
+    resumed = subprocess.run([*TORCHRUN, "-m", "trainwise", "train", "--quiet", "--resume", str(run)],
+                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(run) == pytest.approx(straight, rel=1e-6)

@@ -76,3 +76,13 @@ def test_activation_checkpointing_orders_and_logits():
     # no T^2 term (SDPA): the per-token part doubles with T
     fp32 = get_recipe("fp32")
     assert activation_bytes(cfg, fp32, 8, 128, "none") * 2 == activation_bytes(cfg, fp32, 8, 256, "none")
+
+
+def test_zero1_partition_is_whole_tensor_greedy_per_group():
+    from trainwise.cost.memory import zero1_partition
+
+    # group 1, largest first: 6 -> rank 0, 4 -> rank 1, 3 -> rank 1 (4 < 6); group 2: 5 -> rank 0 (6 < 7)
+    assert zero1_partition([[3, 6, 4], [5]], 2) == [11, 7]
+    assert zero1_partition([[2, 2, 2, 2]], 2) == [4, 4]
+    assert zero1_partition([[10], [1, 1]], 3) == [10, 1, 1]
+    assert sum(zero1_partition([[7, 1, 9], [3]], 4)) == 20

@@ -32,7 +32,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
 CHECKPOINTING = ("none", "selective", "full")
 COMPILE = ("auto", "true", "false")
-STRATEGIES = ("none", "ddp", "fsdp")
+STRATEGIES = ("none", "ddp", "zero1", "fsdp")
 
 
 @dataclass

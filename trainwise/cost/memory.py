@@ -94,6 +94,19 @@ def state_bytes(n_params: int, recipe: Recipe, optimizer: str, zero: int = 0, dp
     )
 
 
+def zero1_partition(group_numels: list[list[int]], dp: int) -> list[int]:
+    """Parameters (elements) whose optimizer states each of dp ranks owns under PyTorch's
+    ZeroRedundancyOptimizer (trainwise's parallel.strategy = zero1), which shards by whole tensors: in
+    each parameter group, largest first, every tensor goes to the rank that owns the fewest elements so
+    far (lowest rank on ties). state_bytes' n/dp is DeepSpeed's even split of the flattened states; one
+    big tensor (an embedding) makes the whole-tensor split uneven on small models."""
+    owned = [0] * dp
+    for numels in group_numels:
+        for n in sorted(numels, reverse=True):
+            owned[owned.index(min(owned))] += n
+    return owned
+
+
 def norm_saved_bytes(cfg: ModelConfig, s: int) -> int:
     """Bytes per token a pre-norm saves for backward. RMSNorm (PyTorch's composite, as on CPU): its
     input sH, x*rsqrt sH and rsqrt 4; LayerNorm (native_layer_norm): input sH, mean and rstd 8."""

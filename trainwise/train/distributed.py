@@ -1,6 +1,10 @@
 """More than one device, on PyTorch's own engine: DDP or FSDP2 under `torchrun`.
 
-    torchrun --nproc-per-node N -m trainwise train --set parallel.strategy=ddp|fsdp ...
+    torchrun --nproc-per-node N -m trainwise train --set parallel.strategy=ddp|zero1|fsdp ...
+
+ddp replicates everything (ZeRO stage 0); zero1 is DDP with the optimizer states sharded by
+ZeroRedundancyOptimizer (ZeRO stage 1); fsdp is FSDP2, parameters, gradients and states sharded
+(ZeRO stage 3).
 
 The same config runs unchanged in one process (the strategy then has nothing to shard). The model is
 wrapped from outside, after activation checkpointing; checkpoints are gathered to rank 0 in the
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -30,7 +35,7 @@ from trainwise.train.precision import DTYPES
 
 @dataclass
 class Dist:
-    strategy: str  # none | ddp | fsdp (none whenever world_size == 1)
+    strategy: str  # none | ddp | zero1 | fsdp (none whenever world_size == 1)
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -52,7 +57,8 @@ def init(strategy: str, device_request: str, timeout_s: float = 120.0) -> Dist:
     if strategy == "none":
         raise TrainwiseError(
             f"this process was launched by torchrun as one of {world_size} ranks, but parallel.strategy = "
-            "'none'; add --set parallel.strategy=ddp (replicated weights) or parallel.strategy=fsdp (sharded)."
+            "'none'; add --set parallel.strategy=ddp (replicated), parallel.strategy=zero1 (optimizer states "
+            "sharded) or parallel.strategy=fsdp (everything sharded)."
         )
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and device_request != "cpu"
@@ -72,7 +78,7 @@ def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.
     just in time; with bf16/fp16 the mixed-precision policy computes in that dtype and reduces in fp32."""
     if not d.active:
         return model
-    if d.strategy == "ddp":
+    if d.strategy in ("ddp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -95,7 +101,7 @@ def gradient_sync(model: nn.Module, d: Dist, last_micro_batch: bool):
     """Under gradient accumulation, communicate gradients only on the last micro-batch of a step."""
     if not d.active:
         return contextlib.nullcontext()
-    if d.strategy == "ddp":
+    if d.strategy in ("ddp", "zero1"):
         return contextlib.nullcontext() if last_micro_batch else model.no_sync()
     model.set_requires_gradient_sync(last_micro_batch)
     return contextlib.nullcontext()
@@ -130,15 +136,50 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Model and optimizer state gathered to full tensors (on rank 0 for FSDP), optimizer keyed by
-    parameter name: the same format in one process, under DDP and under FSDP."""
+    """Model and optimizer state gathered to full tensors (on rank 0 for FSDP and ZeRO-1), optimizer
+    keyed by parameter name: the same format in one process, under DDP, ZeRO-1 and FSDP."""
+    if _is_zero(optimizer):  # collective: every rank sends its states to rank 0
+        optimizer.consolidate_state_dict(to=0)
+        named = {} if dist.get_rank() else _by_name(optimizer.state_dict(), _param_names(model, optimizer))
+        return get_model_state_dict(model, options=_FULL), named
     return get_model_state_dict(model, options=_FULL), get_optimizer_state_dict(model, optimizer, options=_FULL)
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict, d: Dist) -> None:
     """Load an optimizer state saved by `full_state` on every rank (model weights are loaded into the
     plain model before it is wrapped, so each rank shards from the full tensors)."""
+    if _is_zero(optimizer):  # each rank keeps the states of the parameters it owns
+        names = _param_names(model, optimizer)
+        index = {name: i for i, name in enumerate(names)}
+        optimizer.load_state_dict({
+            "state": {index[name]: value for name, value in optimizer_state["state"].items()},
+            "param_groups": [{**g, "params": [index[name] for name in g["params"]]}
+                             for g in optimizer_state["param_groups"]],
+        })
+        for p, state in optimizer.optim.state.items():  # ZeRO moves the step count to the CPU; fused wants
+            for key, value in state.items():          # it beside the parameter
+                if torch.is_tensor(value) and value.ndim == 0:
+                    state[key] = value.to(p.device)
+        return
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
+
+
+def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the optimizer's global index order (its param_groups, in turn)."""
+    name_of = {id(p): name for name, p in unwrap(model).named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _by_name(state_dict: dict, names: list[str]) -> dict:
+    """A torch.optim state dict keyed by parameter index -> keyed by parameter name (DCP's format)."""
+    return {"state": {names[i]: value for i, value in state_dict["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state_dict["param_groups"]]}
 
 
 def local_bytes(tensors) -> int:
@@ -155,24 +196,45 @@ def local_bytes(tensors) -> int:
 def rank_state_bytes(params: list, optimizer: torch.optim.Optimizer, grad_bytes: int) -> dict:
     """This rank's parameter, gradient and optimizer-state bytes, as the planner's ZeRO math predicts
     them per device (grads are measured by the caller before they are freed)."""
-    states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.ndim]
+    from trainwise.train.optim import local_optimizer
+
+    states = [v for state in local_optimizer(optimizer).state.values() for v in state.values()
+              if torch.is_tensor(v) and v.ndim]
     return {"params": local_bytes(params), "grads": grad_bytes, "optimizer": local_bytes(states)}
 
 
 def per_rank_verify(cfg, measured: list[dict], d: Dist) -> dict:
-    """Predicted (planner, ZeRO-3 for FSDP, ZeRO-0 for DDP, dp = world size) vs measured, per rank."""
+    """Predicted (planner: ZeRO-0 for DDP, ZeRO-1 for zero1, ZeRO-3 for FSDP; dp = world size) vs
+    measured, per rank. For zero1 each rank's optimizer share follows ZeroRedundancyOptimizer's
+    whole-tensor partition of this model's parameter groups (cost.memory.zero1_partition)."""
     from trainwise.cost import memory as M
     from trainwise.cost.params import params as count_params
     from trainwise.cost.plan import train_settings
 
     settings = train_settings(cfg.train)
-    zero = 3 if d.strategy == "fsdp" else 0
-    plan = M.state_bytes(count_params(cfg.model).total, M.get_recipe(settings["precision"]),
-                         settings["optimizer"], zero=zero, dp=d.world_size)
-    predicted = {"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer + plan.master}
-    ranks = [{k: {"predicted": predicted[k], "measured": m[k], "error": m[k] / predicted[k] - 1 if predicted[k] else None}
-              for k in predicted} for m in measured]
+    zero = {"ddp": 0, "zero1": 1, "fsdp": 3}[d.strategy]
+    n_params = count_params(cfg.model).total
+    recipe = M.get_recipe(settings["precision"])
+    plan = M.state_bytes(n_params, recipe, settings["optimizer"], zero=zero, dp=d.world_size)
+    predicted = [{"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer + plan.master}
+                 for _ in range(d.world_size)]
+    if zero == 1:
+        full = M.state_bytes(n_params, recipe, settings["optimizer"])
+        for rank, owned in enumerate(M.zero1_partition(_group_numels(cfg), d.world_size)):
+            predicted[rank]["optimizer"] = math.ceil((full.optimizer + full.master) * owned / n_params)
+    ranks = [{k: {"predicted": p[k], "measured": m[k], "error": m[k] / p[k] - 1 if p[k] else None} for k in p}
+             for p, m in zip(predicted, measured)]
     return {"strategy": d.strategy, "world_size": d.world_size, "zero_stage_planned": zero, "ranks": ranks}
+
+
+def _group_numels(cfg) -> list[list[int]]:
+    """Element counts of the model's parameters, per optimizer parameter group (built on the meta device)."""
+    from trainwise.model import Transformer
+    from trainwise.train.optim import param_groups
+
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    return [[p.numel() for p in group["params"]] for group in param_groups(model, cfg.train.weight_decay)]
 
 
 def format_per_rank(section: dict) -> str:

@@ -266,7 +266,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     if compiled:
         apply_compile(model, per_block=cfg.parallel.strategy == "fsdp")
     model = distributed.wrap(model, d, device, precision)
-    optimizer = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg.train, shard_states=d.active and d.strategy == "zero1")
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     sampler = data_mod.BatchSampler(tokens.train, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.train.seed,
                                     rank=d.rank, world_size=d.world_size)

@@ -25,14 +25,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, shard_states: bool = False) -> torch.optim.Optimizer:
     """AdamW with decoupled weight decay (Loshchilov & Hutter 2019) or SGD with momentum, both with
     PyTorch's fused kernels (one launch per parameter group, on CPU and CUDA alike): the fused step
-    also takes the on-device skip flag that step_if_finite relies on."""
+    also takes the on-device skip flag that step_if_finite relies on. shard_states (ZeRO-1, under
+    torchrun): torch.distributed.optim.ZeroRedundancyOptimizer keeps each parameter's states on one
+    rank only and broadcasts the updated parameters after the step."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+        cls, kwargs = torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum, fused=True)
+    else:
+        cls, kwargs = torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+    if shard_states:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
+    return cls(groups, **kwargs)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's states and runs the update (ZeRO-1 wraps one)."""
+    return getattr(optimizer, "optim", optimizer)
 
 
 def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
@@ -41,11 +54,12 @@ def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) ->
     GradScaler uses for fp16), so the step loop never waits for the device to learn whether to step.
     Returns the flag as a 0-dim fp32 tensor, 1.0 = skipped."""
     found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
-    optimizer.found_inf = found_inf
+    local = local_optimizer(optimizer)
+    local.found_inf = found_inf
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf
+        del local.found_inf
     return found_inf
 
 
