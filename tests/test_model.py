@@ -126,18 +126,32 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
         assert (id(p) in decayed) == expect, name
 
 
+def test_adamw_is_foreach_on_cpu_and_fused_only_on_cuda():
+    opt = build_optimizer(Transformer(tiny()), TrainConfig())
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    if torch.cuda.is_available():
+        opt = build_optimizer(Transformer(tiny()).cuda(), TrainConfig())
+        assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+
+
+@pytest.mark.parametrize("kernel", ["foreach", "fused"])
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_fused_step_is_skipped_on_device_when_the_gradient_is_not_finite(optimizer):
-    from trainwise.train.optim import step_if_finite
+def test_step_is_skipped_when_the_gradient_is_not_finite(optimizer, kernel):
+    """Both paths of step_if_finite: the host check (foreach, trainwise's CPU optimizer) and the
+    on-device found_inf flag of the fused kernels (trainwise's CUDA optimizer; PyTorch runs them on CPU too)."""
+    from trainwise.train.optim import param_groups, step_if_finite
 
     torch.manual_seed(0)
     cfg = tiny()
     model = Transformer(cfg)
-    opt = build_optimizer(model, TrainConfig(optimizer=optimizer))
-    assert opt.defaults["fused"] is True
+    cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+    extra = {"momentum": 0.9} if optimizer == "sgd" else {}
+    opt = cls(param_groups(model, 0.1), lr=1e-2, **{kernel: True}, **extra)
     x, y = batch(cfg)
     model(x, y).backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     assert step_if_finite(opt, torch.tensor(1.0)).item() == 0.0  # a finite norm: a normal step
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     states = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
     model(x, y).backward()

@@ -26,16 +26,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, shard_states: bool = False) -> torch.optim.Optimizer:
-    """AdamW with decoupled weight decay (Loshchilov & Hutter 2019) or SGD with momentum, both with
-    PyTorch's fused kernels (one launch per parameter group, on CPU and CUDA alike): the fused step
-    also takes the on-device skip flag that step_if_finite relies on. shard_states (ZeRO-1, under
+    """AdamW with decoupled weight decay (Loshchilov & Hutter 2019) or SGD with momentum. On CUDA the
+    fused kernels do a group's whole update in one launch and take step_if_finite's on-device skip
+    flag; on CPU foreach keeps the update to a handful of multi-tensor ops (fused measured no faster
+    here, and the planner's CPU memory model is validated against foreach). shard_states (ZeRO-1, under
     torchrun): torch.distributed.optim.ZeroRedundancyOptimizer keeps each parameter's states on one
     rank only and broadcasts the updated parameters after the step."""
     groups = param_groups(model, cfg.weight_decay)
+    on_cuda = all(p.is_cuda for group in groups for p in group["params"])
+    kernel = {"fused": True} if on_cuda else {"foreach": True}
     if cfg.optimizer == "sgd":
-        cls, kwargs = torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum, fused=True)
+        cls, kwargs = torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum, **kernel)
     else:
-        cls, kwargs = torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+        cls, kwargs = torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **kernel)
     if shard_states:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -50,16 +53,20 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
     """optimizer.step(), except that weights, moments and step counts stay as they were when grad_norm
-    is NaN or inf, decided on the device: the fused kernels take a found_inf flag (the mechanism
-    GradScaler uses for fp16), so the step loop never waits for the device to learn whether to step.
-    Returns the flag as a 0-dim fp32 tensor, 1.0 = skipped."""
+    is NaN or inf. A fused optimizer decides on the device: its kernels take a found_inf flag (the
+    mechanism GradScaler uses for fp16), so the step loop never waits for a GPU to learn whether to
+    step. Otherwise (foreach, on CPU) the norm is read on the host, which on a CPU waits for nothing.
+    Returns the flag as a 0-dim fp32 tensor on grad_norm's device, 1.0 = skipped."""
     found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
     local = local_optimizer(optimizer)
-    local.found_inf = found_inf
-    try:
+    if local.defaults.get("fused"):
+        local.found_inf = found_inf
+        try:
+            optimizer.step()
+        finally:
+            del local.found_inf
+    elif not found_inf.item():
         optimizer.step()
-    finally:
-        del local.found_inf
     return found_inf
 
 
