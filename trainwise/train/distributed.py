@@ -245,6 +245,10 @@ def format_per_rank(section: dict) -> str:
         for name, e in entries.items():
             lines.append(f"{r:>4}  {name:<10}{e['predicted'] / 1e6:>13.3f} MB{e['measured'] / 1e6:>13.3f} MB"
                          f"{e['error']:>+9.1%}")
+    if section["zero_stage_planned"] == 1:
+        even = sum(e["optimizer"]["predicted"] for e in section["ranks"]) / section["world_size"]
+        lines.append(f"(zero1 shards by whole tensors, as ZeroRedundancyOptimizer does; an even split, "
+                     f"DeepSpeed's ZeRO-1, would be {even / 1e6:.3f} MB of optimizer states per rank)")
     return "\n".join(lines)
 
 
