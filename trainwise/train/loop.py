@@ -185,15 +185,13 @@ def seed_everything(seed: int) -> None:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokens: np.ndarray, cfg: RunConfig, device: torch.device,
-             precision: str) -> float:
-    """Mean loss over eval_steps batches of the validation split: the same batches every time."""
+             precision: str, forward=None) -> float:
+    """Mean loss over eval_steps batches of the validation split: the same batches every time.
+    forward: what to call instead of model(x, y), e.g. the eager forward of a compiled model."""
     sampler = data_mod.BatchSampler(tokens, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.train.seed + 1)
     was_training = model.training
     model.eval()
-    # A whole-model compile traced the training graph; under no_grad it would compile a second one
-    # (~12 s cold on this 2-core CPU) to save ~1 s per evaluation, so evaluation runs the eager forward.
-    inner = distributed.unwrap(model)
-    forward = inner.forward if getattr(inner, "_compiled_call_impl", None) is not None else model
+    forward = forward or model
     total = 0.0
     for _ in range(cfg.train.eval_steps):
         x, y = sampler.next_batch()
@@ -262,9 +260,12 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     start_step = state.trainer_state["step"] if state is not None else 0
     compiled, why_compile = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps - start_step,
-                                            cfg.parallel.strategy)
+                                            d.strategy)
     if compiled:
-        apply_compile(model, per_block=cfg.parallel.strategy == "fsdp")
+        apply_compile(model, per_block=d.strategy == "fsdp")
+    # A whole-model compile traced the training graph; under no_grad it would compile a second one
+    # (~12 s cold on this 2-core CPU) to save ~1 s per evaluation, so evaluation calls the eager forward.
+    eval_forward = model.forward if compiled and d.strategy != "fsdp" else None
     model = distributed.wrap(model, d, device, precision)
     optimizer = build_optimizer(model, cfg.train, shard_states=d.active and d.strategy == "zero1")
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -381,7 +382,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                         row["expert_dropped"] = {i: b.mlp.last_dropped for i, b in
                                                  enumerate(distributed.unwrap(model).blocks) if str(i) in experts}
                 if do_eval:
-                    val_loss = evaluate(model, tokens.val, cfg, device, precision)
+                    val_loss = evaluate(model, tokens.val, cfg, device, precision, eval_forward)
                     row["val_loss"] = val_loss
                 if metrics is not None:
                     metrics.write(json.dumps(row) + "\n")
@@ -414,7 +415,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         return TrainResult(out, step, last_loss, val_loss, float("nan"), "", stopped_early=True)
 
     if not val_loss == val_loss:  # nan: no evaluation happened yet
-        val_loss = evaluate(model, tokens.val, cfg, device, precision)
+        val_loss = evaluate(model, tokens.val, cfg, device, precision, eval_forward)
     per_rank = None
     if d.active:  # the rest is rank 0's, on the gathered weights of the checkpoint just saved
         measured = distributed.rank_state_bytes(params, optimizer, last_grad_bytes)
