@@ -85,20 +85,26 @@ def test_gradient_accumulation_equals_one_big_batch():
         torch.testing.assert_close(p.grad, g_big, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_activation_checkpointing_gives_the_same_gradients(mode):
+def wrapped_copy_has_the_same_gradients(wrap, rtol: float, atol: float):
+    """A tiny model and a copy that `wrap` changed in place: the same state-dict keys and the same
+    gradients on one batch. Returns (plain, wrapped, x)."""
     torch.manual_seed(0)
     cfg = tiny()
-    plain = Transformer(cfg)
-    checkpointed = Transformer(cfg)
-    checkpointed.load_state_dict(plain.state_dict())
-    apply_activation_checkpointing(checkpointed, mode)
-    assert checkpointed.state_dict().keys() == plain.state_dict().keys()
+    plain, wrapped = Transformer(cfg), Transformer(cfg)
+    wrapped.load_state_dict(plain.state_dict())
+    wrap(wrapped)
+    assert wrapped.state_dict().keys() == plain.state_dict().keys()
     x, y = batch(cfg)
     plain(x, y).backward()
-    checkpointed(x, y).backward()
-    for a, b in zip(plain.parameters(), checkpointed.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+    wrapped(x, y).backward()
+    for a, b in zip(plain.parameters(), wrapped.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=atol)
+    return plain, wrapped, x
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_gradients(mode):
+    wrapped_copy_has_the_same_gradients(lambda m: apply_activation_checkpointing(m, mode), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -234,17 +240,8 @@ def test_top_k_and_top_p_filter():
 def test_compiled_model_keeps_keys_and_matches_eager(per_block):
     from trainwise.train.parallelize import apply_compile, remove_compile
 
-    torch.manual_seed(0)
-    cfg = tiny()
-    eager, compiled = Transformer(cfg), Transformer(cfg)
-    compiled.load_state_dict(eager.state_dict())
-    apply_compile(compiled, per_block=per_block)
-    assert compiled.state_dict().keys() == eager.state_dict().keys()
-    x, y = batch(cfg)
-    eager(x, y).backward()
-    compiled(x, y).backward()
-    for a, b in zip(eager.parameters(), compiled.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    eager, compiled, x = wrapped_copy_has_the_same_gradients(lambda m: apply_compile(m, per_block=per_block),
+                                                             rtol=1e-4, atol=1e-5)
     remove_compile(compiled)
     assert torch.equal(compiled.generate(x[:1, :3], 5, temperature=0), eager.generate(x[:1, :3], 5, temperature=0))
 
