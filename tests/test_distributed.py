@@ -1,4 +1,4 @@
-"""torchrun with DDP and FSDP2 on 2 CPU ranks (gloo): same losses as one process, clean failure, resume."""
+"""torchrun with DDP, ZeRO-1 and FSDP2 (zero2, fsdp) on 2 CPU ranks (gloo): same losses as one process, clean failure, resume."""
 
 import json
 import os
@@ -33,7 +33,7 @@ def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
 def test_two_ranks_equal_one_process_with_grad_accum(corpus, tmp_path, strategy):
     """micro-batch b on 2 ranks == micro-batch b x grad_accum 2 in one process, on the same data."""
     single = tmp_path / "single"
@@ -50,21 +50,22 @@ def test_two_ranks_equal_one_process_with_grad_accum(corpus, tmp_path, strategy)
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
     assert load(multi).generate("The ", max_new_tokens=5, seed=0).startswith("The ")
-    # per-rank model states against the planner's ZeRO math (DDP = replicated, zero1 = ZeRO-1, FSDP = ZeRO-3)
+    # per-rank model states against the planner's ZeRO math (DDP = replicated, zero1/zero2 = ZeRO-1/2, FSDP = ZeRO-3)
     per_rank = json.loads((multi / "verify.json").read_text())["per_rank"]
-    assert per_rank["zero_stage_planned"] == {"ddp": 0, "zero1": 1, "fsdp": 3}[strategy]
+    assert per_rank["zero_stage_planned"] == {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}[strategy]
     for rank in per_rank["ranks"]:
         for name in ("params", "grads", "optimizer"):
             assert abs(rank[name]["error"]) < 0.01, (name, rank[name])
     assert main(["verify", str(multi)]) == 0
 
 
-def test_grad_accum_composes_with_fsdp_and_checkpointing(corpus, tmp_path):
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_grad_accum_composes_with_fsdp_and_checkpointing(corpus, tmp_path, strategy):
     single = tmp_path / "single"
     extra = ("train.max_steps=3", "train.micro_batch=1", "train.activation_checkpointing=full")
     assert main(["train", "--out", str(single), "--quiet", *sets(corpus, *extra, "train.grad_accum_steps=4")]) == 0
     multi = tmp_path / "multi"
-    proc = torchrun("--out", str(multi), *sets(corpus, *extra, "train.grad_accum_steps=2", "parallel.strategy=fsdp"))
+    proc = torchrun("--out", str(multi), *sets(corpus, *extra, "train.grad_accum_steps=2", f"parallel.strategy={strategy}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert losses(multi) == pytest.approx(losses(single), rel=1e-5)
 
@@ -108,11 +109,13 @@ def test_killing_one_rank_stops_the_job_and_resume_reproduces_the_losses(corpus,
     assert losses(run) == pytest.approx(losses(straight), rel=1e-6)
 
 
-def test_zero1_checkpoint_resumes_exactly_and_loads_in_one_process(corpus, tmp_path):
-    """ZeRO-1's optimizer states live on their owner ranks: the checkpoint gathers them to rank 0 in
-    the single-process format, and a resume hands each rank its own states back."""
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_sharded_checkpoint_resumes_exactly_and_loads_in_one_process(corpus, tmp_path, strategy):
+    """Sharded optimizer states (whole tensors on their owner ranks under ZeRO-1, FSDP2 shards under
+    zero2): the checkpoint gathers them to rank 0 in the single-process format, and a resume hands
+    each rank its own states back."""
     run = tmp_path / "run"
-    extra = ("train.max_steps=5", "train.micro_batch=2", "parallel.strategy=zero1", "train.checkpoint_every=3")
+    extra = ("train.max_steps=5", "train.micro_batch=2", f"parallel.strategy={strategy}", "train.checkpoint_every=3")
     proc = torchrun("--out", str(run), *sets(corpus, *extra))
     assert proc.returncode == 0, proc.stderr[-3000:]
     straight = losses(run)

@@ -78,6 +78,16 @@ def test_activation_checkpointing_orders_and_logits():
     assert activation_bytes(cfg, fp32, 8, 128, "none") * 2 == activation_bytes(cfg, fp32, 8, 256, "none")
 
 
+def test_fsdp2_zero2_layout_is_a_gathered_compute_copy_over_fp32_shards():
+    from trainwise.cost.memory import fsdp2_zero2_recipe, get_recipe, state_bytes
+
+    n = 1_000_000  # amp (bf16 autocast): bf16 copy replicated; fp32 grads, moments and master sharded
+    s = state_bytes(n, fsdp2_zero2_recipe(get_recipe("amp")), "adamw", zero=2, dp=4)
+    assert (s.params, s.grads, s.optimizer, s.master) == (2 * n, n, 2 * n, n)
+    s = state_bytes(n, fsdp2_zero2_recipe(get_recipe("fp32")), "sgd", zero=2, dp=2)  # fp32: the gathered copy is fp32
+    assert (s.params, s.grads, s.optimizer, s.master) == (4 * n, 2 * n, 0, 2 * n)
+
+
 def test_zero1_partition_is_whole_tensor_greedy_per_group():
     from trainwise.cost.memory import zero1_partition
 

@@ -32,7 +32,8 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
 CHECKPOINTING = ("none", "selective", "full")
 COMPILE = ("auto", "true", "false")
-STRATEGIES = ("none", "ddp", "zero1", "fsdp")
+STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
+FSDP_STRATEGIES = ("zero2", "fsdp")  # both run on FSDP2 (fully_shard)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
 from trainwise.errors import TrainwiseError
@@ -105,6 +105,16 @@ def zero1_partition(group_numels: list[list[int]], dp: int) -> list[int]:
         for n in sorted(numels, reverse=True):
             owned[owned.index(min(owned))] += n
     return owned
+
+
+def fsdp2_zero2_recipe(recipe: Recipe) -> Recipe:
+    """ZeRO-2 as FSDP2 runs it (fully_shard with reshard_after_forward=False, trainwise's zero2): the
+    parameters rest as fp32 shards, which are the optimizer's master copy (4 B, sharded); the copy gathered
+    for forward, in the compute dtype, is kept until backward on every rank: ZeRO-2's replicated params;
+    gradients are reduce-scattered and kept in fp32 (4 B, sharded). With the "amp" recipe that is the
+    ZeRO paper's mixed-precision layout but for fp32 gradients: 2 + (4 + 4 + 8) / dp bytes per parameter."""
+    return replace(recipe, name=f"{recipe.name}, FSDP2 zero2", param_bytes=recipe.compute_bytes, grad_bytes=4,
+                   master_bytes=4, description=f"{recipe.description}; FSDP2 zero2 layout")
 
 
 def norm_saved_bytes(cfg: ModelConfig, s: int) -> int:

@@ -1,10 +1,11 @@
 """More than one device, on PyTorch's own engine: DDP or FSDP2 under `torchrun`.
 
-    torchrun --nproc-per-node N -m trainwise train --set parallel.strategy=ddp|zero1|fsdp ...
+    torchrun --nproc-per-node N -m trainwise train --set parallel.strategy=ddp|zero1|zero2|fsdp ...
 
 ddp replicates everything (ZeRO stage 0); zero1 is DDP with the optimizer states sharded by
-ZeroRedundancyOptimizer (ZeRO stage 1); fsdp is FSDP2, parameters, gradients and states sharded
-(ZeRO stage 3).
+ZeroRedundancyOptimizer (ZeRO stage 1); zero2 is FSDP2 keeping the gathered parameters from forward
+to backward (reshard_after_forward=False: FSDP1's SHARD_GRAD_OP; gradients and states sharded, ZeRO
+stage 2); fsdp is FSDP2 regathering them per block for backward (parameters sharded too, ZeRO stage 3).
 
 The same config runs unchanged in one process (the strategy then has nothing to shard). The model is
 wrapped from outside, after activation checkpointing; checkpoints are gathered to rank 0 in the
@@ -29,13 +30,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from trainwise.config import FSDP_STRATEGIES
 from trainwise.errors import TrainwiseError
 from trainwise.train.precision import DTYPES
 
 
 @dataclass
 class Dist:
-    strategy: str  # none | ddp | zero1 | fsdp (none whenever world_size == 1)
+    strategy: str  # none | ddp | zero1 | zero2 | fsdp (none whenever world_size == 1)
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -48,6 +50,11 @@ class Dist:
     def active(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def fsdp(self) -> bool:
+        """Runs on FSDP2 (zero2 or fsdp): per-block hooks, sharded parameters at rest."""
+        return self.strategy in FSDP_STRATEGIES
+
 
 def init(strategy: str, device_request: str, timeout_s: float = 120.0) -> Dist:
     """Join the process group torchrun set up (env WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR...)."""
@@ -58,7 +65,7 @@ def init(strategy: str, device_request: str, timeout_s: float = 120.0) -> Dist:
         raise TrainwiseError(
             f"this process was launched by torchrun as one of {world_size} ranks, but parallel.strategy = "
             "'none'; add --set parallel.strategy=ddp (replicated), parallel.strategy=zero1 (optimizer states "
-            "sharded) or parallel.strategy=fsdp (everything sharded)."
+            "sharded), parallel.strategy=zero2 (gradients too) or parallel.strategy=fsdp (everything sharded)."
         )
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and device_request != "cpu"
@@ -75,7 +82,9 @@ def device_for(d: Dist, device: torch.device) -> torch.device:
 
 def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.Module:
     """DDP: replicate and all-reduce gradients. FSDP2: shard every block and the root, gathering weights
-    just in time; with bf16/fp16 the mixed-precision policy computes in that dtype and reduces in fp32."""
+    just in time (fsdp frees each block's gathered weights after its forward and gathers them again for
+    backward; zero2 keeps them until backward); with bf16/fp16 the mixed-precision policy computes in
+    that dtype and reduces in fp32."""
     if not d.active:
         return model
     if d.strategy in ("ddp", "zero1"):
@@ -87,9 +96,10 @@ def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.
     policy = MixedPrecisionPolicy()
     if precision != "fp32":
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    reshard = d.strategy == "fsdp"
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     return model
 
 
@@ -193,28 +203,49 @@ def local_bytes(tensors) -> int:
     return total
 
 
-def rank_state_bytes(params: list, optimizer: torch.optim.Optimizer, grad_bytes: int) -> dict:
+def gathered_params_meter(model: nn.Module, d: Dist) -> dict:
+    """zero2 keeps the parameters FSDP2 gathered from forward to backward, and they are then the
+    module's registered parameters: record their bytes at the end of each training forward
+    ({"bytes": 0} for the other strategies)."""
+    seen = {"bytes": 0}
+    if d.active and d.strategy == "zero2":
+        def record(module, args, output):
+            if torch.is_grad_enabled():
+                seen["bytes"] = local_bytes(module.parameters())
+
+        model.register_forward_hook(record)
+    return seen
+
+
+def rank_state_bytes(params: list, optimizer: torch.optim.Optimizer, grad_bytes: int, gathered_bytes: int = 0) -> dict:
     """This rank's parameter, gradient and optimizer-state bytes, as the planner's ZeRO math predicts
-    them per device (grads are measured by the caller before they are freed)."""
+    them per device (grads are measured by the caller before they are freed). Under zero2 the
+    parameters are the gathered copy held from forward to backward (`gathered_bytes`), and the fp32
+    shard at rest, the weights the optimizer steps, counts as its master copy."""
     from trainwise.train.optim import local_optimizer
 
     states = [v for state in local_optimizer(optimizer).state.values() for v in state.values()
               if torch.is_tensor(v) and v.ndim]
+    if gathered_bytes:
+        return {"params": gathered_bytes, "grads": grad_bytes, "optimizer": local_bytes(states) + local_bytes(params)}
     return {"params": local_bytes(params), "grads": grad_bytes, "optimizer": local_bytes(states)}
 
 
 def per_rank_verify(cfg, measured: list[dict], d: Dist) -> dict:
-    """Predicted (planner: ZeRO-0 for DDP, ZeRO-1 for zero1, ZeRO-3 for FSDP; dp = world size) vs
-    measured, per rank. For zero1 each rank's optimizer share follows ZeroRedundancyOptimizer's
-    whole-tensor partition of this model's parameter groups (cost.memory.zero1_partition)."""
+    """Predicted (planner: ZeRO-0 for DDP, ZeRO-1 for zero1, ZeRO-2 for zero2, ZeRO-3 for FSDP; dp =
+    world size) vs measured, per rank. For zero1 each rank's optimizer share follows
+    ZeroRedundancyOptimizer's whole-tensor partition of this model's parameter groups
+    (cost.memory.zero1_partition); zero2 is planned in FSDP2's layout (cost.memory.fsdp2_zero2_recipe)."""
     from trainwise.cost import memory as M
     from trainwise.cost.params import params as count_params
     from trainwise.cost.plan import train_settings
 
     settings = train_settings(cfg.train)
-    zero = {"ddp": 0, "zero1": 1, "fsdp": 3}[d.strategy]
+    zero = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}[d.strategy]
     n_params = count_params(cfg.model).total
     recipe = M.get_recipe(settings["precision"])
+    if zero == 2:
+        recipe = M.fsdp2_zero2_recipe(recipe)
     plan = M.state_bytes(n_params, recipe, settings["optimizer"], zero=zero, dp=d.world_size)
     predicted = [{"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer + plan.master}
                  for _ in range(d.world_size)]
@@ -249,6 +280,10 @@ def format_per_rank(section: dict) -> str:
         even = sum(e["optimizer"]["predicted"] for e in section["ranks"]) / section["world_size"]
         lines.append(f"(zero1 shards by whole tensors, as ZeroRedundancyOptimizer does; an even split, "
                      f"DeepSpeed's ZeRO-1, would be {even / 1e6:.3f} MB of optimizer states per rank)")
+    if section["zero_stage_planned"] == 2:
+        lines.append("(zero2 is FSDP2 keeping the gathered parameters from forward to backward: params = that "
+                     "replicated copy, in the compute dtype; optimizer = moments + the fp32 shard it steps, "
+                     "the master copy; gradients are kept in fp32)")
     return "\n".join(lines)
 
 

@@ -262,10 +262,10 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     compiled, why_compile = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps - start_step,
                                             d.strategy)
     if compiled:
-        apply_compile(model, per_block=d.strategy == "fsdp")
+        apply_compile(model, per_block=d.fsdp)
     # A whole-model compile traced the training graph; under no_grad it would compile a second one
     # (~12 s cold on this 2-core CPU) to save ~1 s per evaluation, so evaluation calls the eager forward.
-    eval_forward = model.forward if compiled and d.strategy != "fsdp" else None
+    eval_forward = model.forward if compiled and not d.fsdp else None
     model = distributed.wrap(model, d, device, precision)
     optimizer = build_optimizer(model, cfg.train, shard_states=d.active and d.strategy == "zero1")
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -314,6 +314,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
 
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
+    gathered = distributed.gathered_params_meter(model, d)  # zero2's per-rank parameters (measured by forward)
     metrics = open(out / "metrics.jsonl", "a", encoding="utf-8") if d.is_main else None
     tensorboard = None
     if cfg.log.tensorboard and d.is_main:
@@ -418,7 +419,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         val_loss = evaluate(model, tokens.val, cfg, device, precision, eval_forward)
     per_rank = None
     if d.active:  # the rest is rank 0's, on the gathered weights of the checkpoint just saved
-        measured = distributed.rank_state_bytes(params, optimizer, last_grad_bytes)
+        measured = distributed.rank_state_bytes(params, optimizer, last_grad_bytes, gathered["bytes"])
         per_rank = distributed.per_rank_verify(cfg, distributed.gather_objects(measured, d), d)
         distributed.shutdown(d)
         if not d.is_main:
