@@ -81,9 +81,8 @@ def _workers(parent: int) -> list[int]:
     return [int(pid) for pid in out]
 
 
-@pytest.mark.slow
 def test_killing_one_rank_stops_the_job_and_resume_reproduces_the_losses(corpus, tmp_path):
-    extra = ("train.max_steps=60", "train.micro_batch=2", "parallel.strategy=ddp", "train.checkpoint_every=5")
+    extra = ("train.max_steps=30", "train.micro_batch=2", "parallel.strategy=ddp", "train.checkpoint_every=5")
     straight = tmp_path / "straight"
     assert torchrun("--out", str(straight), *sets(corpus, *extra)).returncode == 0
 
