@@ -17,6 +17,7 @@ from trainwise.cli import main
 from tiny import set_args
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank: 2 ranks on 2 cores
 
 
 def sets(corpus: Path, *extra: str) -> list[str]:
@@ -28,9 +29,8 @@ def losses(run: Path) -> list[float]:
 
 
 def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([*TORCHRUN, "-m", "trainwise", "train", "--quiet", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=ENV)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
@@ -81,31 +81,55 @@ def _workers(parent: int) -> list[int]:
     return [int(pid) for pid in out]
 
 
-def test_killing_one_rank_stops_the_job_and_resume_reproduces_the_losses(corpus, tmp_path):
-    extra = ("train.max_steps=30", "train.micro_batch=2", "parallel.strategy=ddp", "train.checkpoint_every=5")
-    straight = tmp_path / "straight"
-    assert torchrun("--out", str(straight), *sets(corpus, *extra)).returncode == 0
+SIGNAL_RUN = ("train.max_steps=30", "train.micro_batch=2", "parallel.strategy=ddp", "train.checkpoint_every=5")
+@pytest.fixture(scope="module")
+def straight_losses(corpus, tmp_path_factory) -> list[float]:
+    run = tmp_path_factory.mktemp("straight") / "run"
+    assert torchrun("--out", str(run), *sets(corpus, *SIGNAL_RUN)).returncode == 0
+    return losses(run)
 
-    run = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([*TORCHRUN, "-m", "trainwise", "train", "--quiet", "--out", str(run), *sets(corpus, *extra)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+def signal_one_rank_mid_run(run: Path, corpus: Path, sig: int) -> tuple[int, str]:
+    """Start SIGNAL_RUN on 2 ranks, send `sig` to the rank started last after 12 steps; (exit code, stderr)."""
+    proc = subprocess.Popen([*TORCHRUN, "-m", "trainwise", "train", "--quiet", "--out", str(run),
+                             *sets(corpus, *SIGNAL_RUN)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     metrics = run / "metrics.jsonl"
     while proc.poll() is None and (not metrics.exists() or len(metrics.read_text().splitlines()) < 12):
         time.sleep(0.01)
     workers = _workers(proc.pid)
     assert len(workers) == 2
-    os.kill(max(workers), signal.SIGKILL)  # the rank started last
-    start = time.time()
+    os.kill(max(workers), sig)
     _, stderr = proc.communicate(timeout=180)
-    assert proc.returncode != 0
+    return proc.returncode, stderr
+
+
+def resume(run: Path) -> None:
+    resumed = subprocess.run([*TORCHRUN, "-m", "trainwise", "train", "--quiet", "--resume", str(run)],
+                             capture_output=True, text=True, timeout=300, env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
+def test_killing_one_rank_stops_the_job_and_resume_reproduces_the_losses(corpus, tmp_path, straight_losses):
+    run = tmp_path / "killed"
+    start = time.time()
+    returncode, stderr = signal_one_rank_mid_run(run, corpus, signal.SIGKILL)
+    assert returncode != 0
     assert time.time() - start < 180
     assert "lost contact with the other ranks" in stderr or "SIGKILL" in stderr or "Signal 9" in stderr
+    resume(run)
+    assert losses(run) == pytest.approx(straight_losses, rel=1e-6)
 
-    resumed = subprocess.run([*TORCHRUN, "-m", "trainwise", "train", "--quiet", "--resume", str(run)],
-                             capture_output=True, text=True, timeout=300, env=env)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert losses(run) == pytest.approx(losses(straight), rel=1e-6)
+
+def test_sigterm_to_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(corpus, tmp_path, straight_losses):
+    """A preemption notice reaching one rank: the ranks agree (any_rank, over gloo) to stop after the
+    same step, save it, and exit 0; the resume continues the uninterrupted run exactly."""
+    run = tmp_path / "preempted"
+    returncode, stderr = signal_one_rank_mid_run(run, corpus, signal.SIGTERM)
+    assert returncode == 0, stderr[-3000:]
+    steps = len(losses(run))
+    assert 12 <= steps < 30 and (run / f"checkpoints/step_{steps:08d}").is_dir()
+    resume(run)
+    assert losses(run) == pytest.approx(straight_losses, rel=1e-6)
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
@@ -125,7 +149,5 @@ def test_sharded_checkpoint_resumes_exactly_and_loads_in_one_process(corpus, tmp
     for f in (run / "checkpoints/step_00000005").iterdir():
         f.unlink()
     (run / "checkpoints/step_00000005").rmdir()
-    resumed = subprocess.run([*TORCHRUN, "-m", "trainwise", "train", "--quiet", "--resume", str(run)],
-                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resume(run)
     assert losses(run) == pytest.approx(straight, rel=1e-6)

@@ -41,6 +41,7 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    control: object = None  # a gloo group for host-side agreement (any_rank), also beside NCCL
 
     @property
     def is_main(self) -> bool:
@@ -73,7 +74,8 @@ def init(strategy: str, device_request: str, timeout_s: float = 120.0) -> Dist:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    return Dist(strategy, rank, world_size, local_rank)
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return Dist(strategy, rank, world_size, local_rank, control)
 
 
 def device_for(d: Dist, device: torch.device) -> torch.device:
@@ -127,13 +129,13 @@ def mean_across_ranks(value: torch.Tensor, d: Dist) -> torch.Tensor:
 
 
 def any_rank(flag: bool, d: Dist) -> bool:
-    """True on every rank if it is True on any (a signal reaches one rank; all must stop together)."""
+    """True on every rank if it is True on any (a signal reaches one rank; all must stop together).
+    Asked every step, so it runs on the CPU over gloo: under NCCL a GPU tensor's .item() would wait for
+    the GPU to finish the step before the host could queue the next one."""
     if not d.active:
         return flag
     t = torch.tensor([1.0 if flag else 0.0])
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=d.control)
     return bool(t.item())
 
 
