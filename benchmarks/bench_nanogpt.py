@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                          "tw-llama fp32; append ' compile' to a trainwise variant for train.compile=true")
     ap.add_argument("--peaks", choices=["measure", "cached"], default="measure",
                     help="matmul peaks for MFU: 'measure' (default) re-runs calibrate()'s matmul timing now "
-                         "without touching its cache; 'cached' uses calibrate('cpu'), which may have been "
-                         "measured while the machine was busy")
+                         "without touching its cache; 'cached' uses calibrate('cpu'), measured on an earlier, "
+                         "quiet run")
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                     help="also write the results as JSON to PATH ('-' or no PATH: stdout)")
     args = ap.parse_args(argv)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         peaks = calibrate("cpu")["peak_flops"]
     else:  # calibrate()'s own method, measured now and not written to its cache
         cpu = torch.device("cpu")
-        peaks = {d: max(matmul_flops_per_s(cpu, DTYPES[d], n) for n in (1024, 2048)) for d in ("fp32", "bf16")}
+        peaks = {d: max(matmul_flops_per_s(cpu, DTYPES[d], n)[0] for n in (1024, 2048)) for d in ("fp32", "bf16")}
     which = [w.strip() for w in args.variants.split(",") if w.strip()]
     names = ["default", "shakespeare"] if args.shape == "both" else [args.shape]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

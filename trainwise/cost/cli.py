@@ -277,7 +277,7 @@ def _cmd_calibrate(args) -> int:
     import torch
 
     from trainwise.cost.hardware import lookup_cuda_device
-    from trainwise.measure.calibrate import calibrate
+    from trainwise.measure.calibrate import busy_note, calibrate
 
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     out = {}
@@ -296,5 +296,8 @@ def _cmd_calibrate(args) -> int:
             table = (r.get("table") or {}).get("peak_flops", {}).get(dtype)
             extra = f"  (table: {table / 1e12:,.1f} TFLOP/s)" if table else ""
             print(f"  {dtype:<5} matmul peak {p / 1e9:,.1f} GFLOP/s measured{extra}")
-        print(f"  memory bandwidth {r['bandwidth_bytes_per_s'] / 1e9:,.2f} GB/s measured (cached)")
+        print(f"  memory bandwidth {r['bandwidth_bytes_per_s'] / 1e9:,.2f} GB/s measured"
+              + ("" if r.get("busy") else " (cached)"))
+        if note := busy_note(r):
+            print(f"  warning: {note}")
     return 0

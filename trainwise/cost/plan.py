@@ -32,7 +32,8 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float
 
         measured = calibrate("cpu")
         peak = measured["peak_flops"].get(dtype, measured["peak_flops"]["fp32"])
-        hw = Hardware("this CPU (measured)", peak, measured["bandwidth_bytes_per_s"], None)
+        busy = " while busy: too low, see `trainwise hardware --calibrate`" if measured.get("busy") else ""
+        hw = Hardware(f"this CPU (measured{busy})", peak, measured["bandwidth_bytes_per_s"], None)
     elif gpu:
         acc: Accelerator = get_accelerator(gpu)
         hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes)

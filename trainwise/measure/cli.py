@@ -57,16 +57,10 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         from trainwise.errors import TrainwiseError
 
         raise TrainwiseError("--measure profiles a step on this CPU; it cannot be combined with --gpu.")
-    if args.gpu:
-        from trainwise.cost.hardware import get_accelerator
+    from trainwise.cost.plan import resolve_hardware
 
-        acc = get_accelerator(args.gpu)
-        peak, bw, hw = acc.peak(args.precision), acc.bandwidth_bytes_per_s, acc.name
-    else:
-        from trainwise.measure.calibrate import calibrate
-
-        cal = calibrate("cpu")
-        peak, bw, hw = cal["peak_flops"][args.precision], cal["bandwidth_bytes_per_s"], "this CPU (calibrated)"
+    hardware = resolve_hardware(args.gpu or "cpu", None, None, None, args.precision)
+    peak, bw, hw = hardware.peak_flops, hardware.bandwidth_bytes_per_s, hardware.name
     seq = args.seq_len or min(model.max_seq_len, 2048)
     if args.measure:
         from trainwise.measure.roofline import check_measurable

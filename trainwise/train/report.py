@@ -28,10 +28,12 @@ def device_peak_flops(device: torch.device, precision: str) -> tuple[float, str]
         found = lookup_cuda_device(torch.cuda.get_device_name(device))
         if found is not None:
             return found.peak(precision), f"{found.name} datasheet ({precision})"
-    from trainwise.measure.calibrate import calibrate
+    from trainwise.measure.calibrate import busy_note, calibrate
 
     measured = calibrate(device)
-    return measured["peak_flops"][precision], f"measured {precision} matmul peak of this {device.type}"
+    note = busy_note(measured)
+    return (measured["peak_flops"][precision],
+            f"measured {precision} matmul peak of this {device.type}" + (f"; {note}" if note else ""))
 
 
 class RunReporter:
