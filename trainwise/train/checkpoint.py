@@ -16,12 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -200,3 +202,35 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> Checkpoint:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def capture_rng() -> tuple[dict, dict]:
+    """(tensor states for rng.pt, JSON-able states for trainer.json)."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["torch_cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    py = random.getstate()
+    np_state = np.random.get_state()
+    plain = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+    return tensors, plain
+
+
+def restore_rng(tensors: dict, plain: dict | list, rank: int = 0) -> None:
+    """Restore this rank's generators (checkpoints hold one entry per rank)."""
+    if "ranks" in tensors:
+        if rank >= len(tensors["ranks"]):
+            raise TrainwiseError(
+                f"the checkpoint was saved by {len(tensors['ranks'])} ranks; resume it with the same number "
+                "of processes (torchrun --nproc-per-node)."
+            )
+        tensors, plain = tensors["ranks"][rank], plain[rank]
+    torch.set_rng_state(tensors["torch_cpu"])
+    if "torch_cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(tensors["torch_cuda"]))
+    version, state, gauss = plain["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))

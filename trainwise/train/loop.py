@@ -31,6 +31,7 @@ from trainwise.errors import TrainwiseError
 from trainwise.model import Transformer
 from trainwise.tokenizer import Tokenizer
 from trainwise.train import checkpoint as ckpt
+from trainwise.train.checkpoint import capture_rng, restore_rng
 from trainwise.train import distributed
 from trainwise.train.optim import build_optimizer, lr_at, step_if_finite
 from trainwise.train.parallelize import (apply_activation_checkpointing, apply_compile, remove_compile,
@@ -108,38 +109,6 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def capture_rng() -> tuple[dict, dict]:
-    """(tensor states for rng.pt, JSON-able states for trainer.json)."""
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors["torch_cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-    py = random.getstate()
-    np_state = np.random.get_state()
-    plain = {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-    }
-    return tensors, plain
-
-
-def restore_rng(tensors: dict, plain: dict | list, rank: int = 0) -> None:
-    """Restore this rank's generators (checkpoints hold one entry per rank)."""
-    if "ranks" in tensors:
-        if rank >= len(tensors["ranks"]):
-            raise TrainwiseError(
-                f"the checkpoint was saved by {len(tensors['ranks'])} ranks; resume it with the same number "
-                "of processes (torchrun --nproc-per-node)."
-            )
-        tensors, plain = tensors["ranks"][rank], plain[rank]
-    torch.set_rng_state(tensors["torch_cpu"])
-    if "torch_cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(tensors["torch_cuda"]))
-    version, state, gauss = plain["python"]
-    random.setstate((version, tuple(state), gauss))
-    name, keys, pos, has_gauss, cached = plain["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
 def nonfinite_diagnostic(model: torch.nn.Module, step: int, loss: torch.Tensor) -> str:
     """Name the step and the first tensor that went non-finite, for train.on_nonfinite = "stop"."""
     where = "the loss" if not torch.isfinite(loss).all() else None
@@ -201,27 +170,32 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, cfg: RunConfig, device:
     return total / cfg.train.eval_steps
 
 
-def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: bool = False,
-          max_steps: int | None = None, init_from: str | None = None, quiet: bool = False) -> TrainResult:
-    """Run (or continue) a training run; see the module docstring. Returns the final numbers."""
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    out = Path(out) if out else default_run_dir()
-    check_run_dir(out, resume)
-    if resume:
-        cfg = load_config(out / "config.toml")
-    cfg = cfg or RunConfig()
-    if max_steps is not None:
-        cfg.train.max_steps = max_steps
-    cfg.validate()
-    d = distributed.init(cfg.parallel.strategy, cfg.train.device)
-    if not d.is_main:
-        say = lambda *a: None  # noqa: E731
-        quiet = True
-    device = distributed.device_for(d, resolve_device(cfg.train.device))
-    precision, why = resolve_precision(cfg.train.precision, device)
+@dataclass
+class _Run:
+    """What the loop works with (built by `_build`), and what it accumulates between log rows."""
 
-    # Everything that can fail on user input happens before the run directory is touched. Rank 0
-    # tokenizes first; the other ranks then find its work in the cache.
+    cfg: RunConfig
+    d: distributed.Dist
+    device: torch.device
+    precision: str
+    model: torch.nn.Module  # wrapped for the strategy (DDP / FSDP2), maybe compiled
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    sampler: data_mod.BatchSampler
+    params: list
+    compiled: bool
+    why_compile: str
+    eval_forward: object  # the eager forward of a whole-model compile (evaluation calls it), else None
+    gathered: dict  # zero2's gathered parameter bytes, measured by forward (distributed.gathered_params_meter)
+    loss_sum: torch.Tensor  # micro-batch losses since the last log row, on the device
+    skipped: torch.Tensor  # optimizer steps skipped for a non-finite gradient (this session), on the device
+    last_grad_bytes: int = 0  # this rank's gradient bytes at the last step, for the per-rank memory check
+
+
+def _prepare_inputs(cfg: RunConfig, out: Path, resume: bool, init_from: str | None, d: distributed.Dist):
+    """(tokenizer, tokenized data, Hugging Face weights or None). Everything that can fail on user input
+    happens here, before the run directory is touched. Rank 0 tokenizes first; the other ranks then
+    find its work in the cache."""
     if not d.is_main:
         distributed.barrier(d)
     init_state = None
@@ -244,6 +218,13 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     tokens = data_mod.prepare_data(cfg.data, tokenizer, cfg.train.seq_len)
     if d.is_main:
         distributed.barrier(d)
+    return tokenizer, tokens, init_state
+
+
+def _build(cfg: RunConfig, out: Path, resume: bool, init_state: dict | None, tokens, device: torch.device,
+           precision: str, d: distributed.Dist) -> tuple[_Run, ckpt.Checkpoint | None]:
+    """The model (seeded, loaded from the latest checkpoint on resume, then checkpointed, compiled and
+    wrapped from outside), its optimizer, scaler and batch sampler; and the checkpoint to resume from."""
     seed_everything(cfg.train.seed)
     model = Transformer(cfg.model)
     if init_state is not None:
@@ -267,33 +248,137 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     # (~12 s cold on this 2-core CPU) to save ~1 s per evaluation, so evaluation calls the eager forward.
     eval_forward = model.forward if compiled and not d.fsdp else None
     model = distributed.wrap(model, d, device, precision)
-    optimizer = build_optimizer(model, cfg.train, shard_states=d.active and d.strategy == "zero1")
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    sampler = data_mod.BatchSampler(tokens.train, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.train.seed,
-                                    rank=d.rank, world_size=d.world_size)
-    from trainwise.train.report import RunReporter  # noqa: E402  (kept late: pulls in the planner)
+    model.train()
+    run = _Run(
+        cfg, d, device, precision, model,
+        optimizer=build_optimizer(model, cfg.train, shard_states=d.active and d.strategy == "zero1"),
+        scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
+        sampler=data_mod.BatchSampler(tokens.train, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.train.seed,
+                                      rank=d.rank, world_size=d.world_size),
+        params=[p for p in model.parameters() if p.requires_grad],
+        compiled=compiled, why_compile=why_compile, eval_forward=eval_forward,
+        gathered=distributed.gathered_params_meter(model, d),
+        loss_sum=torch.zeros((), device=device), skipped=torch.zeros((), device=device),
+    )
+    return run, state
 
-    reporter = RunReporter(cfg, distributed.unwrap(model), device, precision, say)
 
-    step, tokens_seen = 0, 0
+def _optimizer_step(run: _Run, step: int) -> tuple[float, torch.Tensor]:
+    """One optimizer step (0-based `step`) over grad_accum_steps micro-batches; returns (lr, gradient
+    norm). A NaN/inf must never reach the weights: the default (skip) decides on the device, with no
+    host sync; "stop" waits for the verdict every step so that it can name the step. (With fp16 the
+    GradScaler skips such steps on its own and lowers the scale.)"""
+    cfg, model, optimizer, scaler = run.cfg.train, run.model, run.optimizer, run.scaler
+    lr = lr_at(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    for micro in range(cfg.grad_accum_steps):
+        x, y = run.sampler.next_batch()
+        x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+        with distributed.gradient_sync(model, run.d, micro == cfg.grad_accum_steps - 1):
+            with autocast(run.device, run.precision):
+                loss = model(x, y)
+            scaler.scale(loss / cfg.grad_accum_steps).backward()
+        run.loss_sum += loss.detach()
+    scaler.unscale_(optimizer)
+    grad_norm = distributed.local_value(torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip or float("inf")))
+    if scaler.is_enabled():
+        scaler.step(optimizer)
+        scaler.update()
+    elif cfg.on_nonfinite == "stop" and not bool(torch.isfinite(grad_norm)):
+        raise TrainwiseError(nonfinite_diagnostic(model, step + 1, loss))
+    else:
+        run.skipped += step_if_finite(optimizer, grad_norm)
+    if run.d.active and step + 1 == cfg.max_steps:  # for the per-rank memory check
+        run.last_grad_bytes = distributed.local_bytes(p.grad for p in run.params)
+    optimizer.zero_grad(set_to_none=True)
+    return lr, grad_norm
+
+
+def _log_row(run: _Run, reporter, step: int, tokens_seen: int, lr: float, grad_norm: torch.Tensor,
+             interval_steps: int, elapsed_s: float, tokens_per_step: int) -> dict:
+    """The metrics row of the steps since the last one: the loss averaged over ranks, throughput, MFU,
+    skipped steps and MoE routing counts."""
+    loss_sum = distributed.mean_across_ranks(run.loss_sum, run.d)
+    loss = loss_sum.item() / (interval_steps * run.cfg.train.grad_accum_steps)
+    row = reporter.metrics_row(step, tokens_seen, loss, lr, grad_norm.item(), elapsed_s / interval_steps,
+                               tokens_per_step)
+    if skipped_steps := int(run.skipped.item()):
+        row["skipped_steps"] = skipped_steps
+    model = distributed.unwrap(run.model)
+    if experts := expert_counts(model):
+        row["expert_tokens"] = experts
+        if not run.cfg.model.dropless:  # token-expert assignments over capacity, last forward
+            row["expert_dropped"] = {i: b.mlp.last_dropped for i, b in enumerate(model.blocks) if str(i) in experts}
+    run.loss_sum.zero_()
+    return row
+
+
+def _restore_or_create(run: _Run, state: ckpt.Checkpoint | None, reporter, out: Path, resume: bool,
+                       tokenizer: Tokenizer, say) -> tuple[int, int]:
+    """(step, tokens seen) to start from: on resume, what the checkpoint restores (optimizer, sampler,
+    scaler, every rank's RNG); otherwise (0, 0), once rank 0 has created the run directory."""
+    d, step, tokens_seen = run.d, 0, 0
     if resume:
         if state is not None:
-            distributed.load_full_state(model, optimizer, state.optimizer_state, d)
+            distributed.load_full_state(run.model, run.optimizer, state.optimizer_state, d)
             t = state.trainer_state
             step, tokens_seen = t["step"], t["tokens"]
-            sampler.load_state_dict(t["sampler"])
-            scaler.load_state_dict(t["scaler"]) if t.get("scaler") else None
+            run.sampler.load_state_dict(t["sampler"])
+            run.scaler.load_state_dict(t["scaler"]) if t.get("scaler") else None
             restore_rng(state.rng_state, t["rng"], d.rank)
             say(f"resumed {out} from {state.path.name} (step {step}, {tokens_seen:,} tokens)")
         if d.is_main:
             truncate_metrics(out / "metrics.jsonl", step)
     elif d.is_main:
-        create_run_dir(out, cfg, tokenizer, reporter)
+        create_run_dir(out, run.cfg, tokenizer, reporter)
+    distributed.barrier(d)
+    return step, tokens_seen
+
+
+def _save(run: _Run, out: Path, step: int, tokens_seen: int) -> None:
+    """A checkpoint of this step, gathered to rank 0 (a collective: every rank calls it)."""
+    d = run.d
+    model_state, optimizer_state = distributed.full_state(run.model, run.optimizer)
+    rng_tensors, rng_plain = zip(*distributed.gather_objects(capture_rng(), d))
+    if d.is_main:
+        trainer_state = {"step": step, "tokens": tokens_seen, "sampler": run.sampler.state_dict(),
+                         "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
+                         "rng": list(rng_plain), "world_size": d.world_size}
+        ckpt.save_checkpoint(out, step, model_state, optimizer_state, trainer_state,
+                             {"ranks": list(rng_tensors)}, run.cfg.train.keep_checkpoints)
     distributed.barrier(d)
 
+
+def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: bool = False,
+          max_steps: int | None = None, init_from: str | None = None, quiet: bool = False) -> TrainResult:
+    """Run (or continue) a training run; see the module docstring. Returns the final numbers."""
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    out = Path(out) if out else default_run_dir()
+    check_run_dir(out, resume)
+    if resume:
+        cfg = load_config(out / "config.toml")
+    cfg = cfg or RunConfig()
+    if max_steps is not None:
+        cfg.train.max_steps = max_steps
+    cfg.validate()
+    d = distributed.init(cfg.parallel.strategy, cfg.train.device)
+    if not d.is_main:
+        say = lambda *a: None  # noqa: E731
+        quiet = True
+    device = distributed.device_for(d, resolve_device(cfg.train.device))
+    precision, why = resolve_precision(cfg.train.precision, device)
+    tokenizer, tokens, init_state = _prepare_inputs(cfg, out, resume, init_from, d)
+    run, state = _build(cfg, out, resume, init_state, tokens, device, precision, d)
+    from trainwise.train.report import RunReporter  # noqa: E402  (kept late: pulls in the planner)
+
+    reporter = RunReporter(cfg, distributed.unwrap(run.model), device, precision, say)
+
+    step, tokens_seen = _restore_or_create(run, state, reporter, out, resume, tokenizer, say)
+
     tokens_per_step = cfg.train.tokens_per_step * d.world_size
-    say(f"precision: {precision} ({why}); compile: {'on' if compiled else 'off'} ({why_compile}"
-        + ("; the first step compiles, tens of seconds" if compiled else "") + f"); device: {device}"
+    say(f"precision: {precision} ({why}); compile: {'on' if run.compiled else 'off'} ({run.why_compile}"
+        + ("; the first step compiles, tens of seconds" if run.compiled else "") + f"); device: {device}"
         + (f"; {d.strategy} over {d.world_size} ranks" if d.active else ""))
     say(f"data: {len(tokens.train):,} train / {len(tokens.val):,} val tokens; "
         f"B_eff = micro_batch {cfg.train.micro_batch} x grad_accum {cfg.train.grad_accum_steps}"
@@ -301,20 +386,6 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         + f" = {tokens_per_step // cfg.train.seq_len} sequences of {cfg.train.seq_len} tokens "
         f"= {tokens_per_step:,} tokens per step")
 
-    def save() -> None:
-        model_state, optimizer_state = distributed.full_state(model, optimizer)  # collective under FSDP
-        rng_tensors, rng_plain = zip(*distributed.gather_objects(capture_rng(), d))
-        if d.is_main:
-            trainer_state = {"step": step, "tokens": tokens_seen, "sampler": sampler.state_dict(),
-                             "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-                             "rng": list(rng_plain), "world_size": d.world_size}
-            ckpt.save_checkpoint(out, step, model_state, optimizer_state, trainer_state,
-                                 {"ranks": list(rng_tensors)}, cfg.train.keep_checkpoints)
-        distributed.barrier(d)
-
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    gathered = distributed.gathered_params_meter(model, d)  # zero2's per-rank parameters (measured by forward)
     metrics = open(out / "metrics.jsonl", "a", encoding="utf-8") if d.is_main else None
     tensorboard = None
     if cfg.log.tensorboard and d.is_main:
@@ -323,42 +394,13 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         tensorboard = TensorBoardLogger(out)  # fed the same rows as metrics.jsonl
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=quiet, unit="step", dynamic_ncols=True,
                file=sys.stderr)
-    loss_sum = torch.zeros((), device=device)
     last_loss, val_loss, stopped = float("nan"), float("nan"), False
-    last_grad_bytes = 0
     best = ckpt.best_checkpoint(out)
     best_val = best["val_loss"] if best else float("inf")
-    skipped = torch.zeros((), device=device)  # optimizer steps skipped for a non-finite gradient (this session)
     interval_start, interval_steps = time.perf_counter(), 0
     with _StopRequest() as stop:
         while step < cfg.train.max_steps:
-            lr = lr_at(step, cfg.train)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            for micro in range(cfg.train.grad_accum_steps):
-                x, y = sampler.next_batch()
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with distributed.gradient_sync(model, d, micro == cfg.train.grad_accum_steps - 1):
-                    with autocast(device, precision):
-                        loss = model(x, y)
-                    scaler.scale(loss / cfg.train.grad_accum_steps).backward()
-                loss_sum += loss.detach()
-            scaler.unscale_(optimizer)
-            grad_norm = distributed.local_value(
-                torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf")))
-            # A NaN/inf must never reach the weights. The default (skip) decides on the device, with no
-            # host sync; "stop" waits for the verdict every step so that it can name the step. (With
-            # fp16 the GradScaler skips such steps on its own and lowers the scale.)
-            if scaler.is_enabled():
-                scaler.step(optimizer)
-                scaler.update()
-            elif cfg.train.on_nonfinite == "stop" and not bool(torch.isfinite(grad_norm)):
-                raise TrainwiseError(nonfinite_diagnostic(model, step + 1, loss))
-            else:
-                skipped += step_if_finite(optimizer, grad_norm)
-            if d.active and step + 1 == cfg.train.max_steps:  # for the per-rank memory check
-                last_grad_bytes = distributed.local_bytes(p.grad for p in params)
-            optimizer.zero_grad(set_to_none=True)
+            lr, grad_norm = _optimizer_step(run, step)
             step += 1
             tokens_seen += tokens_per_step
             interval_steps += 1
@@ -369,21 +411,11 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
             if step % cfg.train.log_every == 0 or do_eval or step == cfg.train.max_steps or stop_now:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                elapsed = time.perf_counter() - interval_start
-                loss_sum = distributed.mean_across_ranks(loss_sum, d)
-                last_loss = loss_sum.item() / (interval_steps * cfg.train.grad_accum_steps)
-                row = reporter.metrics_row(step, tokens_seen, last_loss, lr, grad_norm.item(),
-                                           elapsed / interval_steps, tokens_per_step)
-                if skipped_steps := int(skipped.item()):
-                    row["skipped_steps"] = skipped_steps
-                experts = expert_counts(distributed.unwrap(model))
-                if experts:
-                    row["expert_tokens"] = experts
-                    if not cfg.model.dropless:  # token-expert assignments over capacity, last forward
-                        row["expert_dropped"] = {i: b.mlp.last_dropped for i, b in
-                                                 enumerate(distributed.unwrap(model).blocks) if str(i) in experts}
+                row = _log_row(run, reporter, step, tokens_seen, lr, grad_norm, interval_steps,
+                               time.perf_counter() - interval_start, tokens_per_step)
+                last_loss = row["loss"]
                 if do_eval:
-                    val_loss = evaluate(model, tokens.val, cfg, device, precision, eval_forward)
+                    val_loss = evaluate(run.model, tokens.val, cfg, device, precision, run.eval_forward)
                     row["val_loss"] = val_loss
                 if metrics is not None:
                     metrics.write(json.dumps(row) + "\n")
@@ -391,11 +423,10 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                 if tensorboard is not None:
                     tensorboard.log(row)
                 bar.set_postfix_str(reporter.postfix(row))
-                loss_sum.zero_()
                 interval_start, interval_steps = time.perf_counter(), 0
             new_best = do_eval and cfg.train.keep_best and val_loss < best_val
             if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or stop_now or new_best:
-                save()
+                _save(run, out, step, tokens_seen)
             if new_best:
                 best_val = val_loss
                 if d.is_main:
@@ -408,18 +439,24 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         metrics.close()
     if tensorboard is not None:
         tensorboard.close()
-    if not stopped:
-        save()
     if stopped:
         say(f"stopped at step {step} and saved a checkpoint; continue with: trainwise train --resume {out}")
         distributed.shutdown(d)
         return TrainResult(out, step, last_loss, val_loss, float("nan"), "", stopped_early=True)
-
+    _save(run, out, step, tokens_seen)
     if not val_loss == val_loss:  # nan: no evaluation happened yet
-        val_loss = evaluate(model, tokens.val, cfg, device, precision, eval_forward)
+        val_loss = evaluate(run.model, tokens.val, cfg, device, precision, run.eval_forward)
+    return _finish(run, reporter, out, tokenizer, tokens, step, tokens_seen, last_loss, val_loss, say)
+
+
+def _finish(run: _Run, reporter, out: Path, tokenizer: Tokenizer, tokens, step: int, tokens_seen: int,
+            last_loss: float, val_loss: float, say) -> TrainResult:
+    """After the last step: the per-rank memory check (distributed), the final losses and a sample,
+    verify.json (one measured step against the plan) and the HTML report, on rank 0."""
+    cfg, d, device, model = run.cfg, run.d, run.device, run.model
     per_rank = None
     if d.active:  # the rest is rank 0's, on the gathered weights of the checkpoint just saved
-        measured = distributed.rank_state_bytes(params, optimizer, last_grad_bytes, gathered["bytes"])
+        measured = distributed.rank_state_bytes(run.params, run.optimizer, run.last_grad_bytes, run.gathered["bytes"])
         per_rank = distributed.per_rank_verify(cfg, distributed.gather_objects(measured, d), d)
         distributed.shutdown(d)
         if not d.is_main:
@@ -427,7 +464,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         from trainwise.api import load
 
         model = load(out, device=str(device)).model
-    if compiled:
+    if run.compiled:
         remove_compile(distributed.unwrap(model))
     unigram = data_mod.unigram_loss(tokens)
     sample = sample_text(model, tokenizer, device, cfg.train.sample_tokens, seed=cfg.train.seed)
@@ -437,7 +474,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     # Distributed: verify measures one step of the gathered model with a fresh optimizer, in one process;
     # the per-rank shards were measured above and are checked against the ZeRO plan.
     reporter.finish(out, tokens_seen, step, model=model,
-                    optimizer=build_optimizer(model, cfg.train) if d.active else optimizer)
+                    optimizer=build_optimizer(model, cfg.train) if d.active else run.optimizer)
     if per_rank is not None and (out / "verify.json").is_file():
         result = json.loads((out / "verify.json").read_text(encoding="utf-8"))
         result["per_rank"] = per_rank
