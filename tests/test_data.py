@@ -10,18 +10,8 @@ import pytest
 import torch
 
 from trainwise.config import DataConfig
-from trainwise.data import (
-    BUILTIN_CORPUS_DESCRIPTION,
-    BatchSampler,
-    _rechunk,
-    discover_files,
-    iter_texts,
-    prepare_data,
-    prepare_tokenizer,
-    resolve_cache_root,
-    token_dtype,
-    unigram_loss,
-)
+from trainwise.data import BatchSampler, prepare_data, prepare_tokenizer, resolve_cache_root, token_dtype, unigram_loss
+from trainwise.sources import BUILTIN_CORPUS_DESCRIPTION, discover_files, iter_texts, rechunk
 from trainwise.errors import TrainwiseError
 from trainwise.tokenizer import EOT, Tokenizer
 
@@ -146,10 +136,10 @@ def test_long_line_is_read_in_whitespace_cut_chunks(tmp_path):
 
 
 def test_rechunk_cuts_where_whitespace_starts():
-    assert list(_rechunk(["x" * 25], 10)) == ["x" * 10, "x" * 10, "x" * 5]
-    assert list(_rechunk(["ab", "c d", "ef"], 3)) == ["abc", " de", "f"]
-    assert list(_rechunk(["one two  \n three"], 12)) == ["one two", "  \n three"]
-    assert list(_rechunk([" " * 30], 10)) == [" " * 9, " " * 9, " " * 9, " " * 3]
+    assert list(rechunk(["x" * 25], 10)) == ["x" * 10, "x" * 10, "x" * 5]
+    assert list(rechunk(["ab", "c d", "ef"], 3)) == ["abc", " de", "f"]
+    assert list(rechunk(["one two  \n three"], 12)) == ["one two", "  \n three"]
+    assert list(rechunk([" " * 30], 10)) == [" " * 9, " " * 9, " " * 9, " " * 3]
 
 
 def test_invalid_utf8_is_replaced_and_counted(tmp_path, tok):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from trainwise.config import DataConfig
-from trainwise.data import discover_files, prepare_data
+from trainwise.data import prepare_data
+from trainwise.sources import discover_files
 
 # Peak RSS a 16 MB and a 64 MB single-line file add on top of the imports: ~90-105 MiB each (tokenizer
 # batches of ~1M characters, HF Encoding objects, the id list); 300 MB leaves room for allocator noise.

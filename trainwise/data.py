@@ -1,18 +1,12 @@
 """The corpus, from files on disk to batches of token windows.
 
-    paths ─discover_files─> files ─iter_texts─> text pieces ─prepare_data─> train/val token memmaps
+    paths ─sources─> text pieces ─prepare_data─> train/val token memmaps
     train tokens ─BatchSampler─> (x, y) batches;  unigram_loss(data): the no-context baseline
 
-Sources: .txt and .md (one file = one document), .jsonl (one document per line, in the field
-`DataConfig.text_field`), .parquet (one document per row, same field), directories (recursive, hidden
-entries skipped) and globs. An explicitly named file with another suffix is read as plain text. With no
-paths the built-in corpus is used (see BUILTIN_CORPUS_DESCRIPTION).
-
-Nothing holds the whole corpus in memory: files are read in chunks of about `chunk_chars` characters
-cut at whitespace (so a 1 GB single-line file is fine), chunks are encoded in batches on all cores, and
-the tokens are appended to one flat file that is then memory-mapped. A .jsonl line is parsed whole,
-since a JSON value cannot be parsed in parts. Documents are separated by the end-of-text token,
-appended after each one (nanoGPT's OpenWebText preparation does the same).
+Which files and formats are read, and how, is trainwise.sources. Nothing holds the whole corpus in
+memory: the text pieces are encoded in batches on all cores, and the tokens are appended to one flat
+file that is then memory-mapped. Documents are separated by the end-of-text token, appended after each
+one (nanoGPT's OpenWebText preparation does the same).
 
 Tokenized corpora are cached under `resolve_cache_root()/data/<key>/`, keyed by a hash of the input files
 (path, size, mtime), the text field, the chunk size and the tokenizer.json; the train/validation split
@@ -21,17 +15,14 @@ is just an offset into the cached file, so changing val_fraction reuses the cach
 
 from __future__ import annotations
 
-import codecs
-import glob
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,23 +34,16 @@ from tqdm import tqdm
 
 from trainwise.config import DataConfig
 from trainwise.errors import TrainwiseError
+from trainwise.sources import (BUILTIN_CORPUS_DESCRIPTION, CHUNK_CHARS, Reading, builtin_texts, discover_files,
+                               iter_pieces, mark_last, rechunk)
 from trainwise.tokenizer import Tokenizer
 
-BUILTIN_CORPUS_DESCRIPTION = (
-    "the built-in corpus: the English reference documentation that CPython ships in "
-    "pydoc_data.topics (about 80 topics, 0.5-0.7 MB of text, depending on the Python version)"
-)
-TEXT_SUFFIXES = (".txt", ".md")
-SUPPORTED_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")
-CHUNK_CHARS = 1_000_000  # long documents are read and cut into pieces of about this size
 # Each encode_batch call gets about BATCH_CHARS of text in pieces of about ENCODE_CHARS: enough pieces
 # to keep many cores busy, while HF's Encoding objects (~300 bytes per token) stay near 100 MB.
 ENCODE_CHARS = 16_384
 BATCH_CHARS = 1_000_000
 MAX_TOKENIZER_TRAIN_CHARS = 100_000_000  # BPE merges are learned on at most this much text
-SNIFF_BYTES = 8192
 CACHE_FORMAT = 1
-_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # how the 'surrogateescape' decoder marks a bad byte
 
 
 def resolve_cache_root(root: str | Path | None = None) -> Path:
@@ -78,249 +62,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # Finding and checking files
 
 
-def discover_files(paths: list[str]) -> list[Path]:
-    """Expand files, directories (recursively) and globs into a de-duplicated list of corpus files, in
-    the order given, each directory or glob in sorted order; refuse missing paths, directories and
-    globs without supported files, and binary files."""
-    found: dict[Path, None] = {}
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_file():
-            found[path] = None
-        elif path.is_dir():
-            files = _supported_under(path)
-            if not files:
-                raise TrainwiseError(
-                    f"directory '{raw}' contains no supported text files ({_suffix_list()}); point "
-                    "data.paths at a directory with text files, or at the files themselves."
-                )
-            found.update(dict.fromkeys(files))
-        elif any(c in raw for c in "*?["):
-            files = []
-            for match in sorted(glob.glob(os.path.expanduser(raw), recursive=True)):
-                match_path = Path(match)
-                if match_path.is_dir():
-                    files += _supported_under(match_path)
-                elif match_path.suffix.lower() in SUPPORTED_SUFFIXES:
-                    files.append(match_path)
-            if not files:
-                raise TrainwiseError(
-                    f"glob '{raw}' matches no supported text files ({_suffix_list()}); check the pattern "
-                    "(use ** for subdirectories, and quote it so the shell does not expand it)."
-                )
-            found.update(dict.fromkeys(files))
-        else:
-            raise TrainwiseError(
-                f"data path '{raw}' does not exist; pass existing files, directories or globs "
-                "(e.g. --data 'books/**/*.txt'), or no path for the built-in corpus."
-            )
-    for path in found:
-        if path.suffix.lower() != ".parquet":
-            _refuse_binary(path)
-    return list(found)
-
-
-def _supported_under(directory: Path) -> list[Path]:
-    files = []
-    for path in directory.rglob("*"):
-        hidden = any(part.startswith(".") for part in path.relative_to(directory).parts)
-        if not hidden and path.is_file() and path.suffix.lower() in SUPPORTED_SUFFIXES:
-            files.append(path)
-    return sorted(files)
-
-
-def _suffix_list() -> str:
-    return ", ".join(SUPPORTED_SUFFIXES)
-
-
-def _refuse_binary(path: Path) -> None:
-    """NUL bytes, or more than 30% bytes that are neither text nor UTF-8, in the first 8 KB."""
-    with open(path, "rb") as f:
-        head = f.read(SNIFF_BYTES)
-    if not head:
-        return
-    text = head.decode("utf-8", "replace")
-    odd = sum(1 for ch in text if ch == "\ufffd" or (ord(ch) < 32 and ch not in "\t\n\r\f\v\b\x1b"))
-    has_nul = b"\x00" in head
-    if has_nul or odd > 0.3 * len(text):
-        what = "NUL bytes" if has_nul else "mostly non-text bytes"
-        raise TrainwiseError(
-            f"'{path}' looks like a binary file, not text (its first 8 KB hold {what}). Remove it from the data "
-            f"paths, or pass only text files ({_suffix_list()})."
-        )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reading text
-
-
-@dataclass
-class _Reading:
-    """Counters filled in while reading."""
-
-    bytes_read: int = 0  # input bytes consumed, for the progress bar
-    invalid_utf8: int = 0  # bytes that were not valid UTF-8, each replaced by U+FFFD
-
-
-def iter_texts(data_cfg: DataConfig, chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
-    """The corpus as text pieces of at most about `chunk_chars` characters: whole documents, or
-    consecutive parts of a long one. The built-in corpus when data_cfg.paths is empty."""
-    files = discover_files(data_cfg.paths) if data_cfg.paths else None
-    for piece, _ in _iter_pieces(files, data_cfg.text_field, chunk_chars, _Reading()):
-        yield piece
-
-
-def _iter_pieces(files: list[Path] | None, text_field: str, chunk_chars: int,
-                 reading: _Reading) -> Iterator[tuple[str, bool]]:
-    """(piece, is_last_piece_of_its_document) over the whole corpus; empty documents yield nothing."""
-    if files is None:
-        for text in _builtin_texts():
-            yield from _document(text, chunk_chars)
-            reading.bytes_read += len(text.encode("utf-8"))
-        return
-    for path in files:
-        suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            yield from _read_jsonl(path, text_field, chunk_chars, reading)
-        elif suffix == ".parquet":
-            yield from _read_parquet(path, text_field, chunk_chars, reading)
-        else:
-            yield from _mark_last(_rechunk(_read_chunks(path, chunk_chars, reading), chunk_chars))
-
-
-def _builtin_texts() -> Iterator[str]:
-    from pydoc_data.topics import topics
-
-    for key in sorted(topics):
-        yield topics[key]
-
-
-def _read_chunks(path: Path, chunk_chars: int, reading: _Reading) -> Iterator[str]:
-    decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")  # keeps split characters whole
-    with open(path, "rb") as f:
-        while raw := f.read(chunk_chars):
-            reading.bytes_read += len(raw)
-            yield _replace_invalid(decoder.decode(raw), reading)
-        yield _replace_invalid(decoder.decode(b"", final=True), reading)
-
-
-def _replace_invalid(text: str, reading: _Reading) -> str:
-    text, n = _ESCAPED_BYTE.subn("\ufffd", text)
-    reading.invalid_utf8 += n
-    return text
-
-
-def _read_jsonl(path: Path, text_field: str, chunk_chars: int, reading: _Reading) -> Iterator[tuple[str, bool]]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            reading.bytes_read += len(raw)
-            line = _replace_invalid(raw.decode("utf-8", "surrogateescape"), reading)
-            if not line.strip():
-                continue
-            where = f"'{path}' line {lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise TrainwiseError(
-                    f"{where} is not valid JSON ({err.msg} at column {err.colno}); each line of a .jsonl "
-                    "file must be one JSON object. Fix or remove that line."
-                ) from None
-            if not isinstance(record, dict) or text_field not in record:
-                keys = sorted(record) if isinstance(record, dict) else []
-                raise TrainwiseError(
-                    f"{where} has no '{text_field}' field (it has {keys or 'no fields'}); every line needs "
-                    f"one, or set data.text_field to the field that holds the text."
-                )
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise TrainwiseError(
-                    f"{where}: field '{text_field}' is {type(text).__name__}, not a string; point "
-                    "data.text_field at the field that holds the text."
-                )
-            yield from _document(text, chunk_chars)
-
-
-def _read_parquet(path: Path, text_field: str, chunk_chars: int, reading: _Reading) -> Iterator[tuple[str, bool]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise TrainwiseError(
-            f"reading '{path}' needs pyarrow, which is not installed: `pip install pyarrow` (or "
-            "trainwise[parquet]), or convert the file to .jsonl."
-        ) from None
-    try:
-        parquet = pq.ParquetFile(path)
-    except Exception as err:  # pyarrow raises several types for a bad file
-        raise TrainwiseError(f"'{path}' is not a readable Parquet file ({err}); remove it or re-export it.") from None
-    columns = parquet.schema_arrow.names
-    if text_field not in columns:
-        raise TrainwiseError(
-            f"'{path}' has no column '{text_field}' (its columns: {columns}); set data.text_field to "
-            "the column that holds the text."
-        )
-    row = 0
-    for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if not isinstance(text, str):
-                raise TrainwiseError(
-                    f"'{path}' row {row}: column '{text_field}' holds {type(text).__name__}, not a string; "
-                    "drop such rows or set data.text_field to a string column."
-                )
-            yield from _document(text, chunk_chars)
-    reading.bytes_read += path.stat().st_size
-
-
-def _document(text: str, chunk_chars: int) -> Iterator[tuple[str, bool]]:
-    return _mark_last(_rechunk([text], chunk_chars))
-
-
-def _rechunk(parts: Iterable[str], chunk_chars: int) -> Iterator[str]:
-    """Re-cut a stream of strings into pieces of at most chunk_chars, cutting where a run of
-    whitespace starts. No pre-token of GPT-2's pattern runs from a non-space into a space, and a run
-    of spaces is split the same way wherever it starts, so the pieces encode exactly as the whole
-    text would."""
-    buf = ""
-    for part in parts:
-        buf += part
-        start = 0
-        while len(buf) - start >= chunk_chars:
-            cut = _cut_point(buf, start, start + chunk_chars)
-            yield buf[start:cut]
-            start = cut
-        buf = buf[start:]
-    if buf:
-        yield buf
-
-
-def _cut_point(buf: str, start: int, end: int) -> int:
-    cut = max(buf.rfind(ws, start + 1, end) for ws in " \n\t")
-    if cut <= start:
-        return end  # no whitespace at all: cut anyway
-    run_start = cut
-    while run_start > start + 1 and buf[run_start - 1].isspace():
-        run_start -= 1
-    return run_start if run_start > start + 1 else cut  # a run filling the window: cut inside it
-
-
-def _mark_last(items: Iterator[str]) -> Iterator[tuple[str, bool]]:
-    previous = None
-    for item in items:
-        if previous is not None:
-            yield previous, False
-        previous = item
-    if previous is not None:
-        yield previous, True
-
-
-# ---------------------------------------------------------------------------------------------------
-# Cache keys
-
-
 def _corpus_key(files: list[Path] | None, text_field: str, chunk_chars: int) -> str:
     h = hashlib.sha256(f"format={CACHE_FORMAT} field={text_field} chunk={chunk_chars}\n".encode())
     if files is None:
-        for text in _builtin_texts():  # ~0.5 MB: hashing the contents is cheap and exact
+        for text in builtin_texts():  # ~0.5 MB: hashing the contents is cheap and exact
             h.update(text.encode("utf-8"))
     else:
         for path in files:
@@ -350,7 +95,7 @@ def prepare_tokenizer(data_cfg: DataConfig, vocab_size: int, cache_root: str | P
         return Tokenizer.load(path)
 
     def pieces(bar: tqdm) -> Iterator[str]:
-        for piece, _ in _iter_pieces(files, data_cfg.text_field, CHUNK_CHARS, _Reading()):
+        for piece, _ in iter_pieces(files, data_cfg.text_field, CHUNK_CHARS, Reading()):
             yield piece
             bar.update(len(piece))
             if bar.n >= max_train_chars:
@@ -453,10 +198,10 @@ def _tokenize(files: list[Path] | None, data_cfg: DataConfig, tokenizer: Tokeniz
               chunk_chars: int) -> DataStats:
     start = time.perf_counter()
     dtype = token_dtype(tokenizer.vocab_size)
-    reading = _Reading()
+    reading = Reading()
     stats = DataStats(files=len(files or []), documents=0, bytes=0, tokens=0, invalid_utf8=0, seconds=0.0)
     if files is None:
-        total = sum(len(t.encode("utf-8")) for t in _builtin_texts())
+        total = sum(len(t.encode("utf-8")) for t in builtin_texts())
     else:
         total = sum(p.stat().st_size for p in files)
     batch: list[str] = []
@@ -478,9 +223,9 @@ def _tokenize(files: list[Path] | None, data_cfg: DataConfig, tokenizer: Tokeniz
     with open(out_path, "wb") as out, tqdm(total=total, desc="tokenizing", unit="B", unit_scale=True,
                                             delay=1.0, file=sys.stderr) as bar:
         size = 0
-        for piece, end in _iter_pieces(files, data_cfg.text_field, chunk_chars, reading):
+        for piece, end in iter_pieces(files, data_cfg.text_field, chunk_chars, reading):
             stats.bytes += len(piece.encode("utf-8", "surrogatepass"))
-            for part, last in _mark_last(_rechunk([piece], ENCODE_CHARS)):
+            for part, last in mark_last(rechunk([piece], ENCODE_CHARS)):
                 batch.append(part)
                 ends.append(end and last)
                 size += len(part)
