@@ -57,6 +57,7 @@ def test_two_ranks_equal_one_process_with_grad_accum(corpus, tmp_path, strategy)
         for name in ("params", "grads", "optimizer"):
             assert abs(rank[name]["error"]) < 0.01, (name, rank[name])
     assert main(["verify", str(multi)]) == 0
+    assert f"Per rank: {strategy} on 2 ranks" in (multi / "report.html").read_text()
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp"])

@@ -106,7 +106,19 @@ def verify_table(verify: dict) -> str:
             + "".join(rows) + "</table>"
             + f'<p class="note">device: {html.escape(str(verify.get("device", "?")))}. '
               "error = measured / predicted − 1; green within 5 %, amber within 25 %.</p>"
-            + (f"<ul class='note'>{notes}</ul>" if notes else ""))
+            + (f"<ul class='note'>{notes}</ul>" if notes else "")
+            + (per_rank_table(verify["per_rank"]) if "per_rank" in verify else ""))
+
+
+def per_rank_table(section: dict) -> str:
+    """Each rank's model states under torchrun against the planner's ZeRO stage (verify.json's per_rank)."""
+    rows = [f"<tr><td>{rank}</td><td>{html.escape(name)}</td><td>{fmt_value('bytes', e['predicted'])}</td>"
+            f"<td>{fmt_value('bytes', e['measured'])}</td>{_error_cell(e['error'])}</tr>"
+            for rank, entries in enumerate(section["ranks"]) for name, e in entries.items()]
+    return (f"<h3>Per rank: {html.escape(section['strategy'])} on {section['world_size']} ranks vs the "
+            f"ZeRO-{section['zero_stage_planned']} plan</h3>"
+            "<table><tr><th>rank</th><th>state</th><th>predicted</th><th>measured</th><th>error</th></tr>"
+            + "".join(rows) + "</table>")
 
 
 def summary_cards(rows: list[dict], plan: dict | None, verify: dict | None) -> str:
