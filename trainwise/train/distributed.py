@@ -94,7 +94,7 @@ def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.
 
         # gradient_as_bucket_view: each .grad is a view into DDP's all-reduce buckets instead of a second
         # copy beside them, so a rank holds N x 4 bytes of gradients, as the planner says (measured:
-        # peak RSS -75 / -108 MB per rank for a 27.8M-parameter model whose fp32 gradients are 111 MB).
+        # peak RSS -73 / -106 MiB per rank for a 27.8M-parameter model whose fp32 gradients are 106 MiB).
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                        gradient_as_bucket_view=True)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
