@@ -37,15 +37,6 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    from pydoc_data.topics import topics
-
-    path = tmp_path_factory.mktemp("corpus") / "docs.txt"
-    path.write_text("\n\n".join(topics[k] for k in sorted(topics))[:60_000], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
 def tokenizer(corpus) -> Tokenizer:
     return Tokenizer.train([corpus.read_text(encoding="utf-8")], 300)
 

@@ -135,6 +135,16 @@ def roofline_table(points: list[OpPoint], peak: float, bw: float) -> str:
     return "\n".join(lines)
 
 
+def _log_axes(ax, ylabel: str, title: str) -> None:
+    """Log-log axes of a roofline: intensity in FLOPs/byte across, FLOP/s up."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOPs/byte)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def plot_roofline(points: list[OpPoint], peak: float, bw: float, path: str, title: str = "",
                   measured: list[MeasuredOp] | None = None) -> None:
     """Log-log roofline: attainable FLOP/s = min(P, I x BW), each operator at (I, its bound FLOP/s).
@@ -166,12 +176,7 @@ def plot_roofline(points: list[OpPoint], peak: float, bw: float, path: str, titl
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
     ax.legend(uniq.values(), uniq.keys(), loc="lower right")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOPs/byte)")
-    ax.set_ylabel("attainable performance (FLOP/s)")
-    ax.set_title(title or "roofline of one training step")
-    ax.grid(True, which="both", alpha=0.3)
+    _log_axes(ax, "attainable performance (FLOP/s)", title or "roofline of one training step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -314,12 +319,7 @@ def _plot_measured(ax, fig, measured: list[MeasuredOp], peak: float, bw: float, 
         ax.scatter(x, m.attainable(peak, bw), facecolors="none", edgecolors=color, marker=marker, s=70, lw=1.5)
         label = f"{m.point.name.removeprefix('aten.')} ({100 * m.fraction(peak, bw):.2g}% of bound)"
         handles.append(ax.scatter(x, m.achieved(), color=color, marker=marker, s=45, label=label))
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOPs/byte)")
-    ax.set_ylabel("performance (FLOP/s)")
-    ax.set_title(title or "roofline of one training step: measured vs bound")
-    ax.grid(True, which="both", alpha=0.3)
+    _log_axes(ax, "performance (FLOP/s)", title or "roofline of one training step: measured vs bound")
     style = [Line2D([], [], color="black", lw=2, label="roofline min(P, I x BW)"),
              Line2D([], [], ls="", marker="o", mfc="none", mec="gray", ms=8, label="bound (attainable)"),
              Line2D([], [], ls="", marker="o", color="gray", ms=7, label="measured (achieved)")]
