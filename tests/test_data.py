@@ -11,7 +11,8 @@ import torch
 
 from trainwise.config import DataConfig
 from trainwise.data import BatchSampler, prepare_data, prepare_tokenizer, resolve_cache_root, token_dtype, unigram_loss
-from trainwise.sources import BUILTIN_CORPUS_DESCRIPTION, discover_files, iter_texts, rechunk
+from trainwise.formats import rechunk
+from trainwise.sources import BUILTIN_CORPUS_DESCRIPTION, discover, discover_files, iter_texts
 from trainwise.errors import TrainwiseError
 from trainwise.tokenizer import EOT, Tokenizer
 
@@ -49,17 +50,18 @@ def test_discover_dirs_globs_and_files(tmp_path):
     a = write(tmp_path / "corpus" / "a.txt", "alpha")
     b = write(tmp_path / "corpus" / "sub" / "b.md", "beta")
     write(tmp_path / "corpus" / ".git" / "c.txt", "hidden")
-    write(tmp_path / "corpus" / "notes.py", "print()")
+    notes = write(tmp_path / "corpus" / "notes.py", "print()")
     d = write(tmp_path / "other" / "d.jsonl", '{"text": "delta"}\n')
-    assert discover_files([str(tmp_path / "corpus")]) == [a, b]
+    assert discover_files([str(tmp_path / "corpus")]) == [a, notes, b]  # by content: any text file
+    assert discover_files([str(tmp_path / "corpus")], exclude=["*.py"]) == [a, b]
+    assert discover_files([str(tmp_path / "corpus")], include=["sub/*"]) == [b]
     assert discover_files([str(tmp_path / "**" / "*.jsonl")]) == [d]
-    assert discover_files([str(a), str(tmp_path / "corpus")]) == [a, b]  # de-duplicated, order kept
-    assert discover_files([str(tmp_path / "corpus" / "notes.py")])[0].name == "notes.py"  # named: plain text
+    assert discover_files([str(a), str(tmp_path / "corpus")]) == [a, notes, b]  # de-duplicated, order kept
 
 
 @pytest.mark.parametrize("make, needle", [
     (lambda p: str(p / "missing.txt"), "missing.txt"),
-    (lambda p: str(write(p / "empty" / "x.bin", b"x").parent), "empty"),
+    (lambda p: str(write(p / "empty" / "x.bin", b"\x00x").parent), "all 1 file(s) found are binary"),
     (lambda p: str(p / "nothing" / "*.txt"), "*.txt"),
     (lambda p: str(write(p / "img.txt", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")), "img.txt"),
     (lambda p: str(write(p / "noise.txt", bytes(range(1, 32)) * 50 + b"\xff\xfe" * 300)), "noise.txt"),
@@ -70,11 +72,15 @@ def test_bad_paths_are_refused_by_name(tmp_path, make, needle):
     assert needle in str(err.value)
 
 
-def test_binary_file_among_text_files_is_named(tmp_path):
-    write(tmp_path / "d" / "good.txt", "fine text")
-    write(tmp_path / "d" / "model.txt", b"\x00\x01\x02weights")
-    with pytest.raises(TrainwiseError, match="model.txt.*binary.*Remove it"):
-        discover_files([str(tmp_path / "d")])
+def test_binary_file_among_text_files_is_skipped_and_counted(tmp_path):
+    good = write(tmp_path / "d" / "good.txt", "fine text")
+    model = write(tmp_path / "d" / "model.txt", b"\x00\x01\x02weights")
+    corpus = discover(DataConfig(paths=[str(tmp_path / "d")]))
+    assert [f.path for f in corpus.files] == [good]
+    assert corpus.binary == [(model, 10)]
+    assert corpus.report()["binary_skipped"] == {"files": 1, "bytes": 10, "examples": [str(model)]}
+    with pytest.raises(TrainwiseError, match="model.txt' is a binary file"):  # named by the user: an error
+        discover_files([str(model)])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -143,12 +149,13 @@ def test_rechunk_cuts_where_whitespace_starts():
 
 
 def test_invalid_utf8_is_replaced_and_counted(tmp_path, tok):
-    # 3 bad bytes; the 3-byte character 中 straddles chunk borders with chunk_chars=4.
+    # 3 bad bytes; the 3-byte character 中 straddles chunk borders with chunk_chars=4. So short a file is
+    # as likely a legacy code page as damaged UTF-8: the encoding is forced.
     path = write(tmp_path / "bad.txt", b"ab\xffcd \xe4\xb8\xad\xfe\xfe ok")
-    cfg = DataConfig(paths=[str(path)], val_fraction=0.3)
+    cfg = DataConfig(paths=[str(path)], val_fraction=0.3, encoding="utf-8")
     assert "".join(iter_texts(cfg, chunk_chars=4)) == "ab\ufffdcd 中\ufffd\ufffd ok"
     data = prepare_data(cfg, tok, seq_len=1, chunk_chars=4)
-    assert data.stats.invalid_utf8 == 3
+    assert data.stats.replaced_bytes == 3
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -165,7 +172,7 @@ def test_prepare_data_tokens_split_and_eot(tmp_path, tok):
     assert len(data.val) == int(len(stream) * 0.1) and len(data.train) + len(data.val) == data.stats.tokens
     assert tok.decode(stream.tolist()) == docs[0] + EOT + docs[1] + EOT
     s = data.stats
-    assert (s.files, s.documents, s.invalid_utf8) == (2, 2, 0)
+    assert (s.files, s.documents, s.replaced_bytes) == (2, 2, 0)
     assert s.bytes == sum(len(d.encode()) for d in docs)
     assert data.eot_id == tok.eot_id and data.vocab_size == tok.vocab_size
 

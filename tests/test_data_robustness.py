@@ -94,7 +94,7 @@ def test_single_line_file_is_prepared_in_bounded_memory(tmp_path, tok, size_mb):
           f"(+{grew:.0f})")
     assert grew < RSS_BUDGET_MIB
     stats = result["stats"]
-    assert stats["documents"] == 1 and stats["invalid_utf8"] == 0
+    assert stats["documents"] == 1 and stats["replaced_bytes"] == 0
     assert stats["bytes"] == path.stat().st_size
 
 

@@ -225,12 +225,72 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     paths: list[str] = field(default_factory=list)  # empty = the built-in corpus
-    text_field: str = "text"
+    text_field: str = "text"  # .jsonl/.csv/Parquet/Arrow field; a nested one as a.b or a.0.b
     val_fraction: float = 0.05
+    encoding: str = "auto"  # auto (BOM, UTF-8, else detected) | utf-8 | any Python codec name
+    include: list[str] = field(default_factory=list)  # globs a file found in a folder must match (any)
+    exclude: list[str] = field(default_factory=list)  # globs that leave a file out
+    workers: int = 0  # tokenizing processes; 0 = one per core
+    # A mixture: [[data.sources]] tables with path (or paths), weight, and optionally name, text_field,
+    # encoding; sampled in proportion to the weights. Replaces data.paths.
+    sources: list[dict] = field(default_factory=list)
 
     def validate(self) -> None:
         if not 0.0 < self.val_fraction < 0.5:
             raise TrainwiseError(f"data.val_fraction = {self.val_fraction} must be in (0, 0.5).")
+        if self.encoding != "auto":
+            import codecs
+
+            try:
+                codecs.lookup(self.encoding)
+            except LookupError:
+                raise TrainwiseError(
+                    f"data.encoding = '{self.encoding}' is not a codec Python knows; use auto, utf-8, or a codec "
+                    "name such as gb18030, big5, shift_jis, euc_kr, cp1252."
+                ) from None
+        if self.workers < 0:
+            raise TrainwiseError(f"data.workers = {self.workers} must be >= 0 (0 = one per core).")
+        if self.sources:
+            if self.paths:
+                raise TrainwiseError("data.paths and data.sources are both set; a mixture lists every path in its "
+                                     "[[data.sources]] tables, so leave data.paths empty (or drop data.sources).")
+            self.source_configs()
+
+    def source_configs(self) -> list[SourceConfig]:
+        """One DataConfig per [[data.sources]] table, with its name and weight."""
+        out = []
+        allowed = ("path", "paths", "weight", "name", "text_field", "encoding")
+        for i, table in enumerate(self.sources):
+            where = f"data.sources[{i}]"
+            unknown = [k for k in table if k not in allowed]
+            if unknown:
+                raise TrainwiseError(f"{where} has unknown key '{unknown[0]}'{_suggest(unknown[0], allowed)}; "
+                                     f"a source takes {', '.join(allowed)}.")
+            paths = table.get("paths", table.get("path"))
+            if not paths:
+                raise TrainwiseError(f"{where} has no path; give each source path = \"...\" (or paths = [...]).")
+            weight = table.get("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+                raise TrainwiseError(f"{where}.weight = {weight!r} must be a positive number.")
+            paths = [paths] if isinstance(paths, str) else [str(p) for p in paths]
+            source = SourceConfig(paths=paths, text_field=str(table.get("text_field", self.text_field)),
+                                  val_fraction=self.val_fraction, encoding=str(table.get("encoding", self.encoding)),
+                                  include=self.include, exclude=self.exclude, workers=self.workers,
+                                  name=str(table.get("name", paths[0])), weight=float(weight))
+            source.validate()
+            out.append(source)
+        names = [s.name for s in out]
+        if len(set(names)) != len(names):
+            raise TrainwiseError(f"data.sources names {names} repeat; give each source its own name = \"...\".")
+        return out
+
+
+@dataclass
+class SourceConfig(DataConfig):
+    """One source of a mixture: a DataConfig with a name and a sampling weight."""
+
+    name: str = ""
+    weight: float = 1.0
 
 
 @dataclass
@@ -397,6 +457,8 @@ def _toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table: [[data.sources]] entries
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} to TOML")
 
 
@@ -429,6 +491,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
                 return "full" if value else "none"
             return "true" if value else "false"
         return str(value)
+    if "dict" in str(hint):  # data.sources: a list of tables
+        if isinstance(value, dict):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise TrainwiseError(f"{where} = {value!r} must be a list of tables ([[{where}]] in TOML).")
+        return [dict(v) for v in value]
     if "list" in str(hint):
         if isinstance(value, str):
             return [value]

@@ -1,16 +1,20 @@
 """The corpus, from files on disk to batches of token windows.
 
-    paths ─sources─> text pieces ─prepare_data─> train/val token memmaps
+    paths ─sources.discover─> files ─tokencache (shards, all cores)─> train/val token memmaps
     train tokens ─BatchSampler─> (x, y) batches;  unigram_loss(data): the no-context baseline
 
-Which files and formats are read, and how, is trainwise.sources. Nothing holds the whole corpus in
-memory: the text pieces are encoded in batches on all cores, and the tokens are appended to one flat
-file that is then memory-mapped. Documents are separated by the end-of-text token, appended after each
-one (nanoGPT's OpenWebText preparation does the same).
+Which files are read, and how (formats, encodings, binaries skipped), is trainwise.sources and
+trainwise.formats; tokenizing into the cache, in parallel and resumably, is trainwise.tokencache.
+Documents are separated by the end-of-text token, appended after each one (nanoGPT's OpenWebText
+preparation does the same).
 
 Tokenized corpora are cached under `resolve_cache_root()/data/<key>/`, keyed by a hash of the input files
-(path, size, mtime), the text field, the chunk size and the tokenizer.json; the train/validation split
-is just an offset into the cached file, so changing val_fraction reuses the cache.
+(path, size, mtime), the decisions made reading them (format, compression, encoding), the text field,
+the chunk size and the tokenizer.json; the train/validation split is just an offset into the cached
+file, so changing val_fraction reuses the cache.
+
+A mixture (`[[data.sources]]`, each with paths and a weight) is tokenized source by source, each into
+its own cache entry, split into train and validation each, and sampled in proportion to the weights.
 """
 
 from __future__ import annotations
@@ -18,12 +22,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +33,17 @@ import tokenizers
 import torch
 from tqdm import tqdm
 
+from trainwise import tokencache
 from trainwise.config import DataConfig
 from trainwise.errors import TrainwiseError
-from trainwise.sources import (BUILTIN_CORPUS_DESCRIPTION, CHUNK_CHARS, Reading, builtin_texts, discover_files,
-                               iter_pieces, mark_last, rechunk)
+from trainwise.formats import CHUNK_CHARS, Reading, builtin_texts, iter_pieces
+from trainwise.sources import BUILTIN_CORPUS_DESCRIPTION, Corpus, discover
+from trainwise.tokencache import token_dtype
 from trainwise.tokenizer import Tokenizer
 
-# Each encode_batch call gets about BATCH_CHARS of text in pieces of about ENCODE_CHARS: enough pieces
-# to keep many cores busy, while HF's Encoding objects (~300 bytes per token) stay near 100 MB.
-ENCODE_CHARS = 16_384
-BATCH_CHARS = 1_000_000
-MAX_TOKENIZER_TRAIN_CHARS = 100_000_000  # BPE merges are learned on at most this much text
-CACHE_FORMAT = 1
+MAX_TOKENIZER_TRAIN_BYTES = 100_000_000  # BPE merges are learned on a seeded sample of at most this much
+TOKENIZER_SAMPLE_UNIT_BYTES = 1_000_000  # the sample is drawn in pieces (files or byte ranges) of this size
+CACHE_FORMAT = 2
 
 
 def resolve_cache_root(root: str | Path | None = None) -> Path:
@@ -53,28 +53,35 @@ def resolve_cache_root(root: str | Path | None = None) -> Path:
     return Path(root).expanduser()
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 halves the file when every token id fits (ids 0..65535), else uint32."""
-    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
-
-
 # ---------------------------------------------------------------------------------------------------
-# Finding and checking files
+# The corpus and its keys
 
 
-def _corpus_key(files: list[Path] | None, text_field: str, chunk_chars: int) -> str:
+def corpus_of(data_cfg: DataConfig) -> Corpus | None:
+    """The files of data_cfg (every source's, for a mixture); None for the built-in corpus."""
+    if data_cfg.sources:
+        merged = Corpus(files=[])
+        for source in data_cfg.source_configs():
+            found = discover(source)
+            for name in ("files", "binary", "duplicates", "broken", "notes"):
+                getattr(merged, name).extend(getattr(found, name))
+        return merged
+    return discover(data_cfg) if data_cfg.paths else None
+
+
+def _corpus_key(corpus: Corpus | None, text_field: str, chunk_chars: int) -> str:
     h = hashlib.sha256(f"format={CACHE_FORMAT} field={text_field} chunk={chunk_chars}\n".encode())
-    if files is None:
+    if corpus is None:
         for text in builtin_texts():  # ~0.5 MB: hashing the contents is cheap and exact
             h.update(text.encode("utf-8"))
     else:
-        for path in files:
-            st = path.stat()
-            h.update(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(corpus.key().encode("utf-8", "surrogateescape"))
     return h.hexdigest()
 
 
-def _describe(data_cfg: DataConfig) -> str:
+def describe(data_cfg: DataConfig) -> str:
+    if data_cfg.sources:
+        return f"the mixture of {len(data_cfg.sources)} data.sources"
     if not data_cfg.paths:
         return BUILTIN_CORPUS_DESCRIPTION
     shown = ", ".join(f"'{p}'" for p in data_cfg.paths[:3])
@@ -82,30 +89,56 @@ def _describe(data_cfg: DataConfig) -> str:
 
 
 def prepare_tokenizer(data_cfg: DataConfig, vocab_size: int, cache_root: str | Path | None = None,
-                      max_train_chars: int = MAX_TOKENIZER_TRAIN_CHARS) -> Tokenizer:
-    """Train a tokenizer on (the first max_train_chars characters of) the corpus, or load the one
-    trained before on the same corpus, vocab size and tokenizers version."""
-    files = discover_files(data_cfg.paths) if data_cfg.paths else None
+                      max_train_bytes: int = MAX_TOKENIZER_TRAIN_BYTES, say=None) -> Tokenizer:
+    """Train a tokenizer on the corpus (on a seeded sample of about max_train_bytes of it when it is
+    larger), or load the one trained before on the same corpus, vocab size and tokenizers version."""
+    corpus = corpus_of(data_cfg)
     key = hashlib.sha256(
-        f"{_corpus_key(files, data_cfg.text_field, CHUNK_CHARS)} vocab={vocab_size} "
-        f"max={max_train_chars} tokenizers={tokenizers.__version__}".encode()
+        f"{_corpus_key(corpus, data_cfg.text_field, CHUNK_CHARS)} vocab={vocab_size} "
+        f"max={max_train_bytes} tokenizers={tokenizers.__version__}".encode()
     ).hexdigest()
     path = resolve_cache_root(cache_root) / "tokenizers" / f"{key[:32]}.json"
     if path.is_file():
         return Tokenizer.load(path)
+    if corpus is None:
+        texts: Iterator[str] = builtin_texts()
+    else:
+        units = tokencache.plan_shards(corpus.files, TOKENIZER_SAMPLE_UNIT_BYTES)
+        if corpus.bytes > max_train_bytes:
+            units = _seeded_sample(units, max_train_bytes)
+            if say is not None:
+                say(f"tokenizer: the corpus is {corpus.bytes / 1e6:,.0f} MB (10^6 bytes); BPE merges are learned "
+                    f"on a seeded sample of {sum(_unit_bytes(u) for u in units) / 1e6:,.0f} MB in "
+                    f"{len(units):,} pieces (at most {max_train_bytes / 1e6:,.0f} MB)")
+        parts = [part for unit in units for part in unit]
+        texts = (piece for piece, _ in iter_pieces(parts, data_cfg.text_field, CHUNK_CHARS, Reading()))
 
-    def pieces(bar: tqdm) -> Iterator[str]:
-        for piece, _ in iter_pieces(files, data_cfg.text_field, CHUNK_CHARS, Reading()):
+    def counted(bar: tqdm) -> Iterator[str]:
+        for piece in texts:
             yield piece
             bar.update(len(piece))
-            if bar.n >= max_train_chars:
-                return
 
     with tqdm(desc="training tokenizer", unit="char", unit_scale=True, delay=1.0, file=sys.stderr) as bar:
-        tok = Tokenizer.train(pieces(bar), vocab_size)
+        tok = Tokenizer.train(counted(bar), vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(path)
     return tok
+
+
+def _unit_bytes(unit) -> int:
+    return sum((p.end if p.end is not None else p.file.size) - p.start for p in unit)
+
+
+def _seeded_sample(units: list, budget: int) -> list:
+    """Units drawn in a seeded random order until about `budget` bytes, then put back in corpus order."""
+    order = np.random.Generator(np.random.PCG64(0)).permutation(len(units))
+    chosen, size = [], 0
+    for i in order:
+        if size >= budget:
+            break
+        chosen.append(int(i))
+        size += _unit_bytes(units[i])
+    return [units[i] for i in sorted(chosen)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,36 +151,61 @@ class DataStats:
     documents: int
     bytes: int  # UTF-8 bytes of text encoded
     tokens: int  # including one end-of-text token per document
-    invalid_utf8: int  # input bytes that were not UTF-8, replaced by U+FFFD
+    replaced_bytes: int  # input bytes that did not decode, replaced by U+FFFD
     seconds: float  # time the tokenization took (when the cache entry was made)
+    report: dict = field(default_factory=dict)  # what discovery found: formats, encodings, skipped files
+
+
+class Mixture:
+    """Token streams sampled in proportion to weights (one per [[data.sources]] entry)."""
+
+    def __init__(self, streams: list[np.ndarray], weights: list[float], names: list[str]):
+        self.streams, self.names = streams, names
+        self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.streams)
 
 
 @dataclass
 class TokenData:
-    train: np.memmap  # the first (1 - val_fraction) of the token stream
-    val: np.memmap  # the rest
-    stats: DataStats
-    path: Path  # the cache entry: tokens.bin and meta.json
+    train: np.ndarray | Mixture  # the first (1 - val_fraction) of the token stream (of each source)
+    val: np.ndarray | Mixture  # the rest
+    stats: DataStats  # summed over the sources of a mixture
+    path: Path  # the cache entry: tokens.bin and meta.json (the first source's, for a mixture)
     vocab_size: int
     eot_id: int
     cache_hit: bool  # True when the tokens came from an earlier run
+    sources: list[dict] = field(default_factory=list)  # per source of a mixture: name, weight, tokens, ...
 
 
 def prepare_data(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int,
-                 cache_root: str | Path | None = None, chunk_chars: int = CHUNK_CHARS) -> TokenData:
+                 cache_root: str | Path | None = None, chunk_chars: int = CHUNK_CHARS,
+                 shard_bytes: int = tokencache.SHARD_BYTES) -> TokenData:
     """Tokenize the corpus once (or reuse the cache) and split it into train and validation tokens,
     each long enough for at least one sequence of seq_len + 1 tokens."""
     data_cfg.validate()
-    files = discover_files(data_cfg.paths) if data_cfg.paths else None
+    if data_cfg.sources:
+        return _prepare_mixture(data_cfg, tokenizer, seq_len, cache_root, chunk_chars, shard_bytes)
+    corpus = corpus_of(data_cfg)
     key = hashlib.sha256(
-        f"{_corpus_key(files, data_cfg.text_field, chunk_chars)} {tokenizer.fingerprint()}".encode()
+        f"{_corpus_key(corpus, data_cfg.text_field, chunk_chars)} {tokenizer.fingerprint()} eot={tokenizer.eot_id}".encode()
     ).hexdigest()
     entry = resolve_cache_root(cache_root) / "data" / key[:32]
     cache_hit = (entry / "meta.json").is_file()
     if not cache_hit:
-        _build_entry(entry, files, data_cfg, tokenizer, chunk_chars)
+        files = corpus.files if corpus is not None else None
+        try:
+            tokencache.build(entry, tokencache.plan_shards(files, shard_bytes), tokenizer.to_json(), tokenizer.eot_id,
+                             tokenizer.vocab_size, data_cfg.text_field, chunk_chars, data_cfg.workers,
+                             meta={"format": CACHE_FORMAT, "files": len(files or []),
+                                   "report": corpus.report() if corpus is not None else {},
+                                   "sources": [str(f.path) for f in files] if files is not None
+                                   else ["builtin:pydoc_data.topics"]})
+        except TrainwiseError as err:
+            raise TrainwiseError(f"{describe(data_cfg)}: {err}") from None
     meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
-    stats = DataStats(**meta["stats"])
+    stats = DataStats(files=meta["files"], report=meta["report"], **meta["stats"])
     dtype = np.dtype(meta["dtype"])
     n_tokens = stats.tokens
     n_val = int(n_tokens * data_cfg.val_fraction)
@@ -157,7 +215,7 @@ def prepare_data(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int,
         fix = f"Use a smaller train.seq_len (at most {longest}), a different data.val_fraction, or more text." \
             if longest >= 1 else "Add more text (or raise data.val_fraction)."
         raise TrainwiseError(
-            f"the corpus ({_describe(data_cfg)}) has {n_tokens:,} tokens: {n_train:,} for training and "
+            f"the corpus ({describe(data_cfg)}) has {n_tokens:,} tokens: {n_train:,} for training and "
             f"{n_val:,} for validation (data.val_fraction = {data_cfg.val_fraction}), but each split needs "
             f"at least seq_len + 1 = {seq_len + 1} tokens for one sequence. {fix}"
         )
@@ -167,81 +225,53 @@ def prepare_data(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int,
     return TokenData(train, val, stats, entry, meta["vocab_size"], meta["eot_id"], cache_hit)
 
 
-def _build_entry(entry: Path, files: list[Path] | None, data_cfg: DataConfig, tokenizer: Tokenizer,
-                 chunk_chars: int) -> None:
-    """Tokenize into a temporary directory beside `entry`, then rename it: a crash leaves no half
-    entry, and of two processes racing, one wins and the other's copy is dropped."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
-    try:
-        stats = _tokenize(files, data_cfg, tokenizer, tmp / "tokens.bin", chunk_chars)
-        meta = {
-            "format": CACHE_FORMAT,
-            "dtype": token_dtype(tokenizer.vocab_size).name,
-            "vocab_size": tokenizer.vocab_size,
-            "eot_id": tokenizer.eot_id,
-            "sources": [str(p) for p in files] if files is not None else ["builtin:pydoc_data.topics"],
-            "stats": asdict(stats),
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+def _prepare_mixture(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, cache_root, chunk_chars: int,
+                     shard_bytes: int) -> TokenData:
+    parts = []
+    for source in data_cfg.source_configs():
         try:
-            os.rename(tmp, entry)
-        except OSError:  # another process made the same entry meanwhile
-            if not (entry / "meta.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            parts.append(prepare_data(source, tokenizer, seq_len, cache_root, chunk_chars, shard_bytes))
+        except TrainwiseError as err:
+            raise TrainwiseError(f"data.sources '{source.name}': {err}") from None
+    configs = data_cfg.source_configs()
+    names = [s.name for s in configs]
+    weights = [s.weight for s in configs]
+    total = DataStats(0, 0, 0, 0, 0, 0.0, report={"sources": {}})
+    for name, p in zip(names, parts):
+        for key in ("files", "documents", "bytes", "tokens", "replaced_bytes", "seconds"):
+            setattr(total, key, getattr(total, key) + getattr(p.stats, key))
+        total.report["sources"][name] = p.stats.report
+    first = parts[0]
+    return TokenData(Mixture([p.train for p in parts], weights, names), Mixture([p.val for p in parts], weights, names),
+                     total, first.path, first.vocab_size, first.eot_id, all(p.cache_hit for p in parts),
+                     sources=[{"name": n, "weight": w, "tokens": p.stats.tokens, "bytes": p.stats.bytes}
+                              for n, w, p in zip(names, weights, parts)])
 
 
-def _tokenize(files: list[Path] | None, data_cfg: DataConfig, tokenizer: Tokenizer, out_path: Path,
-              chunk_chars: int) -> DataStats:
-    start = time.perf_counter()
-    dtype = token_dtype(tokenizer.vocab_size)
-    reading = Reading()
-    stats = DataStats(files=len(files or []), documents=0, bytes=0, tokens=0, invalid_utf8=0, seconds=0.0)
-    if files is None:
-        total = sum(len(t.encode("utf-8")) for t in builtin_texts())
-    else:
-        total = sum(p.stat().st_size for p in files)
-    batch: list[str] = []
-    ends: list[bool] = []
-
-    def flush() -> None:
-        ids: list[int] = []
-        for piece_ids, end in zip(tokenizer.encode_batch(batch), ends):
-            ids += piece_ids
-            if end:
-                ids.append(tokenizer.eot_id)
-        np.asarray(ids, dtype=dtype).tofile(out)
-        stats.tokens += len(ids)
-        stats.documents += sum(ends)
-        bar.update(reading.bytes_read - bar.n)
-        batch.clear()
-        ends.clear()
-
-    with open(out_path, "wb") as out, tqdm(total=total, desc="tokenizing", unit="B", unit_scale=True,
-                                            delay=1.0, file=sys.stderr) as bar:
-        size = 0
-        for piece, end in iter_pieces(files, data_cfg.text_field, chunk_chars, reading):
-            stats.bytes += len(piece.encode("utf-8", "surrogatepass"))
-            for part, last in mark_last(rechunk([piece], ENCODE_CHARS)):
-                batch.append(part)
-                ends.append(end and last)
-                size += len(part)
-                if size >= BATCH_CHARS:
-                    flush()
-                    size = 0
-        if batch:
-            flush()
-    if stats.tokens == 0:
-        raise TrainwiseError(
-            f"the corpus ({_describe(data_cfg)}) contains no text: its {stats.files} file(s) are empty or "
-            "hold only empty records. Add files with text, or check data.text_field."
-        )
-    stats.invalid_utf8 = reading.invalid_utf8
-    stats.seconds = time.perf_counter() - start
-    return stats
+def summary_lines(data: TokenData) -> list[str]:
+    """What the data report says beyond the token counts: encodings, skipped files, replaced bytes,
+    mixture shares. Empty for a plain UTF-8 corpus with nothing skipped."""
+    lines = []
+    reports = data.stats.report.get("sources", {"": data.stats.report}) if data.sources else {"": data.stats.report}
+    for name, report in reports.items():
+        prefix = f"data ({name}): " if name else "data: "
+        encodings = report.get("encodings", {})
+        if set(encodings) - {"utf-8"}:
+            lines.append(prefix + "decoded " + ", ".join(
+                f"{codec}: {e['files']} file(s), {e['bytes']:,} bytes" for codec, e in sorted(encodings.items())))
+        for kind in ("binary_skipped", "duplicates_skipped", "unreadable_skipped"):
+            skipped = report.get(kind, {})
+            if skipped.get("files"):
+                extra = f", {skipped['bytes']:,} bytes" if "bytes" in skipped else ""
+                lines.append(prefix + f"skipped {skipped['files']} {kind.split('_')[0]} file(s){extra}: "
+                             + ", ".join(skipped["examples"]) + (" ..." if skipped["files"] > 5 else ""))
+        lines += [prefix + note for note in report.get("notes", [])]
+    if data.stats.replaced_bytes:
+        lines.append(f"data: {data.stats.replaced_bytes:,} input bytes did not decode and were replaced by U+FFFD")
+    if data.sources:
+        lines.append("data: mixture " + ", ".join(
+            f"{s['name']} weight {s['weight']:g} ({s['tokens']:,} tokens)" for s in data.sources))
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -257,16 +287,17 @@ class BatchSampler:
     sees exactly what the world_size processes see together.
     """
 
-    def __init__(self, tokens: np.ndarray, micro_batch: int, seq_len: int, seed: int,
+    def __init__(self, tokens: np.ndarray | Mixture, micro_batch: int, seq_len: int, seed: int,
                  rank: int = 0, world_size: int = 1):
         if micro_batch < 1 or seq_len < 1:
             raise TrainwiseError(f"micro_batch = {micro_batch} and seq_len = {seq_len} must be positive.")
         if not 0 <= rank < world_size:
             raise TrainwiseError(f"rank = {rank} must be in [0, world_size = {world_size}).")
-        if len(tokens) < seq_len + 1:
+        streams = tokens.streams if isinstance(tokens, Mixture) else [tokens]
+        if min(len(s) for s in streams) < seq_len + 1:
             raise TrainwiseError(
-                f"the token split has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1} needed for "
-                "one sequence; use a smaller train.seq_len or more text."
+                f"the token split has {min(len(s) for s in streams)} tokens, fewer than seq_len + 1 = "
+                f"{seq_len + 1} needed for one sequence; use a smaller train.seq_len or more text."
             )
         self.tokens = tokens
         self.micro_batch = micro_batch
@@ -276,14 +307,25 @@ class BatchSampler:
         self.world_size = world_size
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.batches_drawn = 0
+        self.source_tokens = np.zeros(len(streams), dtype=np.int64)  # tokens drawn per source, whole batches
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y: int64 tensors of shape (micro_batch, seq_len); y[i, t] = x[i, t + 1] in the stream."""
-        # The last valid offset is len - seq_len - 1, so that y's window ends inside the tokens.
-        offsets = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.micro_batch * self.world_size)
+        n = self.micro_batch * self.world_size
+        if isinstance(self.tokens, Mixture):  # a source per window, in proportion to the weights
+            streams = self.tokens.streams
+            which = self.rng.choice(len(streams), size=n, p=self.tokens.weights)
+            starts = self.rng.random(size=n)
+            offsets = [int(u * (len(streams[w]) - self.seq_len)) for u, w in zip(starts, which)]
+            self.source_tokens += np.bincount(which, minlength=len(streams)) * self.seq_len
+        else:  # the last valid offset is len - seq_len - 1, so that y's window ends inside the tokens
+            streams, which = [self.tokens], np.zeros(n, dtype=np.int64)
+            offsets = self.rng.integers(0, len(self.tokens) - self.seq_len, size=n)
+            self.source_tokens += n * self.seq_len
         self.batches_drawn += 1
-        mine = offsets[self.rank * self.micro_batch:(self.rank + 1) * self.micro_batch]
-        windows = np.stack([self.tokens[o:o + self.seq_len + 1] for o in mine]).astype(np.int64)  # (B, T+1)
+        mine = range(self.rank * self.micro_batch, (self.rank + 1) * self.micro_batch)
+        windows = np.stack([streams[which[i]][offsets[i]:offsets[i] + self.seq_len + 1] for i in mine]
+                           ).astype(np.int64)  # (B, T+1)
         x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
         y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
         return x, y
@@ -296,6 +338,7 @@ class BatchSampler:
             "seed": self.seed,
             "seq_len": self.seq_len,
             "global_batch": self.micro_batch * self.world_size,
+            "source_tokens": self.source_tokens.tolist(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -307,6 +350,14 @@ class BatchSampler:
             )
         self.rng.bit_generator.state = state["rng"]
         self.batches_drawn = state["batches_drawn"]
+        if "source_tokens" in state:
+            self.source_tokens = np.asarray(state["source_tokens"], dtype=np.int64)
+
+    def source_counts(self) -> dict[str, int] | None:
+        """{source name: tokens drawn so far (all ranks)} for a mixture, else None."""
+        if not isinstance(self.tokens, Mixture):
+            return None
+        return dict(zip(self.tokens.names, self.source_tokens.tolist()))
 
 
 def unigram_loss(data: TokenData) -> float:
@@ -315,10 +366,17 @@ def unigram_loss(data: TokenData) -> float:
 
         p(v) = (count_train(v) + 1) / (N_train + V),   loss = -sum_v count_val(v) log p(v) / N_val
     """
-    train_counts = _bincount(data.train, data.vocab_size).astype(np.float64) + 1.0
+    train_counts = _weighted_counts(data.train, data.vocab_size) + 1.0
     log_p = np.log(train_counts) - np.log(train_counts.sum())
-    val_counts = _bincount(data.val, data.vocab_size)
+    val_counts = _weighted_counts(data.val, data.vocab_size)
     return float(-(val_counts * log_p).sum() / val_counts.sum())
+
+
+def _weighted_counts(tokens: np.ndarray | Mixture, vocab_size: int) -> np.ndarray:
+    """Token counts; for a mixture, each source's counts scaled to its share of the sampled tokens."""
+    if not isinstance(tokens, Mixture):
+        return _bincount(tokens, vocab_size).astype(np.float64)
+    return sum(_bincount(s, vocab_size) * (w * len(tokens) / len(s)) for s, w in zip(tokens.streams, tokens.weights))
 
 
 def _bincount(tokens: np.ndarray, vocab_size: int, chunk: int = 1 << 24) -> np.ndarray:

@@ -192,7 +192,7 @@ class _Run:
     last_grad_bytes: int = 0  # this rank's gradient bytes at the last step, for the per-rank memory check
 
 
-def _prepare_inputs(cfg: RunConfig, out: Path, resume: bool, init_from: str | None, d: distributed.Dist):
+def _prepare_inputs(cfg: RunConfig, out: Path, resume: bool, init_from: str | None, d: distributed.Dist, say):
     """(tokenizer, tokenized data, Hugging Face weights or None). Everything that can fail on user input
     happens here, before the run directory is touched. Rank 0 tokenizes first; the other ranks then
     find its work in the cache."""
@@ -208,7 +208,7 @@ def _prepare_inputs(cfg: RunConfig, out: Path, resume: bool, init_from: str | No
         cfg.tokenizer.vocab_size = tokenizer.vocab_size
         cfg.validate()
     else:
-        tokenizer = data_mod.prepare_tokenizer(cfg.data, cfg.tokenizer.vocab_size)
+        tokenizer = data_mod.prepare_tokenizer(cfg.data, cfg.tokenizer.vocab_size, say=say)
         cfg.model.vocab_size = tokenizer.vocab_size
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise TrainwiseError(
@@ -303,6 +303,8 @@ def _log_row(run: _Run, reporter, step: int, tokens_seen: int, lr: float, grad_n
     loss = loss_sum.item() / (interval_steps * run.cfg.train.grad_accum_steps)
     row = reporter.metrics_row(step, tokens_seen, loss, lr, grad_norm.item(), elapsed_s / interval_steps,
                                tokens_per_step)
+    if (source_tokens := run.sampler.source_counts()) is not None:
+        row["source_tokens"] = source_tokens  # a mixture: tokens drawn from each source so far
     if skipped_steps := int(run.skipped.item()):
         row["skipped_steps"] = skipped_steps
     model = distributed.unwrap(run.model)
@@ -368,7 +370,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         quiet = True
     device = distributed.device_for(d, resolve_device(cfg.train.device))
     precision, why = resolve_precision(cfg.train.precision, device)
-    tokenizer, tokens, init_state = _prepare_inputs(cfg, out, resume, init_from, d)
+    tokenizer, tokens, init_state = _prepare_inputs(cfg, out, resume, init_from, d, say)
     run, state = _build(cfg, out, resume, init_state, tokens, device, precision, d)
     from trainwise.train.report import RunReporter  # noqa: E402  (kept late: pulls in the planner)
 
@@ -385,6 +387,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         + (f" x world_size {d.world_size}" if d.active else "")
         + f" = {tokens_per_step // cfg.train.seq_len} sequences of {cfg.train.seq_len} tokens "
         f"= {tokens_per_step:,} tokens per step")
+    for line in data_mod.summary_lines(tokens):
+        say(line)
 
     metrics = open(out / "metrics.jsonl", "a", encoding="utf-8") if d.is_main else None
     tensorboard = None
