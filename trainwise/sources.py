@@ -365,9 +365,10 @@ def _mostly_utf8(head: bytes, at_end: bool) -> bool:
 
 
 def _detect(head: bytes) -> str | None:
-    """charset-normalizer's best match for non-UTF-8 bytes. Single-byte code pages are ambiguous on
-    short samples (cp1250, cp1252 and cp1257 often tie): within 0.05 of the best chaos score, cp1252,
-    by far the most common of them, is preferred (WHATWG's default for legacy Western text)."""
+    """charset-normalizer's best match for non-UTF-8 bytes. Single-byte code pages are ambiguous (French
+    in cp1252 scores as well in cp1257, where è reads č): when cp1252, by far the most common of them
+    (WHATWG's default for legacy Western text), decodes within 0.1 of the best chaos score, it is taken.
+    Text that only cp1250 or another code page reads well (Czech, Polish) keeps its match."""
     import charset_normalizer
 
     matches = charset_normalizer.from_bytes(head)
@@ -377,7 +378,7 @@ def _detect(head: bytes) -> str | None:
     chosen = best.encoding
     if not _multibyte(chosen):
         for m in matches:
-            if m.encoding == "cp1252" and m.chaos <= best.chaos + 0.05:
+            if "cp1252" in (m.encoding, *m.could_be_from_charset) and m.chaos <= best.chaos + 0.1:
                 chosen = "cp1252"
     text = head.decode(chosen, "replace")
     controls = sum(1 for ch in text if ord(ch) < 32 and ch not in "\t\n\r\f\v\x1b")
