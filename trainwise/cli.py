@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("ids", nargs="+")
     p.set_defaults(func=cmd_tokenizer)
 
-    for module in ("trainwise.cost.cli", "trainwise.measure.cli", "trainwise.explain", "trainwise.report.cli"):
+    for module in ("trainwise.cost.cli", "trainwise.measure.cli", "trainwise.explain", "trainwise.report.cli",
+                   "trainwise.datareport"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as err:
@@ -194,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         message = textwrap.fill(str(err), width=100, break_long_words=False, break_on_hyphens=False)
         print(f"trainwise {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `trainwise ... | head`: an OSError too, but not the user's problem
+        return 0
     except OSError as err:  # a full disk, a permission, a vanished file: the user's environment, not a bug
         where = f" ({err.filename})" if err.filename else ""
         print(f"trainwise {args.command}: error: {err.strerror or err}{where}. Free disk space or fix the "
@@ -203,8 +206,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from trainwise.tokenizer import Tokenizer
 
 MAX_TOKENIZER_TRAIN_BYTES = 100_000_000  # BPE merges are learned on a seeded sample of at most this much
 TOKENIZER_SAMPLE_UNIT_BYTES = 1_000_000  # the sample is drawn in pieces (files or byte ranges) of this size
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 
 
 def resolve_cache_root(root: str | Path | None = None) -> Path:
@@ -153,6 +153,7 @@ class DataStats:
     tokens: int  # including one end-of-text token per document
     replaced_bytes: int  # input bytes that did not decode, replaced by U+FFFD
     seconds: float  # time the tokenization took (when the cache entry was made)
+    chars: int = 0  # characters (code points) of text encoded
     report: dict = field(default_factory=dict)  # what discovery found: formats, encodings, skipped files
 
 
@@ -238,7 +239,7 @@ def _prepare_mixture(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, c
     weights = [s.weight for s in configs]
     total = DataStats(0, 0, 0, 0, 0, 0.0, report={"sources": {}})
     for name, p in zip(names, parts):
-        for key in ("files", "documents", "bytes", "tokens", "replaced_bytes", "seconds"):
+        for key in ("files", "documents", "bytes", "chars", "tokens", "replaced_bytes", "seconds"):
             setattr(total, key, getattr(total, key) + getattr(p.stats, key))
         total.report["sources"][name] = p.stats.report
     first = parts[0]

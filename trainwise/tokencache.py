@@ -48,6 +48,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class ShardStats:
     documents: int = 0
     bytes: int = 0  # UTF-8 bytes of the text encoded
+    chars: int = 0  # characters (code points) of the text encoded
     tokens: int = 0  # including one end-of-text token per document
     replaced_bytes: int = 0  # input bytes that did not decode, replaced by U+FFFD
 
@@ -212,6 +213,7 @@ def tokenize_shard(partial: Path, index: int, parts: list[Part], eot_id: int, vo
         size = 0
         for piece, end in pieces:
             stats.bytes += len(piece.encode("utf-8", "surrogatepass"))
+            stats.chars += len(piece)
             for part, last in mark_last(rechunk([piece], ENCODE_CHARS)):
                 batch.append(part)
                 ends.append(end and last)
