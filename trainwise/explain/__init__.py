@@ -24,9 +24,9 @@ LISTING = {
 
 
 def topics() -> dict[str, Topic]:
-    from trainwise.explain import basics, compute, training, tokens
+    from trainwise.explain import basics, compute, layers, tokens, training
 
-    return {t.name: t for t in basics.TOPICS + tokens.TOPICS + compute.TOPICS + training.TOPICS}
+    return {t.name: t for t in basics.TOPICS + tokens.TOPICS + layers.TOPICS + compute.TOPICS + training.TOPICS}
 
 
 def listing(lang: str = "en") -> str:
