@@ -160,7 +160,7 @@ EIN = {
                     "heads back with \"b h t d -> b t (h d)\" before the output projection: example 1 and 2.",
                     "The loss flattens the (B, T, V) logits to (B T, V) for cross-entropy: example 3 (a view, no memory); "
                     "`trainwise explain tensor` shows strides of any shape."]),
-    "zh": dict(title="einops：对 (B, T, H) 激活值做 rearrange 与 reduce",
+    "zh": dict(title="einops 张量重排：对 (B, T, H) 激活值做 rearrange 与 reduce",
                inputs="x = torch.arange(B T H).reshape(B, T, H)，B, T, H = {B}, {T}, {H}；头数 h = {h}，每头维度 "
                       "d = H / h = {d}；o 是注意力输出 (B, h, T, d)，和 SDPA 返回的一样是连续的。",
                torch="torch 等价写法", shape="形状", strides="步长 (stride)", equal="结果相同", storage="存储",

@@ -79,10 +79,10 @@ def merge_counts(words: list[str], merges: list[tuple[str, str]]) -> list[int]:
     for a, b in merges:
         n = 0
         for w, seg in segs.items():
+            n += freq[w] * sum(seg[i] == a and seg[i + 1] == b for i in range(len(seg) - 1))
             out, i = [], 0
-            while i < len(seg):
+            while i < len(seg):  # apply the merge left to right, as BPE does
                 if i + 1 < len(seg) and seg[i] == a and seg[i + 1] == b:
-                    n += freq[w]
                     out.append(a + b)
                     i += 2
                 else:
