@@ -11,7 +11,7 @@ from trainwise.cost.memory import RECIPES, activation_bytes, state_bytes
 from trainwise.errors import TrainwiseError
 from trainwise.explain.render import Doc, num
 from trainwise.explain.topic import Arg, Topic
-from trainwise.train.precision import DTYPES, autocast, resolve_device, resolve_precision
+from trainwise.train.precision import autocast, resolve_device, resolve_precision
 
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 ACT_BATCH, ACT_SEQ = 8, 256  # the activation column: trainwise-small at micro-batch 8, T = 256
@@ -95,6 +95,43 @@ def _tiny_grad(device: torch.device, dt: str, g: float, scale: float | None) -> 
     return raw, w.grad.item()
 
 
+def _underflow(d: Doc, t: dict, device: torch.device, grad: float, scale: float) -> dict:
+    """The small gradient through fp16 without a scaler, through bf16, and through fp16 with a GradScaler."""
+    tiny = torch.finfo(torch.float16).smallest_normal * torch.finfo(torch.float16).eps  # 2^-14 x 2^-10
+    _, plain = _tiny_grad(device, "fp16", grad, None)
+    _, plain_bf16 = _tiny_grad(device, "bf16", grad, None)
+    scaled, unscaled = _tiny_grad(device, "fp16", grad, scale)
+    d.text()
+    d.text(t["under_head"])
+    d.step(t["tiny"], "2^-24", "", num(tiny))
+    d.step(t["g"], "dL/dh = dL/dw (x = 1)", "", num(grad))
+    d.step(t["no_scale"], "fp16(g)", f"fp16({num(grad)})", num(plain))
+    d.step(t["bf16"], "bf16(g)", f"bf16({num(grad)})", num(plain_bf16))
+    d.step(t["scale"], "S", "", num(scale))
+    d.step(t["scaled"], "fp16(g S)", f"fp16({num(grad)} x {num(scale)})", num(scaled))
+    d.step(t["unscaled"], "w.grad / S", f"{num(scaled)} / {num(scale)}", num(unscaled))
+    d.step(t["err"], "unscaled / g - 1", "", f"{unscaled / grad - 1:.2e}" if grad else "-")
+    return dict(grad=grad, fp16_smallest_subnormal=tiny, fp16_no_scaler=plain, bf16_no_scaler=plain_bf16,
+                scale=scale, fp16_scaled=scaled, fp16_unscaled=unscaled)
+
+
+def _recipes(d: Doc, t: dict) -> dict:
+    """Bytes per parameter (AdamW) and trainwise-small's activation bytes of each planner recipe."""
+    d.text()
+    d.text(t["recipes_head"].format(b=ACT_BATCH, t=ACT_SEQ))
+    recipes, rows = {}, []
+    for name in ("fp32", "amp", "bf16-mixed", "bf16-pure"):
+        r = RECIPES[name]
+        sb = state_bytes(1, r, "adamw")  # one parameter: the bytes per parameter
+        act = activation_bytes(ModelConfig(), r, ACT_BATCH, ACT_SEQ)
+        recipes[name] = dict(params=sb.params, grads=sb.grads, optimizer=sb.optimizer, master=sb.master,
+                             total=sb.total, activation_bytes=act, description=r.description)
+        rows.append([name, sb.params, sb.grads, sb.optimizer, sb.master, sb.total, f"{act / 1e6:.1f}",
+                     f"{act / 2**20:.1f}"])
+    d.table(t["rcols"], rows)
+    return recipes
+
+
 def amp(grad: float = 1e-8, scale: float = 65536.0, dtype: str | None = None, lang: str = "en") -> Doc:
     t = AMP[lang]
     if not scale >= 1:
@@ -115,41 +152,14 @@ def amp(grad: float = 1e-8, scale: float = 65536.0, dtype: str | None = None, la
              "weight": t["weight"], "weight_grad": t["grad"]}
     d.table(t["cols"], [[names[k], a, b] for k, (a, b) in dts.items()])
 
-    tiny = torch.finfo(torch.float16).smallest_normal * torch.finfo(torch.float16).eps  # 2^-14 x 2^-10
-    _, plain = _tiny_grad(device, "fp16", grad, None)
-    _, plain_bf16 = _tiny_grad(device, "bf16", grad, None)
-    scaled, unscaled = _tiny_grad(device, "fp16", grad, scale)
-    d.text()
-    d.text(t["under_head"])
-    d.step(t["tiny"], "2^-24", "", num(tiny))
-    d.step(t["g"], "dL/dh = dL/dw (x = 1)", "", num(grad))
-    d.step(t["no_scale"], "fp16(g)", f"fp16({num(grad)})", num(plain))
-    d.step(t["bf16"], "bf16(g)", f"bf16({num(grad)})", num(plain_bf16))
-    d.step(t["scale"], "S", "", num(scale))
-    d.step(t["scaled"], "fp16(g S)", f"fp16({num(grad)} x {num(scale)})", num(scaled))
-    d.step(t["unscaled"], "w.grad / S", f"{num(scaled)} / {num(scale)}", num(unscaled))
-    d.step(t["err"], "unscaled / g - 1", "", f"{unscaled / grad - 1:.2e}" if grad else "-")
-
-    d.text()
-    d.text(t["recipes_head"].format(b=ACT_BATCH, t=ACT_SEQ))
-    recipes, rows = {}, []
-    for name in ("fp32", "amp", "bf16-mixed", "bf16-pure"):
-        r = RECIPES[name]
-        sb = state_bytes(1, r, "adamw")  # one parameter: the bytes per parameter
-        act = activation_bytes(ModelConfig(), r, ACT_BATCH, ACT_SEQ)
-        recipes[name] = dict(params=sb.params, grads=sb.grads, optimizer=sb.optimizer, master=sb.master,
-                             total=sb.total, activation_bytes=act, description=r.description)
-        rows.append([name, sb.params, sb.grads, sb.optimizer, sb.master, sb.total, f"{act / 1e6:.1f}",
-                     f"{act / 2**20:.1f}"])
-    d.table(t["rcols"], rows)
+    underflow = _underflow(d, t, device, grad, scale)
+    recipes = _recipes(d, t)
     d.text()
     d.text(t["why"])
     d.where(*(line.format(p=precision, why=reason) for line in t["run"]))
     d.values = dict(device=str(device), precision_auto=precision, precision_reason=reason, autocast_dtype=dt,
                     dtypes={k: dict(input=a, output=b) for k, (a, b) in dts.items()},
-                    underflow=dict(grad=grad, fp16_smallest_subnormal=tiny, fp16_no_scaler=plain,
-                                   bf16_no_scaler=plain_bf16, scale=scale, fp16_scaled=scaled, fp16_unscaled=unscaled),
-                    recipes=recipes, activation_batch=ACT_BATCH, activation_seq_len=ACT_SEQ)
+                    underflow=underflow, recipes=recipes, activation_batch=ACT_BATCH, activation_seq_len=ACT_SEQ)
     return d
 
 

@@ -83,22 +83,21 @@ def _mlp_counts(d_model: int, activation: str) -> tuple[int, int, int, int, floa
             mlp_flops(cfg, cfg.ffn_hidden))
 
 
-def activation(inputs: list[float] | None = None, d_model: int = 256, gate: float = 1.0, up: float = 2.0,
-               lang: str = "en") -> Doc:
-    t = ACT[lang]
-    inputs = inputs or [-2.0, -1.0, 0.0, 1.0, 2.0]
-    if d_model < 1:
-        raise TrainwiseError(f"--d-model {d_model} must be a positive width, e.g. 256.")
+def _curve_tables(d: Doc, t: dict, inputs: list[float]) -> dict:
     curves = _curves(inputs)
-    d = Doc(t["title"], lang)
     head = [t["fn"]] + [f"x = {num(x)}" for x in inputs]
     d.text(t["values"] + ":")
     d.table(head, [[n] + [f"{v:.4f}" for v in curves[n]["values"]] for n in CURVES])
     d.text()
     d.text(t["grads"] + ":")
     d.table(head, [[n] + [f"{v:.4f}" for v in curves[n]["grads"]] for n in CURVES])
-    d.text()
-    # the formulas by hand at x = 1, beside what torch computes there
+    return dict(inputs=inputs, curves=curves)
+
+
+def _by_hand(d: Doc, t: dict, gate: float, up: float) -> dict:
+    """The formulas by hand at x = 1 beside what torch computes there; SwiGLU and its two derivatives."""
+    from trainwise.model.transformer import ACTIVATION_FNS
+
     at1 = {n: c["values"][0] for n, c in _curves([1.0]).items()}
     k = math.sqrt(2 / math.pi)
     gelu_tanh = 0.5 * (1 + math.tanh(k * (1 + 0.044715)))
@@ -109,16 +108,18 @@ def activation(inputs: list[float] | None = None, d_model: int = 256, gate: floa
     d.step(f"SiLU {t['at1']}", "x sigmoid(x)", f"1 x {_sigmoid(1):.4f}", f"{_sigmoid(1):.4f}   (torch {at1['silu']:.4f})")
     g = torch.tensor(gate, dtype=torch.float64, requires_grad=True)
     u = torch.tensor(up, dtype=torch.float64, requires_grad=True)
-    from trainwise.model.transformer import ACTIVATION_FNS
-
     s = ACTIVATION_FNS["swiglu"](g) * u  # what MLP.forward computes per element: act(gate) * up
     s.backward()
     silu_grad = _curves([gate])["silu"]["grads"][0]
     d.step("SwiGLU", t["swiglu"], f"SiLU({num(gate)}) x {num(up)}", f"{s.item():.4f}")
     d.step("dSwiGLU/dg", "SiLU'(g) u", f"{silu_grad:.4f} x {num(up)}", f"{g.grad.item():.4f}   (autograd)")
     d.step("dSwiGLU/du", "SiLU(g)", f"SiLU({num(gate)})", f"{u.grad.item():.4f}   (autograd)")
-    d.text()
-    H = d_model
+    return dict(at_1=at1, gelu_1_exact=_phi(1), gelu_1_tanh=gelu_tanh, silu_1=_sigmoid(1),
+                swiglu=dict(gate=gate, up=up, value=s.item(), d_gate=g.grad.item(), d_up=u.grad.item()))
+
+
+def _mlp_section(d: Doc, t: dict, H: int) -> dict:
+    """Width, parameters and FLOPs per token of a GELU and a SwiGLU MLP of width H, as the model builds them."""
     f_plain, n_plain, fwd_plain, train_plain, planner_plain = _mlp_counts(H, "gelu")
     f_gated, n_gated, fwd_gated, train_gated, planner_gated = _mlp_counts(H, "swiglu")
     assert f_gated == default_ffn_hidden(H, "swiglu") and n_plain == mlp_params(H, f_plain, False, False)
@@ -132,16 +133,28 @@ def activation(inputs: list[float] | None = None, d_model: int = 256, gate: floa
                          f"{train_plain:,}"],
                         [t["gated"], f"3 x {H} x {f_gated:,}", f"{n_gated:,}", f"{fwd_gated:,}", num(planner_gated),
                          f"{train_gated:,}"]])
+    return dict(d_model=H, ffn_hidden_plain=f_plain, ffn_hidden_swiglu_exact=exact, ffn_hidden_swiglu=f_gated,
+                params_plain=n_plain, params_swiglu=n_gated, flops_per_token_plain=fwd_plain,
+                flops_per_token_swiglu=fwd_gated, train_flops_per_token_plain=train_plain,
+                train_flops_per_token_swiglu=train_gated)
+
+
+def activation(inputs: list[float] | None = None, d_model: int = 256, gate: float = 1.0, up: float = 2.0,
+               lang: str = "en") -> Doc:
+    t = ACT[lang]
+    inputs = inputs or [-2.0, -1.0, 0.0, 1.0, 2.0]
+    if d_model < 1:
+        raise TrainwiseError(f"--d-model {d_model} must be a positive width, e.g. 256.")
+    d = Doc(t["title"], lang)
+    values = _curve_tables(d, t, inputs)
+    d.text()
+    values |= _by_hand(d, t, gate, up)
+    d.text()
+    values |= _mlp_section(d, t, d_model)
     d.text()
     d.text(t["why"])
     d.where(*(line.format(a=ModelConfig().activation) for line in t["run"]))
-    d.values = dict(inputs=inputs, curves=curves, at_1=at1, gelu_1_exact=_phi(1), gelu_1_tanh=gelu_tanh,
-                    silu_1=_sigmoid(1), swiglu=dict(gate=gate, up=up, value=s.item(), d_gate=g.grad.item(),
-                                                    d_up=u.grad.item()),
-                    d_model=H, ffn_hidden_plain=f_plain, ffn_hidden_swiglu_exact=exact, ffn_hidden_swiglu=f_gated,
-                    params_plain=n_plain, params_swiglu=n_gated, flops_per_token_plain=fwd_plain,
-                    flops_per_token_swiglu=fwd_gated, train_flops_per_token_plain=train_plain,
-                    train_flops_per_token_swiglu=train_gated)
+    d.values = values
     return d
 
 

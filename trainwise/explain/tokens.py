@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from trainwise.errors import TrainwiseError
-from trainwise.explain.render import Doc, num
+from trainwise.explain.render import Doc
 from trainwise.explain.topic import Arg, Topic
 from trainwise.tokenizer import EOT, MIN_VOCAB_SIZE, Tokenizer
 
@@ -100,21 +100,26 @@ def _hf(tok: Tokenizer):
     return HFTokenizer.from_str(tok.to_json())
 
 
-def tokenizer(text: str | None = None, file: str | None = None, vocab_size: int = 300, run: str | None = None,
-              lang: str = "en") -> Doc:
-    t = TOK[lang]
-    text = read_text(text, file)
+def load_or_train(text: str, vocab_size: int, run: str | None) -> tuple[Tokenizer, Path | None]:
+    """The run's tokenizer.json with --run, else a tokenizer trained on the text: (tokenizer, its path)."""
     if run is not None:
         path = Path(run) / "tokenizer.json"
         if not path.is_file():
             raise TrainwiseError(f"--run '{run}' has no tokenizer.json; pass a run directory that `trainwise train` "
                                  "wrote, or leave --run out to train a tiny tokenizer on the text.")
-        tok, source = Tokenizer.load(path), t["from_run"].format(p=path)
-    else:
-        if vocab_size < MIN_VOCAB_SIZE:
-            raise TrainwiseError(f"--vocab-size {vocab_size} is too small: 256 byte tokens + '{EOT}' need at least "
-                                 f"{MIN_VOCAB_SIZE}; try 300.")
-        tok, source = Tokenizer.train([text], vocab_size), t["trained_here"].format(v=vocab_size)
+        return Tokenizer.load(path), path
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise TrainwiseError(f"--vocab-size {vocab_size} is too small: 256 byte tokens + '{EOT}' need at least "
+                             f"{MIN_VOCAB_SIZE}; try 300.")
+    return Tokenizer.train([text], vocab_size), None
+
+
+def tokenizer(text: str | None = None, file: str | None = None, vocab_size: int = 300, run: str | None = None,
+              lang: str = "en") -> Doc:
+    t = TOK[lang]
+    text = read_text(text, file)
+    tok, path = load_or_train(text, vocab_size, run)
+    source = t["from_run"].format(p=path) if path else t["trained_here"].format(v=vocab_size)
     hf = _hf(tok)
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
               for m in json.loads(tok.to_json())["model"]["merges"]]
@@ -153,7 +158,7 @@ def tokenizer(text: str | None = None, file: str | None = None, vocab_size: int 
     d.text()
     d.text(t["why"])
     d.where(*t["run"])
-    d.values = dict(text=text, source="run" if run else "trained", tokenizer_path=str(path) if run else None,
+    d.values = dict(text=text, source="run" if path else "trained", tokenizer_path=str(path) if path else None,
                     vocab_size=tok.vocab_size, n_merges=len(merges), alphabet_size=len(_byte_table()),
                     text_alphabet={c: s for c, s in alphabet},
                     merges=[dict(pair=[a, b], token=a + b, count=n, id=hf.token_to_id(a + b))
