@@ -182,3 +182,14 @@ def test_guide_topics_listed_and_in_the_readme_tour(capsys):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     row = next(line for line in readme.splitlines() if line.startswith("| `trainwise explain"))
     assert all(f"`{name}`" in row for name in topics())
+
+
+def test_chinese_lines_keep_code_words_whole():
+    from trainwise.explain.render import width, wrap
+
+    text = "在你的训练中，" * 5 + "model.ffn_hidden = 0 表示上面推导出的宽度。"
+    lines = wrap(text, 40, indent="  ")
+    assert all(width(line) <= 40 for line in lines)
+    assert any("model.ffn_hidden" in line for line in lines)  # not cut as "mo" / "del.ffn_hidden"
+    assert "".join(line.strip() for line in lines).replace(" ", "") == text.replace(" ", "")
+    assert wrap("中文" * 30, 20) == ["中文" * 5] * 6
