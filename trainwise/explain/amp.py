@@ -165,8 +165,7 @@ def amp(grad: float = 1e-8, scale: float = 65536.0, dtype: str | None = None, la
 
 TOPICS = [
     Topic("amp", "自动混合精度",
-          {"en": "autocast on this device: which op runs in which dtype (measured); fp16 underflow and GradScaler; "
-                 "bytes/param of fp32, amp, bf16 recipes",
+          {"en": "autocast dtypes on this device (measured); an fp16 gradient lost, then kept by a GradScaler; bytes/param",
            "zh": "本设备上的 autocast：各运算的数据类型（实测）；fp16 梯度下溢与 GradScaler；fp32/amp/bf16 方案每参数字节数"},
           amp,
           [Arg("--grad", dict(type=float, default=1e-8, help="the small gradient g (default 1e-8)")),
