@@ -74,7 +74,8 @@ def _mlp_counts(d_model: int, activation: str) -> tuple[int, int, int, int, floa
     from trainwise.explain.compute import _counted
     from trainwise.model.transformer import MLP
 
-    cfg = ModelConfig(d_model=d_model, n_heads=1, n_kv_heads=1, activation=activation)
+    # only the MLP is built: one head and learned positions put no constraint of their own on H
+    cfg = ModelConfig(d_model=d_model, n_heads=1, n_kv_heads=1, position="learned", activation=activation)
     with torch.device("meta"):
         mlp = MLP(cfg)
         x = torch.empty(1, d_model, requires_grad=True)
