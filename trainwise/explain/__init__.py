@@ -24,9 +24,11 @@ LISTING = {
 
 
 def topics() -> dict[str, Topic]:
-    from trainwise.explain import basics, compute, training
+    from trainwise.explain import amp, basics, compute, layers, tokens, training
 
-    return {t.name: t for t in basics.TOPICS + compute.TOPICS + training.TOPICS}
+    # in the order of the guide: the model's arithmetic, text, layers, compute and precision, training
+    return {t.name: t for t in basics.TOPICS + tokens.TOPICS + layers.TOPICS + compute.TOPICS + amp.TOPICS
+            + training.TOPICS}
 
 
 def listing(lang: str = "en") -> str:

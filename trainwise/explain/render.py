@@ -28,16 +28,34 @@ def width(text: str) -> int:
     return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
 
 
+def _wide(ch: str) -> bool:
+    return unicodedata.east_asian_width(ch) in "WF"
+
+
 def wrap(text: str, cols: int = 100, indent: str = "") -> list[str]:
-    """Lines of at most `cols` terminal columns; CJK text breaks between characters, other text between words."""
-    if not any(unicodedata.east_asian_width(ch) in "WF" for ch in text):
+    """Lines of at most `cols` terminal columns; CJK text breaks between its characters and at spaces, and
+    keeps runs of other characters (`model.ffn_hidden`, 4,096) whole unless one is longer than a line."""
+    if not any(_wide(ch) for ch in text):
         return textwrap.wrap(text, cols, subsequent_indent=indent, break_on_hyphens=False) or [""]
+    units = re.findall(r"\s|[^\s]", text)  # one character each, then runs of narrow ones joined
+    joined: list[str] = []
+    for u in units:
+        if joined and not u.isspace() and not _wide(u) and not joined[-1].isspace() and not _wide(joined[-1][-1]):
+            joined[-1] += u
+        else:
+            joined.append(u)
     lines, line = [], ""
-    for ch in text:
-        if width(line) + width(ch) > cols:
-            lines.append(line)
+    for u in joined:
+        if width(line) + width(u) > cols and line.strip():
+            lines.append(line.rstrip())
             line = indent
-        line += ch
+            if u.isspace():
+                continue
+        while width(line) + width(u) > cols:  # a run longer than a whole line: cut it
+            room = cols - width(line)
+            lines.append(line + u[:room])
+            line, u = indent, u[room:]
+        line += u
     return lines + [line]
 
 
