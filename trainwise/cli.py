@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML file with [model], [train], [data], [tokenizer] sections")
     p.add_argument("--model", help="model preset name (trainwise-small, trainwise-gpt2-small, trainwise-moe-small, ...; "
                    "an unknown name lists them all)")
-    p.add_argument("--data", nargs="+", metavar="PATH", help="text files, directories or globs (.txt .md .jsonl .parquet)")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="files, folders or globs: text in any encoding, .jsonl, .csv/.tsv, "
+                   "Parquet, Arrow, datasets folders, compressed or not (see `trainwise data`)")
     p.add_argument("--out", help="run directory to create (default runs/run-DATE-TIME)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config value")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")

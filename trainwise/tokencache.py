@@ -191,7 +191,7 @@ def tokenize_shard(partial: Path, index: int, parts: list[Part], eot_id: int, vo
     batch: list[str] = []
     ends: list[bool] = []
     reported = 0
-    tmp = _shard_bin(partial, index).with_suffix(".tmp")
+    tmp = _shard_bin(partial, index).with_suffix(".bin.tmp")
 
     def flush() -> None:
         nonlocal reported
@@ -226,6 +226,6 @@ def tokenize_shard(partial: Path, index: int, parts: list[Part], eot_id: int, vo
     stats.replaced_bytes = reading.replaced_bytes
     os.replace(tmp, _shard_bin(partial, index))
     marker = partial / "shards" / f"{index:05d}.json"
-    marker.with_suffix(".tmp").write_text(json.dumps(asdict(stats)), encoding="utf-8")
-    os.replace(marker.with_suffix(".tmp"), marker)
+    marker.with_suffix(".json.tmp").write_text(json.dumps(asdict(stats)), encoding="utf-8")
+    os.replace(marker.with_suffix(".json.tmp"), marker)
     return stats
