@@ -114,6 +114,23 @@ def test_saved_by_transformers_4_and_5_plan_alike(family, tmp_path):
         assert "rope_theta" not in saved and load_hf_config(new).rope_theta == 5e4 == load_hf_config(old).rope_theta
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama-3-8b", "mistral-7b", "mixtral-8x7b", "qwen2.5-7b", "qwen3-30b-a3b",
+                                  "deepseek-v3"])
+def test_published_config_resaved_by_transformers_5_plans_like_the_hub_file(name, tmp_path):
+    """The Hub's config.json of each preset, saved again by the installed transformers: the same plan
+    (parameters, FLOPs, memory), not only the same total. No model is built, so the big ones run too."""
+    from trainwise.cost.plan import plan_run
+    from trainwise.presets import get_preset
+
+    transformers.AutoConfig.for_model(**PUBLISHED[name]).save_pretrained(tmp_path / name)
+
+    def planned(model):
+        j = plan_run(model, tokens=1e9, seq_len=1024, micro_batch=2, checkpointing="selective").to_json()
+        return j["model"] | {"name": None}, j["flops"], j["memory"]
+
+    assert planned(load_hf_config(tmp_path / name / "config.json")) == planned(get_preset(name))
+
+
 @pytest.mark.parametrize("family", sorted(ALIASES))
 def test_attribute_map_names(family):
     """Each name a config class's attribute_map accepts, used instead of the Hub's, counts the same."""
