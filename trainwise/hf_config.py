@@ -100,9 +100,10 @@ def canonical_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 def _need(d: dict, key: str, family: str) -> Any:
     if key not in d or d[key] is None:
+        also = [alias for alias, name in ALIASES.get(family, {}).items() if name == key]
         raise TrainwiseError(
-            f"the {family} config.json has no '{key}' field, which the parameter count needs; "
-            "add it (see the model's published config.json)."
+            f"the {family} config.json has no '{key}' field{''.join(f' (or {a!r})' for a in also)}, which the "
+            "parameter count needs; add it (see the model's published config.json)."
         )
     return d[key]
 

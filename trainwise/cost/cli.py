@@ -158,7 +158,8 @@ def _plan_table(plan) -> str:
     if plan.hardware is None:
         rows.append(("time", t["note"]))
     else:
-        rows += [("hardware", f"{plan.gpus} x {plan.hardware.name} @ {plan.hardware.peak_flops:.4g} FLOP/s, MFU {plan.mfu}"),
+        hw = plan.hardware
+        rows += [("hardware", f"{plan.gpus} x {hw.name} @ {hw.peak_flops:.4g} FLOP/s, MFU {plan.mfu}"),
                  ("time", f"{t['seconds']:.4g} s = {t['days']:.2f} days = {t['device_hours']:,.1f} device-hours")]
     if "cost_usd" in t:
         rows.append(("cost", f"${t['cost_usd']:,.0f}"))
