@@ -109,3 +109,74 @@ def test_plan_of_a_run_config_uses_its_run_length_and_this_cpu(tmp_path):
     save_config(cfg, tmp_path / "config.toml")
     plan = trainwise.plan(str(tmp_path / "config.toml"), peak_flops=1e12)
     assert plan.to_json()["tokens"] == 10 * 2 * 64
+
+
+def test_plan_without_hardware_prints_everything_but_time(capsys, tmp_path):
+    """`plan --model config.json --tokens D` with no device: parameters, FLOPs and memory as with one,
+    time null in --json (same keys) and said so in the table and --explain."""
+    from trainwise.hf_config import PUBLISHED
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PUBLISHED["qwen3-30b-a3b"]))
+    argv = ["plan", "--model", str(path), "--tokens", "1e12", "--seq-len", "4096"]
+    assert main(argv + ["--json"]) == 0
+    bare = json.loads(capsys.readouterr().out)
+    for section, keys in KEYS.items():
+        assert keys <= set(bare[section])
+    assert bare["time"]["seconds"] is None and "no hardware" in bare["time"]["note"]
+    assert bare["hardware"]["peak_flops"] is None and bare["memory"]["fits"] is None
+    assert main(argv + ["--gpu", "h100", "--json"]) == 0
+    with_gpu = json.loads(capsys.readouterr().out)
+    for section in ("model", "flops"):
+        assert bare[section] == with_gpu[section]
+    for key in ("states_bytes", "activations_bytes", "per_device_bytes", "peak_bytes"):
+        assert bare["memory"][key] == with_gpu["memory"][key]
+    assert with_gpu["time"]["seconds"] > 0
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "30,532,122,624" in table and "no hardware given" in table
+    assert main(argv + ["--explain"]) == 0
+    assert "no hardware given" in capsys.readouterr().out
+    assert main(argv + ["--memory", "80GiB", "--json"]) == 0  # a capacity alone still answers "fits?"
+    assert json.loads(capsys.readouterr().out)["memory"]["fits"] is False
+
+
+@pytest.mark.parametrize("kw, want", [(dict(tokens=4e6), 488), (dict(tokens=4 * 8192), 4), (dict(tokens=100), 1),
+                                      (dict(sequences=10, dp=4), 12), (dict(sequences=12, dp=4), 12)])
+def test_global_batch_rounds_to_whole_sequences(kw, want):
+    from trainwise.cost.plan import global_batch_sequences
+
+    dp = kw.pop("dp", 1)
+    sequences, note = global_batch_sequences(8192, dp, **kw)
+    assert sequences == want and sequences % dp == 0
+    exact = kw.get("sequences", 0) == want or kw.get("tokens", 0) == want * 8192
+    assert (note is None) == exact
+    if note:
+        assert "rounded" in note and f"{want * 8192:,} tokens" in note
+
+
+def test_fit_takes_a_global_batch_in_tokens_that_is_not_whole_sequences(capsys):
+    """`--global-batch-tokens 4e6` at seq 8192 is rounded to 488 sequences (and says so), no hardware needed."""
+    argv = ["plan", "--model", "llama-3-8b", "--fit", "--global-batch-tokens", "4e6", "--seq-len", "8192",
+            "--gpus", "8", "--memory-budget", "80GiB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rounded to 488 sequences = 3,997,696 tokens" in out and "ranked by step FLOPs" in out
+    assert main(argv + ["--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["global_batch"]["sequences"] == 488 and j["global_batch"]["tokens"] == 3_997_696
+    assert j["best"] and all(c["step_seconds"] is None for c in j["best"])
+
+
+def test_fit_uses_the_plans_memory_model():
+    """Every candidate --fit keeps is one that `plan` with the same settings says fits, with the same bytes;
+    and its ranking is the same with and without hardware."""
+    model, budget = get_preset("llama-3-8b"), 40 * 2**30
+    good, bad = fit(model, global_batch=32, memory_budget=budget, seq_len=4096, gpus=8)
+    timed, _ = fit(model, global_batch=32, memory_budget=budget, seq_len=4096, gpus=8, gpu="h100")
+    assert [(c.micro_batch, c.checkpointing, c.zero) for c in good] == [(c.micro_batch, c.checkpointing, c.zero)
+                                                                       for c in timed]
+    for c in good[:3] + [c for c in bad if not c.fits][:5]:
+        p = plan_run(model, tokens=32 * 4096, seq_len=4096, micro_batch=c.micro_batch, grad_accum=c.grad_accum,
+                     checkpointing=c.checkpointing, zero=c.zero, gpus=8, memory_budget=budget)
+        assert p.fits is c.fits and p.per_device_bytes == c.per_device_bytes

@@ -10,7 +10,7 @@ from pathlib import Path
 from trainwise.config import ModelConfig
 from trainwise.cost.hardware import ACCELERATORS
 from trainwise.cost.memory import OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES, parse_bytes, tensor_bytes
-from trainwise.cost.plan import fit, fmt_bytes, plan_run
+from trainwise.cost.plan import fit, fmt_bytes, global_batch_sequences, plan_run
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 
@@ -18,6 +18,8 @@ PLAN_EXAMPLES = """examples:
   trainwise plan --model llama-3-8b --tokens 15e12 --gpu h100 --gpus 1024 --zero 3 --seq-len 8192
   trainwise plan --params 1e9 --tokens 1e10 --peak-flops 100e12 --precision fp32 --json
   trainwise plan --model config.json --tokens 1e11 --gpu a100-80gb --fit --global-batch 512
+  trainwise plan --model config.json --tokens 1e11          (no hardware: everything but time)
+  trainwise plan --model llama-3-8b --fit --memory-budget 80GiB --global-batch-tokens 4e6 --seq-len 8192
 """
 
 
@@ -61,7 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--causal-halving", action="store_true", help="halve attention score/value FLOPs (causal)")
     p.add_argument("--fit", action="store_true", help="search micro-batch, grad-accum, checkpointing, ZeRO")
     p.add_argument("--global-batch", type=_int, help="--fit target, in sequences")
-    p.add_argument("--global-batch-tokens", type=_int, help="--fit target, in tokens")
+    p.add_argument("--global-batch-tokens", type=_number,
+                   help="--fit target, in tokens (rounded to whole sequences, and said so)")
     p.add_argument("--json", action="store_true", help="print JSON only (SI units)")
     p.add_argument("--explain", action="store_true", help="print each formula with the numbers substituted")
     p.add_argument("--simulate", action="store_true",
@@ -151,9 +154,13 @@ def _plan_table(plan) -> str:
     for key in ("params", "grads", "optimizer", "master", "states", "activations"):
         rows.append((f"{key} / device", fmt_bytes(mem[f"{key}_bytes"])))
     rows += [("total / device", fmt_bytes(mem["per_device_bytes"])), ("budget / device", fmt_bytes(mem["budget_bytes"])),
-             ("fits", {True: "yes", False: "NO", None: "unknown"}[mem["fits"]]),
-             ("hardware", f"{plan.gpus} x {plan.hardware.name} @ {plan.hardware.peak_flops:.4g} FLOP/s, MFU {plan.mfu}"),
-             ("time", f"{t['seconds']:.4g} s = {t['days']:.2f} days = {t['device_hours']:,.1f} device-hours")]
+             ("fits", {True: "yes", False: "NO", None: "unknown"}[mem["fits"]])]
+    if plan.hardware is None:
+        rows.append(("time", t["note"]))
+    else:
+        hw = plan.hardware
+        rows += [("hardware", f"{plan.gpus} x {hw.name} @ {hw.peak_flops:.4g} FLOP/s, MFU {plan.mfu}"),
+                 ("time", f"{t['seconds']:.4g} s = {t['days']:.2f} days = {t['device_hours']:,.1f} device-hours")]
     if "cost_usd" in t:
         rows.append(("cost", f"${t['cost_usd']:,.0f}"))
     width = max(len(k) for k, _ in rows)
@@ -168,25 +175,29 @@ def _cmd_fit(args, model, run, budget, hw) -> int:
             raise TrainwiseError("--fit needs --memory-budget or a --gpu whose capacity is known.")
         budget = _gpu_capacity(args.gpu)
     seq = run["seq_len"]
-    if args.global_batch_tokens:
-        if args.global_batch_tokens % seq:
-            raise TrainwiseError(f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of seq_len {seq}.")
-        gb = args.global_batch_tokens // seq
-    elif args.global_batch:
-        gb = args.global_batch
-    else:
+    if not args.global_batch and not args.global_batch_tokens:
         raise TrainwiseError("--fit needs a target: --global-batch SEQUENCES or --global-batch-tokens TOKENS.")
+    dp = hw["gpus"] // (hw["tp"] * hw["pp"]) or 1
+    gb, note = global_batch_sequences(seq, dp, sequences=args.global_batch, tokens=args.global_batch_tokens)
     good, bad = fit(model, global_batch=gb, memory_budget=budget, seq_len=seq, precision=run["precision"],
                     optimizer=run["optimizer"], **hw)
     if args.json:
-        print(json.dumps({"best": [c.__dict__ for c in good[:3]], "rejected": [c.__dict__ for c in bad]}, indent=2))
+        print(json.dumps({"global_batch": {"sequences": gb, "tokens": gb * seq, "seq_len": seq, "note": note},
+                          "best": [c.__dict__ for c in good[:3]], "rejected": [c.__dict__ for c in bad]}, indent=2))
         return 0 if good else 1
-    print(f"fit: {gb} sequences x {seq} tokens per step, budget {fmt_bytes(budget)} per device")
-    head = f"{'micro_batch':>11} {'grad_accum':>10} {'checkpointing':>13} {'zero':>4} {'memory/device':>28} {'step time':>10}"
-    print(head)
+    if note:
+        print(f"note: {note}")
+    print(f"fit: {gb} sequences x {seq} tokens per step, budget {fmt_bytes(budget)} per device; "
+          "step FLOPs = one optimizer step on all devices, recompute included")
+    timed = bool(good) and good[0].step_seconds is not None
+    print(f"{'micro_batch':>11} {'grad_accum':>10} {'checkpointing':>13} {'zero':>4} {'memory/device':>28} "
+          f"{'step FLOPs':>10}" + (f" {'step time':>10}" if timed else ""))
     for c in good[:3]:
         print(f"{c.micro_batch:>11} {c.grad_accum:>10} {c.checkpointing:>13} {c.zero:>4} "
-              f"{fmt_bytes(c.per_device_bytes):>28} {c.step_seconds:>9.3g}s")
+              f"{fmt_bytes(c.per_device_bytes):>28} {c.step_flops:>10.3g}"
+              + (f" {c.step_seconds:>9.3g}s" if timed else ""))
+    if good and not timed:
+        print("(no hardware given: ranked by step FLOPs; add --gpu NAME or --peak-flops P for step times)")
     if not good:
         print("no candidate fits; raise --gpus, --tp/--pp or the budget.")
     print(f"rejected ({len(bad)}):")

@@ -4,6 +4,7 @@ worked derivation (`explain`); and the `--fit` search over micro-batch, grad-acc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +38,12 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float
     elif gpu:
         acc: Accelerator = get_accelerator(gpu)
         hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes)
-    elif peak_flops:
+    elif peak_flops is not None:
         hw = Hardware("custom", peak_flops)
     else:
         raise TrainwiseError("give the hardware: --gpu NAME (see `trainwise hardware`), --gpu cpu (this machine's "
                              "measured peak) or --peak-flops P (FLOP/s).")
-    if peak_flops:
+    if peak_flops is not None:
         hw.peak_flops = float(peak_flops)
     if bandwidth:
         hw.bandwidth_bytes_per_s = float(bandwidth)
@@ -69,7 +70,7 @@ class Plan:
     tp: int
     pp: int
     gpus: int
-    hardware: Hardware
+    hardware: Hardware | None  # None: no --gpu/--peak-flops given; everything but time is known
     mfu: float
     causal_halving: bool
     forward: F.ForwardFlops | None
@@ -79,7 +80,7 @@ class Plan:
     states: M.StateBytes
     activations_bytes: int | None
     memory_budget: int | None
-    time: TimeEstimate
+    time: TimeEstimate | None  # None without hardware
     price: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -105,7 +106,7 @@ class Plan:
 
     @property
     def budget(self) -> int | None:
-        return self.memory_budget or self.hardware.memory_bytes
+        return self.memory_budget or (self.hardware.memory_bytes if self.hardware else None)
 
     @property
     def fits(self) -> bool | None:
@@ -117,10 +118,10 @@ class Plan:
 
     @property
     def cost(self) -> float | None:
-        return None if self.price is None else cost_usd(self.time.device_hours, self.price)
+        return None if self.price is None or self.time is None else cost_usd(self.time.device_hours, self.price)
 
     def to_json(self) -> dict[str, Any]:
-        c = self.counts
+        c, hw = self.counts, self.hardware
         return {
             "model": {"name": self.name, "params_total": c.total, "params_active": c.active,
                       "params_embedding": c.embedding, "params_non_embedding": c.non_embedding},
@@ -136,17 +137,28 @@ class Plan:
                        "fits": self.fits, "budget_bytes": self.budget, "precision": self.recipe.name,
                        "optimizer": self.optimizer, "checkpointing": self.checkpointing, "zero": self.zero,
                        "scope": "per device except total_bytes (all devices)"},
-            "time": {"seconds": self.time.seconds, "days": self.time.days, "device_hours": self.time.device_hours,
-                     **({"cost_usd": self.cost} if self.price is not None else {})},
-            "hardware": {"name": self.hardware.name, "peak_flops": self.hardware.peak_flops,
-                         "bandwidth_bytes_per_s": self.hardware.bandwidth_bytes_per_s, "devices": self.gpus,
+            "time": self._time_json(),
+            # name, peak and bandwidth are null without hardware
+            "hardware": {"name": hw and hw.name, "peak_flops": hw and hw.peak_flops,
+                         "bandwidth_bytes_per_s": hw and hw.bandwidth_bytes_per_s, "devices": self.gpus,
                          "mfu": self.mfu, "tp": self.tp, "pp": self.pp, "dp": self.dp},
             "run": {"seq_len": self.seq_len, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
                     "global_batch_tokens": self.seq_len * self.micro_batch * self.grad_accum * self.dp},
         }
 
+    def _time_json(self) -> dict[str, Any]:
+        """Without hardware the keys stay, null, with a note saying what to give (JSON contract: same keys)."""
+        if self.time is None:
+            return {"seconds": None, "days": None, "device_hours": None, "note": NO_HARDWARE}
+        return {"seconds": self.time.seconds, "days": self.time.days, "device_hours": self.time.device_hours,
+                **({"cost_usd": self.cost} if self.price is not None else {})}
+
     def explain(self) -> str:
         return explain_plan(self)
+
+
+NO_HARDWARE = ("no hardware given, so no time: add --gpu NAME (see `trainwise hardware`), --gpu cpu (this "
+               "machine, measured) or --peak-flops P (FLOP/s per device)")
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -189,7 +201,10 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
     if checkpointing not in F.RECOMPUTE:
         raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective or full.")
     recipe = M.get_recipe(precision)
-    hw = resolve_hardware(gpu, peak_flops, bandwidth, memory, recipe.compute_dtype)
+    has_hw = gpu is not None or peak_flops is not None
+    hw = resolve_hardware(gpu, peak_flops, bandwidth, memory, recipe.compute_dtype) if has_hw else None
+    if hw is None and memory:
+        memory_budget = memory_budget or int(memory)  # --memory without a device: still the capacity to fit
     dp = gpus // (tp * pp)
     notes = []
     if model is not None:
@@ -211,7 +226,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         convention = "8ND" if checkpointing == "full" else "6ND"
         notes.append("activations unknown without a model config (--params only)")
     states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp)
-    t = estimate_time(fpt * tokens, gpus, hw.peak_flops, mfu)
+    t = None if hw is None else estimate_time(fpt * tokens, gpus, hw.peak_flops, mfu)
     return Plan(name=name, model=model, counts=counts, tokens=float(tokens), seq_len=seq_len,
                 micro_batch=micro_batch, grad_accum=grad_accum, recipe=recipe, optimizer=optimizer,
                 checkpointing=checkpointing, zero=zero, tp=tp, pp=pp, gpus=gpus, hardware=hw, mfu=mfu,
@@ -231,9 +246,30 @@ class Candidate:
     checkpointing: str
     zero: int
     per_device_bytes: int
-    step_seconds: float
+    step_seconds: float | None  # None without hardware
     fits: bool
     reason: str = ""
+    step_flops: float = 0.0  # per step, all devices, recompute included
+
+
+def global_batch_sequences(seq_len: int, dp: int = 1, *, sequences: int | None = None,
+                           tokens: float | None = None) -> tuple[int, str | None]:
+    """A global batch in whole sequences that split evenly over the dp data-parallel ranks: the requested
+    sequences or tokens rounded to the nearest multiple of dp sequences (at least dp), and a note saying so
+    when it had to round. 4e6 tokens at seq_len 8192 -> 488 sequences = 3,997,696 tokens (-0.06%)."""
+    if (sequences is None) == (tokens is None):
+        raise TrainwiseError("give the global batch once: --global-batch SEQUENCES or --global-batch-tokens TOKENS.")
+    _positive("--global-batch" if tokens is None else "--global-batch-tokens", sequences or tokens)
+    wanted = sequences if tokens is None else tokens / seq_len
+    rounded = max(dp, dp * int(wanted / dp + 0.5))  # half up, not Python's half-to-even
+    if rounded == wanted:
+        return rounded, None
+    asked = f"{sequences:,} sequences" if tokens is None else f"{tokens:,.0f} tokens"
+    why = f"seq_len {seq_len}" + (f" x {dp} data-parallel ranks" if dp > 1 else "")
+    got = rounded * seq_len
+    change = got / (wanted * seq_len) - 1
+    return rounded, (f"the global batch of {asked} is not a whole number of sequences of {why}; rounded to "
+                     f"{rounded:,} sequences = {got:,} tokens ({change:+.2%})")
 
 
 def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: int, precision: str = "bf16",
@@ -242,9 +278,11 @@ def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: i
         max_micro_batch: int = 1024) -> tuple[list[Candidate], list[Candidate]]:
     """Search micro_batch x checkpointing x ZeRO stage for a global batch of `global_batch` sequences.
 
-    grad_accum = global_batch / (micro_batch x dp) must be a whole number. Estimated step time =
-    step FLOPs including recompute / (G x peak x MFU), so recomputation costs time; ties go to the lower
-    ZeRO stage (less communication), then to fewer accumulation steps (larger, more efficient matmuls).
+    Each candidate is the plan of one step (plan_run), so it fits exactly when `trainwise plan` with those
+    settings says it fits: one memory model. grad_accum = global_batch / (micro_batch x dp) must be a
+    whole number. Ranked by step FLOPs including recompute (time = FLOPs / (G x peak x MFU) ranks the
+    same, and needs no hardware), so recomputation costs; ties go to the lower ZeRO stage (less
+    communication), then to fewer accumulation steps (larger, more efficient matmuls).
     Returns (fitting candidates best first, rejected candidates with the reason)."""
     _positive("global batch", global_batch)
     dp = gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0
@@ -254,34 +292,34 @@ def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: i
         raise TrainwiseError(f"global batch {global_batch} sequences does not split over {dp} data-parallel ranks.")
     per_rank = global_batch // dp
     micro_batches = [b for b in range(1, min(per_rank, max_micro_batch) + 1) if per_rank % b == 0]
-    recipe = M.get_recipe(precision)
-    hw = resolve_hardware(gpu, peak_flops, None, None, recipe.compute_dtype)
-    counts = params(model)
-    fwd = F.forward_flops_per_token(model, seq_len, causal_halving)
+    if gpu is not None or peak_flops is not None:  # resolved once (--gpu cpu reads the calibration)
+        peak_flops = resolve_hardware(gpu, peak_flops, None, None, M.get_recipe(precision).compute_dtype).peak_flops
     good, bad = [], []
     for zero in (0, 1, 2, 3):
         if zero and dp == 1:
             continue  # nothing to shard over
-        states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp).total
         for ckpt in F.RECOMPUTE:
-            fpt = 3.0 * fwd.total + F.recompute_flops_per_token(fwd, ckpt, model)
-            step_s = fpt * global_batch * seq_len / (gpus * hw.peak_flops * mfu)
             for b in micro_batches:
-                total = states + M.activation_bytes(model, recipe, b, seq_len, ckpt, tp)
-                ok = total <= memory_budget
+                p = plan_run(model, tokens=global_batch * seq_len, seq_len=seq_len, micro_batch=b,
+                             grad_accum=per_rank // b, precision=precision, optimizer=optimizer, checkpointing=ckpt,
+                             zero=zero, tp=tp, pp=pp, gpus=gpus, peak_flops=peak_flops, mfu=mfu,
+                             causal_halving=causal_halving, memory_budget=memory_budget)
+                total, ok = p.per_device_bytes, bool(p.fits)
                 reason = "" if ok else (f"needs {total / 2**30:.1f} GiB > budget {memory_budget / 2**30:.1f} GiB"
-                                        + (" (the model states alone exceed it)" if states > memory_budget else ""))
-                (good if ok else bad).append(Candidate(b, per_rank // b, ckpt, zero, total, step_s, ok, reason))
-    good.sort(key=lambda c: (c.step_seconds, c.zero, c.grad_accum))
+                                        + (" (the model states alone exceed it)" if p.states.total > memory_budget
+                                           else ""))
+                step_s = None if p.time is None else p.time.seconds
+                (good if ok else bad).append(Candidate(b, per_rank // b, ckpt, zero, total, step_s, ok, reason,
+                                                       p.total_flops))
+    good.sort(key=lambda c: (c.step_flops, c.zero, c.grad_accum))
     for c in good[3:]:
-        bad.append(Candidate(c.micro_batch, c.grad_accum, c.checkpointing, c.zero, c.per_device_bytes,
-                             c.step_seconds, True, _why_worse(c, good[0])))
+        bad.append(dataclasses.replace(c, reason=_why_worse(c, good[0])))
     return good, bad
 
 
 def _why_worse(c: Candidate, best: Candidate) -> str:
-    if c.step_seconds > best.step_seconds * (1 + 1e-9):
-        return f"fits, but recompute ({c.checkpointing}) makes the step {c.step_seconds / best.step_seconds - 1:.1%} slower"
+    if c.step_flops > best.step_flops * (1 + 1e-9):
+        return f"fits, but recompute ({c.checkpointing}) makes the step {c.step_flops / best.step_flops - 1:.1%} slower"
     if c.zero > best.zero:
         return f"fits, same FLOPs, but ZeRO-{c.zero} communicates more than ZeRO-{best.zero}"
     return f"fits, same FLOPs, but {c.grad_accum} accumulation steps of micro-batch {c.micro_batch} use smaller matmuls"
@@ -352,6 +390,10 @@ def explain_plan(p: Plan) -> str:
     add(f"   per device = {fmt_bytes(p.per_device_bytes)}; budget {fmt_bytes(p.budget)} -> fits: {p.fits}")
     add("")
     add("4. Time = C / (G x peak x MFU)")
+    if p.time is None:
+        add(f"   {NO_HARDWARE}")
+        out += [f"note: {n}" for n in p.notes]
+        return "\n".join(out)
     add(f"   = {p.total_flops:.4g} / ({p.gpus} x {p.hardware.peak_flops:.4g} x {p.mfu}) = {p.time.seconds:.4g} s"
         f" = {p.time.days:.2f} days = {p.time.device_hours:,.1f} device-hours")
     if p.price is not None:
