@@ -193,3 +193,10 @@ def test_only_binaries_is_a_clear_error(tmp_path):
     os.symlink(tmp_path / "missing", tmp_path / "dangling")
     with pytest.raises(TrainwiseError, match="a link to something that does not exist"):
         discover(DataConfig(paths=[str(tmp_path / "dangling")]))
+
+
+def test_fifo_in_a_folder_is_skipped_not_waited_on(tmp_path):
+    (tmp_path / "a.txt").write_text(EN, encoding="utf-8")
+    os.mkfifo(tmp_path / "pipe")
+    corpus = discover(DataConfig(paths=[str(tmp_path)]))
+    assert [f.path.name for f in corpus.files] == ["a.txt"] and [p.name for p in corpus.broken] == ["pipe"]

@@ -28,6 +28,7 @@ import io
 import json
 import lzma
 import os
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,6 +217,8 @@ class _Discovery:
     def _maybe(self, path: Path) -> None:
         """A file found in a folder or glob: skipped (and counted) when binary or unreadable."""
         try:
+            if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or device would block or never end
+                raise OSError(f"{path} is not a regular file")
             sniffed = self._sniff(path)
         except OSError:
             self.corpus.broken.append(path)
@@ -240,7 +243,7 @@ class _Discovery:
     def _datasets_folder(self, folder: Path) -> bool:
         """A folder written by `datasets` save_to_disk (one split, or a DatasetDict of splits)."""
         if (folder / "dataset_dict.json").is_file():
-            splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8")).get("splits", [])
+            splits = _read_json(folder / "dataset_dict.json").get("splits", [])
             chosen = ["train"] if "train" in splits else splits
             self.corpus.notes.append(f"{folder}: a datasets DatasetDict; read split(s) {', '.join(chosen)} "
                                      f"of {', '.join(splits)}")
@@ -250,7 +253,7 @@ class _Discovery:
         state = folder / "state.json"
         if not (state.is_file() and (folder / "dataset_info.json").is_file()):
             return False
-        for entry in json.loads(state.read_text(encoding="utf-8")).get("_data_files", []):
+        for entry in _read_json(state).get("_data_files", []):
             path = folder / entry["filename"]
             st = path.stat()
             if (st.st_dev, st.st_ino) not in self.seen_files:
@@ -276,6 +279,14 @@ class _Discovery:
 
 
 _DUPLICATE = object()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise TrainwiseError(f"'{path}' of a datasets folder is not readable JSON ({err}); save the dataset "
+                             "again with save_to_disk, or point data.paths at its .arrow files.") from None
 
 
 def _hidden(name: str) -> bool:
