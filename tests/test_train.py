@@ -123,14 +123,15 @@ def bad_inputs(tmp_path: Path, corpus: Path) -> dict:
         "empty corpus": (["--data", str(tmp_path / "empty.txt")], ["empty.txt"]),
         "missing path": (["--data", str(tmp_path / "nope.txt")], ["nope.txt"]),
         "no text files": (["--data", str(tmp_path / "no_text")], ["no_text"]),
-        "binary file": (["--data", str(mixed)], ["b.txt"]),
+        "binary file": (["--data", str(mixed / "b.txt")], ["b.txt", "binary"]),  # named itself: an error
+        "only binaries": (["--data", str(tmp_path / "no_text")], ["image.png", "binary"]),
         "config typo": (["--set", "train.max_step=3"], ["train.max_step", "train.max_steps"]),
         "seq_len too long": (["--set", "train.seq_len=512"], ["train.seq_len", "max_seq_len"]),
     }
 
 
-@pytest.mark.parametrize("case", ["empty corpus", "missing path", "no text files", "binary file", "config typo",
-                                  "seq_len too long"])
+@pytest.mark.parametrize("case", ["empty corpus", "missing path", "no text files", "binary file", "only binaries",
+                                  "config typo", "seq_len too long"])
 def test_bad_input_is_a_clean_error_and_writes_nothing(corpus, tmp_path, case, capsys):
     args, words = bad_inputs(tmp_path, corpus)[case]
     out = tmp_path / "run"
