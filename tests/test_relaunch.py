@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainwise.cli import main
+from trainwise.config import save_config
 from tiny import set_args
 
 STEPS = 12
@@ -34,14 +35,6 @@ def final_weights(run: Path) -> dict:
     return load_file(run / "checkpoints" / f"step_{STEPS:08d}" / "model.safetensors")
 
 
-@pytest.fixture(scope="module")
-def straight(corpus, tmp_path_factory) -> Path:
-    """The uninterrupted run (saving makes no difference to the numbers, so it saves only at the end)."""
-    out = tmp_path_factory.mktemp("straight") / "run"
-    assert main(command(corpus, out, "train.checkpoint_every=0")[3:] + ["--quiet"]) == 0
-    return out
-
-
 def kill_when(cmd: list[str], ready) -> None:
     """Start `cmd`, SIGKILL it as soon as `ready()` holds (polled every 10 ms)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -57,55 +50,58 @@ def rows(run: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def assert_same_as(run: Path, straight: Path) -> None:
-    assert losses(run) == losses(straight)
-    a, b = final_weights(straight), final_weights(run)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_sigkilled_run_relaunched_with_the_same_command_resumes_bitwise(corpus, tmp_path, straight):
-    run = tmp_path / "run"
-    cmd = command(corpus, run, "train.checkpoint_every=3")
-    kill_when(cmd, lambda: (run / "checkpoints" / "step_00000003").is_dir())
-    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
-    assert saved and saved[-1] < f"step_{STEPS:08d}"
-    again = subprocess.run(cmd, capture_output=True, text=True)  # the very same command line
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resumed {run} from {saved[-1]}" in again.stdout
-    assert_same_as(run, straight)
-
-
-def test_killed_before_its_first_checkpoint_it_starts_again_from_step_0(corpus, tmp_path, straight, capsys):
-    run = tmp_path / "run"
-    cmd = command(corpus, run, "train.checkpoint_every=0")  # no checkpoint before the last step
-    kill_when(cmd, lambda: rows(run) >= 2)
-    assert not list((run / "checkpoints").glob("step_*"))
+def test_sigkilled_runs_relaunched_with_the_same_command_end_bitwise_equal(corpus, tmp_path, capsys):
+    """Run A is killed before its first checkpoint: the same command again starts it over from step 0,
+    so A is an uninterrupted run, whatever half state the kill left. Run B is killed after a checkpoint:
+    the same command again resumes it, and B ends bitwise equal to A (losses and weights; saving more
+    often changes no number, and dropout is on, so every RNG state must be restored)."""
+    a = tmp_path / "a"
+    cmd_a = command(corpus, a, "train.checkpoint_every=0")  # no checkpoint before the last step
+    kill_when(cmd_a, lambda: rows(a) >= 2)
+    assert (a / "config.toml").is_file() and not list((a / "checkpoints").glob("step_*"))
     # the half state a kill can leave: a torn metrics row, a checkpoint save cut off mid-way
-    with open(run / "metrics.jsonl", "a") as f:
+    with open(a / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "lo')
-    half = run / "checkpoints" / ".tmp-step_00000003-99999"
+    half = a / "checkpoints" / ".tmp-step_00000003-99999"
     half.mkdir(parents=True)
     (half / "model.safetensors").write_bytes(b"\0" * 64)
-    assert main(cmd[3:]) == 0  # the same command line, in this process this time (saves a start-up)
+    assert main(cmd_a[3:]) == 0  # the same command line, in this process this time (saves a start-up)
     assert "starting again from step 0" in capsys.readouterr().out
-    assert not half.exists()
-    assert_same_as(run, straight)
+    assert not half.exists() and [json.loads(r)["step"] for r in (a / "metrics.jsonl").read_text().splitlines()] \
+        == list(range(1, STEPS + 1))
+
+    b = tmp_path / "b"
+    cmd_b = command(corpus, b, "train.checkpoint_every=3")
+    kill_when(cmd_b, lambda: (b / "checkpoints" / "step_00000003").is_dir())
+    saved = sorted(p.name for p in (b / "checkpoints").glob("step_*"))
+    assert saved and saved[-1] < f"step_{STEPS:08d}"
+    again = subprocess.run(cmd_b, capture_output=True, text=True)  # the very same command line
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed {b} from {saved[-1]}" in again.stdout
+
+    assert losses(b) == losses(a)
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_another_config_is_refused_naming_the_keys_and_policies_hold(corpus, tmp_path, straight, capsys):
-    before = {p: p.stat().st_mtime_ns for p in straight.rglob("*")}
-    args = command(corpus, straight, "train.checkpoint_every=0", "train.lr=0.01", "model.n_layers=3")[3:] + ["--quiet"]
-    assert main(args) == 2
+def test_another_config_is_refused_naming_the_keys_and_policies_hold(corpus, tmp_path, capsys):
+    """Only DIR/config.toml decides (nothing else is read before the refusal), so a saved config is the
+    whole fixture: a run of it, as `train` resolves and writes it."""
+    from trainwise.cli import build_config, build_parser
+
+    run = tmp_path / "run"
+    run.mkdir()
+    args = command(corpus, run)[3:] + ["--quiet"]
+    save_config(build_config(build_parser().parse_args(args)), run / "config.toml")
+    assert main(args + ["--set", "train.lr=0.01", "--set", "model.n_layers=3", "--set", "train.max_steps=99"]) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "different config" in err and "train.lr 0.01 vs 0.002" in err and "model.n_layers 3 vs 2" in err
-    assert f"--resume {straight}" in err
-    same = command(corpus, straight, "train.checkpoint_every=0")[3:] + ["--quiet"]
-    assert main(same + ["--set", "train.resume=never"]) == 2
+    assert "different config" in err and "2 key(s) differ" in err  # max_steps may change, as with --resume
+    assert "train.lr 0.01 vs 0.002" in err and "model.n_layers 3 vs 2" in err and f"--resume {run}" in err
+    assert main(args + ["--set", "train.resume=never"]) == 2
     assert "train.resume = never" in " ".join(capsys.readouterr().err.split())
     assert main(command(corpus, tmp_path / "new", "train.resume=always")[3:] + ["--quiet"]) == 2
     assert "holds no trainwise run" in " ".join(capsys.readouterr().err.split())
-    assert not (tmp_path / "new").exists()
-    assert {p: p.stat().st_mtime_ns for p in straight.rglob("*")} == before
+    assert not (tmp_path / "new").exists() and [p.name for p in run.iterdir()] == ["config.toml"]
 
 
 def free_port() -> int:
