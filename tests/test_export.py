@@ -2,6 +2,7 @@
 what no HF family can represent is refused, and `--init-from` an exported run keeps its validation loss."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,16 @@ def test_init_from_a_llama_checkpoint_uses_its_eos_and_exports_the_same_tokenize
     tokens = data_mod.prepare_data(DataConfig(paths=[str(corpus)]), tok, 32)
     assert tokens.eot_id == hf_tok.eos_token_id and tokens.val[-1] == hf_tok.eos_token_id
 
+    if style == "llama2":  # killed before its first checkpoint, the same command starts over from HF_DIR's weights
+        first = (run / "metrics.jsonl").read_text()
+        shutil.rmtree(run / "checkpoints")
+        (run / "metrics.jsonl").write_text(first.splitlines(keepends=True)[0])
+        assert main(["train", "--init-from", str(source), "--data", str(corpus), "--out", str(run), "--quiet",
+                     "--max-steps", "3", *train_sets]) == 0
+        assert (run / "metrics.jsonl").read_text().count("\n") == 3
+        assert [json.loads(r)["loss"] for r in (run / "metrics.jsonl").read_text().splitlines()] == \
+            [json.loads(r)["loss"] for r in first.splitlines()]
+
     out = tmp_path / "exported"
     assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
     assert json.loads((out / "tokenizer.json").read_text()) == json.loads((source / "tokenizer.json").read_text())
@@ -234,3 +245,26 @@ def test_init_from_a_llama_checkpoint_uses_its_eos_and_exports_the_same_tokenize
     exported = json.loads((out / "config.json").read_text())
     assert (exported["bos_token_id"], exported["eos_token_id"]) == (config.bos_token_id, config.eos_token_id)
     transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+
+
+def test_the_document_separator_is_the_declared_eos_else_a_known_one_else_a_clear_error(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+
+    def save(special: list[str], declared: str | None) -> Path:
+        hf = HFTokenizer(models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.train_from_iterator([PROMPT], trainers.BpeTrainer(vocab_size=280, special_tokens=special, show_progress=False,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        folder = tmp_path / f"tok{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        hf.save(str(folder / "tokenizer.json"))
+        if declared:
+            (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": declared}}))
+        return folder / "tokenizer.json"
+
+    # Qwen chat models declare <|im_end|> though they also have <|endoftext|>: the declaration wins
+    tok = Tokenizer.load(save(["<|endoftext|>", "<|im_end|>"], "<|im_end|>"))
+    assert tok.eot_token == "<|im_end|>" and tok.eot_id == 1
+    assert Tokenizer.load(save(["<unk>", "<eos>"], None)).eot_token == "<eos>"  # Gemma's name, undeclared
+    with pytest.raises(TrainwiseError, match="no end-of-sequence token"):
+        Tokenizer.load(save(["<pad>"], None))
