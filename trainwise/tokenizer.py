@@ -6,7 +6,7 @@ design, Radford et al. 2019, section 2.2). BPE merges learned on the corpus then
 sequences. The file format is HF's `tokenizer.json`, which `transformers.PreTrainedTokenizerFast(
 tokenizer_file=...)` loads unchanged.
 
-Two choices a user may notice:
+Three choices a user may notice:
 
 - The end-of-text token `<|endoftext|>` is inserted by the data pipeline between documents, never
   by `encode`: the literal string "<|endoftext|>" inside a text is encoded as ordinary bytes, so a
@@ -86,14 +86,18 @@ class Tokenizer:
         return self._hf.token_to_id(token)
 
     def special_token(self, name: str) -> str | None:
-        """The token tokenizer_config.json names as `name` (bos_token, eos_token, ...), if any."""
-        try:
-            value = json.loads(self.side_files.get("tokenizer_config.json", "{}")).get(name)
-        except (ValueError, AttributeError):
-            return None
-        if isinstance(value, dict):  # older files: {"content": "</s>", "lstrip": false, ...}
-            value = value.get("content")
-        return value if isinstance(value, str) else None
+        """The token tokenizer_config.json (else the older special_tokens_map.json) names as `name`
+        (bos_token, eos_token, ...), if any."""
+        for file in ("tokenizer_config.json", "special_tokens_map.json"):
+            try:
+                value = json.loads(self.side_files.get(file, "{}")).get(name)
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(value, dict):  # older files: {"content": "</s>", "lstrip": false, ...}
+                value = value.get("content")
+            if isinstance(value, str):
+                return value
+        return None
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> Tokenizer:

@@ -456,7 +456,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     if tensorboard is not None:
         tensorboard.close()
     if stopped:
-        say(f"stopped at step {step} and saved a checkpoint; continue with: trainwise train --resume {out}")
+        say(f"stopped at step {step} and saved a checkpoint; continue with: trainwise train --resume {out} "
+            "(or the same command again)")
         distributed.shutdown(d)
         return TrainResult(out, step, last_loss, val_loss, float("nan"), "", stopped_early=True)
     _save(run, out, step, tokens_seen)
