@@ -2,13 +2,14 @@
 what no HF family can represent is refused, and `--init-from` an exported run keeps its validation loss."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from trainwise.cli import main
-from trainwise.config import ModelConfig, RunConfig, apply_overrides
+from trainwise.config import DataConfig, ModelConfig, RunConfig, apply_overrides
 from trainwise.errors import TrainwiseError
 from trainwise.export.hf import choose_family, load_hf_dir, load_into, save_hf
 from trainwise.model import Transformer
@@ -159,3 +160,111 @@ def test_export_refuses_a_non_empty_out(tokenizer, tmp_path):
     (tmp_path / "hf" / "x").write_text("x")
     with pytest.raises(TrainwiseError, match="not empty"):
         save_hf(random_model(tokenizer), tokenizer, tmp_path / "hf")
+
+
+# ---------------------------------------------------------------------------------------------------
+# tokenizers from elsewhere: --init-from keeps the checkpoint's own end-of-sequence token
+
+
+def llama2_style_tokenizer(text: str):
+    """Llama 2 / Mistral style: SentencePiece-like BPE (Metaspace, byte fallback) with <unk> <s> </s> and
+    no <|endoftext|>, as transformers' LlamaTokenizer builds it from a vocabulary and merges."""
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    hf.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                       show_progress=False))
+    learned = json.loads(hf.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in sorted(learned["vocab"], key=learned["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learned["merges"]]
+    return transformers.LlamaTokenizer(vocab=vocab, merges=merges)
+
+
+def llama3_style_tokenizer(text: str):
+    """Llama 3 style: byte-level BPE with <|begin_of_text|> and <|end_of_text|> after the learned tokens."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=hf, bos_token="<|begin_of_text|>",
+                                                eos_token="<|end_of_text|>")
+
+
+@pytest.mark.parametrize("style, eos", [("llama2", "</s>"), ("llama3", "<|end_of_text|>")])
+def test_init_from_a_llama_checkpoint_uses_its_eos_and_exports_the_same_tokenizer(style, eos, corpus, tmp_path):
+    from trainwise import data as data_mod
+
+    text = corpus.read_text(encoding="utf-8")
+    hf_tok = (llama2_style_tokenizer if style == "llama2" else llama3_style_tokenizer)(text)
+    assert hf_tok.eos_token == eos and "<|endoftext|>" not in hf_tok.get_vocab()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(hf_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
+                                      tie_word_embeddings=False)
+    source = tmp_path / "hf"
+    transformers.LlamaForCausalLM(config).save_pretrained(source)
+    hf_tok.save_pretrained(source)
+
+    run = tmp_path / "run"
+    train_sets = [a for s in TINY if not s.startswith(("model.", "tokenizer.")) for a in ("--set", s)]
+    assert main(["train", "--init-from", str(source), "--data", str(corpus), "--out", str(run), "--quiet",
+                 "--max-steps", "3", *train_sets]) == 0
+    tok = Tokenizer.load(run / "tokenizer.json")
+    assert tok.eot_token == eos and tok.eot_id == hf_tok.eos_token_id
+    assert tok.decode(tok.encode(PROMPT)) == PROMPT
+    # documents in the token stream end with the checkpoint's own end-of-sequence token
+    tokens = data_mod.prepare_data(DataConfig(paths=[str(corpus)]), tok, 32)
+    assert tokens.eot_id == hf_tok.eos_token_id and tokens.val[-1] == hf_tok.eos_token_id
+
+    if style == "llama2":  # killed before its first checkpoint, the same command starts over from HF_DIR's weights
+        first = (run / "metrics.jsonl").read_text()
+        shutil.rmtree(run / "checkpoints")
+        (run / "metrics.jsonl").write_text(first.splitlines(keepends=True)[0])
+        assert main(["train", "--init-from", str(source), "--data", str(corpus), "--out", str(run), "--quiet",
+                     "--max-steps", "3", *train_sets]) == 0
+        assert (run / "metrics.jsonl").read_text().count("\n") == 3
+        assert [json.loads(r)["loss"] for r in (run / "metrics.jsonl").read_text().splitlines()] == \
+            [json.loads(r)["loss"] for r in first.splitlines()]
+
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    assert json.loads((out / "tokenizer.json").read_text()) == json.loads((source / "tokenizer.json").read_text())
+    assert (out / "tokenizer_config.json").read_text() == (source / "tokenizer_config.json").read_text()
+    back = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert back.get_vocab() == hf_tok.get_vocab()
+    assert (back.bos_token, back.eos_token, back.unk_token) == (hf_tok.bos_token, hf_tok.eos_token, hf_tok.unk_token)
+    assert back.encode(PROMPT) == hf_tok.encode(PROMPT)
+    exported = json.loads((out / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (config.bos_token_id, config.eos_token_id)
+    transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+
+
+def test_the_document_separator_is_the_declared_eos_else_a_known_one_else_a_clear_error(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+
+    def save(special: list[str], declared: str | None) -> Path:
+        hf = HFTokenizer(models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.train_from_iterator([PROMPT], trainers.BpeTrainer(vocab_size=280, special_tokens=special, show_progress=False,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        folder = tmp_path / f"tok{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        hf.save(str(folder / "tokenizer.json"))
+        if declared:
+            (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": declared}}))
+        return folder / "tokenizer.json"
+
+    # Qwen chat models declare <|im_end|> though they also have <|endoftext|>: the declaration wins
+    tok = Tokenizer.load(save(["<|endoftext|>", "<|im_end|>"], "<|im_end|>"))
+    assert tok.eot_token == "<|im_end|>" and tok.eot_id == 1
+    assert Tokenizer.load(save(["<unk>", "<eos>"], None)).eot_token == "<eos>"  # Gemma's name, undeclared
+    with pytest.raises(TrainwiseError, match="no end-of-sequence token"):
+        Tokenizer.load(save(["<pad>"], None))

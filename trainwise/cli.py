@@ -14,6 +14,7 @@ EPILOG_TRAIN = """examples:
   trainwise train --data notes/ --out runs/notes --set train.max_steps=2000
   trainwise train --model trainwise-gpt2-small --set train.precision=fp32
   trainwise train --resume runs/notes --max-steps 3000
+  (the same `--out runs/notes ...` command run again continues its run: train.resume=auto)
 """
 
 
@@ -55,8 +56,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TrainwiseError(
             f"rank {rank} of {world_size}: lost contact with the other ranks ({first_line[:200]}). The job "
-            "stops; once every rank is back, continue from the last checkpoint with the same torchrun "
-            "command and --resume DIR."
+            "stops; once every rank is back, rerun the same torchrun command: it continues from the last "
+            "checkpoint (or use --resume DIR)."
         ) from None
 
 
@@ -131,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "an unknown name lists them all)")
     p.add_argument("--data", nargs="+", metavar="PATH", help="files, folders or globs: text in any encoding, .jsonl, .csv/.tsv, "
                    "Parquet, Arrow, datasets folders, compressed or not (see `trainwise data`)")
-    p.add_argument("--out", help="run directory to create (default runs/run-DATE-TIME)")
+    p.add_argument("--out", help="run directory to create (default runs/run-DATE-TIME); one that holds a run of the same "
+                   "config is continued from its latest checkpoint (train.resume=auto; never|always)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config value")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     p.add_argument("--max-steps", type=int, help="train until this optimizer step")

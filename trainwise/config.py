@@ -34,6 +34,7 @@ CHECKPOINTING = ("none", "selective", "full")
 COMPILE = ("auto", "true", "false")
 STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
 FSDP_STRATEGIES = ("zero2", "fsdp")  # both run on FSDP2 (fully_shard)
+RESUME_POLICIES = ("auto", "never", "always")
 
 
 @dataclass
@@ -199,6 +200,10 @@ class TrainConfig:
     keep_checkpoints: int = 2
     keep_best: bool = False  # also keep the checkpoint with the lowest validation loss (checkpoints/best.json)
     sample_tokens: int = 120
+    # `train --out DIR` where DIR already holds a run of this config (a requeued job reruns its command):
+    # auto = continue it from its latest checkpoint (step 0 if it has none), never = refuse, always = refuse
+    # to start a new run (DIR must hold one). A DIR of another config is refused whatever the setting.
+    resume: str = "auto"
 
     @property
     def tokens_per_step(self) -> int:
@@ -220,6 +225,7 @@ class TrainConfig:
         _choice("train.activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         _choice("train.compile", self.compile, COMPILE)
         _choice("train.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
+        _choice("train.resume", self.resume, RESUME_POLICIES)
 
 
 @dataclass

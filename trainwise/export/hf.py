@@ -130,9 +130,12 @@ def _mixtral_problems(cfg: ModelConfig) -> list[str]:
 # config.json
 
 
-def hf_config(cfg: ModelConfig, family: str, eot_id: int) -> dict:
+def hf_config(cfg: ModelConfig, family: str, eos_id: int, bos_id: int | None = None) -> dict:
+    """config.json of `family` for `cfg`; bos_id defaults to eos_id (trainwise's tokenizers have one
+    special token, which both begins and ends a document)."""
+    bos_id = eos_id if bos_id is None else bos_id
     common = {"architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": cfg.vocab_size,
-              "bos_token_id": eot_id, "eos_token_id": eot_id, "tie_word_embeddings": cfg.tie_embeddings,
+              "bos_token_id": bos_id, "eos_token_id": eos_id, "tie_word_embeddings": cfg.tie_embeddings,
               "torch_dtype": "float32", "initializer_range": cfg.init_std}
     if family == "gpt2":
         return {**common, "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
@@ -390,9 +393,11 @@ def save_hf(model: torch.nn.Module, tokenizer: Tokenizer, out: str | Path) -> di
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = hf_config(cfg, family, tokenizer.eot_id)
+    bos = tokenizer.special_token("bos_token")
+    bos_id = tokenizer.token_id(bos) if bos else None
+    config = hf_config(cfg, family, tokenizer.eot_id, bos_id)
     (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    generation = {"bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id}
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": tokenizer.eot_id}
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
     write_hf_tokenizer(tokenizer, tmp, cfg.max_seq_len)
     if out.is_dir():
@@ -404,7 +409,11 @@ def save_hf(model: torch.nn.Module, tokenizer: Tokenizer, out: str | Path) -> di
 
 def write_hf_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
     """tokenizer.json as trainwise trained it, plus the tokenizer_config.json that lets AutoTokenizer
-    load it as a PreTrainedTokenizerFast with <|endoftext|> as bos/eos."""
+    load it as a PreTrainedTokenizerFast with <|endoftext|> as bos/eos. A tokenizer imported with
+    --init-from goes back out as it came in: its own tokenizer_config.json and special tokens."""
+    if tokenizer.side_files:
+        tokenizer.save(out / "tokenizer.json")
+        return
     (out / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
     special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_len,
@@ -413,17 +422,22 @@ def write_hf_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2), encoding="utf-8")
 
 
-def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """A local Hugging Face checkpoint of a supported family -> (ModelConfig, trainwise state dict, Tokenizer).
-    Reads config.json, model.safetensors (or its index of shards) and tokenizer.json; no `transformers` needed."""
-    path = Path(path)
+def read_hf_model_config(path: Path) -> tuple[ModelConfig, str]:
+    """(ModelConfig, family) from a Hugging Face model directory's config.json, without its weights."""
     if not (path / "config.json").is_file():
         raise TrainwiseError(f"'{path}' is not a Hugging Face model directory (no config.json).")
     try:
         d = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise TrainwiseError(f"{path / 'config.json'} is not valid JSON ({err}).") from None
-    cfg, family = model_config_from_hf(d, name=path.name)
+    return model_config_from_hf(d, name=path.name)
+
+
+def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """A local Hugging Face checkpoint of a supported family -> (ModelConfig, trainwise state dict, Tokenizer).
+    Reads config.json, model.safetensors (or its index of shards) and tokenizer.json; no `transformers` needed."""
+    path = Path(path)
+    cfg, family = read_hf_model_config(path)
     tensors = _read_safetensors(path)
     state = from_hf_state(cfg, family, tensors)
     if not (path / "tokenizer.json").is_file():

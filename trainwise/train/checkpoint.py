@@ -128,6 +128,14 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir())
 
 
+def remove_unfinished(run_dir: Path) -> None:
+    """Delete the temporary directories of saves that were killed mid-way (never valid checkpoints), so
+    that a run relaunched after a kill does not warn about them again."""
+    root = checkpoint_dir(run_dir)
+    for leftover in root.glob(".tmp-step_*") if root.is_dir() else ():
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints, sparing the best one (best.json) if there is one."""
     if keep <= 0:

@@ -32,7 +32,7 @@ from trainwise.model import Transformer
 from trainwise.tokenizer import Tokenizer
 from trainwise.train import checkpoint as ckpt
 from trainwise.train.checkpoint import capture_rng, restore_rng
-from trainwise.train import distributed
+from trainwise.train import distributed, relaunch
 from trainwise.train.optim import build_optimizer, lr_at, step_if_finite
 from trainwise.train.parallelize import (apply_activation_checkpointing, apply_compile, remove_compile,
                                         resolve_compile)
@@ -201,6 +201,10 @@ def _prepare_inputs(cfg: RunConfig, out: Path, resume: bool, init_from: str | No
     init_state = None
     if resume:
         tokenizer = Tokenizer.load(out / "tokenizer.json")
+        if init_from and ckpt.latest_checkpoint(out) is None:  # relaunched before its first checkpoint
+            from trainwise.export.hf import load_hf_dir
+
+            init_state = load_hf_dir(init_from)[1]
     elif init_from:  # a Hugging Face checkpoint: its architecture, weights and tokenizer replace ours
         from trainwise.export.hf import load_hf_dir
 
@@ -330,8 +334,12 @@ def _restore_or_create(run: _Run, state: ckpt.Checkpoint | None, reporter, out: 
             run.scaler.load_state_dict(t["scaler"]) if t.get("scaler") else None
             restore_rng(state.rng_state, t["rng"], d.rank)
             say(f"resumed {out} from {state.path.name} (step {step}, {tokens_seen:,} tokens)")
+        else:
+            say(f"{out} holds this run but no checkpoint yet (it stopped before its first save): starting "
+                "again from step 0")
         if d.is_main:
             truncate_metrics(out / "metrics.jsonl", step)
+            ckpt.remove_unfinished(out)
     elif d.is_main:
         create_run_dir(out, run.cfg, tokenizer, reporter)
     distributed.barrier(d)
@@ -357,6 +365,13 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     """Run (or continue) a training run; see the module docstring. Returns the final numbers."""
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     out = Path(out) if out else default_run_dir()
+    if not resume:  # the same command run again (a requeued job) continues its run: train.resume
+        cfg = cfg or RunConfig()
+        if max_steps is not None:
+            cfg.train.max_steps = max_steps
+        cfg.validate()
+        resume = relaunch.should_resume(out, cfg, init_from)
+        max_steps = cfg.train.max_steps if resume else max_steps
     check_run_dir(out, resume)
     if resume:
         cfg = load_config(out / "config.toml")
@@ -365,6 +380,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         cfg.train.max_steps = max_steps
     cfg.validate()
     d = distributed.init(cfg.parallel.strategy, cfg.train.device)
+    relaunch.check_ranks_agree(out, resume, d)
     if not d.is_main:
         say = lambda *a: None  # noqa: E731
         quiet = True
@@ -444,7 +460,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     if tensorboard is not None:
         tensorboard.close()
     if stopped:
-        say(f"stopped at step {step} and saved a checkpoint; continue with: trainwise train --resume {out}")
+        say(f"stopped at step {step} and saved a checkpoint; continue with: trainwise train --resume {out} "
+            "(or the same command again)")
         distributed.shutdown(d)
         return TrainResult(out, step, last_loss, val_loss, float("nan"), "", stopped_early=True)
     _save(run, out, step, tokens_seen)
