@@ -24,7 +24,7 @@ from trainwise.errors import TrainwiseError
 from trainwise.train import checkpoint as ckpt
 from trainwise.train import distributed
 
-MAY_DIFFER = {"train.max_steps", "train.resume"}  # a longer run, or another policy, is still the same run
+MAY_DIFFER = {"train.max_steps", "train.resume", "data.workers"}  # a longer run, another policy or core count: the same run
 MAX_LISTED = 8
 
 
