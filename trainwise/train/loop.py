@@ -190,6 +190,7 @@ class _Run:
     loss_sum: torch.Tensor  # micro-batch losses since the last log row, on the device
     skipped: torch.Tensor  # optimizer steps skipped for a non-finite gradient (this session), on the device
     last_grad_bytes: int = 0  # this rank's gradient bytes at the last step, for the per-rank memory check
+    val_bytes: tuple[int, int] | None = None  # (targets, UTF-8 bytes) of the validation batches, for val_bpb
 
 
 def _prepare_inputs(cfg: RunConfig, out: Path, resume: bool, init_from: str | None, d: distributed.Dist):
@@ -370,6 +371,9 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     precision, why = resolve_precision(cfg.train.precision, device)
     tokenizer, tokens, init_state = _prepare_inputs(cfg, out, resume, init_from, d)
     run, state = _build(cfg, out, resume, init_state, tokens, device, precision, d)
+    from trainwise.evaluate import bits_per_byte, val_window_bytes
+
+    run.val_bytes = val_window_bytes(tokenizer, tokens.val, cfg)  # None unless the tokenizer is byte-level
     from trainwise.train.report import RunReporter  # noqa: E402  (kept late: pulls in the planner)
 
     reporter = RunReporter(cfg, distributed.unwrap(run.model), device, precision, say)
@@ -417,6 +421,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                 if do_eval:
                     val_loss = evaluate(run.model, tokens.val, cfg, device, precision, run.eval_forward)
                     row["val_loss"] = val_loss
+                    if run.val_bytes:  # end-of-text targets count 0 bytes (trainwise.evaluate)
+                        row["val_bpb"] = bits_per_byte(val_loss * run.val_bytes[0], run.val_bytes[1])
                 if metrics is not None:
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
@@ -468,7 +474,12 @@ def _finish(run: _Run, reporter, out: Path, tokenizer: Tokenizer, tokens, step: 
         remove_compile(distributed.unwrap(model))
     unigram = data_mod.unigram_loss(tokens)
     sample = sample_text(model, tokenizer, device, cfg.train.sample_tokens, seed=cfg.train.seed)
-    say(f"\nfinal: train loss {last_loss:.4f}, val loss {val_loss:.4f} nats/token "
+    bpb = ""
+    if run.val_bytes:
+        from trainwise.evaluate import bits_per_byte
+
+        bpb = f", {bits_per_byte(val_loss * run.val_bytes[0], run.val_bytes[1]):.4f} bits/byte"
+    say(f"\nfinal: train loss {last_loss:.4f}, val loss {val_loss:.4f} nats/token{bpb} "
         f"(unigram baseline {unigram:.4f}; {unigram - val_loss:+.3f} better)")
     say("sample (temperature 0.8, top-k 50):\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
     # Distributed: verify measures one step of the gathered model with a fresh optimizer, in one process;
