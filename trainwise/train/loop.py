@@ -363,6 +363,10 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     if max_steps is not None:
         cfg.train.max_steps = max_steps
     cfg.validate()
+    if cfg.log.wandb:  # a missing package is a message now, before any file is written
+        from trainwise.report.wandb_log import require_wandb
+
+        require_wandb()
     d = distributed.init(cfg.parallel.strategy, cfg.train.device)
     if not d.is_main:
         say = lambda *a: None  # noqa: E731
@@ -396,6 +400,11 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         from trainwise.report.tensorboard import TensorBoardLogger
 
         tensorboard = TensorBoardLogger(out)  # fed the same rows as metrics.jsonl
+    wandb = None
+    if cfg.log.wandb and d.is_main:
+        from trainwise.report.wandb_log import WandbLogger
+
+        wandb = WandbLogger(out, cfg)  # fed the same rows as metrics.jsonl
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=quiet, unit="step", dynamic_ncols=True,
                file=sys.stderr)
     last_loss, val_loss, stopped = float("nan"), float("nan"), False
@@ -428,6 +437,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                     metrics.flush()
                 if tensorboard is not None:
                     tensorboard.log(row)
+                if wandb is not None:
+                    wandb.log(row)
                 bar.set_postfix_str(reporter.postfix(row))
                 interval_start, interval_steps = time.perf_counter(), 0
             new_best = do_eval and cfg.train.keep_best and val_loss < best_val
@@ -445,6 +456,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         metrics.close()
     if tensorboard is not None:
         tensorboard.close()
+    if wandb is not None:
+        wandb.close()
     if stopped:
         say(f"stopped at step {step} and saved a checkpoint; continue with: trainwise train --resume {out}")
         distributed.shutdown(d)
