@@ -105,3 +105,24 @@ def test_eval_cli_json_and_errors(run_dir, held_out, capsys):
     assert main(["eval", str(run_dir), "--data", str(run_dir / "missing.txt")]) == 2
     assert main(["eval", str(run_dir.parent), "--data", *held_out]) == 2  # not a run directory
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bpb_ranks_vocabularies_as_a_longer_training_does(tmp_path):
+    """Vocab 1024 vs 4096 on the same corpus: the order by bpb on held-out text after 60 steps is the
+    order after 240 (benchmarks/bench_bpb_vocab.py; a few minutes on 2 cores)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_bpb_vocab.py"), "--short-steps", "60",
+                           "--long-steps", "240", "--out", str(tmp_path / "runs"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=3600)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["consistent"], proc.stdout
+    runs = figures["runs"]
+    assert all(r["eval_bytes"] == runs[0]["eval_bytes"] for r in runs)  # the same text for every run
+    by_vocab = {r["vocab"]: r for r in runs if r["steps"] == 240}
+    assert by_vocab[4096]["bytes_per_token"] > by_vocab[1024]["bytes_per_token"]
