@@ -102,6 +102,9 @@ def test_eval_cli_json_and_errors(run_dir, held_out, capsys):
     assert {"loss", "perplexity", "bpb", "tokens", "bytes", "nats"} <= set(out)
     assert main(["eval", str(run_dir), "--data", *held_out]) == 0
     assert "bits per byte" in capsys.readouterr().out
+    assert main(["eval", str(run_dir), "--data", *held_out, "--explain"]) == 0
+    explained = capsys.readouterr().out
+    assert f"/ {out['bytes']:,} = {out['bpb']:.4f} bits/byte" in explained
     assert main(["eval", str(run_dir), "--data", str(run_dir / "missing.txt")]) == 2
     assert main(["eval", str(run_dir.parent), "--data", *held_out]) == 2  # not a run directory
     assert "error" in capsys.readouterr().err

@@ -214,10 +214,27 @@ def format_result(r: EvalResult) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def explain_result(r: EvalResult) -> str:
+    """The formulas, the numbers substituted, the results."""
+    return "\n".join([
+        "N = sum over predicted tokens of -ln p(token | preceding tokens of its window)",
+        f"  = {r.nats:,.4f} nats over {r.tokens:,} tokens ({r.windows:,} windows of at most {r.seq_len})",
+        "loss = N / tokens",
+        f"     = {r.nats:,.4f} / {r.tokens:,} = {r.loss:.4f} nats/token",
+        "perplexity = exp(loss)",
+        f"           = exp({r.loss:.4f}) = {r.perplexity:.2f}",
+        "bpb = N / ln 2 / bytes   (bits to code the text and its document ends, per UTF-8 byte of text)",
+        f"    = {r.nats:,.4f} / {math.log(2):.6f} / {r.bytes:,} = {r.bpb:.4f} bits/byte",
+    ])
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate_run(args.run_dir, args.data, text_field=args.text_field, device=args.device,
                           precision=args.precision, quiet=args.json)
-    print(json.dumps(result.to_json()) if args.json else format_result(result))
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(explain_result(result) if args.explain else format_result(result))
     return 0
 
 
@@ -229,12 +246,14 @@ def register(sub) -> None:
                "bits per byte (summed nats / ln 2 / UTF-8 bytes) compare runs with different tokenizers;\n"
                "loss in nats/token does not.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN")
+    p.add_argument("run_dir", metavar="RUN", help="a run directory (its latest checkpoint is evaluated)")
     p.add_argument("--data", nargs="+", metavar="PATH", required=True,
                    help="text files, directories or globs (.txt .md .jsonl .parquet), as for train")
     p.add_argument("--text-field", default="text", help="the field of .jsonl/.parquet records that holds the text")
     p.add_argument("--device", default="auto")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto = the run's train.precision")
-    p.add_argument("--json", action="store_true", help="print the numbers as JSON (nats, bits, bytes, tokens)")
+    p.add_argument("--json", action="store_true",
+                   help="print the numbers as JSON: loss, perplexity, bpb, nats, tokens, bytes, ...")
+    p.add_argument("--explain", action="store_true", help="show the formulas with the numbers substituted")
     p.set_defaults(func=cmd_eval)

@@ -277,7 +277,7 @@ def register(sub) -> None:
         epilog="examples:\n  trainwise compare runs/fp32 runs/bf16\n"
                "  trainwise compare runs/dense runs/moe runs/moe-ckpt --out moe.html --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dirs", nargs="+", metavar="RUN")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN", help="two or more run directories")
     p.add_argument("--out", default="compare.html", help="the HTML page to write (default compare.html)")
     p.add_argument("--json", action="store_true", help="print each run's numbers and the differing keys as JSON")
     p.set_defaults(func=cmd_compare)
