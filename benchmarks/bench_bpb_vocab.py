@@ -7,7 +7,7 @@ of the vocabularies by bpb after the short training is the order after the longe
 shows loss in nats/token, which a bigger vocabulary inflates (more bytes per token to predict), so it
 cannot rank them.
 
-    python benchmarks/bench_bpb_vocab.py --short-steps 150 --long-steps 600 --out /tmp/bpb-vocab
+    python benchmarks/bench_bpb_vocab.py --short-steps 100 --long-steps 400 --out /tmp/bpb-vocab
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODEL = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4", "model.max_seq_len=128",
-         "train.seq_len=128", "train.micro_batch=16", "train.warmup_steps=20", "train.eval_steps=8",
-         "train.log_every=25", "train.checkpoint_every=0", "train.sample_tokens=20", "train.seed=1"]
+MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4", "model.max_seq_len=64",
+         "train.seq_len=64", "train.micro_batch=8", "train.warmup_steps=20", "train.eval_steps=8",
+         "train.log_every=25", "train.checkpoint_every=0", "train.sample_tokens=20", "train.seed=1",
+         "train.precision=fp32", "train.compile=false"]  # small: the whole benchmark fits in ~10 min on 2 cores
 
 
 def cpu_model() -> str:
@@ -72,8 +73,8 @@ def run_one(out: Path, corpus: Path, held_out: Path, vocab: int, steps: int, ext
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocabs", type=int, nargs=2, default=[1024, 4096])
-    p.add_argument("--short-steps", type=int, default=150)
-    p.add_argument("--long-steps", type=int, default=600)
+    p.add_argument("--short-steps", type=int, default=100)
+    p.add_argument("--long-steps", type=int, default=400)
     p.add_argument("--out", required=True, help="a new directory for the runs")
     p.add_argument("--set", action="append", default=[], help="extra config overrides (section.key=value)")
     p.add_argument("--json", help="write the figures here")

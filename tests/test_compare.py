@@ -96,7 +96,8 @@ def test_every_panel_renders_in_headless_chromium(page, tmp_path):
              "const imgs = [...document.images]; document.title = JSON.stringify({"
              "ok: imgs.filter(i => i.complete && i.naturalWidth > 0).length, n: imgs.length, "
              "height: document.documentElement.scrollHeight, "
-             "sections: [...document.querySelectorAll('section')].map(s => [s.querySelector('h2').textContent, box(s)]), "
+             "sections: [...document.querySelectorAll('section')].map(s => [s.querySelector('h2').textContent, "
+             "box(s)]), "
              "images: imgs.map(i => [i.alt, box(i)])}); });</script>")
     probed = tmp_path / "probe.html"
     probed.write_text(text.replace("</body>", probe + "</body>"), encoding="utf-8")
@@ -132,7 +133,8 @@ def test_wandb_offline_run_holds_the_metrics_stream(runs):
     (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     record = log.read_bytes()  # W&B's record log: protobuf records whose strings are stored as they are
     assert (run_dir / "wandb" / "trainwise-run-id").read_text().encode() in record
-    assert b"loss/train" in record and b"loss/val" in record and b"bpb/val" in record and b"activation_checkpointing" in record
+    for text in (b"loss/train", b"loss/val", b"bpb/val", b"activation_checkpointing"):  # tags and config
+        assert text in record, text
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for r in rows:  # every logged value, as its JSON text
         assert json.dumps(r["loss"]).encode() in record

@@ -79,8 +79,8 @@ def load_runs(run_dirs: list[str]) -> list[RunData]:
         rows = [r for r in read_metrics(path) if "loss" in r]
         for r in rows:  # model FLOPs spent so far: tokens x FLOPs per token (the planner's count)
             r["flops"] = r["tokens"] * flops_per_token if flops_per_token else None
-        config = {f"{section}.{key}": value for section, values in config_to_dict(load_config(path / "config.toml")).items()
-                  for key, value in values.items()}
+        sections = config_to_dict(load_config(path / "config.toml"))
+        config = {f"{section}.{key}": value for section, values in sections.items() for key, value in values.items()}
         runs.append(RunData(_unique_name(path, runs), path, config, rows, plan, _json(path / "verify.json")))
     return runs
 
@@ -167,7 +167,8 @@ def _verify_table(runs: list[RunData]) -> str:
                         f"<td>{fmt_value(key, e.get('measured'))}</td>{_error_cell(e.get('error'))}</tr>")
         if r.verify is None:
             rows.append(f"<tr><td>{html.escape(r.name)}</td><td colspan='4' class='note'>no verify.json</td></tr>")
-    return ("<table class='pvm'><tr><th>run</th><th>quantity</th><th>predicted (plan)</th><th>measured</th><th>error</th></tr>"
+    return ("<table class='pvm'><tr><th>run</th><th>quantity</th><th>predicted (plan)</th><th>measured</th>"
+            "<th>error</th></tr>"
             + "".join(rows) + "</table><p class='note'>error = measured / predicted − 1; green within 5 %, "
             "amber within 25 %.</p>")
 
@@ -241,7 +242,7 @@ def format_table(runs: list[RunData]) -> str:
            "flops": lambda v: f"{v:.3e}", "train_loss": lambda v: f"{v:.4f}", "val_loss": lambda v: f"{v:.4f}",
            "val_bpb": lambda v: f"{v:.4f}", "tokens_per_s": lambda v: f"{v:,.0f}", "mfu": lambda v: f"{v:.2%}",
            "peak_memory_bytes": lambda v: f"{v / 2 ** 20:,.2f} MiB"}
-    labels = {"params": "parameters", "flops": "model FLOPs", "train_loss": "train loss (nats/token)",
+    labels = {"params": "parameters", "flops": "model FLOPs (fwd+bwd)", "train_loss": "train loss (nats/token)",
               "val_loss": "val loss (nats/token)", "val_bpb": "val bits/byte", "tokens_per_s": "tokens/s (median)",
               "mfu": "MFU (median)", "peak_memory_bytes": "peak memory (measured)"}
     table = [["", *[s["run"] for s in summaries]]]

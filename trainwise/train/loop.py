@@ -28,6 +28,7 @@ from tqdm import tqdm
 from trainwise import data as data_mod
 from trainwise.config import RunConfig, load_config, save_config
 from trainwise.errors import TrainwiseError
+from trainwise.evaluate import bits_per_byte, val_window_bytes
 from trainwise.model import Transformer
 from trainwise.tokenizer import Tokenizer
 from trainwise.train import checkpoint as ckpt
@@ -375,8 +376,6 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     precision, why = resolve_precision(cfg.train.precision, device)
     tokenizer, tokens, init_state = _prepare_inputs(cfg, out, resume, init_from, d)
     run, state = _build(cfg, out, resume, init_state, tokens, device, precision, d)
-    from trainwise.evaluate import bits_per_byte, val_window_bytes
-
     run.val_bytes = val_window_bytes(tokenizer, tokens.val, cfg)  # None unless the tokenizer is byte-level
     from trainwise.train.report import RunReporter  # noqa: E402  (kept late: pulls in the planner)
 
@@ -489,8 +488,6 @@ def _finish(run: _Run, reporter, out: Path, tokenizer: Tokenizer, tokens, step: 
     sample = sample_text(model, tokenizer, device, cfg.train.sample_tokens, seed=cfg.train.seed)
     bpb = ""
     if run.val_bytes:
-        from trainwise.evaluate import bits_per_byte
-
         bpb = f", {bits_per_byte(val_loss * run.val_bytes[0], run.val_bytes[1]):.4f} bits/byte"
     say(f"\nfinal: train loss {last_loss:.4f}, val loss {val_loss:.4f} nats/token{bpb} "
         f"(unigram baseline {unigram:.4f}; {unigram - val_loss:+.3f} better)")
