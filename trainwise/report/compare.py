@@ -147,10 +147,13 @@ def _memory_section(runs: list[RunData]) -> str:
     if not names:
         return '<p class="note">No run has plan.json or verify.json.</p>'
     categories = list(MEMORY_CATEGORIES) + (["peak"] if any("peak" in m for m in memory) else [])
-    note = ", ".join(f"{html.escape(n)}: {s}" for n, s in zip(names, sources))
+    if all(s == "measured" for s in sources):
+        note = "Measured on one real training step of each run (verify.json)."
+    else:
+        note = ", ".join(f"{html.escape(n)}: {s}" for n, s in zip(names, sources)) + (
+            " (measured: verify.json, one real step; predicted: plan.json, for a run without verify.json).")
     return (_img(plots.runs_memory_chart(names, memory, categories), "memory by category")
-            + f'<p class="note">{note} (verify.json, one real step; predicted = plan.json where a run has no '
-              "verify.json). peak = the highest memory in use during the step.</p>")
+            + f'<p class="note">{note} peak = the most memory in use at once during the step.</p>')
 
 
 def _verify_table(runs: list[RunData]) -> str:
@@ -208,6 +211,11 @@ def build_compare(runs: list[RunData]) -> str:
                        "loss vs FLOPs") if with_flops else '<p class="note">No run has plan.json and metrics.</p>')
     throughput = (_img(plots.runs_throughput_chart(_runs_with_rows(runs)), "throughput")
                   if _runs_with_rows(runs) else '<p class="note">No run has logged metrics yet.</p>')
+    vocabs = {r.config.get("model.vocab_size") for r in runs}
+    if len(vocabs) > 1:  # nats per token of different tokenizers are different units
+        note = ('<p class="note">The runs have different vocabularies: loss in nats/token does not compare '
+                "across them; bits per byte (val bpb above, <code>trainwise eval</code>) does.</p>")
+        loss_tokens, loss_flops = loss_tokens + note, loss_flops + note
     parts.append('<div class="grid">'
                  f"<section><h2>Loss vs tokens</h2>{loss_tokens}</section>"
                  f"<section><h2>Loss vs FLOPs</h2>{loss_flops}</section></div>")

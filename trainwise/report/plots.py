@@ -163,5 +163,5 @@ def runs_memory_chart(names: list[str], memory: list[dict[str, float]], categori
         ax.invert_yaxis()
         ax.set(xlabel="MiB (2^20 bytes)")
         ax.grid(axis="y", visible=False)
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
         return png(fig)

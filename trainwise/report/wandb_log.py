@@ -9,7 +9,6 @@ DIR/wandb/. Without a network (or an account) set WANDB_MODE=offline: the run is
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 
@@ -42,7 +41,7 @@ class WandbLogger:
             id_file.write_text(secrets.token_hex(8), encoding="utf-8")  # W&B ids: [a-z0-9]
         self.run = wandb.init(project=cfg.log.wandb_project, name=run_dir.resolve().name, dir=str(run_dir),
                               id=id_file.read_text(encoding="utf-8").strip(), resume="allow",
-                              config=config_to_dict(cfg), mode=os.environ.get("WANDB_MODE"))
+                              config=config_to_dict(cfg))  # WANDB_MODE etc. are read by wandb itself
 
     def log(self, row: dict) -> None:
         """One metrics.jsonl row: every numeric field at x = the row's optimizer step."""
