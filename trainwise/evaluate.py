@@ -39,6 +39,7 @@ from trainwise.tokenizer import Tokenizer, sanitize
 
 ENCODE_CHARS = 16_384  # text is encoded in parts of about this size (see trainwise.sources.rechunk)
 LOGIT_ROWS = 1024  # LM-head rows computed at once: never the whole (B*T, V) logits
+BATCH_TOKENS = 8192  # windows per forward: at least micro_batch, else about this many tokens (no gradients kept)
 
 
 @dataclass
@@ -192,7 +193,8 @@ def evaluate_run(run_dir: str | Path, paths: list[str], text_field: str = "text"
     precision, _ = resolve_precision(run.config.train.precision if precision == "auto" else precision, run.device)
     t = run.config.train
     texts = iter_texts(DataConfig(paths=list(paths), text_field=text_field))
-    c = evaluate_texts(run.model, run.tokenizer, texts, t.seq_len, t.micro_batch, run.device, precision, quiet)
+    batch = max(t.micro_batch, BATCH_TOKENS // t.seq_len)  # small batches pay per-forward overhead
+    c = evaluate_texts(run.model, run.tokenizer, texts, t.seq_len, batch, run.device, precision, quiet)
     if c["bytes"] == 0:
         raise TrainwiseError(f"the text at {', '.join(paths)} is empty: there is nothing to evaluate. Pass files "
                              "with text (or set --text-field to the field that holds it).")
