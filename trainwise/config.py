@@ -322,6 +322,8 @@ class ParallelConfig:
 @dataclass
 class LogConfig:
     tensorboard: bool = False
+    wandb: bool = False  # also log to Weights & Biases (WANDB_MODE=offline keeps it on disk)
+    wandb_project: str = "trainwise"
 
     def validate(self) -> None:
         pass

@@ -134,6 +134,9 @@ def summary_cards(rows: list[dict], plan: dict | None, verify: dict | None) -> s
         val = [r["val_loss"] for r in rows if "val_loss" in r]
         if val:
             cards.append(("val loss", f"{val[-1]:.4f}"))
+        bpb = [r["val_bpb"] for r in rows if "val_bpb" in r]
+        if bpb:  # bits per byte of validation text: compares across tokenizers (trainwise.evaluate)
+            cards.append(("val bits/byte", f"{bpb[-1]:.4f}"))
         tps = sorted(r["tokens_per_s"] for r in rows[1:] or rows)
         cards.append(("median tokens/s", _si(tps[len(tps) // 2])))
         mfu = sorted(r["mfu"] for r in rows[1:] or rows)

@@ -105,3 +105,63 @@ def roofline_chart(points, peak_flops: float, bandwidth: float, title: str) -> b
         path = Path(tmp) / "roofline.png"
         plot_roofline(points, peak_flops, bandwidth, str(path), title)
         return path.read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Several runs on one chart (trainwise compare): one color per run, in the order given
+
+PALETTE = (BLUE, ORANGE, GREEN, "#9333ea", "#dc2626", "#0891b2", "#ca8a04", GRAY)
+
+
+def runs_loss_chart(runs: list[tuple[str, list[dict]]], x_key: str, x_label: str) -> bytes:
+    """Training loss (thin) and validation loss (markers) of each run against `x_key` of its rows
+    (tokens, or the model FLOPs the compare page adds to each row)."""
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots()
+        for (name, rows), color in zip(runs, PALETTE * 4):
+            ax.plot([r[x_key] for r in rows], [r["loss"] for r in rows], color=color, lw=1.2, alpha=0.55)
+            val = [r for r in rows if "val_loss" in r]
+            if val:
+                ax.plot([r[x_key] for r in val], [r["val_loss"] for r in val], color=color, lw=1.6, marker="o",
+                        ms=4)
+            ax.plot([], [], color=color, lw=2, label=name)
+        ax.xaxis.set_major_formatter(EngFormatter())
+        ax.set(xlabel=x_label, ylabel="loss (nats/token)")
+        ax.legend(title="line: train · dots: validation", title_fontsize=8, fontsize=8)
+        return png(fig)
+
+
+def runs_throughput_chart(runs: list[tuple[str, list[dict]]]) -> bytes:
+    """tokens/s and MFU of each run per logged interval, against tokens seen."""
+    with plt.rc_context(STYLE):
+        fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7.0, 4.2))
+        for (name, rows), color in zip(runs, PALETTE * 4):
+            tokens = [r["tokens"] for r in rows]
+            top.plot(tokens, [r["tokens_per_s"] for r in rows], color=color, lw=1.6, label=name)
+            bottom.plot(tokens, [r["mfu"] for r in rows], color=color, lw=1.6)
+        top.yaxis.set_major_formatter(EngFormatter())
+        top.set(ylabel="tokens/s")
+        top.set_ylim(bottom=0)
+        top.legend(fontsize=8)
+        bottom.xaxis.set_major_formatter(EngFormatter())
+        bottom.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=None))
+        bottom.set(xlabel="tokens seen", ylabel="MFU")
+        bottom.set_ylim(bottom=0)
+        return png(fig)
+
+
+def runs_memory_chart(names: list[str], memory: list[dict[str, float]], categories: list[str]) -> bytes:
+    """Grouped horizontal bars (MiB): one group per memory category, one bar per run."""
+    mib = 2 ** 20
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(7.0, 1.2 + 0.45 * len(categories) * max(2, len(names)) / 2))
+        h = 0.8 / len(names)
+        for i, (name, mem, color) in enumerate(zip(names, memory, PALETTE * 4)):
+            ys = [c + (i - (len(names) - 1) / 2) * h for c in range(len(categories))]
+            ax.barh(ys, [mem.get(c, 0) / mib for c in categories], height=h, color=color, label=name)
+        ax.set_yticks(range(len(categories)), categories)
+        ax.invert_yaxis()
+        ax.set(xlabel="MiB (2^20 bytes)")
+        ax.grid(axis="y", visible=False)
+        ax.legend(loc="best", fontsize=8)
+        return png(fig)

@@ -12,7 +12,7 @@ from trainwise.errors import TrainwiseError
 
 # metrics.jsonl key -> TensorBoard tag; grouped so that train and validation loss share a panel
 TAGS = {"loss": "loss/train", "val_loss": "loss/val", "lr": "optim/lr", "grad_norm": "optim/grad_norm",
-        "tokens_per_s": "throughput/tokens_per_s", "flops_per_s": "throughput/flops_per_s",
+        "val_bpb": "bpb/val", "tokens_per_s": "throughput/tokens_per_s", "flops_per_s": "throughput/flops_per_s",
         "mfu": "throughput/mfu", "hfu": "throughput/hfu", "step_time_s": "throughput/step_time_s",
         "tokens": "progress/tokens", "skipped_steps": "progress/skipped_steps"}
 

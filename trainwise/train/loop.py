@@ -28,6 +28,7 @@ from tqdm import tqdm
 from trainwise import data as data_mod
 from trainwise.config import RunConfig, load_config, save_config
 from trainwise.errors import TrainwiseError
+from trainwise.evaluate import bits_per_byte, val_window_bytes
 from trainwise.model import Transformer
 from trainwise.tokenizer import Tokenizer
 from trainwise.train import checkpoint as ckpt
@@ -190,6 +191,7 @@ class _Run:
     loss_sum: torch.Tensor  # micro-batch losses since the last log row, on the device
     skipped: torch.Tensor  # optimizer steps skipped for a non-finite gradient (this session), on the device
     last_grad_bytes: int = 0  # this rank's gradient bytes at the last step, for the per-rank memory check
+    val_bytes: tuple[int, int] | None = None  # (targets, UTF-8 bytes) of the validation batches, for val_bpb
 
 
 def _prepare_inputs(cfg: RunConfig, out: Path, resume: bool, init_from: str | None, d: distributed.Dist, say):
@@ -379,6 +381,10 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     if max_steps is not None:
         cfg.train.max_steps = max_steps
     cfg.validate()
+    if cfg.log.wandb:  # a missing package is a message now, before any file is written
+        from trainwise.report.wandb_log import require_wandb
+
+        require_wandb()
     d = distributed.init(cfg.parallel.strategy, cfg.train.device)
     relaunch.check_ranks_agree(out, resume, d)
     if not d.is_main:
@@ -388,6 +394,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     precision, why = resolve_precision(cfg.train.precision, device)
     tokenizer, tokens, init_state = _prepare_inputs(cfg, out, resume, init_from, d, say)
     run, state = _build(cfg, out, resume, init_state, tokens, device, precision, d)
+    run.val_bytes = val_window_bytes(tokenizer, tokens.val, cfg)  # None unless the tokenizer is byte-level
     from trainwise.train.report import RunReporter  # noqa: E402  (kept late: pulls in the planner)
 
     reporter = RunReporter(cfg, distributed.unwrap(run.model), device, precision, say)
@@ -412,6 +419,11 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         from trainwise.report.tensorboard import TensorBoardLogger
 
         tensorboard = TensorBoardLogger(out)  # fed the same rows as metrics.jsonl
+    wandb = None
+    if cfg.log.wandb and d.is_main:
+        from trainwise.report.wandb_log import WandbLogger
+
+        wandb = WandbLogger(out, cfg)  # fed the same rows as metrics.jsonl
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=quiet, unit="step", dynamic_ncols=True,
                file=sys.stderr)
     last_loss, val_loss, stopped = float("nan"), float("nan"), False
@@ -437,11 +449,15 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                 if do_eval:
                     val_loss = evaluate(run.model, tokens.val, cfg, device, precision, run.eval_forward)
                     row["val_loss"] = val_loss
+                    if run.val_bytes:  # end-of-text targets count 0 bytes (trainwise.evaluate)
+                        row["val_bpb"] = bits_per_byte(val_loss * run.val_bytes[0], run.val_bytes[1])
                 if metrics is not None:
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
                 if tensorboard is not None:
                     tensorboard.log(row)
+                if wandb is not None:
+                    wandb.log(row)
                 bar.set_postfix_str(reporter.postfix(row))
                 interval_start, interval_steps = time.perf_counter(), 0
             new_best = do_eval and cfg.train.keep_best and val_loss < best_val
@@ -459,6 +475,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         metrics.close()
     if tensorboard is not None:
         tensorboard.close()
+    if wandb is not None:
+        wandb.close()
     if stopped:
         say(f"stopped at step {step} and saved a checkpoint; continue with: trainwise train --resume {out} "
             "(or the same command again)")
@@ -489,7 +507,10 @@ def _finish(run: _Run, reporter, out: Path, tokenizer: Tokenizer, tokens, step: 
         remove_compile(distributed.unwrap(model))
     unigram = data_mod.unigram_loss(tokens)
     sample = sample_text(model, tokenizer, device, cfg.train.sample_tokens, seed=cfg.train.seed)
-    say(f"\nfinal: train loss {last_loss:.4f}, val loss {val_loss:.4f} nats/token "
+    bpb = ""
+    if run.val_bytes:
+        bpb = f", {bits_per_byte(val_loss * run.val_bytes[0], run.val_bytes[1]):.4f} bits/byte"
+    say(f"\nfinal: train loss {last_loss:.4f}, val loss {val_loss:.4f} nats/token{bpb} "
         f"(unigram baseline {unigram:.4f}; {unigram - val_loss:+.3f} better)")
     say("sample (temperature 0.8, top-k 50):\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
     # Distributed: verify measures one step of the gathered model with a fresh optimizer, in one process;

@@ -1,0 +1,261 @@
+"""`trainwise eval RUN --data PATH...`: how well a trained run predicts a text, in units that compare
+across tokenizers.
+
+    loss (nats/token)   = N / tokens,  N = sum over predicted tokens of -ln p(token | context)
+    perplexity          = exp(loss)
+    bpb (bits per byte) = N / ln 2 / bytes,  bytes = UTF-8 bytes of the evaluated text
+
+Loss per token depends on the tokenizer (a bigger vocabulary packs more text into a token, so each
+token is harder to predict); bits per byte do not: N / ln 2 is the length in bits of the text coded with
+the model (arithmetic coding reaches it to within a few bits), and the text has the same bytes whatever
+the tokenizer. So runs with different vocabularies are ranked by bpb.
+
+How the text is scored, as training sees it: the documents are tokenized and joined with the
+end-of-text token after each one, behind one leading end-of-text token (the context a document starts
+from in training). The stream is cut into consecutive windows of the run's seq_len; every token after the
+leading one is predicted exactly once, the tokens at the start of a window from a shorter context (no
+overlap, as the training loss is computed). The end-of-text tokens are predicted too and their nats
+count in N, but they hold 0 bytes of text: bpb is the cost of coding the text *and* where its
+documents end, per byte of text. Deterministic: the same run and text give the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from trainwise.errors import TrainwiseError
+from trainwise.tokenizer import Tokenizer, sanitize
+
+ENCODE_CHARS = 16_384  # text is encoded in parts of about this size (see trainwise.sources.rechunk)
+LOGIT_ROWS = 1024  # LM-head rows computed at once: never the whole (B*T, V) logits
+BATCH_TOKENS = 8192  # windows per forward: at least micro_batch, else about this many tokens (no gradients kept)
+
+
+@dataclass
+class EvalResult:
+    loss: float  # nats per predicted token
+    perplexity: float  # exp(loss)
+    bpb: float  # bits per UTF-8 byte of text
+    nats: float  # summed over predicted tokens
+    tokens: int  # predicted tokens, one end-of-text token per document included
+    bytes: int  # UTF-8 bytes of the evaluated text
+    documents: int  # text pieces read (a document longer than sources.CHUNK_CHARS counts once per piece)
+    windows: int  # forward passes over at most seq_len tokens
+    seq_len: int
+    precision: str
+    run_dir: str
+    data: list[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def bits_per_byte(nats: float, n_bytes: int) -> float:
+    """Summed nats -> bits per byte of text: nats / ln 2 / bytes."""
+    return nats / math.log(2) / n_bytes
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray | None:
+    """(V,) int64: the UTF-8 bytes each token id stands for, 0 for special tokens such as end-of-text;
+    None when the tokenizer is not byte-level (then a token's bytes depend on its neighbours).
+
+    In a byte-level BPE (GPT-2's) every vocabulary entry is a string over a 256-character alphabet,
+    one character per byte, so its byte count is its length in characters."""
+    spec = json.loads(tokenizer.to_json())
+    if (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        return None
+    from tokenizers import pre_tokenizers
+
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    lengths = np.zeros(tokenizer.vocab_size, dtype=np.int64)
+    for token, i in tokenizer._hf.get_vocab(with_added_tokens=False).items():
+        if not set(token) <= alphabet:
+            return None
+        lengths[i] = len(token)
+    for i, added in tokenizer._hf.get_added_tokens_decoder().items():
+        lengths[i] = 0 if added.special else len(added.content.encode("utf-8"))
+    return lengths
+
+
+def window_bytes(tokens: np.ndarray, micro_batch: int, seq_len: int, seed: int, batches: int,
+                 lengths: np.ndarray) -> tuple[int, int]:
+    """(targets, bytes) of the batches the training loop's evaluation draws (trainwise.train.loop.evaluate:
+    BatchSampler(val, micro_batch, seq_len, seed) for `batches` batches): summed nats / ln 2 / bytes is
+    the run's val_bpb."""
+    from trainwise.data import BatchSampler
+
+    sampler = BatchSampler(tokens, micro_batch, seq_len, seed=seed)
+    total = 0
+    for _ in range(batches):
+        _, y = sampler.next_batch()
+        total += int(lengths[y.numpy()].sum())
+    return batches * micro_batch * seq_len, total
+
+
+def val_window_bytes(tokenizer: Tokenizer, val_tokens: np.ndarray, cfg) -> tuple[int, int] | None:
+    """(targets, bytes) of the validation batches of a training run (None for a tokenizer that is not
+    byte-level), so that the loop logs val_bpb = val_loss x targets / ln 2 / bytes."""
+    lengths = token_byte_lengths(tokenizer)
+    if lengths is None:
+        return None
+    t = cfg.train
+    targets, n_bytes = window_bytes(val_tokens, t.micro_batch, t.seq_len, t.seed + 1, t.eval_steps, lengths)
+    return (targets, n_bytes) if n_bytes else None
+
+
+def token_stream(texts: Iterator[str], tokenizer: Tokenizer, counts: dict) -> Iterator[np.ndarray]:
+    """End-of-text, then each document's tokens followed by end-of-text, in arrays of a few thousand
+    tokens; counts["bytes"] and counts["documents"] grow as the text is read."""
+    from trainwise.sources import mark_last, rechunk
+
+    yield np.array([tokenizer.eot_id], dtype=np.int64)
+    for text in texts:
+        text = sanitize(text)
+        counts["bytes"] += len(text.encode("utf-8"))
+        counts["documents"] += 1
+        parts = list(rechunk([text], ENCODE_CHARS))  # cut where the encoding is unchanged
+        for ids, (_, last) in zip(tokenizer.encode_batch(parts), mark_last(iter(parts))):
+            yield np.asarray(ids + [tokenizer.eot_id] if last else ids, dtype=np.int64)
+
+
+@torch.no_grad()
+def window_nats(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Summed -ln p(y | x) over a batch of windows, x and y (B, T); the LM head a slice of rows at a time."""
+    hidden = model.hidden_states(x).flatten(0, 1)  # (B*T, H)
+    targets = y.flatten()
+    total = 0.0
+    for start in range(0, hidden.shape[0], LOGIT_ROWS):
+        logits = model.lm_head(hidden[start:start + LOGIT_ROWS]).float()  # (rows, V)
+        total += F.cross_entropy(logits, targets[start:start + LOGIT_ROWS], reduction="sum").item()
+    return total
+
+
+def evaluate_texts(model: torch.nn.Module, tokenizer: Tokenizer, texts: Iterator[str], seq_len: int,
+                   micro_batch: int, device: torch.device, precision: str, quiet: bool = True) -> dict:
+    """nats, tokens, bytes, documents and windows of `model` over `texts` (see the module docstring)."""
+    from trainwise.train.precision import autocast
+
+    counts = {"nats": 0.0, "tokens": 0, "bytes": 0, "documents": 0, "windows": 0}
+    was_training = model.training
+    model.eval()
+
+    def run(windows: np.ndarray, length: int) -> None:  # windows (B, length + 1)
+        x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1])).to(device)
+        y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:])).to(device)
+        with autocast(device, precision):
+            counts["nats"] += window_nats(model, x, y)
+        counts["tokens"] += windows.shape[0] * length
+        counts["windows"] += windows.shape[0]
+        bar.update(windows.shape[0] * length)
+
+    full = micro_batch * seq_len  # targets in one full batch
+    buf = np.zeros(0, dtype=np.int64)
+    with tqdm(desc="evaluating", unit="tok", unit_scale=True, delay=1.0, disable=quiet, file=sys.stderr) as bar:
+        for ids in token_stream(texts, tokenizer, counts):
+            buf = np.concatenate([buf, ids])
+            while len(buf) > full:
+                # B windows of T targets: window b is buf[bT : bT + T + 1]; the next batch starts at buf[BT]
+                starts = np.arange(micro_batch) * seq_len
+                run(np.stack([buf[s:s + seq_len + 1] for s in starts]), seq_len)
+                buf = buf[full:]
+        n_full = (len(buf) - 1) // seq_len
+        if n_full:
+            run(np.stack([buf[s:s + seq_len + 1] for s in np.arange(n_full) * seq_len]), seq_len)
+        rest = buf[n_full * seq_len:]
+        if len(rest) > 1:
+            run(rest[None, :], len(rest) - 1)
+    model.train(was_training)
+    return counts
+
+
+def evaluate_run(run_dir: str | Path, paths: list[str], text_field: str = "text", device: str = "auto",
+                 precision: str = "auto", quiet: bool = True) -> EvalResult:
+    """Load the latest checkpoint of `run_dir` and evaluate it on the text at `paths`."""
+    from trainwise.api import load
+    from trainwise.config import DataConfig
+    from trainwise.sources import iter_texts
+    from trainwise.train.precision import resolve_precision
+
+    if not paths:
+        raise TrainwiseError("eval needs the text to evaluate on: --data PATH... (files, directories or globs).")
+    run = load(run_dir, device=device)
+    precision, _ = resolve_precision(run.config.train.precision if precision == "auto" else precision, run.device)
+    t = run.config.train
+    texts = iter_texts(DataConfig(paths=list(paths), text_field=text_field))
+    batch = max(t.micro_batch, BATCH_TOKENS // t.seq_len)  # small batches pay per-forward overhead
+    c = evaluate_texts(run.model, run.tokenizer, texts, t.seq_len, batch, run.device, precision, quiet)
+    if c["bytes"] == 0:
+        raise TrainwiseError(f"the text at {', '.join(paths)} is empty: there is nothing to evaluate. Pass files "
+                             "with text (or set --text-field to the field that holds it).")
+    loss = c["nats"] / c["tokens"]
+    return EvalResult(loss=loss, perplexity=math.exp(loss), bpb=bits_per_byte(c["nats"], c["bytes"]),
+                      nats=c["nats"], tokens=c["tokens"], bytes=c["bytes"], documents=c["documents"],
+                      windows=c["windows"], seq_len=t.seq_len, precision=precision, run_dir=str(run_dir),
+                      data=list(paths))
+
+
+def format_result(r: EvalResult) -> str:
+    rows = [("loss", f"{r.loss:.4f} nats/token (natural log, mean over predicted tokens)"),
+            ("perplexity", f"{r.perplexity:.2f} (exp of the loss)"),
+            ("bits per byte", f"{r.bpb:.4f} (summed nats / ln 2 / UTF-8 bytes; tokenizer-independent)"),
+            ("tokens", f"{r.tokens:,} predicted, {r.documents:,} end-of-text included"),
+            ("bytes", f"{r.bytes:,} bytes of UTF-8 text ({r.bytes / 1e6:.3f} MB)"),
+            ("windows", f"{r.windows:,} of at most {r.seq_len} tokens, {r.precision}")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def explain_result(r: EvalResult) -> str:
+    """The formulas, the numbers substituted, the results."""
+    return "\n".join([
+        "N = sum over predicted tokens of -ln p(token | preceding tokens of its window)",
+        f"  = {r.nats:,.4f} nats over {r.tokens:,} tokens ({r.windows:,} windows of at most {r.seq_len})",
+        "loss = N / tokens",
+        f"     = {r.nats:,.4f} / {r.tokens:,} = {r.loss:.4f} nats/token",
+        "perplexity = exp(loss)",
+        f"           = exp({r.loss:.4f}) = {r.perplexity:.2f}",
+        "bpb = N / ln 2 / bytes   (bits to code the text and its document ends, per UTF-8 byte of text)",
+        f"    = {r.nats:,.4f} / {math.log(2):.6f} / {r.bytes:,} = {r.bpb:.4f} bits/byte",
+    ])
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    result = evaluate_run(args.run_dir, args.data, text_field=args.text_field, device=args.device,
+                          precision=args.precision, quiet=args.json)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(explain_result(result) if args.explain else format_result(result))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "eval", help="loss, perplexity and bits per byte of a trained run on any text",
+        epilog="examples:\n  trainwise eval runs/run-1 --data held_out.txt\n"
+               "  trainwise eval runs/run-1 --data 'books/**/*.txt' notes.jsonl --json\n\n"
+               "bits per byte (summed nats / ln 2 / UTF-8 bytes) compare runs with different tokenizers;\n"
+               "loss in nats/token does not.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN", help="a run directory (its latest checkpoint is evaluated)")
+    p.add_argument("--data", nargs="+", metavar="PATH", required=True,
+                   help="text files, directories or globs (.txt .md .jsonl .parquet), as for train")
+    p.add_argument("--text-field", default="text", help="the field of .jsonl/.parquet records that holds the text")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto = the run's train.precision")
+    p.add_argument("--json", action="store_true",
+                   help="print the numbers as JSON: loss, perplexity, bpb, nats, tokens, bytes, ...")
+    p.add_argument("--explain", action="store_true", help="show the formulas with the numbers substituted")
+    p.set_defaults(func=cmd_eval)
