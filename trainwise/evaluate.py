@@ -37,7 +37,7 @@ from tqdm import tqdm
 from trainwise.errors import TrainwiseError
 from trainwise.tokenizer import Tokenizer, sanitize
 
-ENCODE_CHARS = 16_384  # text is encoded in parts of about this size (see trainwise.sources.rechunk)
+ENCODE_CHARS = 16_384  # text is encoded in parts of about this size (see trainwise.formats.rechunk)
 LOGIT_ROWS = 1024  # LM-head rows computed at once: never the whole (B*T, V) logits
 BATCH_TOKENS = 8192  # windows per forward: at least micro_batch, else about this many tokens (no gradients kept)
 
@@ -50,7 +50,7 @@ class EvalResult:
     nats: float  # summed over predicted tokens
     tokens: int  # predicted tokens, one end-of-text token per document included
     bytes: int  # UTF-8 bytes of the evaluated text
-    documents: int  # text pieces read (a document longer than sources.CHUNK_CHARS counts once per piece)
+    documents: int  # documents read (a file of plain text, a .jsonl line, a row)
     windows: int  # forward passes over at most seq_len tokens
     seq_len: int
     precision: str
@@ -114,19 +114,20 @@ def val_window_bytes(tokenizer: Tokenizer, val_tokens: np.ndarray, cfg) -> tuple
     return (targets, n_bytes) if n_bytes else None
 
 
-def token_stream(texts: Iterator[str], tokenizer: Tokenizer, counts: dict) -> Iterator[np.ndarray]:
+def token_stream(pieces: Iterator[tuple[str, bool]], tokenizer: Tokenizer, counts: dict) -> Iterator[np.ndarray]:
     """End-of-text, then each document's tokens followed by end-of-text, in arrays of a few thousand
-    tokens; counts["bytes"] and counts["documents"] grow as the text is read."""
-    from trainwise.sources import mark_last, rechunk
+    tokens, from (piece, ends_a_document) pairs (trainwise.formats.iter_documents); counts["bytes"]
+    and counts["documents"] grow as the text is read."""
+    from trainwise.formats import mark_last, rechunk
 
     yield np.array([tokenizer.eot_id], dtype=np.int64)
-    for text in texts:
+    for text, ends in pieces:
         text = sanitize(text)
         counts["bytes"] += len(text.encode("utf-8"))
-        counts["documents"] += 1
+        counts["documents"] += int(ends)
         parts = list(rechunk([text], ENCODE_CHARS))  # cut where the encoding is unchanged
         for ids, (_, last) in zip(tokenizer.encode_batch(parts), mark_last(iter(parts))):
-            yield np.asarray(ids + [tokenizer.eot_id] if last else ids, dtype=np.int64)
+            yield np.asarray(ids + [tokenizer.eot_id] if last and ends else ids, dtype=np.int64)
 
 
 @torch.no_grad()
@@ -141,9 +142,10 @@ def window_nats(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> flo
     return total
 
 
-def evaluate_texts(model: torch.nn.Module, tokenizer: Tokenizer, texts: Iterator[str], seq_len: int,
+def evaluate_texts(model: torch.nn.Module, tokenizer: Tokenizer, texts: Iterator[tuple[str, bool]], seq_len: int,
                    micro_batch: int, device: torch.device, precision: str, quiet: bool = True) -> dict:
-    """nats, tokens, bytes, documents and windows of `model` over `texts` (see the module docstring)."""
+    """nats, tokens, bytes, documents and windows of `model` over `texts`, (piece, ends_a_document) pairs
+    (see the module docstring)."""
     from trainwise.train.precision import autocast
 
     counts = {"nats": 0.0, "tokens": 0, "bytes": 0, "documents": 0, "windows": 0}
@@ -184,7 +186,7 @@ def evaluate_run(run_dir: str | Path, paths: list[str], text_field: str = "text"
     """Load the latest checkpoint of `run_dir` and evaluate it on the text at `paths`."""
     from trainwise.api import load
     from trainwise.config import DataConfig
-    from trainwise.sources import iter_texts
+    from trainwise.formats import iter_documents
     from trainwise.train.precision import resolve_precision
 
     if not paths:
@@ -192,7 +194,7 @@ def evaluate_run(run_dir: str | Path, paths: list[str], text_field: str = "text"
     run = load(run_dir, device=device)
     precision, _ = resolve_precision(run.config.train.precision if precision == "auto" else precision, run.device)
     t = run.config.train
-    texts = iter_texts(DataConfig(paths=list(paths), text_field=text_field))
+    texts = iter_documents(DataConfig(paths=list(paths), text_field=text_field))
     batch = max(t.micro_batch, BATCH_TOKENS // t.seq_len)  # small batches pay per-forward overhead
     c = evaluate_texts(run.model, run.tokenizer, texts, t.seq_len, batch, run.device, precision, quiet)
     if c["bytes"] == 0:

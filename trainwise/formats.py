@@ -340,15 +340,21 @@ def builtin_texts() -> Iterator[str]:
 
 
 
-def iter_texts(data_cfg, chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
-    """The corpus of data_cfg (every source of a mixture, in order) as text pieces of at most about
-    chunk_chars characters: whole documents, or consecutive parts of a long one. The built-in corpus
-    when there are no paths."""
+def iter_documents(data_cfg, chunk_chars: int = CHUNK_CHARS) -> Iterator[tuple[str, bool]]:
+    """The corpus of data_cfg (every source of a mixture, in order) as (piece, ends_a_document): whole
+    documents, or consecutive parts of at most about chunk_chars characters of a long one. The
+    built-in corpus when there are no paths."""
     from trainwise.sources import discover
 
     for cfg in data_cfg.source_configs() if data_cfg.sources else [data_cfg]:
         if not cfg.paths:
-            yield from (piece for text in builtin_texts() for piece in rechunk([text], chunk_chars))
+            for text in builtin_texts():
+                yield from _document(text, chunk_chars)
             continue
         parts = [Part(f) for f in discover(cfg).files]
-        yield from (piece for piece, _ in iter_pieces(parts, cfg.text_field, chunk_chars, Reading()))
+        yield from iter_pieces(parts, cfg.text_field, chunk_chars, Reading())
+
+
+def iter_texts(data_cfg, chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
+    """The pieces of iter_documents, without the document ends."""
+    return (piece for piece, _ in iter_documents(data_cfg, chunk_chars))
