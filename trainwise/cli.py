@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("ids", nargs="+")
     p.set_defaults(func=cmd_tokenizer)
 
-    for module in ("trainwise.cost.cli", "trainwise.measure.cli", "trainwise.explain", "trainwise.report.cli"):
+    for module in ("trainwise.cost.cli", "trainwise.measure.cli", "trainwise.explain", "trainwise.report.cli",
+                   "trainwise.scale.cli"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as err:
