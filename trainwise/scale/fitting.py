@@ -24,7 +24,8 @@ def recipe_of(cfg: RunConfig, schedule: str) -> dict:
     t = cfg.train
     return {"schedule": schedule, "lr": t.lr, "min_lr": t.min_lr, "warmup_steps": t.warmup_steps,
             "micro_batch": t.micro_batch, "grad_accum_steps": t.grad_accum_steps, "seq_len": t.seq_len,
-            "optimizer": t.optimizer, "weight_decay": t.weight_decay}
+            "optimizer": t.optimizer, "weight_decay": t.weight_decay,
+            "eval_steps": t.eval_steps}  # the validation loss is the mean over these batches
 
 
 def fit_runs(run_dirs: list[str | Path], points: str = "auto", samples: int = 100, seed: int = 0) -> dict:
@@ -74,10 +75,10 @@ def predict(record: dict, cfg: RunConfig, tokens: float) -> dict:
             "recipe": record.get("recipe"), "conventions": record["conventions"]}
 
 
-def optimal(record: dict, flops: float, base: RunConfig | None = None) -> dict:
+def optimal(record: dict, flops: float, base: RunConfig | None = None, widths=OPTIMAL_WIDTHS) -> dict:
     """Compute-optimal N and D for C FLOPs. Two answers: the closed form for C = 6ND (Hoffmann et al.
     eq. 4), and the one this command plans: the best model of the sweep's shape family (widths
-    OPTIMAL_WIDTHS) when each is trained on D = C / its exact per-token FLOPs (cost/flops.py: the LM
+    `widths`, by default OPTIMAL_WIDTHS) when each is trained on D = C / its exact per-token FLOPs (cost/flops.py: the LM
     head and attention included, which 6N leaves out and which dominate small models)."""
     from trainwise.scale.sweep import flops_per_token, ladder
 
@@ -87,10 +88,10 @@ def optimal(record: dict, flops: float, base: RunConfig | None = None) -> dict:
     base = base or RunConfig()
     if record.get("recipe"):
         r = record["recipe"]
-        for key in ("micro_batch", "seq_len", "grad_accum_steps", "lr", "min_lr", "warmup_steps"):
+        for key in ("micro_batch", "seq_len", "grad_accum_steps", "lr", "min_lr", "warmup_steps", "eval_steps"):
             setattr(base.train, key, r[key])
     best = None
-    for cfg in ladder(base, OPTIMAL_WIDTHS, train={}):
+    for cfg in ladder(base, widths, train={}):
         fpt = flops_per_token(cfg)
         d = flops / fpt
         if d < cfg.train.tokens_per_step:
@@ -102,7 +103,7 @@ def optimal(record: dict, flops: float, base: RunConfig | None = None) -> dict:
         raise TrainwiseError(f"--flops {flops:.3g} buys less than one optimizer step of the smallest model; give more.")
     loss, cfg, d, fpt = best
     n6, d6 = law.optimal_6nd(flops)
-    at_edge = cfg.model.d_model in (OPTIMAL_WIDTHS[0], OPTIMAL_WIDTHS[-1])
+    at_edge = cfg.model.d_model in (min(widths), max(widths))
     cfg.train.max_steps = max(1, round(d / cfg.train.tokens_per_step))
     return {"flops": float(flops), "convention": "exact per-token FLOPs (cost/flops.py), C = flops_per_token x D",
             "model": cfg.model.name, "d_model": cfg.model.d_model, "n_layers": cfg.model.n_layers,

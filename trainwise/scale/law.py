@@ -29,6 +29,9 @@ GRID = dict(alpha=np.arange(0.0, 2.01, 0.5), beta=np.arange(0.0, 2.01, 0.5), e=n
             a=np.arange(0.0, 25.1, 5.0), b=np.arange(0.0, 25.1, 5.0))
 GRID_STARTS = 24  # L-BFGS runs from this many of the best grid points (Hoffmann: from all of them)
 PARAM_NAMES = ("E", "A", "B", "alpha", "beta")
+# Box for (a, b, e, alpha, beta): wide enough never to bind on a well-posed fit, and it keeps a
+# degenerate one (few model sizes, where A and alpha trade off without limit) finite.
+BOUNDS = [(-20.0, 100.0), (-20.0, 100.0), (-10.0, 10.0), (0.0, 5.0), (0.0, 5.0)]
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def _grid_values(log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray) -> tup
 def _lbfgs(x0: np.ndarray, data: tuple) -> tuple[np.ndarray, float]:
     from scipy.optimize import minimize
 
-    res = minimize(objective, x0, args=data, jac=True, method="L-BFGS-B", options=dict(maxiter=2000))
+    res = minimize(objective, x0, args=data, jac=True, method="L-BFGS-B", bounds=BOUNDS, options=dict(maxiter=2000))
     return res.x, float(res.fun)
 
 

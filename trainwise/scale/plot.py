@@ -11,7 +11,7 @@ from trainwise.scale.law import Law
 
 def fit_chart(groups: list[tuple[str, np.ndarray]], law: Law) -> bytes:
     """groups: (label, (P, 3) array of N, D, L) per run. Returns PNG bytes."""
-    from matplotlib.ticker import EngFormatter
+    from matplotlib.ticker import EngFormatter, NullFormatter
 
     colors = plt.cm.viridis(np.linspace(0.0, 0.9, max(1, len(groups))))
     with plt.rc_context(STYLE):
@@ -24,6 +24,7 @@ def fit_chart(groups: list[tuple[str, np.ndarray]], law: Law) -> bytes:
             right.scatter(pts[:, 2], law.loss(pts[:, 0], pts[:, 1]), s=12, color=color)
         left.set_xscale("log")
         left.xaxis.set_major_formatter(EngFormatter())
+        left.xaxis.set_minor_formatter(NullFormatter())
         left.set(xlabel="tokens seen D", ylabel="validation loss (nats/token)",
                  title=f"L = {law.E:.3g} + {law.A:.3g}/N^{law.alpha:.3g} + {law.B:.3g}/D^{law.beta:.3g}")
         left.legend(fontsize=7)

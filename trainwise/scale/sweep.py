@@ -179,6 +179,11 @@ def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, sa
             f"predicted {correction * run.predicted_s:,.0f} s")
         t0 = time.perf_counter()
         result = train(cfg, out=out / cfg.model.name, quiet=True)
+        if result.stopped_early:  # SIGINT/SIGTERM: a cut curve would be fitted as if it were whole
+            raise TrainwiseError(
+                f"the sweep was interrupted during {result.run_dir} (step {result.step} of {cfg.train.max_steps}). "
+                f"Finish it with `trainwise train --resume {result.run_dir}`, train the ones not started, and fit "
+                f"them all with `trainwise scale fit {out}/*/`; or start a new sweep.")
         run.measured_s, run.run_dir = time.perf_counter() - t0, result.run_dir
         correction = sum(r.measured_s for r in runs[:i + 1]) / sum(r.predicted_s for r in runs[:i + 1])
         say(f"      measured {run.measured_s:,.0f} s, final val loss {result.val_loss:.4f} nats/token")
