@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--factor", type=float, default=4.0, help="held-out compute / the sweep's largest")
     args = ap.parse_args()
     out = Path(args.out)
-    print(f"CPU: {_cpu_model()}, {os.cpu_count()} cores; load average at start {load()}")
+    print(f"CPU: {_cpu_model()}, {os.cpu_count()} cores; load average at start {load()}; "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
 
     t0 = time.perf_counter()
     runs = run_sweep(args.minutes, out / "sweep", RunConfig())

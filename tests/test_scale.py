@@ -101,6 +101,15 @@ def test_points_constant_lr_uses_the_curve_and_cosine_only_the_end(corpus, tiny_
     assert cosine.schedule == "decaying" and len(cosine.tokens) == 1 and cosine.tokens[0] == 6 * 4 * 32
     assert "not losses of shorter runs" in cosine.used
 
+    import shutil
+
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_runs[0], cut)
+    text = (cut / "config.toml").read_text()
+    (cut / "config.toml").write_text(text.replace("max_steps = 16", "max_steps = 99"))
+    with pytest.raises(TrainwiseError, match="stopped at step 16 of 99"):
+        read_run(cut)
+
 
 def test_fit_cli_stores_per_corpus_and_plan_predict_optimal_read_it(corpus, tiny_runs, tmp_path, capsys):
     from trainwise.cli import main
@@ -145,3 +154,39 @@ def test_predict_without_a_fit_says_how_to_make_one(capsys):
 
     assert main(["scale", "predict", "--model", "trainwise-small", "--tokens", "1e6", "--vocab-size", "777"]) == 2
     assert "scale sweep" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sweep
+
+
+def test_sweep_grid_centres_on_20_tokens_per_parameter_and_grows_with_compute():
+    from trainwise.scale.points import non_embedding_params
+    from trainwise.scale.sweep import SWEEP_MODELS, choose_models, flops_per_token, predict_seconds
+
+    small, large = choose_models(RunConfig(), 1e13), choose_models(RunConfig(), 1e16)
+    assert len(small) == len(large) == SWEEP_MODELS
+    assert non_embedding_params(large[2]) > non_embedding_params(small[2])
+    for cfg in small + large:
+        assert cfg.train.min_lr == cfg.train.lr and cfg.train.compile == "false"  # constant LR: curves count
+    middle = large[2]
+    ratio = 1e16 / flops_per_token(middle) / non_embedding_params(middle)
+    assert 5 < ratio < 80  # the ladder's nearest size to D = 20 N
+    one = predict_seconds(middle, 1e6, 1e11, 0.2)
+    assert predict_seconds(middle, 2e6, 1e11, 0.2) == pytest.approx(2 * one, rel=0.05)
+    assert one > 1e6 * flops_per_token(middle) / (1e11 * 0.2)  # evaluation time is added
+
+
+@pytest.mark.slow
+def test_sweep_cli_trains_the_grid_inside_the_budget_and_fits_it(corpus, tmp_path, capsys):
+    import time
+
+    from trainwise.cli import main
+
+    start = time.perf_counter()
+    assert main(["scale", "sweep", "--minutes", "1.5", "--data", str(corpus), "--set", "tokenizer.vocab_size=300",
+                 "--out", str(tmp_path / "sweep"), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert len(record["runs"]) == 5 and all("validation rows" in r["used"] for r in record["runs"])
+    assert sum(r["measured_s"] for r in record["sweep"]["runs"]) < 1.5 * 60 * 2  # a minimum of steps can overrun
+    assert time.perf_counter() - start < 1.5 * 60 * 4

@@ -210,7 +210,13 @@ def cmd_optimal(args: argparse.Namespace) -> int:
         print("  note: the best model is at the edge of the searched shape family; the true optimum lies beyond it")
     print(f"  closed form for C = 6ND: N = {s['n_params']:.4g}, D = {s['tokens']:.4g}, loss {s['loss']:.4f} "
           "(6N leaves out the LM head and attention, so it overstates the tokens a small model gets)")
-    print(f"\nplan (train it with --set train.max_steps={cfg.train.max_steps} and the fit's recipe):")
+    m, t = cfg.model, cfg.train
+    sets = (f"model.d_model={m.d_model} model.n_layers={m.n_layers} model.n_heads={m.n_heads} "
+            f"model.n_kv_heads={m.n_kv_heads} train.max_steps={t.max_steps} train.micro_batch={t.micro_batch} "
+            f"train.seq_len={t.seq_len} train.lr={t.lr:g} train.min_lr={t.min_lr:g} train.warmup_steps={t.warmup_steps} "
+            f"train.eval_steps={t.eval_steps}")
+    print("\ntrain it with the fitted runs' recipe: trainwise train" + "".join(f" --set {s}" for s in sets.split()))
+    print("\nplan:")
     print(_plan_table(plan))
     return 0
 

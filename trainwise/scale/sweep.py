@@ -118,8 +118,8 @@ def choose_models(base: RunConfig, flops: float) -> list[RunConfig]:
 
 
 def size_compute(base: RunConfig, budget_s: float, peak_flops: float, say) -> list[SweepRun]:
-    """The largest C whose runs fit budget_s, found by bisection over log C (the chosen models depend on
-    C, and their measured MFU on the models)."""
+    """The largest C (within 2^(1/16)) whose runs fit budget_s; the chosen models depend on C, and
+    their predicted time on each one's measured MFU."""
     mfus: dict[str, float] = {}
 
     def runs_for(flops: float) -> list[SweepRun]:
@@ -133,10 +133,18 @@ def size_compute(base: RunConfig, budget_s: float, peak_flops: float, say) -> li
             out.append(run)
         return out
 
-    lo, hi = 1e10, 1e17
-    for _ in range(12):
+    def fits(flops: float) -> bool:
+        return sum(r.predicted_s for r in runs_for(flops)) <= budget_s
+
+    # Upwards in steps of 2x, then bisect: only the models near the answer (and the cheap smaller ones)
+    # are ever probed, never the largest of the ladder.
+    lo = 1e10
+    while lo < 1e18 and fits(2 * lo):
+        lo *= 2
+    hi = 2 * lo
+    for _ in range(4):
         mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if sum(r.predicted_s for r in runs_for(mid)) <= budget_s else (lo, mid)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return runs_for(lo)
 
 
