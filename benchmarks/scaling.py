@@ -51,7 +51,7 @@ def main() -> None:
     dirs = [str(r.run_dir) for r in runs]
     record = fit_runs(dirs, samples=100)
     first = Path(dirs[0])
-    save_fit(record, RunConfig().data, Tokenizer.load(first / "tokenizer.json"))
+    record["stored"] = str(save_fit(record, RunConfig().data, Tokenizer.load(first / "tokenizer.json")))
     _plot(record, str(out / "fit.png"))
     print(f"\nsweep: {sweep_s / 60:.1f} min wall (budget {args.minutes:g}), load average now {load()}")
     print(f"{'model':<15} {'N (non-emb)':>12} {'D tokens':>11} {'C FLOPs':>10} {'pred s':>7} {'meas s':>7} {'val loss':>9}")

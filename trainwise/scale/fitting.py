@@ -13,7 +13,7 @@ import numpy as np
 
 from trainwise.config import RunConfig
 from trainwise.errors import TrainwiseError
-from trainwise.scale.law import PARAM_NAMES, Bootstrap, Law, bootstrap, fit_law
+from trainwise.scale.law import HUBER_DELTA, PARAM_NAMES, Bootstrap, Law, bootstrap, fit_law
 from trainwise.scale.points import non_embedding_params, read_runs
 
 N_CONVENTION = "non-embedding parameters (cost/params.py; active parameters for MoE)"
@@ -39,7 +39,7 @@ def fit_runs(run_dirs: list[str | Path], points: str = "auto", samples: int = 10
     rel = fitted / every[:, 2] - 1
     recipes = {tuple(sorted(recipe_of(r.config, r.schedule).items())) for r in runs}
     return {
-        "law": law.to_json(), "objective": objective, "huber_delta": 1e-3,
+        "law": law.to_json(), "objective": objective, "huber_delta": HUBER_DELTA,
         "bootstrap": {**boot.to_json(), "laws": [[getattr(b, k) for k in PARAM_NAMES] for b in boot.laws]},
         "residuals": {"rms_relative": float(np.sqrt(np.mean(rel ** 2))), "max_abs_relative": float(np.abs(rel).max()),
                       "points": int(len(rel))},
@@ -77,9 +77,9 @@ def predict(record: dict, cfg: RunConfig, tokens: float) -> dict:
 
 def optimal(record: dict, flops: float, base: RunConfig | None = None, widths=OPTIMAL_WIDTHS) -> dict:
     """Compute-optimal N and D for C FLOPs. Two answers: the closed form for C = 6ND (Hoffmann et al.
-    eq. 4), and the one this command plans: the best model of the sweep's shape family (widths
-    `widths`, by default OPTIMAL_WIDTHS) when each is trained on D = C / its exact per-token FLOPs (cost/flops.py: the LM
-    head and attention included, which 6N leaves out and which dominate small models)."""
+    eq. 4), and the one this command plans: the best model of the sweep's shape family (`widths`,
+    default OPTIMAL_WIDTHS) when each is trained on D = C / its exact per-token FLOPs (cost/flops.py:
+    the LM head and attention included, which 6N leaves out and which dominate small models)."""
     from trainwise.scale.sweep import flops_per_token, ladder
 
     if flops <= 0:
