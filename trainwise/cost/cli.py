@@ -140,9 +140,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(_plan_table(plan))
     if scaling and not args.json:
         lo, hi = scaling["loss_p5_p95"]
-        print(f"{'predicted val loss':<22}{scaling['loss']:.4f} nats/token (5-95%: {lo:.4f}-{hi:.4f}; scaling-law fit of "
-              f"{scaling['corpus']}, for a {scaling['recipe']['schedule'] if scaling['recipe'] else ''} LR run like "
-              f"the fitted ones{'; extrapolated' if scaling['extrapolates'] else ''})")
+        recipe = f"{scaling['recipe']['schedule']}-LR " if scaling["recipe"] else ""
+        print(f"{'predicted val loss':<22} {scaling['loss']:.4f} nats/token (5-95%: {lo:.4f}-{hi:.4f}; `trainwise scale` "
+              f"fit of this corpus, for a {recipe}run like the fitted ones{'; extrapolated' if scaling['extrapolates'] else ''})")
     return 0
 
 
