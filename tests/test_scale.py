@@ -136,7 +136,11 @@ def test_fit_cli_stores_per_corpus_and_plan_predict_optimal_read_it(corpus, tiny
     assert pred["tokens"] == 16 * 4 * 32 and not pred["extrapolates"]
     assert pred["loss"] == pytest.approx(record["runs"][1]["points"][-1][1], rel=0.05)
     lo, hi = pred["loss_p5_p95"]
-    assert lo <= hi
+    assert lo <= hi and pred["repetition_note"] is None
+    assert 0 < record["corpus_train_tokens"] < 60_000  # 95% of the 60 KB corpus fixture, 300-token BPE
+
+    assert main(["scale", "predict", "--model", str(toml), "--tokens", "1e6", "--json"]) == 0
+    assert "passes over the corpus" in json.loads(capsys.readouterr().out)["repetition_note"]
 
     assert main(["plan", "--model", str(toml), "--gpu", "h100", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["predicted_loss"]["loss"] == pytest.approx(pred["loss"])

@@ -143,6 +143,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         recipe = f"{scaling['recipe']['schedule']}-LR " if scaling["recipe"] else ""
         print(f"{'predicted val loss':<22} {scaling['loss']:.4f} nats/token (5-95%: {lo:.4f}-{hi:.4f}; `trainwise scale` "
               f"fit of this corpus, for a {recipe}run like the fitted ones{'; extrapolated' if scaling['extrapolates'] else ''})")
+        if scaling["repetition_note"]:
+            print(f"{'':<22} warning: {scaling['repetition_note']}")
     return 0
 
 

@@ -180,6 +180,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if out["extrapolates"]:
         print(f"note: outside the fitted points (N {out['n_range_fitted'][0]:,}-{out['n_range_fitted'][1]:,}, "
               f"D {out['d_range_fitted'][0]:.3g}-{out['d_range_fitted'][1]:.3g}): an extrapolation")
+    if out["repetition_note"]:
+        print(f"warning: {out['repetition_note']}")
     if out["recipe"]:
         print(f"for a run trained like the fitted ones: {out['recipe']['schedule']} LR {out['recipe']['lr']:g}, "
               f"micro_batch {out['recipe']['micro_batch']} x seq_len {out['recipe']['seq_len']}")
@@ -206,6 +208,8 @@ def cmd_optimal(args: argparse.Namespace) -> int:
     print(f"  {out['model']} (d_model {out['d_model']}, {out['n_layers']} layers): N = {out['n_params']:,} non-embedding "
           f"parameters, D = {out['tokens']:.4g} tokens ({out['tokens'] / out['n_params']:.1f} tokens/parameter), "
           f"predicted loss {out['loss']:.4f} nats/token")
+    if out["repetition_note"]:
+        print(f"  warning: {out['repetition_note']}")
     if out["at_edge_of_family"]:
         print("  note: the best model is at the edge of the searched shape family; the true optimum lies beyond it")
     print(f"  closed form for C = 6ND: N = {s['n_params']:.4g}, D = {s['tokens']:.4g}, loss {s['loss']:.4f} "

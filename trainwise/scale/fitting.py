@@ -18,6 +18,7 @@ from trainwise.scale.points import non_embedding_params, read_runs
 
 N_CONVENTION = "non-embedding parameters (cost/params.py; active parameters for MoE)"
 OPTIMAL_WIDTHS = tuple(range(64, 4097, 32))  # the shape family `optimal` searches (sweep.shape)
+REPEAT_EPOCHS = 4  # passes over the corpus beyond which predictions get a warning (repetition_note)
 
 
 def recipe_of(cfg: RunConfig, schedule: str) -> dict:
@@ -38,6 +39,7 @@ def fit_runs(run_dirs: list[str | Path], points: str = "auto", samples: int = 10
     fitted = law.loss(every[:, 0], every[:, 1])
     rel = fitted / every[:, 2] - 1
     recipes = {tuple(sorted(recipe_of(r.config, r.schedule).items())) for r in runs}
+    corpus_tokens = train_tokens(runs[0].config, runs[0].run_dir)
     return {
         "law": law.to_json(), "objective": objective, "huber_delta": HUBER_DELTA,
         "bootstrap": {**boot.to_json(), "laws": [[getattr(b, k) for k in PARAM_NAMES] for b in boot.laws]},
@@ -45,9 +47,30 @@ def fit_runs(run_dirs: list[str | Path], points: str = "auto", samples: int = 10
                       "points": int(len(rel))},
         "conventions": {"N": N_CONVENTION, "D": "tokens seen at the validation row", "L": "validation loss, nats/token"},
         "recipe": dict(recipes.pop()) if len(recipes) == 1 else None,
+        "corpus_train_tokens": corpus_tokens,
         "runs": [{"run_dir": str(r.run_dir), "name": r.config.model.name, "n_params": r.n_params, "used": r.used,
                   "points": [[float(d), float(l)] for d, l in zip(r.tokens, r.losses)]} for r in runs],
     }
+
+
+def train_tokens(cfg: RunConfig, run_dir: Path) -> int:
+    """Tokens in the corpus's training split (the token cache, as the run built it)."""
+    from trainwise.data import prepare_data
+    from trainwise.tokenizer import Tokenizer
+
+    return int(len(prepare_data(cfg.data, Tokenizer.load(Path(run_dir) / "tokenizer.json"), cfg.train.seq_len).train))
+
+
+def repetition_note(record: dict, tokens: float) -> str | None:
+    """A warning when D is many passes over the corpus: the law has no term for repeated tokens.
+    Muennighoff et al. 2023 ("Scaling Data-Constrained Language Models") found up to ~4 epochs nearly
+    as good as unique data, and fast-diminishing returns after; a small model may also overfit."""
+    unique = record.get("corpus_train_tokens")
+    if not unique or tokens <= REPEAT_EPOCHS * unique:
+        return None
+    return (f"D = {tokens / unique:.1f} passes over the corpus's {unique:,} training tokens. Beyond ~{REPEAT_EPOCHS} "
+            "passes repeated tokens are worth less than new ones (Muennighoff et al. 2023) and small models "
+            "overfit; the law has no term for that, so it predicts too low a loss. Use more text.")
 
 
 def law_of(record: dict) -> Law:
@@ -72,7 +95,8 @@ def predict(record: dict, cfg: RunConfig, tokens: float) -> dict:
     return {"model": cfg.model.name, "n_params": n, "tokens": float(tokens), "loss": float(law.loss(n, tokens)),
             "loss_p5_p95": [lo, hi], "n_range_fitted": [min(ns), max(ns)], "d_range_fitted": [min(ds), max(ds)],
             "extrapolates": not (min(ns) <= n <= max(ns) and min(ds) <= tokens <= max(ds)),
-            "recipe": record.get("recipe"), "conventions": record["conventions"]}
+            "recipe": record.get("recipe"), "conventions": record["conventions"],
+            "repetition_note": repetition_note(record, tokens)}
 
 
 def optimal(record: dict, flops: float, base: RunConfig | None = None, widths=OPTIMAL_WIDTHS) -> dict:
@@ -108,7 +132,7 @@ def optimal(record: dict, flops: float, base: RunConfig | None = None, widths=OP
     return {"flops": float(flops), "convention": "exact per-token FLOPs (cost/flops.py), C = flops_per_token x D",
             "model": cfg.model.name, "d_model": cfg.model.d_model, "n_layers": cfg.model.n_layers,
             "n_params": non_embedding_params(cfg), "tokens": float(d), "flops_per_token": fpt,
-            "loss": loss, "at_edge_of_family": at_edge, "config": cfg,
+            "loss": loss, "at_edge_of_family": at_edge, "config": cfg, "repetition_note": repetition_note(record, d),
             "six_nd": {"n_params": float(n6), "tokens": float(d6), "loss": float(law.loss(n6, d6)),
                        "convention": "C = 6ND, closed form (Hoffmann et al. 2022, eq. 4)"}}
 
@@ -127,4 +151,5 @@ def plan_prediction(model, tokens: float, data_cfg=None) -> dict | None:
     cfg.model = model
     out = predict(record, cfg, tokens)
     return {"loss": out["loss"], "loss_p5_p95": out["loss_p5_p95"], "extrapolates": out["extrapolates"],
-            "fit": str(path), "corpus": record.get("corpus"), "recipe": out["recipe"]}
+            "fit": str(path), "corpus": record.get("corpus"), "recipe": out["recipe"],
+            "repetition_note": out["repetition_note"]}
