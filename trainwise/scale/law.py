@@ -126,6 +126,12 @@ def fit_law(n_params, tokens, losses, starts: np.ndarray | None = None) -> tuple
     candidates = list(grid[np.argsort(values)[:GRID_STARTS]])
     if starts is not None:
         candidates = list(starts) + candidates[:GRID_STARTS // 3]
+    try:
+        import scipy.optimize  # noqa: F401
+        import threadpoolctl  # noqa: F401
+    except ModuleNotFoundError as err:
+        raise TrainwiseError(f"the scaling-law fit needs {err.name}: pip install 'trainwise[scale]' "
+                             "(scipy and threadpoolctl).") from None
     best_x, best_f = None, math.inf
     with _one_blas_thread():
         for x0 in candidates:
