@@ -1,8 +1,8 @@
 """`trainwise scale sweep`: train a small IsoFLOP grid on the corpus inside a time budget, then fit it.
 
 Design (and why):
-- Models come from one shape ladder (shape(): width, depth = width / 64; head_dim 32, SwiGLU, RMSNorm, RoPE, tied
-  embeddings: the default model's family), so N is the only thing that changes between them.
+- Models come from one shape ladder (shape(): width, depth = width / 64; head_dim 32, SwiGLU, RMSNorm,
+  RoPE, tied embeddings: the default model's family), so N is the only thing that changes between them.
 - Every run uses a constant LR after warmup (min_lr = lr). Then the first D tokens of a run are exactly
   a run of D tokens, and every validation row is a legitimate point (N, D, L) (trainwise.scale.points).
   With a cosine schedule only the final row of each run would count, and a 20-minute budget buys too few
@@ -15,7 +15,10 @@ Design (and why):
   time (cost/plan.py: FLOPs / (calibrated peak x MFU)) with the MFU of each model measured on a few
   steps first (tiny models reach a small fraction of the peak the planner's default assumes), plus
   evaluation. After each run the measured wall time corrects the prediction of the ones left, and
-  their tokens are resized to the time that is left.
+  their tokens are resized to the time that is left. The probes count against the budget; a run never
+  gets fewer than 4 x EVALS_PER_RUN steps, so a budget too small for that overruns.
+- Not modelled: repeated data. On a small corpus the runs (and the run a prediction is for) may pass
+  over the text many times; `predict` warns past 4 passes (fitting.repetition_note).
 """
 
 from __future__ import annotations
