@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tokenizer)
 
     for module in ("trainwise.cost.cli", "trainwise.measure.cli", "trainwise.explain", "trainwise.report.cli",
-                   "trainwise.datareport", "trainwise.evaluate", "trainwise.report.compare"):
+                   "trainwise.datareport", "trainwise.evaluate", "trainwise.report.compare", "trainwise.scale.cli"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as err:

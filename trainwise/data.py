@@ -79,6 +79,12 @@ def _corpus_key(corpus: Corpus | None, text_field: str, chunk_chars: int) -> str
     return h.hexdigest()
 
 
+def corpus_key(data_cfg: DataConfig, chunk_chars: int = CHUNK_CHARS) -> str:
+    """A hash of what data_cfg reads and how (files, decoding decisions, text field, chunk size): the
+    token cache's key before the tokenizer is added, and the key of the scaling-law fits."""
+    return _corpus_key(corpus_of(data_cfg), data_cfg.text_field, chunk_chars)
+
+
 def describe(data_cfg: DataConfig) -> str:
     if data_cfg.sources:
         return f"the mixture of {len(data_cfg.sources)} data.sources"

@@ -134,13 +134,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     memory_budget=budget, price=args.price, **run, **hw)
     if args.simulate:
         return _cmd_simulate(args, model, run, plan)
+    scaling = _scaling_prediction(args.model, model, args.tokens)
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
+        print(json.dumps({**plan.to_json(), **({"predicted_loss": scaling} if scaling else {})}, indent=2))
     elif args.explain:
         print(plan.explain())
     else:
         print(_plan_table(plan))
+    if scaling and not args.json:
+        lo, hi = scaling["loss_p5_p95"]
+        recipe = f"{scaling['recipe']['schedule']}-LR " if scaling["recipe"] else ""
+        print(f"{'predicted val loss':<22} {scaling['loss']:.4f} nats/token (5-95%: {lo:.4f}-{hi:.4f}; `trainwise scale` "
+              f"fit of this corpus, for a {recipe}run like the fitted ones{'; extrapolated' if scaling['extrapolates'] else ''})")
+        if scaling["repetition_note"]:
+            print(f"{'':<22} warning: {scaling['repetition_note']}")
     return 0
+
+
+def _scaling_prediction(spec: str | None, model, tokens: float) -> dict | None:
+    """The stored `trainwise scale` fit's loss for this model on its corpus (a TOML's [data], else the
+    built-in corpus), or None where no fit exists."""
+    if model is None:
+        return None
+    from trainwise.config import load_config
+    from trainwise.scale.fitting import plan_prediction
+
+    return plan_prediction(model, tokens, load_config(spec).data if spec.endswith(".toml") else None)
 
 
 def _plan_table(plan) -> str:

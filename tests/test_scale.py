@@ -1,0 +1,196 @@
+"""trainwise scale: the law's fit recovers known parameters; points, storage, predict, optimal, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from trainwise.config import RunConfig, apply_overrides, save_config
+from trainwise.errors import TrainwiseError
+from trainwise.scale.law import Law, bootstrap, fit_law, objective
+
+# Hoffmann et al. 2022's own fit (eq. 10), used as the "known values".
+TRUE = Law(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
+
+
+def synthetic_curves(law: Law, noise: float, seed: int = 0) -> list[np.ndarray]:
+    """Six model sizes, each a curve of 12 points along D, with multiplicative Gaussian noise."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for n in np.geomspace(1e6, 1e9, 6):
+        d = np.geomspace(1e8, 1e11, 12)
+        loss = law.loss(n, d) * np.exp(rng.normal(0.0, noise, d.shape))
+        groups.append(np.stack([np.full_like(d, n), d, loss], axis=1))
+    return groups
+
+
+def test_fit_recovers_known_parameters_within_5_percent():
+    groups = synthetic_curves(TRUE, noise=0.003)
+    pts = np.concatenate(groups)
+    law, _ = fit_law(pts[:, 0], pts[:, 1], pts[:, 2])
+    for name in ("E", "A", "B", "alpha", "beta"):
+        assert getattr(law, name) == pytest.approx(getattr(TRUE, name), rel=0.05), name
+    boot = bootstrap(groups, law, samples=8)
+    assert boot.unit == "runs" and len(boot.laws) == 8
+    for name in ("E", "alpha", "beta"):
+        lo, hi = boot.interval(name)
+        assert lo <= getattr(law, name) <= hi
+
+
+def test_objective_gradient_matches_finite_differences():
+    pts = np.concatenate(synthetic_curves(TRUE, noise=0.01))
+    data = (np.log(pts[:, 0]), np.log(pts[:, 1]), np.log(pts[:, 2]))
+    x = np.array([5.0, 6.0, 0.4, 0.3, 0.3])
+    _, grad = objective(x, *data)
+    for i in range(5):
+        step = np.zeros(5)
+        step[i] = 1e-6
+        numeric = (objective(x + step, *data)[0] - objective(x - step, *data)[0]) / 2e-6
+        assert grad[i] == pytest.approx(numeric, rel=1e-4, abs=1e-7)
+
+
+def test_optimal_6nd_is_the_minimum_along_the_isoflop_line():
+    flops = 1e21
+    n_opt, d_opt = TRUE.optimal_6nd(flops)
+    assert 6 * n_opt * d_opt == pytest.approx(flops)
+    for factor in (0.8, 1.25):
+        n = n_opt * factor
+        assert TRUE.loss(n, flops / 6 / n) > TRUE.loss(n_opt, d_opt)
+
+
+def test_fit_refuses_one_model_size():
+    with pytest.raises(TrainwiseError, match="same parameter count"):
+        fit_law([1e6] * 6, np.geomspace(1e6, 1e8, 6), np.linspace(4, 3, 6))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real runs: points, the stored fit, predict, optimal, plan
+
+TINY = ["model.n_layers=1", "model.max_seq_len=32", "train.seq_len=32", "train.micro_batch=4",
+        "tokenizer.vocab_size=300", "train.eval_steps=2", "train.log_every=2", "train.warmup_steps=2",
+        "train.sample_tokens=4", "train.precision=fp32", "train.checkpoint_every=0", "train.compile=false",
+        "train.lr=3e-3"]
+
+
+def tiny_run(corpus, out, d_model: int, steps: int, constant: bool = True):
+    from trainwise.train.loop import train
+
+    sets = TINY + [f"data.paths=['{corpus}']", f"model.d_model={d_model}", f"model.n_heads={d_model // 8}",
+                   f"model.n_kv_heads={d_model // 8}", f"train.max_steps={steps}", "train.eval_every=2"]
+    sets += ["train.min_lr=3e-3"] if constant else ["train.min_lr=3e-4"]
+    return train(apply_overrides(RunConfig(), sets), out=out, quiet=True).run_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("scale-runs")
+    return [tiny_run(corpus, root / f"d{d}", d, 16) for d in (8, 16, 32)]
+
+
+def test_points_constant_lr_uses_the_curve_and_cosine_only_the_end(corpus, tiny_runs, tmp_path):
+    from trainwise.scale.points import non_embedding_params, read_run
+
+    pts = read_run(tiny_runs[0])
+    assert pts.schedule == "constant"
+    assert list(pts.tokens) == [4 * 32 * s for s in range(2, 17, 2)]  # rows from 10% of the run on
+    assert pts.n_params == non_embedding_params(pts.config) < pts.config.model.vocab_size * 8
+    cosine = read_run(tiny_run(corpus, tmp_path / "cos", 8, 6, constant=False))
+    assert cosine.schedule == "decaying" and len(cosine.tokens) == 1 and cosine.tokens[0] == 6 * 4 * 32
+    assert "not losses of shorter runs" in cosine.used
+
+    import shutil
+
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_runs[0], cut)
+    text = (cut / "config.toml").read_text()
+    (cut / "config.toml").write_text(text.replace("max_steps = 16", "max_steps = 99"))
+    with pytest.raises(TrainwiseError, match="stopped at step 16 of 99"):
+        read_run(cut)
+
+
+def test_fit_cli_stores_per_corpus_and_plan_predict_optimal_read_it(corpus, tiny_runs, tmp_path, capsys):
+    from trainwise.cli import main
+
+    png = tmp_path / "fit.png"
+    assert main(["scale", "fit", *map(str, tiny_runs), "--bootstrap", "4", "--plot", str(png), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.split("\n", 1)[1])  # after the "plot: FILE" line
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert record["recipe"]["schedule"] == "constant" and record["bootstrap"]["samples"] == 4
+    assert record["residuals"]["points"] == 24 and len(record["runs"]) == 3
+    assert record["vocab_size"] == 300 and f"'{corpus}'" in record["corpus"]
+    law = record["law"]
+    last = record["runs"][-1]
+    observed = last["points"][-1][1]
+    fitted = law["E"] + law["A"] / last["n_params"] ** law["alpha"] + law["B"] / last["points"][-1][0] ** law["beta"]
+    assert fitted == pytest.approx(observed, rel=0.05)
+
+    toml = tmp_path / "run.toml"
+    cfg = apply_overrides(RunConfig(), TINY + [f"data.paths=['{corpus}']", "model.d_model=16", "model.n_heads=2",
+                                               "model.n_kv_heads=2", "train.max_steps=16"])
+    save_config(cfg, toml)
+    assert main(["scale", "predict", "--model", str(toml), "--json"]) == 0
+    pred = json.loads(capsys.readouterr().out)
+    assert pred["tokens"] == 16 * 4 * 32 and not pred["extrapolates"]
+    assert pred["loss"] == pytest.approx(record["runs"][1]["points"][-1][1], rel=0.05)
+    lo, hi = pred["loss_p5_p95"]
+    assert lo <= hi and pred["repetition_note"] is None
+    assert 0 < record["corpus_train_tokens"] < 60_000  # 95% of the 60 KB corpus fixture, 300-token BPE
+
+    assert main(["scale", "predict", "--model", str(toml), "--tokens", "1e6", "--json"]) == 0
+    assert "passes over the corpus" in json.loads(capsys.readouterr().out)["repetition_note"]
+
+    assert main(["plan", "--model", str(toml), "--gpu", "h100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["predicted_loss"]["loss"] == pytest.approx(pred["loss"])
+
+    assert main(["scale", "optimal", "--flops", "1e12", "--data", str(corpus), "--vocab-size", "300",
+                 "--gpu", "h100", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)
+    assert best["tokens"] * best["flops_per_token"] == pytest.approx(1e12)
+    assert best["plan"]["flops"]["total"] == pytest.approx(1e12, rel=1e-3)
+    assert best["plan"]["model"]["name"] == best["model"]
+
+
+def test_predict_without_a_fit_says_how_to_make_one(capsys):
+    from trainwise.cli import main
+
+    assert main(["scale", "predict", "--model", "trainwise-small", "--tokens", "1e6", "--vocab-size", "777"]) == 2
+    assert "scale sweep" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sweep
+
+
+def test_sweep_grid_centres_on_20_tokens_per_parameter_and_grows_with_compute():
+    from trainwise.scale.points import non_embedding_params
+    from trainwise.scale.sweep import SWEEP_MODELS, choose_models, flops_per_token, predict_seconds
+
+    small, large = choose_models(RunConfig(), 1e13), choose_models(RunConfig(), 1e16)
+    assert len(small) == len(large) == SWEEP_MODELS
+    assert non_embedding_params(large[2]) > non_embedding_params(small[2])
+    for cfg in small + large:
+        assert cfg.train.min_lr == cfg.train.lr and cfg.train.compile == "false"  # constant LR: curves count
+    middle = large[2]
+    ratio = 1e16 / flops_per_token(middle) / non_embedding_params(middle)
+    assert 5 < ratio < 80  # the ladder's nearest size to D = 20 N
+    one = predict_seconds(middle, 1e6, 1e11, 0.2)
+    assert predict_seconds(middle, 2e6, 1e11, 0.2) == pytest.approx(2 * one, rel=0.05)
+    assert one > 1e6 * flops_per_token(middle) / (1e11 * 0.2)  # evaluation time is added
+
+
+@pytest.mark.slow
+def test_sweep_cli_trains_the_grid_inside_the_budget_and_fits_it(corpus, tmp_path, capsys):
+    import time
+
+    from trainwise.cli import main
+
+    start = time.perf_counter()
+    assert main(["scale", "sweep", "--minutes", "1.5", "--data", str(corpus), "--set", "tokenizer.vocab_size=300",
+                 "--out", str(tmp_path / "sweep"), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert len(record["runs"]) == 5 and all("validation rows" in r["used"] for r in record["runs"])
+    assert sum(r["measured_s"] for r in record["sweep"]["runs"]) < 1.5 * 60 * 2  # a minimum of steps can overrun
+    assert time.perf_counter() - start < 1.5 * 60 * 4

@@ -1,0 +1,182 @@
+"""The scaling law L(N, D) = E + A / N^alpha + B / D^beta and its fit (Hoffmann et al. 2022, approach 3).
+
+Hoffmann et al. ("Training Compute-Optimal Large Language Models", section 3.3 and appendix D.2) fit
+the five parameters by minimising the Huber loss (delta = 1e-3) between the log of the predicted and the
+log of the observed loss, with the prediction written in log-sum-exp form so that the optimiser works
+on unconstrained numbers:
+
+    log L_hat(N, D) = LSE(a - alpha log N,  b - beta log D,  e),   A = e^a, B = e^b, E = e^e
+
+They ran L-BFGS from every point of a grid of initialisations and kept the best. Here the objective is
+evaluated on the whole grid at once (cheap, vectorised) and L-BFGS starts from the best GRID_STARTS
+grid points; the grid is theirs (alpha, beta in 0..2 by 0.5; e in -1..1.5 by 0.5; a, b in 0..25 by 5).
+Uncertainty is a bootstrap: refit on resampled runs (whole curves, because the points of one run are
+not independent), or on resampled points when there are too few runs to resample.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from trainwise.errors import TrainwiseError
+
+HUBER_DELTA = 1e-3
+GRID = dict(alpha=np.arange(0.0, 2.01, 0.5), beta=np.arange(0.0, 2.01, 0.5), e=np.arange(-1.0, 1.51, 0.5),
+            a=np.arange(0.0, 25.1, 5.0), b=np.arange(0.0, 25.1, 5.0))
+GRID_STARTS = 24  # L-BFGS runs from this many of the best grid points (Hoffmann: from all of them)
+PARAM_NAMES = ("E", "A", "B", "alpha", "beta")
+# Box for (a, b, e, alpha, beta): wide enough never to bind on a well-posed fit, and it keeps a
+# degenerate one (few model sizes, where A and alpha trade off without limit) finite.
+BOUNDS = [(-20.0, 100.0), (-20.0, 100.0), (-10.0, 10.0), (0.0, 5.0), (0.0, 5.0)]
+
+
+@dataclass(frozen=True)
+class Law:
+    """L(N, D) = E + A / N^alpha + B / D^beta, in nats per token; N = non-embedding parameters."""
+
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+
+    def loss(self, n_params, tokens):
+        """Predicted loss (nats/token) of N parameters trained on D tokens (scalars or arrays)."""
+        return self.E + self.A / np.power(n_params, self.alpha) + self.B / np.power(tokens, self.beta)
+
+    def optimal_6nd(self, flops: float) -> tuple[float, float]:
+        """Compute-optimal (N, D) for C = 6ND (Hoffmann et al. eq. 4): N = G (C/6)^(beta/(alpha+beta)),
+        D = G^-1 (C/6)^(alpha/(alpha+beta)), G = (alpha A / (beta B))^(1/(alpha+beta))."""
+        s = self.alpha + self.beta
+        g = (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / s)
+        return g * (flops / 6.0) ** (self.beta / s), (flops / 6.0) ** (self.alpha / s) / g
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _unpack(x: np.ndarray) -> Law:
+    a, b, e, alpha, beta = x
+    return Law(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=float(alpha), beta=float(beta))
+
+
+def _huber(r: np.ndarray, delta: float = HUBER_DELTA) -> tuple[np.ndarray, np.ndarray]:
+    """Huber loss of residuals r and its derivative: r^2/2 inside |r| <= delta, linear outside."""
+    inside = np.abs(r) <= delta
+    value = np.where(inside, 0.5 * r * r, delta * (np.abs(r) - 0.5 * delta))
+    return value, np.where(inside, r, delta * np.sign(r))
+
+
+def objective(x: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray) -> tuple[float, np.ndarray]:
+    """Sum of Huber(LSE(a - alpha log N, b - beta log D, e) - log L) and its gradient in (a, b, e, alpha, beta)."""
+    a, b, e, alpha, beta = x
+    terms = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])  # (3, P)
+    top = terms.max(axis=0)
+    weights = np.exp(terms - top)
+    lse = top + np.log(weights.sum(axis=0))
+    soft = weights / weights.sum(axis=0)  # d LSE / d term
+    value, slope = _huber(lse - log_l)
+    grad = np.array([(slope * soft[0]).sum(), (slope * soft[1]).sum(), (slope * soft[2]).sum(),
+                     -(slope * soft[0] * log_n).sum(), -(slope * soft[1] * log_d).sum()])
+    return float(value.sum()), grad
+
+
+def _grid_values(log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every grid initialisation as rows (a, b, e, alpha, beta) and its objective, vectorised."""
+    starts = np.array(list(itertools.product(GRID["a"], GRID["b"], GRID["e"], GRID["alpha"], GRID["beta"])))
+    a, b, e, alpha, beta = (starts[:, i:i + 1] for i in range(5))
+    lse = np.logaddexp(np.logaddexp(a - alpha * log_n, b - beta * log_d), e)  # (S, P)
+    value, _ = _huber(lse - log_l)
+    return starts, value.sum(axis=1)
+
+
+def _lbfgs(x0: np.ndarray, data: tuple) -> tuple[np.ndarray, float]:
+    from scipy.optimize import minimize
+
+    res = minimize(objective, x0, args=data, jac=True, method="L-BFGS-B", bounds=BOUNDS, options=dict(maxiter=2000))
+    return res.x, float(res.fun)
+
+
+def _one_blas_thread():
+    """L-BFGS-B calls BLAS on 5-vectors; threaded OpenBLAS then spends its time waking threads (measured
+    on 2 busy cores: 45 ms per iteration threaded, 1 ms single-threaded)."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def fit_law(n_params, tokens, losses, starts: np.ndarray | None = None) -> tuple[Law, float]:
+    """Fit the law to points (N_i, D_i, L_i); returns (law, final objective). `starts`: extra
+    initialisations (rows a, b, e, alpha, beta) tried besides the best grid points."""
+    n, d, l = (np.asarray(v, dtype=float) for v in (n_params, tokens, losses))
+    if len(l) < 5:
+        raise TrainwiseError(f"a scaling-law fit has 5 parameters and needs at least 5 points; got {len(l)}. "
+                             "Give more runs, or runs with more validation rows (train.eval_every).")
+    if np.any(n <= 0) or np.any(d <= 0) or np.any(l <= 0) or not np.all(np.isfinite(l)):
+        raise TrainwiseError("every point needs N > 0, D > 0 and a finite loss > 0.")
+    if len(np.unique(n)) < 2:
+        raise TrainwiseError("all points have the same parameter count N, so A and alpha cannot be told apart "
+                             "from E: fit runs of at least two (better four or more) model sizes.")
+    data = (np.log(n), np.log(d), np.log(l))
+    grid, values = _grid_values(*data)
+    candidates = list(grid[np.argsort(values)[:GRID_STARTS]])
+    if starts is not None:
+        candidates = list(starts) + candidates[:GRID_STARTS // 3]
+    try:
+        import scipy.optimize  # noqa: F401
+        import threadpoolctl  # noqa: F401
+    except ModuleNotFoundError as err:
+        raise TrainwiseError(f"the scaling-law fit needs {err.name}: pip install 'trainwise[scale]' "
+                             "(scipy and threadpoolctl).") from None
+    best_x, best_f = None, math.inf
+    with _one_blas_thread():
+        for x0 in candidates:
+            x, f = _lbfgs(np.asarray(x0, dtype=float), data)
+            if f < best_f:
+                best_x, best_f = x, f
+    return _unpack(best_x), best_f
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Spread of the fitted parameters over bootstrap refits: percentiles 5 and 95, and the refits."""
+
+    unit: str  # "runs" or "points": what was resampled
+    laws: list[Law]
+
+    def interval(self, name: str) -> tuple[float, float]:
+        values = [getattr(law, name) for law in self.laws]
+        return float(np.percentile(values, 5)), float(np.percentile(values, 95))
+
+    def predict_interval(self, n_params: float, tokens: float) -> tuple[float, float]:
+        values = [law.loss(n_params, tokens) for law in self.laws]
+        return float(np.percentile(values, 5)), float(np.percentile(values, 95))
+
+    def to_json(self) -> dict:
+        return {"unit": self.unit, "samples": len(self.laws),
+                "p5_p95": {k: list(self.interval(k)) for k in PARAM_NAMES}}
+
+
+def bootstrap(groups: list[np.ndarray], law: Law, samples: int = 100, seed: int = 0) -> Bootstrap:
+    """Refit on resampled data, starting from the full fit (and a few grid points). groups: one
+    (P_i, 3) array of (N, D, L) per run. Runs are resampled when there are at least 4 of them (the
+    points of one run share its noise), else the points."""
+    rng = np.random.default_rng(seed)
+    start = np.array([[math.log(law.A), math.log(law.B), math.log(law.E), law.alpha, law.beta]])
+    by_runs = len(groups) >= 4
+    points = np.concatenate(groups)
+    laws = []
+    for _ in range(samples):
+        if by_runs:
+            pick = np.concatenate([groups[i] for i in rng.integers(0, len(groups), len(groups))])
+        else:
+            pick = points[rng.integers(0, len(points), len(points))]
+        if len(np.unique(pick[:, 0])) < 2:
+            continue  # a resample with one model size cannot separate A/alpha from E
+        refit, _ = fit_law(pick[:, 0], pick[:, 1], pick[:, 2], starts=start)
+        laws.append(refit)
+    return Bootstrap("runs" if by_runs else "points", laws)

@@ -1,0 +1,68 @@
+"""Fitted laws on disk, one per corpus + tokenizer: `resolve_cache_root()/scaling/<key>.json`.
+
+A loss in nats per token belongs to one text and one tokenizer, so a fit is keyed the way trainwise.data
+keys its token cache: a hash of the corpus (its files' path, size and mtime, or the built-in corpus's
+text), the text field, the chunk size and the tokenizer.json. The file also records the corpus key alone
+and the vocab size, so that `trainwise plan` can find a fit without training a tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from trainwise.config import DataConfig
+from trainwise.data import corpus_key, describe, resolve_cache_root
+from trainwise.errors import TrainwiseError
+from trainwise.tokenizer import Tokenizer
+
+
+def fit_key(data_cfg: DataConfig, tokenizer: Tokenizer) -> str:
+    """Same composition as trainwise.data.prepare_data's cache key."""
+    return hashlib.sha256(f"{corpus_key(data_cfg)} {tokenizer.fingerprint()}".encode()).hexdigest()[:32]
+
+
+def fits_dir(cache_root: str | Path | None = None) -> Path:
+    return resolve_cache_root(cache_root) / "scaling"
+
+
+def save_fit(record: dict, data_cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | Path | None = None) -> Path:
+    """Write the fit record (law, bootstrap, points, recipe) under its corpus + tokenizer key; the
+    record gains the keys that say which corpus and tokenizer it belongs to."""
+    record.update({"corpus": describe(data_cfg), "corpus_key": corpus_key(data_cfg),
+              "vocab_size": tokenizer.vocab_size, "tokenizer_fingerprint": tokenizer.fingerprint()})
+    path = fits_dir(cache_root) / f"{fit_key(data_cfg, tokenizer)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def load_fit_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise TrainwiseError(f"fit file '{path}' does not exist; `trainwise scale fit RUN...` writes one "
+                             "(its path is printed), or leave --fit out to use the stored fit of the corpus.")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def find_fit(data_cfg: DataConfig, vocab_size: int, cache_root: str | Path | None = None) -> tuple[Path, dict] | None:
+    """The stored fit for this corpus and vocab size (the newest, if tokenizers differ), or None."""
+    root = fits_dir(cache_root)
+    if not root.is_dir():
+        return None
+    key = corpus_key(data_cfg)
+    found = []
+    for path in root.glob("*.json"):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if record.get("corpus_key") == key and record.get("vocab_size") == vocab_size:
+            found.append((path.stat().st_mtime, path, record))
+    if not found:
+        return None
+    _, path, record = max(found, key=lambda t: t[0])
+    return path, record

@@ -1,0 +1,205 @@
+"""`trainwise scale sweep`: train a small IsoFLOP grid on the corpus inside a time budget, then fit it.
+
+Design (and why):
+- Models come from one shape ladder (shape(): width, depth = width / 64; head_dim 32, SwiGLU, RMSNorm,
+  RoPE, tied embeddings: the default model's family), so N is the only thing that changes between them.
+- Every run uses a constant LR after warmup (min_lr = lr). Then the first D tokens of a run are exactly
+  a run of D tokens, and every validation row is a legitimate point (N, D, L) (trainwise.scale.points).
+  With a cosine schedule only the final row of each run would count, and a 20-minute budget buys too few
+  runs for five parameters. The price: the law describes constant-LR runs, so a prediction is for a run
+  with the sweep's recipe (printed with the fit, stored in it); `predict` says so.
+- IsoFLOP: each of SWEEP_MODELS sizes around the 20-tokens-per-parameter rule of Hoffmann et al. trains
+  to the same compute C (exact per-token FLOPs of cost/flops.py, so D = C / flops_per_token). Because
+  each curve holds every smaller D, the lower IsoFLOP slices C/2, C/4, ... are rows of the same runs.
+- Sizing: C is the largest compute whose predicted time fits the budget. The planner predicts each run's
+  time (cost/plan.py: FLOPs / (calibrated peak x MFU)) with the MFU of each model measured on a few
+  steps first (tiny models reach a small fraction of the peak the planner's default assumes), plus
+  evaluation. After each run the measured wall time corrects the prediction of the ones left, and
+  their tokens are resized to the time that is left. The probes count against the budget; a run never
+  gets fewer than 4 x EVALS_PER_RUN steps, so a budget too small for that overruns.
+- Not modelled: repeated data. On a small corpus the runs (and the run a prediction is for) may pass
+  over the text many times; `predict` warns past 4 passes (fitting.repetition_note).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainwise.config import RunConfig, apply_overrides
+from trainwise.cost.flops import flops_per_token_train
+from trainwise.cost.plan import plan_run, train_settings
+from trainwise.errors import TrainwiseError
+
+SWEEP_WIDTHS = (64, 96, 128, 160, 192, 256, 320, 384, 512)
+SWEEP_MODELS = 5
+TOKENS_PER_PARAM = 20.0  # Hoffmann et al.'s compute-optimal ratio, used only to centre the grid
+EVALS_PER_RUN = 16
+SWEEP_TRAIN = dict(micro_batch=8, seq_len=256, warmup_steps=20, eval_steps=4, sample_tokens=16, compile="false",
+                   checkpoint_every=0, keep_checkpoints=1)
+
+
+def shape(d_model: int) -> tuple[int, int]:
+    """(width, depth) of the ladder: depth = width / 64 (at least 2), Kaplan et al.'s shapes being flat
+    in loss over a wide range of aspect ratios."""
+    return d_model, max(2, round(d_model / 64))
+
+
+def ladder_config(base: RunConfig, d_model: int, n_layers: int, train: dict | None = None) -> RunConfig:
+    """The base run with the model resized to (d_model, n_layers), head_dim 32, and `train` settings
+    (default: the sweep's recipe, a constant LR after warmup)."""
+    train = {**SWEEP_TRAIN, "min_lr": base.train.lr} if train is None else train
+    sets = [f"model.d_model={d_model}", f"model.n_layers={n_layers}", f"model.n_heads={d_model // 32}",
+            f"model.n_kv_heads={d_model // 32}", f"model.name=\"scale-d{d_model}-l{n_layers}\"",
+            f"model.max_seq_len={max(train.get('seq_len', base.train.seq_len), base.model.max_seq_len)}"]
+    sets += [f"train.{k}={json.dumps(v)}" for k, v in train.items()]
+    return apply_overrides(base, sets)
+
+
+def ladder(base: RunConfig, widths=SWEEP_WIDTHS, train: dict | None = None) -> list[RunConfig]:
+    return [ladder_config(base, *shape(d), train) for d in widths]
+
+
+def flops_per_token(cfg: RunConfig) -> float:
+    return flops_per_token_train(cfg.model, cfg.train.seq_len)
+
+
+def measure_mfu(cfg: RunConfig, peak_flops: float, steps: int = 3) -> float:
+    """Model FLOPs per second / peak over `steps` real training steps (after one warm-up step) of this
+    model on random tokens: the MFU this machine gives this size right now."""
+    from trainwise.measure.step import random_batches, train_step
+    from trainwise.model import Transformer
+    from trainwise.train.optim import build_optimizer
+    from trainwise.train.precision import resolve_device, resolve_precision
+
+    device = resolve_device("cpu")
+    precision, _ = resolve_precision(cfg.train.precision, device)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    optimizer = build_optimizer(model, cfg.train)
+    batches = random_batches(cfg.model.vocab_size, cfg.train.micro_batch, cfg.train.seq_len, 1, device)
+    train_step(model, optimizer, batches, device, precision)
+    start = time.perf_counter()
+    for _ in range(steps):
+        train_step(model, optimizer, batches, device, precision).item()
+    seconds = (time.perf_counter() - start) / steps
+    return flops_per_token(cfg) * cfg.train.tokens_per_step / seconds / peak_flops
+
+
+@dataclass
+class SweepRun:
+    config: RunConfig
+    mfu: float  # measured before the sweep
+    tokens: int = 0
+    predicted_s: float = 0.0
+    measured_s: float | None = None
+    run_dir: Path | None = None
+
+
+def predict_seconds(cfg: RunConfig, tokens: float, peak_flops: float, mfu: float) -> float:
+    """The planner's time for `tokens` training tokens, plus the evaluations (forward only: 1/3 of a
+    training step's FLOPs per batch)."""
+    plan = plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, mfu=mfu, **train_settings(cfg.train, "bf16"))
+    eval_tokens = EVALS_PER_RUN * cfg.train.eval_steps * cfg.train.micro_batch * cfg.train.seq_len
+    return plan.time.seconds * (1 + eval_tokens / 3 / max(tokens, 1))
+
+
+def choose_models(base: RunConfig, flops: float) -> list[RunConfig]:
+    """SWEEP_MODELS consecutive ladder sizes centred on the one closest to TOKENS_PER_PARAM at `flops`."""
+    from trainwise.scale.points import non_embedding_params
+
+    configs = ladder(base)
+    ratio = [abs(math.log(flops / flops_per_token(c) / non_embedding_params(c) / TOKENS_PER_PARAM)) for c in configs]
+    centre = min(range(len(configs)), key=ratio.__getitem__)
+    lo = max(0, min(centre - SWEEP_MODELS // 2, len(configs) - SWEEP_MODELS))
+    return configs[lo:lo + SWEEP_MODELS]
+
+
+def size_compute(base: RunConfig, budget_s: float, peak_flops: float, say) -> list[SweepRun]:
+    """The largest C (within 2^(1/16)) whose runs fit budget_s; the chosen models depend on C, and
+    their predicted time on each one's measured MFU."""
+    mfus: dict[str, float] = {}
+
+    def runs_for(flops: float) -> list[SweepRun]:
+        out = []
+        for cfg in choose_models(base, flops):
+            if cfg.model.name not in mfus:
+                mfus[cfg.model.name] = measure_mfu(cfg, peak_flops)
+                say(f"  measured MFU of {cfg.model.name}: {mfus[cfg.model.name]:.1%} of {peak_flops / 1e9:.0f} GFLOP/s")
+            run = SweepRun(cfg, mfus[cfg.model.name], tokens=_tokens(cfg, flops))
+            run.predicted_s = predict_seconds(cfg, run.tokens, peak_flops, run.mfu)
+            out.append(run)
+        return out
+
+    def fits(flops: float) -> bool:
+        return sum(r.predicted_s for r in runs_for(flops)) <= budget_s
+
+    # Upwards in steps of 2x, then bisect: only the models near the answer (and the cheap smaller ones)
+    # are ever probed, never the largest of the ladder.
+    lo = 1e10
+    while lo < 1e18 and fits(2 * lo):
+        lo *= 2
+    hi = 2 * lo
+    for _ in range(4):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return runs_for(lo)
+
+
+def _tokens(cfg: RunConfig, flops: float) -> int:
+    """D = C / FLOPs per token, rounded to whole optimizer steps (at least 4 evaluations' worth)."""
+    per_step = cfg.train.tokens_per_step
+    steps = max(4 * EVALS_PER_RUN, round(flops / flops_per_token(cfg) / per_step))
+    return steps * per_step
+
+
+def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, say=print) -> list[SweepRun]:
+    """Train the grid inside `minutes` (sizing included); returns the runs with their directories."""
+    from trainwise.train.loop import train
+    from trainwise.train.report import device_peak_flops
+
+    if minutes <= 0:
+        raise TrainwiseError(f"--minutes {minutes} must be positive (e.g. 20).")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise TrainwiseError(f"sweep directory '{out}' exists and is not empty; choose a new --out.")
+    base = base or RunConfig()
+    start = time.perf_counter()
+    peak, source = device_peak_flops(torch.device("cpu"), "bf16")
+    say(f"sizing the sweep for {minutes:g} minutes: peak {peak / 1e9:,.1f} GFLOP/s ({source})")
+    runs = size_compute(base, minutes * 60 - (time.perf_counter() - start), peak, say)
+    say(f"IsoFLOP grid: {len(runs)} models x C = {_compute(runs[0]):.3g} FLOPs each (exact per-token FLOPs), "
+        f"constant LR {base.train.lr:g} after {SWEEP_TRAIN['warmup_steps']} warmup steps")
+    correction = 1.0
+    for i, run in enumerate(runs):
+        left_s = minutes * 60 - (time.perf_counter() - start)
+        if i:  # resize what is left to the time that is left, with the measured/predicted correction
+            scale = left_s / (correction * sum(r.predicted_s for r in runs[i:]))
+            for r in runs[i:]:
+                r.tokens = _tokens(r.config, _compute(r) * scale)
+                r.predicted_s = predict_seconds(r.config, r.tokens, peak, r.mfu)
+        cfg = run.config
+        cfg.train.max_steps = run.tokens // cfg.train.tokens_per_step
+        cfg.train.eval_every = max(1, cfg.train.max_steps // EVALS_PER_RUN)
+        say(f"[{i + 1}/{len(runs)}] {cfg.model.name}: {run.tokens:,} tokens ({cfg.train.max_steps} steps), "
+            f"predicted {correction * run.predicted_s:,.0f} s")
+        t0 = time.perf_counter()
+        result = train(cfg, out=out / cfg.model.name, quiet=True)
+        if result.stopped_early:  # SIGINT/SIGTERM: a cut curve would be fitted as if it were whole
+            raise TrainwiseError(
+                f"the sweep was interrupted during {result.run_dir} (step {result.step} of {cfg.train.max_steps}). "
+                f"Finish it with `trainwise train --resume {result.run_dir}`, train the ones not started, and fit "
+                f"them all with `trainwise scale fit {out}/*/`; or start a new sweep.")
+        run.measured_s, run.run_dir = time.perf_counter() - t0, result.run_dir
+        correction = sum(r.measured_s for r in runs[:i + 1]) / sum(r.predicted_s for r in runs[:i + 1])
+        say(f"      measured {run.measured_s:,.0f} s, final val loss {result.val_loss:.4f} nats/token")
+    return runs
+
+
+def _compute(run: SweepRun) -> float:
+    return run.tokens * flops_per_token(run.config)
