@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from chromium import chromium_command, needs_chromium
 
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides
 from trainwise.errors import TrainwiseError
 from trainwise.train.loop import train
 
-CHROMIUM = "/usr/bin/chromium"
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
         "train.seq_len=32", "train.micro_batch=4", "tokenizer.vocab_size=300", "train.eval_every=4",
         "train.eval_steps=2", "train.log_every=2", "train.warmup_steps=2", "train.sample_tokens=8",
@@ -82,8 +82,7 @@ def test_terminal_table_and_json(runs, tmp_path, capsys):
     assert main(["compare", str(runs[0]), str(tmp_path)]) == 2  # not a run directory
 
 
-@pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                    reason="headless Chromium not installed (apt-get install -y chromium)")
+@needs_chromium
 def test_every_panel_renders_in_headless_chromium(page, tmp_path):
     import matplotlib.image
     import numpy as np
@@ -101,10 +100,7 @@ def test_every_panel_renders_in_headless_chromium(page, tmp_path):
              "images: imgs.map(i => [i.alt, box(i)])}); });</script>")
     probed = tmp_path / "probe.html"
     probed.write_text(text.replace("</body>", probe + "</body>"), encoding="utf-8")
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars", "--virtual-time-budget=5000",
-             "--force-device-scale-factor=1", "--window-size=1280,1000"]
+    flags = chromium_command(tmp_path / "profile", "--force-device-scale-factor=1", "--window-size=1280,1000")
     dom = subprocess.run(flags + ["--dump-dom", probed.as_uri()], capture_output=True, text=True, timeout=120).stdout
     title = re.search(r"<title>(.*?)</title>", dom)
     layout = json.loads(html.unescape(title.group(1)))

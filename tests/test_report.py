@@ -9,12 +9,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from chromium import chromium_command, needs_chromium
 
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides
 from trainwise.train.loop import train
 
-CHROMIUM = "/usr/bin/chromium"
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
         "train.seq_len=32", "train.micro_batch=4", "tokenizer.vocab_size=300", "train.eval_every=4",
         "train.eval_steps=2", "train.log_every=1", "train.warmup_steps=2", "train.sample_tokens=20",
@@ -78,8 +78,7 @@ def test_report_of_a_run_without_verify_or_sample_says_what_is_missing(run_dir, 
     assert main(["report", str(tmp_path / "nothing")]) == 2  # not a run directory: a message, no traceback
 
 
-@pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                    reason="headless Chromium not installed (apt-get install -y chromium)")
+@needs_chromium
 def test_every_plot_loads_in_headless_chromium(run_dir, tmp_path):
     page = (run_dir / "report.html").read_text(encoding="utf-8")
     # After load, a script writes into the title how many <img> decoded to a non-empty bitmap.
@@ -88,9 +87,7 @@ def test_every_plot_loads_in_headless_chromium(run_dir, tmp_path):
              "document.title = `images ${ok}/${imgs.length}`; });</script>")
     probed = tmp_path / "probe.html"
     probed.write_text(page.replace("</body>", probe + "</body>"), encoding="utf-8")
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars", "--virtual-time-budget=5000"]
+    flags = chromium_command(tmp_path / "profile")
     dom = subprocess.run(flags + ["--dump-dom", probed.as_uri()], capture_output=True, text=True, timeout=120).stdout
     n = page.count("<img ")
     assert f"<title>images {n}/{n}</title>" in dom, re.findall(r"<title>.*?</title>", dom)
