@@ -199,6 +199,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     keep_best: bool = False  # also keep the checkpoint with the lowest validation loss (checkpoints/best.json)
     sample_tokens: int = 120
+    memory_check: str = "on"  # hold the planned peak against free memory before step 1: on (stop) | warn | off
 
     @property
     def tokens_per_step(self) -> int:
@@ -220,6 +221,7 @@ class TrainConfig:
         _choice("train.activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         _choice("train.compile", self.compile, COMPILE)
         _choice("train.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
+        _choice("train.memory_check", self.memory_check, ("on", "warn", "off"))
 
 
 @dataclass

@@ -309,6 +309,60 @@ def peak_bytes(cfg: ModelConfig, states: StateBytes, activations: int, optimizer
     return max(backward, states.total + scratch)
 
 
+def rank_peak_bytes(cfg: ModelConfig, recipe: Recipe, optimizer: str, strategy: str, dp: int, micro_batch: int,
+                    seq_len: int, grad_accum: int = 1, checkpointing: str = "none", optimizer_share: float | None = None) -> int:
+    """Peak bytes of one training step on one rank, as trainwise runs each parallel.strategy (PyTorch's
+    DDP and FSDP2; see trainwise.train.distributed), micro_batch per rank:
+      none: peak_bytes.
+      ddp / zero1 (ZeRO-0 / ZeRO-1): DDP's all-reduce buckets hold the gradients (gradient_as_bucket_view)
+        for the whole run, so the gradients count at the start of backward even with K = 1; zero1 keeps
+        `optimizer_share` of the optimizer states (ZeroRedundancyOptimizer's whole-tensor partition;
+        default 1/dp).
+      zero2 / fsdp (FSDP2): at rest the fp32 parameter shards (the optimizer's weights), the sharded
+        moments and, after backward, the sharded fp32 gradients (4N/dp). With a bf16/fp16 mixed-precision
+        policy the forward runs on the gathered low-precision weights and inputs: residual stream in the
+        compute dtype, no autocast weight copies. Gathered (unsharded) parameters in the compute dtype:
+        zero2 keeps all of them from forward to backward (c x N); fsdp only the root's (embedding, final
+        norm, LM head: the root is not resharded after forward) and two blocks at a time (the block at
+        work and the one prefetched). Under accumulation (K > 1) the micro-batches before the last keep
+        the unsharded gradients, accumulated in fp32 (4N) until the last one reduce-scatters them.
+      The optimizer step: the rank's states + one moment of its share as foreach scratch."""
+    from trainwise.cost.params import params as count_params
+
+    n = count_params(cfg).total
+    tokens = micro_batch * seq_len
+    if strategy in ("none", "ddp", "zero1"):
+        zero = 1 if strategy == "zero1" else 0
+        states = state_bytes(n, recipe, optimizer, zero, dp)
+        if optimizer_share is not None and zero == 1:
+            full = state_bytes(n, recipe, optimizer)
+            states = replace(states, optimizer=math.ceil(full.optimizer * optimizer_share),
+                             master=math.ceil(full.master * optimizer_share))
+        acts = activation_bytes(cfg, recipe, micro_batch, seq_len, checkpointing)
+        k = grad_accum if strategy == "none" else max(grad_accum, 2)  # the buckets hold the gradients throughout
+        return peak_bytes(cfg, states, acts, optimizer, micro_batch, seq_len, k, 1, recipe, checkpointing)
+    if strategy not in ("zero2", "fsdp"):
+        raise TrainwiseError(f"parallel.strategy '{strategy}' must be none, ddp, zero1, zero2 or fsdp.")
+    c = recipe.compute_bytes
+    low = replace(recipe, residual_bytes=c)  # FSDP2's policy casts params and inputs: no autocast copies
+    moments = optimizer_moments(optimizer)
+    shard = math.ceil(n * 4 / dp)  # fp32 parameters / gradients, sharded
+    opt_shard = math.ceil(n * recipe.moment_bytes * moments / dp)
+    acts = activation_bytes(cfg, low, micro_batch, seq_len, checkpointing)
+    if strategy == "zero2":
+        gathered = c * n
+    else:
+        block = max(count_params(replace(cfg, n_layers=1)).total - count_params(replace(cfg, n_layers=0)).total, 0)
+        gathered = c * (n - cfg.n_layers * block + 2 * block)
+    scratch = loss_backward_bytes(cfg, low, tokens)
+    if checkpointing == "full":
+        scratch = max(scratch, recompute_bytes(cfg, low, tokens))
+    accumulated = 4 * n if grad_accum > 1 else 0
+    backward = shard + opt_shard + gathered + acts + scratch + accumulated + (shard if grad_accum > 1 else 0)
+    step = 2 * shard + opt_shard + (opt_shard // moments if moments >= 2 else 0)
+    return max(backward, step)
+
+
 def _distinct_layers(cfg: ModelConfig) -> list[int]:
     """One dense and one MoE layer index (their per-token bytes differ), whichever exist."""
     out = {}

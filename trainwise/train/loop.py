@@ -373,6 +373,9 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     device = distributed.device_for(d, resolve_device(cfg.train.device))
     precision, why = resolve_precision(cfg.train.precision, device)
     tokenizer, tokens, init_state = _prepare_inputs(cfg, out, resume, init_from, d)
+    from trainwise.train.memcheck import check_memory  # noqa: E402  (pulls in the planner)
+
+    check_memory(cfg, device, precision, d, say)  # before the model exists and the run directory is made
     run, state = _build(cfg, out, resume, init_state, tokens, device, precision, d)
     from trainwise.train.report import RunReporter  # noqa: E402  (kept late: pulls in the planner)
 
