@@ -111,6 +111,7 @@ def live_tensors():
     import gc
     import warnings
 
+    gc.collect()  # garbage in reference cycles is not resident: the allocator may reuse it any time
     with warnings.catch_warnings():  # isinstance on deprecated module proxies warns
         warnings.simplefilter("ignore")
         objects = [obj for obj in gc.get_objects() if _is_tensor(obj)]
