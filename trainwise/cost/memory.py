@@ -352,8 +352,9 @@ def rank_peak_bytes(cfg: ModelConfig, recipe: Recipe, optimizer: str, strategy: 
     if strategy == "zero2":
         gathered = c * n
     else:
-        block = max(count_params(replace(cfg, n_layers=1)).total - count_params(replace(cfg, n_layers=0)).total, 0)
-        gathered = c * (n - cfg.n_layers * block + 2 * block)
+        one, two = (count_params(replace(cfg, n_layers=k, first_dense_layers=0)).total for k in (1, 2))
+        block, root = two - one, 2 * one - two  # one block; embedding + final norm + LM head
+        gathered = c * (root + min(cfg.n_layers, 2) * block)
     scratch = loss_backward_bytes(cfg, low, tokens)
     if checkpointing == "full":
         scratch = max(scratch, recompute_bytes(cfg, low, tokens))
@@ -361,6 +362,32 @@ def rank_peak_bytes(cfg: ModelConfig, recipe: Recipe, optimizer: str, strategy: 
     backward = shard + opt_shard + gathered + acts + scratch + accumulated + (shard if grad_accum > 1 else 0)
     step = 2 * shard + opt_shard + (opt_shard // moments if moments >= 2 else 0)
     return max(backward, step)
+
+
+def eval_peak_bytes(cfg: ModelConfig, recipe: Recipe, resident: int, micro_batch: int, seq_len: int) -> int:
+    """Peak of an evaluation forward (no_grad: nothing is saved for backward) beside the `resident` bytes
+    (params + optimizer states between steps): the loss's N x V tensors at once, N = B x T: the logits
+    cV, their fp32 copy 4V when c is not fp32 (logits.float()) and the fp32 log-softmax 4V, plus the
+    final hidden states (the LM head input) sH and, under autocast, the LM head's weight cast cVH. The
+    chunked loss holds one chunk's fp32 logits instead."""
+    tokens, V, c, s = micro_batch * seq_len, cfg.vocab_size, recipe.compute_bytes, recipe.residual_bytes
+    cast = c * V * cfg.d_model if c != s else 0
+    if cfg.loss_chunk_tokens:
+        return resident + cast + tokens * s * cfg.d_model + 8 * V * min(cfg.loss_chunk_tokens, tokens)
+    return resident + cast + tokens * (c * V + (4 * V if c != 4 else 0) + 4 * V + s * cfg.d_model)
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int) -> int:
+    """trainwise.model.KVCache: keys and values of every layer for max_seq_len positions, allocated
+    whole up front: 2 x L x B x n_kv_heads x max_seq_len x head_dim x bytes (MLA caches the same way)."""
+    return 2 * cfg.n_layers * batch * cfg.n_kv_heads * cfg.max_seq_len * cfg.head_dim * dtype_bytes
+
+
+def sample_peak_bytes(cfg: ModelConfig, resident: int, batch: int, prompt_tokens: int, dtype_bytes: int = 4) -> int:
+    """Peak of Transformer.generate beside the `resident` bytes: the KV cache + the prefill's logits,
+    which the LM head computes for every prompt position (4V per token, fp32 weights) beside its input."""
+    tokens = batch * min(prompt_tokens, cfg.max_seq_len)
+    return resident + kv_cache_bytes(cfg, batch, dtype_bytes) + tokens * dtype_bytes * (cfg.vocab_size + cfg.d_model)
 
 
 def _distinct_layers(cfg: ModelConfig) -> list[int]:

@@ -99,9 +99,13 @@ def _storages(tensors, device: torch.device) -> dict[int, int]:
         t = t.to_local() if hasattr(t, "to_local") else t
         if t.device.type != device.type or t.is_meta:
             continue
-        storage = t.untyped_storage()
-        if storage.nbytes():
-            out[storage.data_ptr()] = storage.nbytes()
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # fake/functional tensors (compile's caches) hold no memory
+            continue
+        if storage.nbytes() and ptr:
+            out[ptr] = storage.nbytes()
     return out
 
 
