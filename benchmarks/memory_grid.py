@@ -61,7 +61,7 @@ def build(arch: str, checkpointing: str, compiled: bool):
     return cfg, model, build_optimizer(model, TrainConfig())
 
 
-def cell(cfg, model, opt, precision: str, checkpointing: str, k: int) -> dict:
+def cell(cfg, model, opt, precision: str, checkpointing: str, k: int, compiled: bool) -> dict:
     batches = random_batches(cfg.vocab_size, MICRO_BATCH, SEQ, k, CPU)
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     train_step(model, opt, batches, CPU, precision, scaler=scaler)  # states exist; compiled graphs built
@@ -71,7 +71,8 @@ def cell(cfg, model, opt, precision: str, checkpointing: str, k: int) -> dict:
                hook=lambda phase: meter.resident(p.grad for p in model.parameters()) if phase == "backward" else None)
     measured = meter.stop()
     plan = plan_run(cfg, tokens=1, seq_len=SEQ, micro_batch=MICRO_BATCH, grad_accum=k, peak_flops=1e12,
-                    precision="fp32" if precision == "fp32" else "amp", checkpointing=checkpointing)
+                    precision="fp32" if precision == "fp32" else "amp", checkpointing=checkpointing,
+                    compiled=compiled)
     return {"planned": plan.peak_bytes, "measured": measured, "error": measured / plan.peak_bytes - 1}
 
 
@@ -91,7 +92,7 @@ def main() -> None:
         cfg, model, opt = build(arch, checkpointing, compiled)
         for k in (1, 4):
             start = time.perf_counter()
-            r = cell(cfg, model, opt, precision, checkpointing, k)
+            r = cell(cfg, model, opt, precision, checkpointing, k, compiled)
             r.update(arch=arch, compile=compiled, precision=precision, checkpointing=checkpointing, k=k)
             rows.append(r)
             print(f"{arch:<6}{'on' if compiled else 'off':<8}{precision:<6}{checkpointing:<10}{k:>2}"

@@ -66,9 +66,12 @@ def available_bytes(device: torch.device, local_ranks: int = 1) -> tuple[int, st
 
 def planned_peak(cfg: RunConfig, precision: str, strategy: str, world_size: int) -> int:
     """The plan's peak bytes of one training step on one rank (cost.memory.rank_peak_bytes)."""
+    from trainwise.train.parallelize import resolve_compile
+
     s = train_settings(cfg.train, precision)
+    compiled, _ = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps, strategy)
     return M.rank_peak_bytes(cfg.model, M.get_recipe(s["precision"]), s["optimizer"], strategy, world_size,
-                             s["micro_batch"], s["seq_len"], s["grad_accum"], s["checkpointing"])
+                             s["micro_batch"], s["seq_len"], s["grad_accum"], s["checkpointing"], compiled=compiled)
 
 
 def proposal(cfg: RunConfig, precision: str, world_size: int, budget: int) -> str | None:
