@@ -8,7 +8,7 @@ a GradScaler). Planned: trainwise.cost.memory via cost.plan.plan_run. error = me
 fp16 runs here on the CPU (autocast float16 + GradScaler("cpu")) although `trainwise train` refuses
 fp16 on a CPU (emulated, slow): the bytes are those of a CUDA fp16 run, which is what the cells check.
 
-    python benchmarks/memory_grid.py [--compile off|on|both] [--json FILE]
+    python benchmarks/memory_grid.py [--compile off|on|both] [--arch dense|moe|both] [--json FILE]
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def cell(cfg, model, opt, precision: str, checkpointing: str, k: int, compiled: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile", choices=("off", "on", "both"), default="both")
+    ap.add_argument("--arch", choices=("dense", "moe", "both"), default="both")
     ap.add_argument("--json", help="also write the cells to this JSON file")
     args = ap.parse_args()
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
@@ -87,7 +88,8 @@ def main() -> None:
     print(f"{'arch':<6}{'compile':<8}{'prec':<6}{'ckpt':<10}{'K':>2}{'planned':>11}{'measured':>11}{'error':>9}"
           f"{'s':>7}")
     rows = []
-    for arch, compiled, precision, checkpointing in itertools.product(ARCHS, compiles, ("fp32", "bf16", "fp16"),
+    archs = list(ARCHS) if args.arch == "both" else [args.arch]
+    for arch, compiled, precision, checkpointing in itertools.product(archs, compiles, ("fp32", "bf16", "fp16"),
                                                                       ("none", "selective", "full")):
         cfg, model, opt = build(arch, checkpointing, compiled)
         for k in (1, 4):
