@@ -87,14 +87,22 @@ def main() -> None:
     print(f"CPU: {cpu_model()}; torch {torch.__version__}; B={MICRO_BATCH}, T={SEQ}; bytes in MiB (2^20)")
     print(f"{'arch':<6}{'compile':<8}{'prec':<6}{'ckpt':<10}{'K':>2}{'planned':>11}{'measured':>11}{'error':>9}"
           f"{'s':>7}")
-    rows = []
+    rows, pruned = [], []
     archs = list(ARCHS) if args.arch == "both" else [args.arch]
     for arch, compiled, precision, checkpointing in itertools.product(archs, compiles, ("fp32", "bf16", "fp16"),
                                                                       ("none", "selective", "full")):
         cfg, model, opt = build(arch, checkpointing, compiled)
         for k in (1, 4):
             start = time.perf_counter()
-            r = cell(cfg, model, opt, precision, checkpointing, k, compiled)
+            try:
+                r = cell(cfg, model, opt, precision, checkpointing, k, compiled)
+            except Exception as e:  # a combination torch cannot run: pruned, with the reason
+                reason = str(e).strip().splitlines()[-1][:160]
+                print(f"{arch:<6}{'on' if compiled else 'off':<8}{precision:<6}{checkpointing:<10}{k:>2}  pruned: "
+                      f"{type(e).__name__}: {reason}", flush=True)
+                pruned.append(dict(arch=arch, compile=compiled, precision=precision, checkpointing=checkpointing,
+                                   k=k, reason=reason))
+                continue
             r.update(arch=arch, compile=compiled, precision=precision, checkpointing=checkpointing, k=k)
             rows.append(r)
             print(f"{arch:<6}{'on' if compiled else 'off':<8}{precision:<6}{checkpointing:<10}{k:>2}"
@@ -103,9 +111,9 @@ def main() -> None:
         torch._dynamo.reset()
     errors = [abs(r["error"]) for r in rows]
     print(f"{len(rows)} cells: median |error| {statistics.median(errors):.2%}, max |error| {max(errors):.2%}, "
-          f"within 10%: {sum(e <= 0.10 for e in errors)}/{len(rows)}")
+          f"within 10%: {sum(e <= 0.10 for e in errors)}/{len(rows)}; pruned: {len(pruned)}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"cells": rows, "pruned": pruned}, indent=1))
 
 
 if __name__ == "__main__":

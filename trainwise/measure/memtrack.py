@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 CATEGORIES = {
@@ -97,7 +98,7 @@ def _storages(tensors, device: torch.device) -> dict[int, int]:
         if t is None or not torch.is_tensor(t):
             continue
         t = t.to_local() if hasattr(t, "to_local") else t
-        if t.device.type != device.type or t.is_meta:
+        if t.device.type != device.type or t.is_meta or isinstance(t, FakeTensor):
             continue
         try:
             storage = t.untyped_storage()
