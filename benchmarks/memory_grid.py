@@ -97,7 +97,8 @@ def main() -> None:
             try:
                 r = cell(cfg, model, opt, precision, checkpointing, k, compiled)
             except Exception as e:  # a combination torch cannot run: pruned, with the reason
-                reason = str(e).strip().splitlines()[-1][:160]
+                lines = [ln for ln in str(e).splitlines() if "Error" in ln] or str(e).splitlines() or [""]
+                reason = lines[0].strip()[:160]
                 print(f"{arch:<6}{'on' if compiled else 'off':<8}{precision:<6}{checkpointing:<10}{k:>2}  pruned: "
                       f"{type(e).__name__}: {reason}", flush=True)
                 pruned.append(dict(arch=arch, compile=compiled, precision=precision, checkpointing=checkpointing,
