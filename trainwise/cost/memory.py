@@ -244,7 +244,7 @@ def compiled_block_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int,
     MoE layers and MLA break the graph or keep eager kernels: their eager bytes
     (activation_bytes_per_token_layer)."""
     if cfg.is_moe_layer(layer) or cfg.attention == "mla":
-        return activation_bytes_per_token_layer(cfg, recipe, layer)
+        return activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing)
     c, s, H, nh, hd = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model, cfg.n_heads, cfg.head_dim
     attn = c * 3 * nh * hd + (4 * nh * seq_len if checkpointing == "none" else 0)
     mlp = (3 if cfg.gated else 2) * c * cfg.ffn_hidden
