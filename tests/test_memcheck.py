@@ -34,12 +34,20 @@ def test_run_that_does_not_fit_stops_with_a_proposal_that_trains(corpus, tmp_pat
     assert (out / "verify.json").is_file()
 
 
-def test_warn_trains_anyway(corpus, tmp_path, monkeypatch, capsys):
+def test_warn_and_off_let_the_run_go(monkeypatch):
+    import torch
+
+    from trainwise.train.distributed import Dist
+    from trainwise.train.memcheck import check_memory
+
     monkeypatch.setenv(ENV, "1KiB")
-    out = tmp_path / "run"
-    assert main(["train", "--out", str(out), *set_args(corpus, *BIG, "train.max_steps=1",
-                                                       "train.memory_check=warn")]) == 0
-    assert "warning: the planned peak memory" in capsys.readouterr().out
+    cfg = apply_overrides(RunConfig(), [*TINY, "model.vocab_size=300", "train.memory_check=warn"])
+    said = []
+    check_memory(cfg, torch.device("cpu"), "fp32", Dist("none"), said.append)
+    assert said and said[0].startswith("warning: the planned peak memory") and "1.02 KB" in said[0]
+    cfg.train.memory_check = "off"
+    check_memory(cfg, torch.device("cpu"), "fp32", Dist("none"), said.append)
+    assert len(said) == 1
 
 
 def test_available_memory_is_read_from_the_machine(monkeypatch):
