@@ -14,6 +14,10 @@ What we read from it, to compare with the planner's terms:
   peak                 the largest total of all categories at any moment of the step, and its split.
 On CUDA, `torch.cuda.max_memory_allocated`/`max_memory_reserved` are read as well (allocated is what
 tensors use, reserved adds the caching allocator's slack); they are reported separately.
+
+MemTracker sees only what passes the dispatcher, so not a compiled step (inductor allocates its buffers
+directly). `StepPeakMeter` measures the peak at the allocator instead, whatever runs: the trainer wraps
+its last step in it (verify.json's peak, per rank under torchrun).
 """
 
 from __future__ import annotations

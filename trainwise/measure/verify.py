@@ -1,8 +1,9 @@
 """Predicted vs measured: the planner's numbers held against one real step of the run.
 
-`measure_step` runs one extra training step on a copy of the trained model and optimizer (the run's
-weights, optimizer state, sampler and RNG are untouched) under the FLOP counter and the memory
-tracker. `build_verify` pairs those with the plan and the logged step times into verify.json
+`measure_step` runs two extra training steps on a copy of the trained model and optimizer (the run's
+weights, optimizer state, sampler and RNG are untouched), one under the FLOP counter and one under the
+memory tracker (by category). The peak is the run's own last step where the loop measured it
+(measure.memtrack.StepPeakMeter: compiled when the run compiles). `build_verify` pairs those with the plan and the logged step times into verify.json
 (DESIGN.md): every entry {"predicted", "measured", "error"}, error = measured / predicted - 1.
 """
 
