@@ -162,7 +162,7 @@ class StepPeakMeter:
 
         self._base = _storages(live_tensors(), self.device)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
+        _quiet_stderr(self._prof.__enter__)
 
     def resident(self, tensors) -> None:
         """Tensors alive at this point whose storage may predate `start` without Python reaching it."""
@@ -174,7 +174,7 @@ class StepPeakMeter:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
             return self.peak_bytes
-        self._prof.__exit__(None, None, None)
+        _quiet_stderr(lambda: self._prof.__exit__(None, None, None))
         events = _allocations(self._prof)
         allocated = {ptr for _, _, ptr in events}
         base = sum(self._base.values()) + sum(n for ptr, n in self._late.items()
@@ -186,6 +186,23 @@ class StepPeakMeter:
         self._prof = None
         self.peak_bytes = base + highest
         return self.peak_bytes
+
+
+def _quiet_stderr(fn):
+    """Run fn with file descriptor 2 on /dev/null: the profiler's C++ side (kineto) logs every start and
+    stop to stderr, which would land in the middle of a training run's output."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        return fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def _allocations(prof) -> list[tuple[int, int, int]]:
