@@ -56,6 +56,8 @@ def test_two_ranks_equal_one_process_with_grad_accum(corpus, tmp_path, strategy)
     for rank in per_rank["ranks"]:
         for name in ("params", "grads", "optimizer"):
             assert abs(rank[name]["error"]) < 0.01, (name, rank[name])
+        # each rank's last step, measured as it ran, against cost.memory.rank_peak_bytes (issue 17)
+        assert abs(rank["peak_memory_bytes"]["error"]) < 0.10, rank["peak_memory_bytes"]
     assert main(["verify", str(multi)]) == 0
     assert f"Per rank: {strategy} on 2 ranks" in (multi / "report.html").read_text()
 
@@ -152,3 +154,19 @@ def test_sharded_checkpoint_resumes_exactly_and_loads_in_one_process(corpus, tmp
     (run / "checkpoints/step_00000005").rmdir()
     resume(run)
     assert losses(run) == pytest.approx(straight, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_three_ranks_per_rank_peak_within_ten_percent(corpus, tmp_path, strategy):
+    """3 gloo ranks, grad accumulation 2: every rank's measured step peak within 10% of its plan."""
+    run = tmp_path / strategy
+    proc = subprocess.run([*TORCHRUN[:-1], "3", "-m", "trainwise", "train", "--quiet", "--out", str(run),
+                           *sets(corpus, "train.max_steps=3", "train.micro_batch=2", "train.grad_accum_steps=2",
+                                 f"parallel.strategy={strategy}")],
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = json.loads((run / "verify.json").read_text())["per_rank"]["ranks"]
+    assert len(ranks) == 3
+    for rank in ranks:
+        assert abs(rank["peak_memory_bytes"]["error"]) < 0.10, rank["peak_memory_bytes"]

@@ -96,3 +96,19 @@ def test_zero1_partition_is_whole_tensor_greedy_per_group():
     assert zero1_partition([[2, 2, 2, 2]], 2) == [4, 4]
     assert zero1_partition([[10], [1, 1]], 3) == [10, 1, 1]
     assert sum(zero1_partition([[7, 1, 9], [3]], 4)) == 20
+
+
+def test_rank_peak_terms_per_strategy():
+    """Per-rank peaks order as the strategies shard: replicated DDP >= ZeRO-1 > FSDP (ZeRO-3); DDP's buckets
+    hold the gradients at the start of backward even at K = 1; FSDP gathers two blocks + the root."""
+    from trainwise.cost.memory import peak_bytes, rank_peak_bytes
+
+    cfg, r = ModelConfig(n_heads=8, n_kv_heads=4), get_recipe("fp32")
+    peak = {s: rank_peak_bytes(cfg, r, "adamw", s, 4, 8, 256) for s in ("none", "ddp", "zero1", "zero2", "fsdp")}
+    assert peak["ddp"] >= peak["none"] and peak["ddp"] > peak["zero1"] > peak["fsdp"]
+    assert peak["zero2"] > peak["fsdp"]  # zero2 keeps every gathered block until backward
+    acts = activation_bytes(cfg, r, 8, 256)
+    from trainwise.cost.params import params
+
+    s = state_bytes(params(cfg).total, r, "adamw")
+    assert peak["ddp"] - peak_bytes(cfg, s, acts, "adamw", 8, 256, 1, 1, r) == s.grads

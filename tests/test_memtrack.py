@@ -56,3 +56,80 @@ def test_grid_slice(precision, checkpointing):
 @pytest.mark.parametrize("micro_batch", [1, 4])
 def test_memory_grid(size, precision, checkpointing, micro_batch):
     check(*measure(size, precision, checkpointing, micro_batch))
+
+
+def test_accumulation_with_full_checkpointing_measures_its_plan():
+    """Issue 17: K = 4 with full checkpointing read 2x its plan because the FLOP counter and the memory
+    tracker shared one step (FlopCounterMode kept each micro-batch's activations alive). verify's
+    measure_step now counts them on separate steps."""
+    from trainwise.config import RunConfig
+    from trainwise.measure.verify import measure_step
+
+    cfg = RunConfig()
+    cfg.model = ModelConfig(vocab_size=512, n_heads=4, n_kv_heads=2, max_seq_len=32, **SIZES["s"])
+    cfg.train.micro_batch, cfg.train.seq_len, cfg.train.grad_accum_steps = 4, 32, 4
+    cfg.train.activation_checkpointing = "full"
+    model = Transformer(cfg.model)
+    apply_activation_checkpointing(model, "full")
+    measured = measure_step(cfg, model, build_optimizer(model, cfg.train), CPU, "bf16")
+    plan = plan_run(cfg.model, tokens=1, seq_len=32, micro_batch=4, grad_accum=4, peak_flops=1e12,
+                    precision="amp", checkpointing="full")
+    assert measured.memory.peak_bytes == pytest.approx(plan.peak_bytes, rel=0.10)
+    assert measured.memory.activations == pytest.approx(plan.activations_bytes, rel=0.10)
+
+
+@pytest.mark.parametrize("precision,checkpointing,k", [("fp32", "none", 1), ("bf16", "full", 4)])
+def test_step_peak_meter_agrees_with_memtracker(precision, checkpointing, k):
+    """The allocator-level meter (what verify.json's peak uses, compiled or not) and MemTracker's
+    dispatcher-level count see the same eager step."""
+    from trainwise.measure.memtrack import StepPeakMeter, _storages
+
+    cfg = ModelConfig(vocab_size=512, n_heads=4, n_kv_heads=2, max_seq_len=32, **SIZES["s"])
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    if checkpointing != "none":
+        apply_activation_checkpointing(model, checkpointing)
+    opt = build_optimizer(model, TrainConfig())
+    batches = random_batches(cfg.vocab_size, 2, 32, k, CPU)
+    train_step(model, opt, batches, CPU, precision)
+    # the meter counts every tensor this process holds (other tests' leftovers too); MemTracker this model's
+    own = [*model.parameters(), *model.buffers(), *(v for st in opt.state.values() for v in st.values())]
+    meter = StepPeakMeter(CPU)
+    meter.start()
+    others = sum(meter._base.values()) - sum(_storages(own, CPU).values())
+    train_step(model, opt, batches, CPU, precision)
+    metered = meter.stop() - others
+    tracked = track_train_step(model, opt, batches, CPU, precision)
+    assert metered == pytest.approx(tracked.peak_bytes, rel=0.02)
+    plan = plan_run(cfg, tokens=1, seq_len=32, micro_batch=2, grad_accum=k, peak_flops=1e12,
+                    precision="fp32" if precision == "fp32" else "amp", checkpointing=checkpointing)
+    assert metered == pytest.approx(plan.peak_bytes, rel=0.10)
+
+
+def test_evaluation_and_sampling_peaks():
+    """Evaluation (no_grad forward and loss) and generation with its KV cache against the planner."""
+    import numpy as np
+
+    from trainwise.config import RunConfig
+    from trainwise.cost import memory as M
+    from trainwise.measure.memtrack import StepPeakMeter, _storages, live_tensors
+    from trainwise.train.loop import evaluate
+
+    cfg = RunConfig()
+    cfg.model = ModelConfig(vocab_size=2048, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    cfg.train.micro_batch, cfg.train.seq_len, cfg.train.eval_steps = 4, 64, 2
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    tokens = np.random.default_rng(0).integers(0, 2048, 20_000).astype(np.uint16)
+    for precision in ("fp32", "bf16"):
+        meter = StepPeakMeter(CPU)
+        meter.start()
+        evaluate(model, tokens, cfg, CPU, precision)
+        resident = sum(_storages(live_tensors(), CPU).values())
+        planned = M.eval_peak_bytes(cfg.model, M.get_recipe("fp32" if precision == "fp32" else "amp"), resident, 4, 64)
+        assert meter.stop() == pytest.approx(planned, rel=0.10)
+    meter = StepPeakMeter(CPU)
+    meter.start()
+    model.generate(torch.zeros(1, 8, dtype=torch.long), 80, top_k=50)
+    resident = sum(_storages(live_tensors(), CPU).values())
+    assert meter.stop() == pytest.approx(M.sample_peak_bytes(cfg.model, resident, 1, 8), rel=0.10)

@@ -204,6 +204,7 @@ class TrainConfig:
     # auto = continue it from its latest checkpoint (step 0 if it has none), never = refuse, always = refuse
     # to start a new run (DIR must hold one). A DIR of another config is refused whatever the setting.
     resume: str = "auto"
+    memory_check: str = "on"  # hold the planned peak against free memory before step 1: on (stop) | warn | off
 
     @property
     def tokens_per_step(self) -> int:
@@ -226,6 +227,7 @@ class TrainConfig:
         _choice("train.compile", self.compile, COMPILE)
         _choice("train.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
         _choice("train.resume", self.resume, RESUME_POLICIES)
+        _choice("train.memory_check", self.memory_check, ("on", "warn", "off"))
 
 
 @dataclass

@@ -230,8 +230,29 @@ def autocast_weight_bytes(cfg: ModelConfig, recipe: Recipe, checkpointing: str =
     return c * (blocks + cfg.vocab_size * cfg.d_model)
 
 
+def compiled_block_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, seq_len: int,
+                                   checkpointing: str = "none") -> float:
+    """What a whole-model torch.compile (inductor, default min-cut partitioner) saves per token of one
+    dense block on a CPU, read off saved_tensors_hooks on the compiled graph: the partitioner recomputes
+    the cheap pointwise work (norms, RoPE, SiLU) in backward and saves the matmul operands instead:
+      attention (explicit_attention, used on CPU under compile): q and the kv heads repeated to nh heads
+        c(q + 2 nh hd), and the fp32 softmax probabilities 4 nh T (a T x T term, unlike SDPA's flash;
+        selective checkpointing recomputes them);
+      MLP: the fused gate|up output 2cF and the product cF (plain MLP: act input and output 2cF);
+      the residual stream and norm outputs: 3 sH + 3 cH.
+    Autocast's weight casts are saved as in eager mode (autocast_weight_bytes).
+    MoE layers and MLA break the graph or keep eager kernels: their eager bytes
+    (activation_bytes_per_token_layer)."""
+    if cfg.is_moe_layer(layer) or cfg.attention == "mla":
+        return activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing)
+    c, s, H, nh, hd = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model, cfg.n_heads, cfg.head_dim
+    attn = c * 3 * nh * hd + (4 * nh * seq_len if checkpointing == "none" else 0)
+    mlp = (3 if cfg.gated else 2) * c * cfg.ffn_hidden
+    return attn + mlp + 3 * s * H + 3 * c * H
+
+
 def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len: int,
-                     checkpointing: str = "none", tp: int = 1) -> int:
+                     checkpointing: str = "none", tp: int = 1, compiled: bool = False) -> int:
     """Per micro-batch activation bytes on one device.
 
     none/selective: sum over layers of the per-token-layer bytes x B x T.
@@ -249,10 +270,15 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
     tokens = micro_batch * seq_len
     if checkpointing == "full":
         layers = cfg.n_layers * recipe.residual_bytes * cfg.d_model
+    elif compiled:
+        layers = sum(compiled_block_bytes_per_token(cfg, recipe, i, seq_len, checkpointing) for i in range(cfg.n_layers))
     else:
         layers = sum(activation_bytes_per_token_layer(cfg, recipe, i, checkpointing) for i in range(cfg.n_layers))
     head = 16 + norm_saved_bytes(cfg, recipe.residual_bytes) + recipe.compute_bytes * cfg.d_model
-    head += loss_saved_bytes_per_token(cfg)
+    if compiled and not cfg.loss_chunk_tokens:  # the fused loss saves the logits as the LM head made them
+        head += recipe.compute_bytes * cfg.vocab_size + 4
+    else:
+        head += loss_saved_bytes_per_token(cfg)
     weights = autocast_weight_bytes(cfg, recipe, checkpointing)
     return math.ceil((tokens * (layers + head) + weights) / tp)
 
@@ -279,6 +305,19 @@ def loss_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int =
     return math.ceil((4 * V * H + c * tokens * H + (4 + cast) * chunk * V + cast * V * H) / tp)
 
 
+def compiled_loss_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, checkpointing: str) -> int:
+    """Compiled, the cross-entropy backward is one fused kernel. Without full checkpointing it writes the
+    logits' gradient over the saved logits (inductor reuses a buffer at its last use): no N x V scratch,
+    and the high point moves to the LM head's weight gradient, 4VH (fp32), plus its c-byte matmul
+    output under autocast. Under full checkpointing the loss sits in a graph of its own whose backward
+    holds the fp32 log-softmax gradient 4V and the logits' gradient cV per token (measured:
+    benchmarks/memory_grid.py)."""
+    V, H, c = cfg.vocab_size, cfg.d_model, recipe.compute_bytes
+    if checkpointing == "full":
+        return tokens * (4 + c) * V
+    return 4 * V * H + (c * V * H if c != recipe.residual_bytes else 0)
+
+
 def recompute_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1) -> int:
     """Full checkpointing: one block's activations (and, under autocast, its weight copies) rebuilt in
     backward while that block's gradients are computed."""
@@ -289,7 +328,7 @@ def recompute_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1) 
 
 def peak_bytes(cfg: ModelConfig, states: StateBytes, activations: int, optimizer: str, micro_batch: int,
                seq_len: int, grad_accum: int = 1, tp: int = 1, recipe: Recipe | None = None,
-               checkpointing: str = "none") -> int:
+               checkpointing: str = "none", compiled: bool = False, extra_backward: int = 0) -> int:
     """Peak of one training step = the larger of its two high points:
       start of backward: params + optimizer + master + activations + the cross-entropy backward's
         scratch (loss_backward_bytes: two fp32 B x T x V buffers, 8V per token, or one chunk's worth with
@@ -300,13 +339,102 @@ def peak_bytes(cfg: ModelConfig, states: StateBytes, activations: int, optimizer
         on CPU trainwise's AdamW is foreach, which builds sqrt(v) for every parameter at once. On CUDA
         it is fused and needs no scratch, so there the term is a margin of one moment."""
     logits_grads = loss_backward_bytes(cfg, recipe or RECIPES["fp32"], micro_batch * seq_len, tp)
+    if compiled and not cfg.loss_chunk_tokens:
+        logits_grads = compiled_loss_backward_bytes(cfg, recipe or RECIPES["fp32"], micro_batch * seq_len,
+                                                    checkpointing)
     if checkpointing == "full" and recipe is not None:
         logits_grads = max(logits_grads, recompute_bytes(cfg, recipe, micro_batch * seq_len, tp))
     backward = (states.params + states.optimizer + states.master + activations + logits_grads
-                + (states.grads if grad_accum > 1 else 0))
+                + (states.grads if grad_accum > 1 else 0) + extra_backward)
     moments = optimizer_moments(optimizer)
     scratch = states.optimizer // moments if moments >= 2 else 0
     return max(backward, states.total + scratch)
+
+
+def rank_peak_bytes(cfg: ModelConfig, recipe: Recipe, optimizer: str, strategy: str, dp: int, micro_batch: int,
+                    seq_len: int, grad_accum: int = 1, checkpointing: str = "none", optimizer_share: float | None = None,
+                    compiled: bool = False) -> int:
+    """Peak bytes of one training step on one rank, as trainwise runs each parallel.strategy (PyTorch's
+    DDP and FSDP2; see trainwise.train.distributed), micro_batch per rank:
+      none: peak_bytes (compiled: a whole-model torch.compile; FSDP2 compiles per block, planned eager).
+      ddp / zero1 (ZeRO-0 / ZeRO-1): DDP's all-reduce buckets hold the gradients (gradient_as_bucket_view)
+        for the whole run, so the gradients count at the start of backward even with K = 1, twice with
+        K > 1 (no_sync micro-batches accumulate into .grad tensors of their own); zero1 keeps
+        `optimizer_share` of the optimizer states (ZeroRedundancyOptimizer's whole-tensor partition;
+        default 1/dp).
+      zero2 / fsdp (FSDP2): at rest the fp32 parameter shards (the optimizer's weights), the sharded
+        moments and, after backward, the sharded fp32 gradients (4N/dp). With a bf16/fp16 mixed-precision
+        policy the forward runs on the gathered low-precision weights and inputs: residual stream in the
+        compute dtype, no autocast weight copies. Gathered (unsharded) parameters in the compute dtype:
+        zero2 keeps all of them from forward to backward (c x N); fsdp only the root's (embedding, final
+        norm, LM head: the root is not resharded after forward) and two blocks at a time (the block at
+        work and the one prefetched). Under accumulation (K > 1) the micro-batches before the last keep
+        the unsharded gradients, accumulated in fp32 (4N) until the last one reduce-scatters them.
+      The optimizer step: the rank's states + one moment of its share as foreach scratch."""
+    from trainwise.cost.params import params as count_params
+
+    n = count_params(cfg).total
+    tokens = micro_batch * seq_len
+    if strategy in ("none", "ddp", "zero1"):
+        zero = 1 if strategy == "zero1" else 0
+        states = state_bytes(n, recipe, optimizer, zero, dp)
+        if optimizer_share is not None and zero == 1:
+            full = state_bytes(n, recipe, optimizer)
+            states = replace(states, optimizer=math.ceil(full.optimizer * optimizer_share),
+                             master=math.ceil(full.master * optimizer_share))
+        acts = activation_bytes(cfg, recipe, micro_batch, seq_len, checkpointing, compiled=compiled)
+        k = grad_accum if strategy == "none" else max(grad_accum, 2)  # the buckets hold the gradients throughout
+        # under no_sync (the micro-batches before the last) DDP leaves .grad its own tensors beside the buckets
+        no_sync = states.grads if strategy != "none" and grad_accum > 1 else 0
+        return peak_bytes(cfg, states, acts, optimizer, micro_batch, seq_len, k, 1, recipe, checkpointing, compiled,
+                          extra_backward=no_sync)
+    if strategy not in ("zero2", "fsdp"):
+        raise TrainwiseError(f"parallel.strategy '{strategy}' must be none, ddp, zero1, zero2 or fsdp.")
+    c = recipe.compute_bytes
+    low = replace(recipe, residual_bytes=c)  # FSDP2's policy casts params and inputs: no autocast copies
+    moments = optimizer_moments(optimizer)
+    shard = math.ceil(n * 4 / dp)  # fp32 parameters / gradients, sharded
+    opt_shard = math.ceil(n * recipe.moment_bytes * moments / dp)
+    acts = activation_bytes(cfg, low, micro_batch, seq_len, checkpointing)
+    if strategy == "zero2":
+        gathered = c * n
+    else:
+        one, two = (count_params(replace(cfg, n_layers=k, first_dense_layers=0)).total for k in (1, 2))
+        block, root = two - one, 2 * one - two  # one block; embedding + final norm + LM head
+        gathered = c * (root + min(cfg.n_layers, 2) * block)
+    scratch = loss_backward_bytes(cfg, low, tokens)
+    if checkpointing == "full":
+        scratch = max(scratch, recompute_bytes(cfg, low, tokens))
+    accumulated = 4 * n if grad_accum > 1 else 0
+    backward = shard + opt_shard + gathered + acts + scratch + accumulated + (shard if grad_accum > 1 else 0)
+    step = 2 * shard + opt_shard + (opt_shard // moments if moments >= 2 else 0)
+    return max(backward, step)
+
+
+def eval_peak_bytes(cfg: ModelConfig, recipe: Recipe, resident: int, micro_batch: int, seq_len: int) -> int:
+    """Peak of an evaluation forward (no_grad: nothing is saved for backward) beside the `resident` bytes
+    (params + optimizer states between steps): the loss's N x V tensors at once, N = B x T: the logits
+    cV, their fp32 copy 4V when c is not fp32 (logits.float()) and the fp32 log-softmax 4V, plus the
+    final hidden states (the LM head input) sH and, under autocast, the LM head's weight cast cVH. The
+    chunked loss holds one chunk's fp32 logits instead."""
+    tokens, V, c, s = micro_batch * seq_len, cfg.vocab_size, recipe.compute_bytes, recipe.residual_bytes
+    cast = c * V * cfg.d_model if c != s else 0
+    if cfg.loss_chunk_tokens:
+        return resident + cast + tokens * s * cfg.d_model + 8 * V * min(cfg.loss_chunk_tokens, tokens)
+    return resident + cast + tokens * (c * V + (4 * V if c != 4 else 0) + 4 * V + s * cfg.d_model)
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int) -> int:
+    """trainwise.model.KVCache: keys and values of every layer for max_seq_len positions, allocated
+    whole up front: 2 x L x B x n_kv_heads x max_seq_len x head_dim x bytes (MLA caches the same way)."""
+    return 2 * cfg.n_layers * batch * cfg.n_kv_heads * cfg.max_seq_len * cfg.head_dim * dtype_bytes
+
+
+def sample_peak_bytes(cfg: ModelConfig, resident: int, batch: int, prompt_tokens: int, dtype_bytes: int = 4) -> int:
+    """Peak of Transformer.generate beside the `resident` bytes: the KV cache + the prefill's logits,
+    which the LM head computes for every prompt position (4V per token, fp32 weights) beside its input."""
+    tokens = batch * min(prompt_tokens, cfg.max_seq_len)
+    return resident + kv_cache_bytes(cfg, batch, dtype_bytes) + tokens * dtype_bytes * (cfg.vocab_size + cfg.d_model)
 
 
 def _distinct_layers(cfg: ModelConfig) -> list[int]:

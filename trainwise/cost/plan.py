@@ -83,6 +83,7 @@ class Plan:
     time: TimeEstimate | None  # None without hardware
     price: float | None = None
     notes: list[str] = field(default_factory=list)
+    compiled: bool = False  # torch.compile: what autograd saves changes (memory.compiled_block_bytes_per_token)
 
     @property
     def dp(self) -> int:
@@ -102,7 +103,8 @@ class Plan:
         if self.activations_bytes is None or self.model is None:
             return None
         return M.peak_bytes(self.model, self.states, self.activations_bytes, self.optimizer, self.micro_batch,
-                            self.seq_len, self.grad_accum, self.tp, self.recipe, self.checkpointing)
+                            self.seq_len, self.grad_accum, self.tp, self.recipe, self.checkpointing,
+                            compiled=self.compiled)
 
     @property
     def budget(self) -> int | None:
@@ -136,6 +138,7 @@ class Plan:
                        "peak_bytes": self.peak_bytes,
                        "fits": self.fits, "budget_bytes": self.budget, "precision": self.recipe.name,
                        "optimizer": self.optimizer, "checkpointing": self.checkpointing, "zero": self.zero,
+                       "compiled": self.compiled,
                        "scope": "per device except total_bytes (all devices)"},
             "time": self._time_json(),
             # name, peak and bandwidth are null without hardware
@@ -178,9 +181,12 @@ def train_settings(train: TrainConfig, precision: str | None = None) -> dict:
 
 def plan_for_run(cfg: RunConfig, precision: str, peak_flops: float) -> Plan:
     """The plan of a trainwise run as the trainer will execute it, on one device of `peak_flops`."""
+    from trainwise.train.parallelize import resolve_compile
+
     t = cfg.train
     tokens = t.max_steps * t.tokens_per_step
-    return plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, **train_settings(t, precision))
+    compiled, _ = resolve_compile(t.compile, cfg.model, t.max_steps, cfg.parallel.strategy)
+    return plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, compiled=compiled, **train_settings(t, precision))
 
 
 def plan_run(model: ModelConfig | None = None, *, params_count: float | None = None, tokens: float,
@@ -188,7 +194,8 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
              optimizer: str = "adamw", checkpointing: str = "none", zero: int = 0, tp: int = 1, pp: int = 1,
              gpus: int = 1, gpu: str | None = None, peak_flops: float | None = None,
              bandwidth: float | None = None, memory: int | None = None, mfu: float = DEFAULT_MFU,
-             causal_halving: bool = False, memory_budget: int | None = None, price: float | None = None) -> Plan:
+             causal_halving: bool = False, memory_budget: int | None = None, price: float | None = None,
+             compiled: bool = False) -> Plan:
     """Everything the planner knows about one run. Pass a ModelConfig, or only `params_count` (6ND rule)."""
     for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--micro-batch", micro_batch),
                         ("--grad-accum", grad_accum), ("--tp", tp), ("--pp", pp), ("--gpus", gpus),
@@ -215,7 +222,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         model_fpt = 3.0 * fwd.total
         fpt = model_fpt + F.recompute_flops_per_token(fwd, checkpointing, model)
         convention = "exact" if fpt == model_fpt else "exact+recompute"
-        acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp)
+        acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled)
         name = model.name
     else:
         n = int(params_count)
@@ -232,7 +239,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
                 checkpointing=checkpointing, zero=zero, tp=tp, pp=pp, gpus=gpus, hardware=hw, mfu=mfu,
                 causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
                 convention=convention, states=states, activations_bytes=acts, memory_budget=memory_budget,
-                time=t, price=price, notes=notes)
+                time=t, price=price, notes=notes, compiled=compiled)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     for each of K micro-batches:  loss = model(x, y) under autocast;  (loss / K).backward()
     clip the gradient norm;  optimizer.step();  zero the gradients (set to None)
+    (fp16: the loss scaled by a GradScaler, unscaled before clipping, scaler.step and update)
 
 Hooks let a caller look at the step between its phases (memory after forward, after backward, ...)
 without copying the loop.
@@ -24,7 +25,7 @@ def _no_hook(phase: str) -> None:
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, precision: str,
-               grad_clip: float = 1.0, hook: Hook = _no_hook) -> torch.Tensor:
+               grad_clip: float = 1.0, hook: Hook = _no_hook, scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
     """Run forward+backward over `batches` (the K micro-batches), then clip and step. Returns the mean
     loss as a tensor (no .item(): the step also runs on fake tensors). `hook(phase)` is called after "forward" and "backward" of each micro-batch and after "step"."""
     k = len(batches)
@@ -33,15 +34,21 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         with autocast(device, precision):
             loss = model(x, y)
         hook("forward")
-        (loss / k).backward()
+        (loss / k if scaler is None else scaler.scale(loss / k)).backward()
         total = loss.detach() if total is None else total + loss.detach()
         del loss
         hook("backward")
     if optimizer is not None:
         params = [p for p in model.parameters() if p.grad is not None]
+        if scaler is not None:  # fp16: unscale before clipping; the scaler skips a step with inf/NaN
+            scaler.unscale_(optimizer)
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         hook("step")
         optimizer.zero_grad(set_to_none=True)
     return total / k

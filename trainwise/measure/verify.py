@@ -1,8 +1,9 @@
 """Predicted vs measured: the planner's numbers held against one real step of the run.
 
-`measure_step` runs one extra training step on a copy of the trained model and optimizer (the run's
-weights, optimizer state, sampler and RNG are untouched) under the FLOP counter and the memory
-tracker. `build_verify` pairs those with the plan and the logged step times into verify.json
+`measure_step` runs two extra training steps on a copy of the trained model and optimizer (the run's
+weights, optimizer state, sampler and RNG are untouched), one under the FLOP counter and one under the
+memory tracker (by category). The peak is the run's own last step where the loop measured it
+(measure.memtrack.StepPeakMeter: compiled when the run compiles). `build_verify` pairs those with the plan and the logged step times into verify.json
 (DESIGN.md): every entry {"predicted", "measured", "error"}, error = measured / predicted - 1.
 """
 
@@ -58,8 +59,12 @@ def measure_step(cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.
         copy, opt = fresh_copy(cfg, model, optimizer, device)
         if opt is not None and not opt.state:  # no states yet: take one step so they exist
             train_step(copy, opt, batches[:1], device, precision, t.grad_clip)
+        # FLOPs and memory on two steps: FlopCounterMode's module tracking keeps each micro-batch's
+        # checkpointed activations alive into the next, which made a K = 4, full-checkpointing step
+        # read 2x its true peak (issue 17).
         with flop_counter() as counter:
-            memory = track_train_step(copy, opt, batches, device, precision, t.grad_clip)
+            train_step(copy, opt, batches, device, precision, t.grad_clip)
+        memory = track_train_step(copy, opt, batches, device, precision, t.grad_clip)
     return StepMeasurement(FlopCount.from_counter(counter), memory)
 
 
@@ -113,10 +118,16 @@ def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None
             f"step time predicted = FLOPs per step / (peak {peak:.4g} FLOP/s x assumed MFU {plan.mfu}); "
             f"peak: {peak_source}",
             "step time measured = mean logged step_time_s after the first log interval",
-            "memory measured with MemTracker on one extra real step of a copy of the trained model; "
-            "peak predicted = cost.memory.peak_bytes",
+            "memory by category measured with MemTracker on one extra real step of an eager copy of the "
+            "trained model; peak predicted = cost.memory.peak_bytes",
+            "peak measured = " + ("the peak allocated bytes of the run's last step as it ran (StepPeakMeter: "
+                                  "CUDA allocator, or resident storages + the CPU allocator's events in "
+                                  "torch.profiler)" if measured.get("peak_source") == "run"
+                                  else "MemTracker's peak on the copy"),
         ],
     }
+    out["peak_memory"] = {"source": measured.get("peak_source", "copy"),
+                          "tracker_copy_bytes": measured.get("tracker_peak_bytes")}
     if t.activation_checkpointing != "none":
         hfu = flops_pred / step_time_s / peak if step_time_s else None
         out["hfu"] = _entry(plan.mfu * flops_pred / model_flops_pred, hfu)
@@ -126,9 +137,14 @@ def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None
     return out
 
 
-def measured_from_step(m: StepMeasurement) -> dict:
+def measured_from_step(m: StepMeasurement, step_peak_bytes: int | None = None) -> dict:
+    """The measured numbers of verify.json. peak_memory_bytes: the run's own last step (step_peak_bytes,
+    measure.memtrack.StepPeakMeter: compiled when the run compiles, with its real scaler and wrappers)
+    where the loop measured it, else MemTracker's peak on the copy."""
     mem = m.memory
-    return {"flops_per_step": m.flops.total, "peak_memory_bytes": mem.peak_bytes,
+    peak = mem.peak_bytes if step_peak_bytes is None else step_peak_bytes
+    return {"flops_per_step": m.flops.total, "peak_memory_bytes": peak, "tracker_peak_bytes": mem.peak_bytes,
+            "peak_source": "copy" if step_peak_bytes is None else "run",
             "memory_bytes": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
                              "activations": mem.activations},
             "cuda_max_allocated_bytes": mem.cuda_max_allocated_bytes,
@@ -181,6 +197,8 @@ def verify_run(run_dir: str | Path) -> dict:
     measured = {"flops_per_step": old["flops_per_step"]["measured"],
                 "peak_memory_bytes": old["peak_memory_bytes"]["measured"],
                 "memory_bytes": {k: e["measured"] for k, e in old["memory_bytes"].items()},
+                "peak_source": old.get("peak_memory", {}).get("source", "copy"),
+                "tracker_peak_bytes": old.get("peak_memory", {}).get("tracker_copy_bytes"),
                 "cuda_max_allocated_bytes": old.get("cuda", {}).get("max_allocated_bytes"),
                 "cuda_max_reserved_bytes": old.get("cuda", {}).get("max_reserved_bytes")}
     step_time, _ = steady_step_time(run_dir / "metrics.jsonl")

@@ -111,8 +111,10 @@ def verify_table(verify: dict) -> str:
 
 
 def per_rank_table(section: dict) -> str:
-    """Each rank's model states under torchrun against the planner's ZeRO stage (verify.json's per_rank)."""
-    rows = [f"<tr><td>{rank}</td><td>{html.escape(name)}</td><td>{fmt_value('bytes', e['predicted'])}</td>"
+    """Each rank's model states and step peak under torchrun against the planner's ZeRO stage (verify.json's
+    per_rank; the peak is cost.memory.rank_peak_bytes vs the rank's last step, measure.memtrack.StepPeakMeter)."""
+    label = {"peak_memory_bytes": "step peak"}
+    rows = [f"<tr><td>{rank}</td><td>{html.escape(label.get(name, name))}</td><td>{fmt_value('bytes', e['predicted'])}</td>"
             f"<td>{fmt_value('bytes', e['measured'])}</td>{_error_cell(e['error'])}</tr>"
             for rank, entries in enumerate(section["ranks"]) for name, e in entries.items()]
     return (f"<h3>Per rank: {html.escape(section['strategy'])} on {section['world_size']} ranks vs the "

@@ -259,9 +259,19 @@ def per_rank_verify(cfg, measured: list[dict], d: Dist) -> dict:
         full = M.state_bytes(n_params, recipe, settings["optimizer"])
         for rank, owned in enumerate(M.zero1_partition(_group_numels(cfg), d.world_size)):
             predicted[rank]["optimizer"] = math.ceil((full.optimizer + full.master) * owned / n_params)
-    ranks = [{k: {"predicted": p[k], "measured": m[k], "error": m[k] / p[k] - 1 if p[k] else None} for k in p}
-             for p, m in zip(predicted, measured)]
+    shares = (M.zero1_partition(_group_numels(cfg), d.world_size) if zero == 1 else [None] * d.world_size)
+    for rank, owned in enumerate(shares):  # the step's peak on each rank (cost.memory.rank_peak_bytes)
+        predicted[rank]["peak_memory_bytes"] = M.rank_peak_bytes(
+            cfg.model, M.get_recipe(settings["precision"]), settings["optimizer"], d.strategy, d.world_size,
+            settings["micro_batch"], settings["seq_len"], settings["grad_accum"], settings["checkpointing"],
+            optimizer_share=None if owned is None else owned / n_params)
+    ranks = [{k: _entry(p[k], m.get(k)) for k in p} for p, m in zip(predicted, measured)]
     return {"strategy": d.strategy, "world_size": d.world_size, "zero_stage_planned": zero, "ranks": ranks}
+
+
+def _entry(predicted: int, measured: int | None) -> dict:
+    error = measured / predicted - 1 if predicted and measured is not None else None
+    return {"predicted": predicted, "measured": measured, "error": error}
 
 
 def _group_numels(cfg) -> list[list[int]]:
@@ -275,11 +285,14 @@ def _group_numels(cfg) -> list[list[int]]:
 
 
 def format_per_rank(section: dict) -> str:
-    lines = [f"per-rank model states, {section['strategy']} on {section['world_size']} ranks vs the "
+    lines = [f"per-rank model states and step peak, {section['strategy']} on {section['world_size']} ranks vs the "
              f"ZeRO-{section['zero_stage_planned']} plan:",
              f"{'rank':>4}  {'state':<10}{'predicted':>16}{'measured':>16}{'error':>9}"]
     for r, entries in enumerate(section["ranks"]):
         for name, e in entries.items():
+            if e["measured"] is None:
+                continue
+            name = "peak" if name == "peak_memory_bytes" else name
             lines.append(f"{r:>4}  {name:<10}{e['predicted'] / 1e6:>13.3f} MB{e['measured'] / 1e6:>13.3f} MB"
                          f"{e['error']:>+9.1%}")
     if section["zero_stage_planned"] == 1:

@@ -192,6 +192,8 @@ class _Run:
     skipped: torch.Tensor  # optimizer steps skipped for a non-finite gradient (this session), on the device
     last_grad_bytes: int = 0  # this rank's gradient bytes at the last step, for the per-rank memory check
     val_bytes: tuple[int, int] | None = None  # (targets, UTF-8 bytes) of the validation batches, for val_bpb
+    peak_meter: object = None  # measure.memtrack.StepPeakMeter while the measured (last) step runs
+    step_peak_bytes: int | None = None  # peak allocated bytes of the last step, as it really ran (verify.json)
 
 
 def _prepare_inputs(cfg: RunConfig, out: Path, resume: bool, init_from: str | None, d: distributed.Dist, say):
@@ -297,6 +299,8 @@ def _optimizer_step(run: _Run, step: int) -> tuple[float, torch.Tensor]:
         run.skipped += step_if_finite(optimizer, grad_norm)
     if run.d.active and step + 1 == cfg.max_steps:  # for the per-rank memory check
         run.last_grad_bytes = distributed.local_bytes(p.grad for p in run.params)
+    if run.peak_meter is not None:  # DDP's buckets: resident all along, reachable only through the grads
+        run.peak_meter.resident(p.grad for p in run.params)
     optimizer.zero_grad(set_to_none=True)
     return lr, grad_norm
 
@@ -393,6 +397,9 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     device = distributed.device_for(d, resolve_device(cfg.train.device))
     precision, why = resolve_precision(cfg.train.precision, device)
     tokenizer, tokens, init_state = _prepare_inputs(cfg, out, resume, init_from, d, say)
+    from trainwise.train.memcheck import check_memory  # noqa: E402  (pulls in the planner)
+
+    check_memory(cfg, device, precision, d, say)  # before the model exists and the run directory is made
     run, state = _build(cfg, out, resume, init_state, tokens, device, precision, d)
     run.val_bytes = val_window_bytes(tokenizer, tokens.val, cfg)  # None unless the tokenizer is byte-level
     from trainwise.train.report import RunReporter  # noqa: E402  (kept late: pulls in the planner)
@@ -432,7 +439,14 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     interval_start, interval_steps = time.perf_counter(), 0
     with _StopRequest() as stop:
         while step < cfg.train.max_steps:
+            if step + 1 == cfg.train.max_steps:  # verify.json's peak: the last step, as it really runs
+                from trainwise.measure.memtrack import StepPeakMeter
+
+                run.peak_meter = StepPeakMeter(device)
+                run.peak_meter.start()
             lr, grad_norm = _optimizer_step(run, step)
+            if run.peak_meter is not None:
+                run.step_peak_bytes, run.peak_meter = run.peak_meter.stop(), None
             step += 1
             tokens_seen += tokens_per_step
             interval_steps += 1
@@ -496,6 +510,7 @@ def _finish(run: _Run, reporter, out: Path, tokenizer: Tokenizer, tokens, step: 
     per_rank = None
     if d.active:  # the rest is rank 0's, on the gathered weights of the checkpoint just saved
         measured = distributed.rank_state_bytes(run.params, run.optimizer, run.last_grad_bytes, run.gathered["bytes"])
+        measured["peak_memory_bytes"] = run.step_peak_bytes
         per_rank = distributed.per_rank_verify(cfg, distributed.gather_objects(measured, d), d)
         distributed.shutdown(d)
         if not d.is_main:
@@ -516,7 +531,8 @@ def _finish(run: _Run, reporter, out: Path, tokenizer: Tokenizer, tokens, step: 
     # Distributed: verify measures one step of the gathered model with a fresh optimizer, in one process;
     # the per-rank shards were measured above and are checked against the ZeRO plan.
     reporter.finish(out, tokens_seen, step, model=model,
-                    optimizer=build_optimizer(model, cfg.train) if d.active else run.optimizer)
+                    optimizer=build_optimizer(model, cfg.train) if d.active else run.optimizer,
+                    step_peak_bytes=None if d.active else run.step_peak_bytes)
     if per_rank is not None and (out / "verify.json").is_file():
         result = json.loads((out / "verify.json").read_text(encoding="utf-8"))
         result["per_rank"] = per_rank

@@ -86,7 +86,7 @@ class RunReporter:
         return text
 
     def finish(self, out: Path, tokens_seen: int, step: int, model: torch.nn.Module | None = None,
-               optimizer: torch.optim.Optimizer | None = None) -> dict | None:
+               optimizer: torch.optim.Optimizer | None = None, step_peak_bytes: int | None = None) -> dict | None:
         """Write verify.json and print the predicted-vs-measured table. One extra training step runs on a
         copy of the model and optimizer (trainwise.measure.verify.measure_step): the run's weights,
         optimizer, sampler and RNG are left as they were."""
@@ -94,7 +94,8 @@ class RunReporter:
             return None
         from trainwise.measure.verify import build_verify, format_table, measure_step, measured_from_step, steady_step_time
 
-        measured = measured_from_step(measure_step(self.cfg, model, optimizer, self.device, self.precision))
+        measured = measured_from_step(measure_step(self.cfg, model, optimizer, self.device, self.precision),
+                                      step_peak_bytes)
         step_time, _ = steady_step_time(out / "metrics.jsonl")
         device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else f"{self.device.type}")
         result = build_verify(self.cfg, self.plan(), measured, step_time, device, self.peak_source)
