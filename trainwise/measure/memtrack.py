@@ -134,6 +134,11 @@ def _is_tensor(obj) -> bool:
         return False
 
 
+def foreign_storages(device: torch.device) -> set[int]:
+    """Storage addresses alive now, before a run builds anything: StepPeakMeter leaves them out."""
+    return set() if device.type == "cuda" else set(_storages(live_tensors(), device))
+
+
 class StepPeakMeter:
     """Peak bytes allocated on the device over a stretch of code, whatever runs it: eager, compiled
     (inductor allocates outside the dispatcher, where MemTracker cannot see) or FSDP2/DDP hooks.
@@ -146,8 +151,11 @@ class StepPeakMeter:
       (`resident`: e.g. the gradients before zero_grad, views into those buckets).
     Used as: meter.start(); ...; meter.resident(tensors); meter.stop() -> peak bytes."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, foreign: set[int] = frozenset()):
+        """foreign: storage addresses that are not the run's (foreign_storages() before the run began:
+        whatever else the process holds, e.g. a notebook's tensors or an earlier run's garbage)."""
         self.device = device
+        self.foreign = foreign
         self.peak_bytes: int | None = None
         self._prof = None
         self._base: dict[int, int] = {}
@@ -160,7 +168,7 @@ class StepPeakMeter:
             return
         from torch.profiler import ProfilerActivity, profile
 
-        self._base = _storages(live_tensors(), self.device)
+        self._base = {ptr: n for ptr, n in _storages(live_tensors(), self.device).items() if ptr not in self.foreign}
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         _quiet_stderr(self._prof.__enter__)
 

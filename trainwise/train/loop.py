@@ -396,6 +396,9 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
         quiet = True
     device = distributed.device_for(d, resolve_device(cfg.train.device))
     precision, why = resolve_precision(cfg.train.precision, device)
+    from trainwise.measure.memtrack import StepPeakMeter, foreign_storages
+
+    foreign = foreign_storages(device)  # what the process held before this run: not the run's memory
     tokenizer, tokens, init_state = _prepare_inputs(cfg, out, resume, init_from, d, say)
     from trainwise.train.memcheck import check_memory  # noqa: E402  (pulls in the planner)
 
@@ -440,9 +443,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     with _StopRequest() as stop:
         while step < cfg.train.max_steps:
             if step + 1 == cfg.train.max_steps:  # verify.json's peak: the last step, as it really runs
-                from trainwise.measure.memtrack import StepPeakMeter
-
-                run.peak_meter = StepPeakMeter(device)
+                run.peak_meter = StepPeakMeter(device, foreign)
                 run.peak_meter.start()
             lr, grad_norm = _optimizer_step(run, step)
             if run.peak_meter is not None:
