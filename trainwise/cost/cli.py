@@ -56,7 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth", type=_number, help="memory bandwidth, bytes/s")
     p.add_argument("--memory", help="device memory capacity (bytes or 80GiB)")
     p.add_argument("--memory-budget", help="per-device budget for `fits` (bytes, 80GiB or 80GB)")
-    p.add_argument("--mfu", type=_number, default=DEFAULT_MFU, help=f"model FLOP utilisation (default {DEFAULT_MFU})")
+    p.add_argument("--mfu", type=_number, default=None,
+                   help="what-if: time at this model FLOP utilisation instead of the step-time model (which "
+                        f"prices each operator on --gpu cpu or a table GPU; else {DEFAULT_MFU} is assumed)")
     p.add_argument("--price", type=_number, help="$ per device-hour")
     p.add_argument("--causal-halving", action="store_true", help="halve attention score/value FLOPs (causal)")
     p.add_argument("--fit", action="store_true", help="search micro-batch, grad-accum, checkpointing, ZeRO")
@@ -152,12 +154,21 @@ def _plan_table(plan) -> str:
         rows.append((f"{key} / device", fmt_bytes(mem[f"{key}_bytes"])))
     rows += [("total / device", fmt_bytes(mem["per_device_bytes"])), ("budget / device", fmt_bytes(mem["budget_bytes"])),
              ("fits", {True: "yes", False: "NO", None: "unknown"}[mem["fits"]]),
-             ("hardware", f"{plan.gpus} x {plan.hardware.name} @ {plan.hardware.peak_flops:.4g} FLOP/s, MFU {plan.mfu}"),
+             ("hardware", f"{plan.gpus} x {plan.hardware.name} @ {plan.hardware.peak_flops:.4g} FLOP/s"),
+             ("step time", f"{t['step_seconds']:.4g} s per step of {plan.tokens_per_step:,} tokens, "
+                           f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} ({_source(t['source'])})"),
              ("time", f"{t['seconds']:.4g} s = {t['days']:.2f} days = {t['device_hours']:,.1f} device-hours")]
     if "cost_usd" in t:
         rows.append(("cost", f"${t['cost_usd']:,.0f}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows + [("note", n) for n in plan.notes])
+
+
+def _source(source: str) -> str:
+    """How a plan's time was obtained, as a person reads it (plan.json keeps the DESIGN.md word)."""
+    return {"calibrated": "step-time model, calibrated on this machine",
+            "table defaults": "step-time model from table, uncalibrated: datasheet x default efficiencies"}.get(
+        source, "assumed MFU: a what-if, not a prediction")
 
 
 def _cmd_fit(args, model, run, budget, hw) -> int:

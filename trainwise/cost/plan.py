@@ -4,6 +4,7 @@ worked derivation (`explain`); and the `--fit` search over micro-batch, grad-acc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ from trainwise.cost import flops as F
 from trainwise.cost import memory as M
 from trainwise.cost.hardware import Accelerator, get_accelerator
 from trainwise.cost.params import ParamCount, params
+from trainwise.cost.steptime import Profile, StepTime, plan_step, table_profile
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time
 from trainwise.errors import TrainwiseError
 
@@ -22,28 +24,36 @@ class Hardware:
     peak_flops: float
     bandwidth_bytes_per_s: float | None = None
     memory_bytes: int | None = None
+    profile: Profile | None = None  # what the step-time model prices operators with (cost.steptime)
+    cuda: bool = False  # a GPU: CUDA kernels, communication overlapped with backward
 
 
 def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float | None, memory: int | None,
-                     dtype: str) -> Hardware:
-    """--gpu NAME from the table, overridden by --peak-flops/--bandwidth/--memory where given."""
+                     dtype: str, threads: int | None = None) -> Hardware:
+    """--gpu NAME from the table, overridden by --peak-flops/--bandwidth/--memory where given. `cpu` is
+    this machine as calibrated (with `threads` torch threads, e.g. per torchrun rank); a table GPU gets
+    the step-time model's default efficiencies (uncalibrated). A given --peak-flops drops the profile:
+    time then comes from the assumed MFU."""
     if gpu and gpu.lower() == "cpu":  # this machine, as `trainwise hardware --calibrate` measured it
         from trainwise.measure.calibrate import calibrate
 
-        measured = calibrate("cpu")
+        measured = calibrate("cpu", threads=threads)
         peak = measured["peak_flops"].get(dtype, measured["peak_flops"]["fp32"])
         busy = " while busy: too low, see `trainwise hardware --calibrate`" if measured.get("busy") else ""
-        hw = Hardware(f"this CPU (measured{busy})", peak, measured["bandwidth_bytes_per_s"], None)
+        hw = Hardware(f"this CPU (measured{busy})", peak, measured["bandwidth_bytes_per_s"], None,
+                      Profile.from_json(measured["profile"]))
     elif gpu:
         acc: Accelerator = get_accelerator(gpu)
-        hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes)
+        hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes,
+                      table_profile(acc.peak_flops, acc.bandwidth_bytes_per_s) if acc.bandwidth_bytes_per_s else None,
+                      cuda=True)
     elif peak_flops:
         hw = Hardware("custom", peak_flops)
     else:
         raise TrainwiseError("give the hardware: --gpu NAME (see `trainwise hardware`), --gpu cpu (this machine's "
                              "measured peak) or --peak-flops P (FLOP/s).")
     if peak_flops:
-        hw.peak_flops = float(peak_flops)
+        hw.peak_flops, hw.profile = float(peak_flops), None
     if bandwidth:
         hw.bandwidth_bytes_per_s = float(bandwidth)
     if memory:
@@ -82,6 +92,19 @@ class Plan:
     time: TimeEstimate
     price: float | None = None
     notes: list[str] = field(default_factory=list)
+    step: StepTime | None = None  # the step-time model's prediction; None: time from the assumed MFU
+    time_source: str = "assumed MFU (--mfu)"  # DESIGN.md: "calibrated" | "table defaults" | "assumed MFU (--mfu)"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted seconds of one optimizer step (all devices together)."""
+        if self.step is not None:
+            return self.step.seconds
+        return self.flops_per_token * self.tokens_per_step / (self.gpus * self.hardware.peak_flops * self.mfu)
 
     @property
     def dp(self) -> int:
@@ -137,6 +160,8 @@ class Plan:
                        "optimizer": self.optimizer, "checkpointing": self.checkpointing, "zero": self.zero,
                        "scope": "per device except total_bytes (all devices)"},
             "time": {"seconds": self.time.seconds, "days": self.time.days, "device_hours": self.time.device_hours,
+                     "step_seconds": self.step_seconds, "tokens_per_s": self.tokens_per_step / self.step_seconds,
+                     "mfu": self.mfu, "source": self.time_source,
                      **({"cost_usd": self.cost} if self.price is not None else {})},
             "hardware": {"name": self.hardware.name, "peak_flops": self.hardware.peak_flops,
                          "bandwidth_bytes_per_s": self.hardware.bandwidth_bytes_per_s, "devices": self.gpus,
@@ -164,20 +189,30 @@ def train_settings(train: TrainConfig, precision: str | None = None) -> dict:
                 checkpointing=train.activation_checkpointing)
 
 
-def plan_for_run(cfg: RunConfig, precision: str, peak_flops: float) -> Plan:
-    """The plan of a trainwise run as the trainer will execute it, on one device of `peak_flops`."""
+def plan_for_run(cfg: RunConfig, precision: str, peak_flops: float, device: str | None = None,
+                 compiled: bool = False, world_size: int = 1) -> Plan:
+    """The plan of a trainwise run as the trainer will execute it. device "cpu": this machine's
+    calibration prices the step (compiled or eager, per torchrun rank when world_size > 1); otherwise
+    one device of `peak_flops` at the assumed MFU."""
     t = cfg.train
+    if device == "cpu":
+        zero = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}[cfg.parallel.strategy if world_size > 1 else "none"]
+        return plan_run(cfg.model, tokens=t.max_steps * t.tokens_per_step * world_size, gpu="cpu", gpus=world_size,
+                        zero=zero, compiled=compiled, **train_settings(t, precision))
     tokens = t.max_steps * t.tokens_per_step
-    return plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, **train_settings(t, precision))
+    return plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, mfu=DEFAULT_MFU, **train_settings(t, precision))
 
 
 def plan_run(model: ModelConfig | None = None, *, params_count: float | None = None, tokens: float,
              seq_len: int = 2048, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16",
              optimizer: str = "adamw", checkpointing: str = "none", zero: int = 0, tp: int = 1, pp: int = 1,
              gpus: int = 1, gpu: str | None = None, peak_flops: float | None = None,
-             bandwidth: float | None = None, memory: int | None = None, mfu: float = DEFAULT_MFU,
-             causal_halving: bool = False, memory_budget: int | None = None, price: float | None = None) -> Plan:
-    """Everything the planner knows about one run. Pass a ModelConfig, or only `params_count` (6ND rule)."""
+             bandwidth: float | None = None, memory: int | None = None, mfu: float | None = None,
+             causal_halving: bool = False, memory_budget: int | None = None, price: float | None = None,
+             compiled: bool = False) -> Plan:
+    """Everything the planner knows about one run. Pass a ModelConfig, or only `params_count` (6ND rule).
+    Time: with a model on a profiled device (--gpu cpu, a table GPU) and no `mfu`, the step-time model
+    (cost.steptime); else total FLOPs / (G x peak x MFU), MFU = `mfu` or DEFAULT_MFU (a what-if)."""
     for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--micro-batch", micro_batch),
                         ("--grad-accum", grad_accum), ("--tp", tp), ("--pp", pp), ("--gpus", gpus),
                         ("--params", params_count), ("--price", price)):
@@ -189,7 +224,8 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
     if checkpointing not in F.RECOMPUTE:
         raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective or full.")
     recipe = M.get_recipe(precision)
-    hw = resolve_hardware(gpu, peak_flops, bandwidth, memory, recipe.compute_dtype)
+    threads = max(1, (os.cpu_count() or 1) // gpus) if gpu and gpu.lower() == "cpu" and gpus > 1 else None
+    hw = resolve_hardware(gpu, peak_flops, bandwidth, memory, recipe.compute_dtype, threads)
     dp = gpus // (tp * pp)
     notes = []
     if model is not None:
@@ -211,13 +247,27 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         convention = "8ND" if checkpointing == "full" else "6ND"
         notes.append("activations unknown without a model config (--params only)")
     states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp)
-    t = estimate_time(fpt * tokens, gpus, hw.peak_flops, mfu)
+    step, source = None, "assumed MFU (--mfu)"
+    if mfu is None and model is not None and hw.profile is not None and tp == pp == 1:
+        step = plan_step(model, hw.profile, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
+                         compute_dtype=recipe.compute_dtype, checkpointing=checkpointing, optimizer=optimizer,
+                         zero=zero, dp=dp, n_params=counts.total, grad_bytes=4 * counts.total,
+                         param_bytes=4 * counts.total, compiled=compiled, cuda=hw.cuda)
+        source = hw.profile.source
+        tokens_per_s = seq_len * micro_batch * grad_accum * dp / step.seconds
+        mfu = model_fpt * tokens_per_s / (gpus * hw.peak_flops)
+        t = TimeEstimate(tokens / tokens_per_s, gpus)
+    else:
+        if mfu is None and model is not None and hw.profile is not None:
+            notes.append("tensor/pipeline parallel steps are not modelled per operator: time from the assumed MFU")
+        mfu = DEFAULT_MFU if mfu is None else mfu
+        t = estimate_time(fpt * tokens, gpus, hw.peak_flops, mfu)
     return Plan(name=name, model=model, counts=counts, tokens=float(tokens), seq_len=seq_len,
                 micro_batch=micro_batch, grad_accum=grad_accum, recipe=recipe, optimizer=optimizer,
                 checkpointing=checkpointing, zero=zero, tp=tp, pp=pp, gpus=gpus, hardware=hw, mfu=mfu,
                 causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
                 convention=convention, states=states, activations_bytes=acts, memory_budget=memory_budget,
-                time=t, price=price, notes=notes)
+                time=t, price=price, notes=notes, step=step, time_source=source)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -234,17 +284,20 @@ class Candidate:
     step_seconds: float
     fits: bool
     reason: str = ""
+    tokens_per_s: float = 0.0
 
 
 def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: int, precision: str = "bf16",
         optimizer: str = "adamw", tp: int = 1, pp: int = 1, gpus: int = 1, gpu: str | None = None,
-        peak_flops: float | None = None, mfu: float = DEFAULT_MFU, causal_halving: bool = False,
+        peak_flops: float | None = None, mfu: float | None = None, causal_halving: bool = False,
         max_micro_batch: int = 1024) -> tuple[list[Candidate], list[Candidate]]:
     """Search micro_batch x checkpointing x ZeRO stage for a global batch of `global_batch` sequences.
 
-    grad_accum = global_batch / (micro_batch x dp) must be a whole number. Estimated step time =
-    step FLOPs including recompute / (G x peak x MFU), so recomputation costs time; ties go to the lower
-    ZeRO stage (less communication), then to fewer accumulation steps (larger, more efficient matmuls).
+    grad_accum = global_batch / (micro_batch x dp) must be a whole number. Candidates that fit are
+    ranked by predicted tokens/s: on a profiled device (--gpu cpu, a table GPU) the step-time model
+    prices each one (recompute, small matmuls, communication all cost time; one recorded step per
+    checkpointing mode, scaled to each micro-batch); else step FLOPs including recompute / (G x peak x
+    MFU), ties to the lower ZeRO stage, then to fewer accumulation steps.
     Returns (fitting candidates best first, rejected candidates with the reason)."""
     _positive("global batch", global_batch)
     dp = gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0
@@ -259,6 +312,8 @@ def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: i
     counts = params(model)
     fwd = F.forward_flops_per_token(model, seq_len, causal_halving)
     good, bad = [], []
+    modelled = mfu is None and hw.profile is not None and tp == pp == 1
+    mfu = DEFAULT_MFU if mfu is None else mfu
     for zero in (0, 1, 2, 3):
         if zero and dp == 1:
             continue  # nothing to shard over
@@ -271,17 +326,37 @@ def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: i
                 ok = total <= memory_budget
                 reason = "" if ok else (f"needs {total / 2**30:.1f} GiB > budget {memory_budget / 2**30:.1f} GiB"
                                         + (" (the model states alone exceed it)" if states > memory_budget else ""))
-                (good if ok else bad).append(Candidate(b, per_rank // b, ckpt, zero, total, step_s, ok, reason))
+                if ok and modelled:
+                    step_s = _modelled_step(model, hw, recipe, optimizer, ckpt, zero, dp, b, per_rank // b, seq_len,
+                                            counts.total)
+                (good if ok else bad).append(Candidate(b, per_rank // b, ckpt, zero, total, step_s, ok, reason,
+                                                       global_batch * seq_len / step_s))
     good.sort(key=lambda c: (c.step_seconds, c.zero, c.grad_accum))
     for c in good[3:]:
         bad.append(Candidate(c.micro_batch, c.grad_accum, c.checkpointing, c.zero, c.per_device_bytes,
-                             c.step_seconds, True, _why_worse(c, good[0])))
+                             c.step_seconds, True, _why_worse(c, good[0]), c.tokens_per_s))
     return good, bad
+
+
+def _modelled_step(model, hw: Hardware, recipe, optimizer: str, ckpt: str, zero: int, dp: int, micro_batch: int,
+                   grad_accum: int, seq_len: int, n_params: int) -> float:
+    """Step-time model of one --fit candidate, from the checkpointing mode's recorded micro-batch of 1."""
+    from trainwise.cost.steptime import cached_step_ops, scale_batch
+
+    precision = "fp32" if recipe.compute_dtype == "fp32" else recipe.compute_dtype
+    ops = scale_batch(cached_step_ops(model, 1, seq_len, precision, ckpt, False, optimizer), micro_batch, seq_len)
+    return plan_step(model, hw.profile, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
+                     compute_dtype=recipe.compute_dtype, checkpointing=ckpt, optimizer=optimizer, zero=zero, dp=dp,
+                     n_params=n_params, grad_bytes=4 * n_params, param_bytes=4 * n_params, cuda=hw.cuda,
+                     ops=ops).seconds
 
 
 def _why_worse(c: Candidate, best: Candidate) -> str:
     if c.step_seconds > best.step_seconds * (1 + 1e-9):
-        return f"fits, but recompute ({c.checkpointing}) makes the step {c.step_seconds / best.step_seconds - 1:.1%} slower"
+        why = (f"recompute ({c.checkpointing})" if c.checkpointing != best.checkpointing else
+               f"ZeRO-{c.zero} communication" if c.zero != best.zero else
+               f"micro-batch {c.micro_batch} x {c.grad_accum} accumulation steps")
+        return f"fits, but {why}: predicted step {c.step_seconds / best.step_seconds - 1:.1%} slower"
     if c.zero > best.zero:
         return f"fits, same FLOPs, but ZeRO-{c.zero} communicates more than ZeRO-{best.zero}"
     return f"fits, same FLOPs, but {c.grad_accum} accumulation steps of micro-batch {c.micro_batch} use smaller matmuls"
@@ -351,9 +426,14 @@ def explain_plan(p: Plan) -> str:
         f"incl. fp32 logits B*T*V) = {fmt_bytes(p.activations_bytes)}")
     add(f"   per device = {fmt_bytes(p.per_device_bytes)}; budget {fmt_bytes(p.budget)} -> fits: {p.fits}")
     add("")
-    add("4. Time = C / (G x peak x MFU)")
-    add(f"   = {p.total_flops:.4g} / ({p.gpus} x {p.hardware.peak_flops:.4g} x {p.mfu}) = {p.time.seconds:.4g} s"
-        f" = {p.time.days:.2f} days = {p.time.device_hours:,.1f} device-hours")
+    if p.step is not None:
+        from trainwise.cost.explain_time import explain_step
+
+        add(explain_step(p))
+    else:
+        add("4. Time = C / (G x peak x MFU)   (assumed MFU: a what-if, not a prediction)")
+        add(f"   = {p.total_flops:.4g} / ({p.gpus} x {p.hardware.peak_flops:.4g} x {p.mfu}) = {p.time.seconds:.4g} s"
+            f" = {p.time.days:.2f} days = {p.time.device_hours:,.1f} device-hours")
     if p.price is not None:
         add(f"   cost = {p.time.device_hours:,.1f} device-hours x ${p.price}/h = ${p.cost:,.0f}")
     for n in p.notes:
