@@ -80,7 +80,21 @@ def _matmul_shape(name: str, ins: list[torch.Tensor]) -> tuple[int, ...] | None:
         return (1, a.shape[0], a.shape[1], b.shape[1])
     if a.dim() == 3 and b.dim() == 3:
         return (a.shape[0], a.shape[1], a.shape[2], b.shape[2])
+    if a.dim() == 2 and b.dim() == 3:  # _grouped_mm: (S, K) rows split over E experts' (K, N) weights
+        return (b.shape[0], a.shape[0] // b.shape[0], a.shape[1], b.shape[2])
     return None
+
+
+def _balanced_bincount(x: torch.Tensor, weights=None, minlength: int = 0) -> torch.Tensor:
+    """MoE routing counts on fake tensors: the tokens' choices are unknown, so every expert gets an equal
+    share (the planner's uniform-routing assumption). A real tensor: the step's .tolist() can read it."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        n = x.numel()
+        counts = torch.full((minlength,), n // minlength, dtype=torch.int64)
+        counts[: n % minlength] += 1
+    return counts
 
 
 class _Recorder(TorchDispatchMode):
@@ -123,7 +137,29 @@ def _one(x) -> float:
 def step_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32", checkpointing: str = "none",
              grad_accum: int = 1, compiled: bool = False, optimizer: str = "adamw") -> list[Op]:
     """Operators of one training step of the trainwise model (K = grad_accum micro-batches), recorded on
-    fake CPU tensors; largest FLOPs first. precision: "fp32" or a bf16/fp16 autocast recipe."""
+    fake CPU tensors; largest FLOPs first. precision: "fp32" or a bf16/fp16 autocast recipe.
+
+    A deep model whose blocks repeat (every layer after first_dense_layers alike) is recorded at depths
+    d+1 and d+2 and extrapolated: ops(L) = ops(d+1) + (L-d-1) x (ops(d+2) - ops(d+1)), exact because a
+    block's operators do not depend on its depth (an 80-layer step took 20 s to record whole)."""
+    base = model_cfg.first_dense_layers + 1 if model_cfg.is_moe else 1
+    if model_cfg.n_layers > base + 1 and (not model_cfg.is_moe or model_cfg.moe_every == 1):
+        from dataclasses import replace
+
+        one, two = (_record(replace(model_cfg, n_layers=n), micro_batch, seq_len, precision, checkpointing,
+                            compiled, optimizer) for n in (base, base + 1))
+        extra = model_cfg.n_layers - base
+        recs = {k: [a + extra * (b - a) for a, b in zip(one.get(k, [0, 0.0, 0.0]), two[k])] for k in two}
+    else:
+        recs = _record(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled, optimizer)
+    ops = [Op(n, op_class(n), ph, dt, shape, int(c), f, b) for (n, ph, dt, shape), (c, f, b) in recs.items() if f or b]
+    ops = [op.scaled(grad_accum) if op.phase != "optimizer" else op for op in ops]
+    return sorted(ops, key=lambda o: -o.flops)
+
+
+def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpointing: str, compiled: bool,
+            optimizer: str) -> dict[tuple, list]:
+    """{(name, phase, dtype, shape): [calls, FLOPs, bytes]} of one micro-batch's step on fake tensors."""
     from trainwise.config import TrainConfig
     from trainwise.measure.step import train_step
     from trainwise.model import Transformer
@@ -134,8 +170,13 @@ def step_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32",
     rec = _Recorder()
     adam = importlib.import_module("torch.optim.adam")
     with FakeTensorMode(allow_non_fake_inputs=True), mock.patch.object(adam, "_get_value", _one), \
-            mock.patch.object(torch.compiler, "is_compiling", lambda: compiled):
+            mock.patch.object(torch.compiler, "is_compiling", lambda: compiled), \
+            mock.patch.object(torch, "bincount", _balanced_bincount):
         model = Transformer(model_cfg)
+        if precision == "fp32":  # fake tensors have no fp32 _grouped_mm: experts one by one, same FLOPs and bytes
+            for block in model.blocks:
+                if hasattr(block.mlp, "grouped_mm"):
+                    block.mlp.grouped_mm = False
         if checkpointing != "none":
             apply_activation_checkpointing(model, checkpointing)
         opt = build_optimizer(model, TrainConfig(optimizer="sgd" if optimizer.startswith("sgd") else "adamw",
@@ -143,9 +184,7 @@ def step_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32",
         ids = torch.randint(0, model_cfg.vocab_size, (micro_batch, seq_len + 1))
         with rec:
             train_step(model, opt, [(ids[:, :-1], ids[:, 1:])], torch.device("cpu"), precision, hook=rec.hook)
-    ops = [Op(n, op_class(n), ph, dt, shape, c, f, b) for (n, ph, dt, shape), (c, f, b) in rec.ops.items() if f or b]
-    ops = [op.scaled(grad_accum) if op.phase != "optimizer" else op for op in ops]
-    return sorted(ops, key=lambda o: -o.flops)
+    return dict(rec.ops)
 
 
 # The kernels a CUDA device runs instead of the CPU ones the fake step records (the trainer's choices:

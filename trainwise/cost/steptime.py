@@ -182,12 +182,13 @@ def comm_seconds(strategy: str, world: int, grad_bytes: float, param_bytes: floa
             "reduce_scatter": ring_seconds("reduce_scatter", grad_bytes, world, link, n_blocks + 1)}
 
 
-def exposed_comm(comm: dict[str, float], backward_s: float, overlaps: bool) -> float:
-    """Seconds of communication the step waits for. On a GPU, NCCL runs beside the backward kernels
-    (DDP's buckets, FSDP's prefetch), so only what outlasts backward shows; on a CPU, gloo needs the
-    same cores as the compute, so all of it shows."""
+def exposed_comm(comm: dict[str, float], compute_s: float, overlaps: bool) -> float:
+    """Seconds of communication the step waits for. On a GPU, NCCL runs beside the kernels (DDP's
+    buckets during backward, FSDP's prefetched gathers during forward and backward), so only what
+    outlasts the forward+backward compute shows; on a CPU, gloo needs the same cores as the compute,
+    so all of it shows."""
     total = sum(comm.values())
-    return max(0.0, total - backward_s) if overlaps else total
+    return max(0.0, total - compute_s) if overlaps else total
 
 
 # --- the planner's entry point ----------------------------------------------------------------------
@@ -252,10 +253,15 @@ def plan_step(model, profile: Profile, *, micro_batch: int, seq_len: int, grad_a
         ops = for_cuda(ops)
     ops = [o.scaled(grad_accum) if o.phase != "optimizer" else o for o in ops]
     tensors = n_param_tensors(model)
+    if zero >= 1 and dp > 1:  # each rank updates only its 1/dp shard of the parameters
+        ops = [o if o.phase != "optimizer" else Op(o.name, o.cls, o.phase, o.dtype, o.shape, o.calls, o.flops / dp,
+                                                    o.bytes / dp) for o in ops]
+        n_params = n_params // dp
     base = predict_step(ops, profile, tensors, n_params, compiled, 0.0, optimizer, async_launch=cuda)
     comm = comm_seconds(strategy_for(zero, dp), dp, grad_bytes, param_bytes, model.n_layers, grad_accum, profile.link,
                         param_bytes // 2 if precision != "fp32" and zero >= 2 else None)
-    exposed = exposed_comm(comm, base.by_phase().get("backward", 0.0), overlaps=cuda)
+    phases = base.by_phase()
+    exposed = exposed_comm(comm, phases.get("backward", 0.0) + phases.get("forward", 0.0), overlaps=cuda)
     base.comm_s, base.seconds = exposed, base.seconds + exposed
     base.comm = comm
     return base
