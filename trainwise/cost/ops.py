@@ -170,7 +170,7 @@ def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpoin
     rec = _Recorder()
     adam = importlib.import_module("torch.optim.adam")
     with FakeTensorMode(allow_non_fake_inputs=True), mock.patch.object(adam, "_get_value", _one), \
-            mock.patch.object(torch.compiler, "is_compiling", lambda: compiled), \
+            mock.patch.object(torch.compiler, "is_compiling", lambda: compiled and rec.phase != "optimizer"), \
             mock.patch.object(torch, "bincount", _balanced_bincount):
         model = Transformer(model_cfg)
         if precision == "fp32":  # fake tensors have no fp32 _grouped_mm: experts one by one, same FLOPs and bytes

@@ -210,7 +210,8 @@ def cached_step_ops(model, micro_batch: int, seq_len: int, precision: str, check
 def scale_batch(ops: list[Op], factor: int, seq_len: int) -> list[Op]:
     """The operators of micro-batch B x factor from those of micro-batch B (for `plan --fit`, which
     prices many micro-batches from one recorded step): forward and backward work grows with the tokens;
-    a matmul's token extent (the first of M, K, N equal to B x seq_len; bmm's batch) grows with it."""
+    a matmul's token extent (the first of M, K, N that is a multiple of seq_len; bmm's batch) grows with
+    it. Weight-sized element-wise work (an embedding's gradient) is scaled too: a small overestimate."""
     if factor == 1:
         return ops
     out = []

@@ -125,18 +125,31 @@ def device_profile(device: torch.device) -> dict:
     from trainwise.measure import kernels as K
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    took, clock = {}, time.perf_counter()
+
+    def lap(part: str) -> None:  # seconds each part took: the whole must stay under a minute on 2 cores
+        nonlocal clock
+        took[part] = time.perf_counter() - clock
+        clock = time.perf_counter()
+
     grids = {name: K.matmul_grid(dt, device) for name, dt in dtypes.items()}
+    lap("matmul")
     matmul = {}
     for name, grid in grids.items():
         size = DTYPES[name].itemsize
         rows = [([2.0 * m * k * n, size * (m * k + k * n + m * n)], t) for m, k, n, t in grid]
         inv_p, inv_bw = fit_linear(rows)  # no intercept: the per-call cost is the step overhead's
         matmul[name] = [0.0, K._rate(inv_p), K._rate(inv_bw)]
+    elementwise = {name: K.elementwise_fits(dt, device) for name, dt in dtypes.items()}
+    lap("elementwise")
+    attention = {name: K.attention_fits(dt, device) for name, dt in dtypes.items()}
+    lap("attention")
     optimizer = K.optimizer_fit(device)
-    return {"matmul": matmul, "matmul_grid": grids,
-            "elementwise": {name: K.elementwise_fits(dt, device) for name, dt in dtypes.items()},
-            "attention": {name: K.attention_fits(dt, device) for name, dt in dtypes.items()},
-            "optimizer": optimizer, "overhead": K.step_overhead(device, optimizer), "source": "calibrated"}
+    lap("optimizer")
+    overhead = K.step_overhead(device, optimizer)
+    lap("overhead")
+    return {"matmul": matmul, "matmul_grid": grids, "elementwise": elementwise, "attention": attention,
+            "optimizer": optimizer, "overhead": overhead, "source": "calibrated", "seconds": took}
 
 
 def calibrate(device: torch.device | str = "cpu", refresh: bool = False, threads: int | None = None) -> dict:
@@ -169,7 +182,8 @@ def _calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dic
         return old
     sizes = PEAK_SIZES["cuda" if device.type == "cuda" else "cpu"]
     dtypes = ["fp32", "bf16"] + (["fp16"] if device.type == "cuda" else [])
-    wall, before = time.perf_counter(), _cpu_busy_jiffies()
+    began = wall = time.perf_counter()
+    before = _cpu_busy_jiffies()
     timings = {name: [matmul_flops_per_s(device, DTYPES[name], n, 0.3 if name == "fp32" else 0.5,
                                          3 if name == "fp32" else 7) for n in sizes] for name in dtypes}
     others = others_share(before, _cpu_busy_jiffies(), time.perf_counter() - wall)
@@ -183,6 +197,7 @@ def _calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dic
         "measured_unix": time.time(),
     }
     result["profile"] = device_profile(device)
+    result["calibration_s"] = time.perf_counter() - began
     if device.type == "cpu":
         result["cpu_share"] = min(share for runs in timings.values() for _, share in runs)
         if others is not None:

@@ -1,6 +1,6 @@
 """Micro-benchmarks that describe a device for the step-time model (trainwise.cost.time).
 
-Each figure is the median of repeated timings of the kernels the trainer really runs, with every torch
+Each figure is the lower quartile of repeated timings of the kernels the trainer really runs, with every torch
 thread, after a warm-up:
 - matmul: (M,K)x(K,N) over a small grid of shapes per dtype (skinny and small shapes run far below
   peak), summarised by a fit t = c + F/P + Q/BW (cost.time.fit_matmul);
@@ -30,8 +30,10 @@ def _rate(seconds_per_unit: float) -> float:
     return 1.0 / seconds_per_unit if seconds_per_unit > 0 else 1e30
 
 
-def median_seconds(fn, budget_s: float = 0.06, min_reps: int = 5, max_reps: int = 200) -> float:
-    """Median wall time of fn() after one warm-up call, repeated for about budget_s (at least min_reps)."""
+def quartile_seconds(fn, budget_s: float = 0.06, min_reps: int = 5, max_reps: int = 200) -> float:
+    """Lower-quartile wall time of fn() after one warm-up call, repeated for about budget_s (at least
+    min_reps): on a quiet machine within a few percent of the median, and less thrown by a moment of
+    contention than the median (the peak itself is the median: calibrate.matmul_flops_per_s)."""
     fn()
     times: list[float] = []
     end = time.perf_counter() + budget_s
@@ -39,7 +41,7 @@ def median_seconds(fn, budget_s: float = 0.06, min_reps: int = 5, max_reps: int 
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0]
 
 
 def matmul_grid(dtype: torch.dtype, device: torch.device) -> list[tuple[int, int, int, float]]:
@@ -53,7 +55,7 @@ def matmul_grid(dtype: torch.dtype, device: torch.device) -> list[tuple[int, int
                     continue
                 a = torch.randn(m, k, generator=gen, device=device).to(dtype)
                 b = torch.randn(k, n, generator=gen, device=device).to(dtype)
-                out.append((m, k, n, median_seconds(lambda: torch.mm(a, b), 0.03, 3)))
+                out.append((m, k, n, quartile_seconds(lambda: torch.mm(a, b), 0.03, 3)))
     return out
 
 
@@ -75,7 +77,7 @@ def elementwise_fits(dtype: torch.dtype, device: torch.device) -> dict[str, list
         rows = []
         for numel in (262_144, 1_048_576, 8_388_608):
             x, y = (torch.randn(numel // 4096, 4096, device=device).to(dtype) for _ in range(2))
-            t = median_seconds(lambda: fn(x, y), 0.03, 3)
+            t = quartile_seconds(lambda: fn(x, y), 0.03, 3)
             rows.append(([passes * x.numel() * x.element_size()], t))
         fits[cls] = [0.0, _rate(fit_linear(rows)[0])]
     return fits
@@ -99,8 +101,8 @@ def attention_fits(dtype: torch.dtype, device: torch.device) -> dict[str, list[f
             y.backward(grad)
         total = counter.get_total_flops()
         f_fwd = total / 3  # the counter's convention: backward = 2 x forward
-        t_fwd = median_seconds(fwd, 0.03, 3)
-        t_both = median_seconds(lambda: torch.autograd.grad(fwd(), (q, k, v), grad), 0.05, 3)
+        t_fwd = quartile_seconds(fwd, 0.03, 3)
+        t_both = quartile_seconds(lambda: torch.autograd.grad(fwd(), (q, k, v), grad), 0.05, 3)
         fwd_rows.append(([f_fwd], t_fwd))
         bwd_rows.append(([2 * f_fwd], max(t_both - t_fwd, 1e-7)))
     return {phase: [0.0, _rate(fit_linear(rows)[0])] for phase, rows in (("forward", fwd_rows), ("backward", bwd_rows))}
@@ -121,8 +123,8 @@ def optimizer_fit(device: torch.device) -> list[float]:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        grad_fill = median_seconds(lambda: [torch.ones_like(p) for p in params], 0.02, 3)
-        rows.append(([n_tensors, n_tensors * numel], max(median_seconds(step, 0.1, 3) - grad_fill, 1e-7)))
+        grad_fill = quartile_seconds(lambda: [torch.ones_like(p) for p in params], 0.02, 3)
+        rows.append(([n_tensors, n_tensors * numel], max(quartile_seconds(step, 0.1, 3) - grad_fill, 1e-7)))
     a, b = fit_linear(rows)
     return [a, b]
 
@@ -148,7 +150,7 @@ def step_overhead(device: torch.device, optimizer: list[float]) -> list[float]:
             model = Transformer(cfg).to(device)
             opt = build_optimizer(model, TrainConfig())
         batches = random_batches(cfg.vocab_size, 1, 8, 1, device)
-        t = median_seconds(lambda: train_step(model, opt, batches, device, "fp32"), 0.15, 5)
+        t = quartile_seconds(lambda: train_step(model, opt, batches, device, "fp32"), 0.15, 5)
         tensors = list(model.parameters())
         t_opt = optimizer[0] * len(tensors) + optimizer[1] * sum(p.numel() for p in tensors)
         rows.append(([1.0, calls], max(t - t_opt, 1e-6)))
