@@ -59,7 +59,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-PEAK_SIZES = {"cpu": (2048, 3072), "cuda": (4096, 8192)}
+# Square sizes per dtype that keep every thread busy: fp32 sustains its rate from 2048 on; AMX bf16 needs
+# 2048-4096 (measured ~1,750 GFLOP/s with both threads of this Xeon), and 1024 ran on one thread only.
+PEAK_SIZES = {"cpu": {"fp32": (2048,), "bf16": (2048, 3072, 4096)},
+              "cuda": {"fp32": (4096, 8192), "bf16": (4096, 8192), "fp16": (4096, 8192)}}
 
 
 def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, size: int, seconds: float = 0.4,
@@ -110,13 +113,14 @@ def _cpu_busy_jiffies() -> tuple[float, float] | None:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), time.process_time()
 
 
-def others_share(before: tuple[float, float] | None, after: tuple[float, float] | None, wall: float) -> float | None:
+def others_share(before: tuple[float, float] | None, after: tuple[float, float] | None, wall: float,
+                 cores: int | None = None) -> float | None:
     """Share of the usable cores that OTHER processes kept busy between two _cpu_busy_jiffies readings:
     (all CPUs' busy time - ours) / (wall x cores). Independent of how many threads our own kernels use
     (a small matmul may run on one), so a quiet machine reads ~0 however the measurement runs."""
     if before is None or after is None or wall <= 0:
         return None
-    cores = os.cpu_count() or 1
+    cores = cores or os.cpu_count() or 1
     return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (wall * cores))
 
 
@@ -152,6 +156,33 @@ def device_profile(device: torch.device) -> dict:
             "optimizer": optimizer, "overhead": overhead, "source": "calibrated", "seconds": took}
 
 
+def measure_peak(device: torch.device) -> dict:
+    """{"peak_flops", "bandwidth_bytes_per_s", "method", "measured_at", "measured_unix"}; on a CPU also
+    "cpu_share", "others_share" and "busy": True when other processes held more than BUSY_OTHERS of the
+    cores while the peak was timed (without /proc: when our threads got under BUSY_SHARE of the wall)."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    dtypes = ["fp32", "bf16"] + (["fp16"] if kind == "cuda" else [])
+    wall, before = time.perf_counter(), _cpu_busy_jiffies()
+    timings = {name: [matmul_flops_per_s(device, DTYPES[name], n, 0.3 if name == "fp32" else 0.4,
+                                         3 if name == "fp32" else 5) for n in PEAK_SIZES[kind][name]] for name in dtypes}
+    others = others_share(before, _cpu_busy_jiffies(), time.perf_counter() - wall)
+    result = {
+        "peak_flops": {name: max(rate for rate, _ in runs) for name, runs in timings.items()},
+        "bandwidth_bytes_per_s": bandwidth_bytes_per_s(device),
+        "method": f"median of repeated dense matmuls, best of square sizes {PEAK_SIZES[kind]}; bandwidth from a "
+                  "256 MiB copy; profile: trainwise.measure.kernels",
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "measured_unix": time.time(),
+    }
+    if kind == "cpu":
+        result["cpu_share"] = min(share for runs in timings.values() for _, share in runs)
+        if others is not None:
+            result["others_share"] = others
+        if (others > BUSY_OTHERS) if others is not None else result["cpu_share"] < BUSY_SHARE:
+            result["busy"] = True
+    return result
+
+
 def calibrate(device: torch.device | str = "cpu", refresh: bool = False, threads: int | None = None) -> dict:
     """_calibrate with torch set to `threads` threads (e.g. 1 for each of 2 torchrun ranks on 2 cores,
     which torchrun starts with OMP_NUM_THREADS=1); the thread count is part of the cache key."""
@@ -180,32 +211,13 @@ def _calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dic
         old = None
     if old and not refresh and not (old.get("busy") and time.time() - old.get("measured_unix", 0) > RETRY_BUSY_S):
         return old
-    sizes = PEAK_SIZES["cuda" if device.type == "cuda" else "cpu"]
-    dtypes = ["fp32", "bf16"] + (["fp16"] if device.type == "cuda" else [])
-    began = wall = time.perf_counter()
-    before = _cpu_busy_jiffies()
-    timings = {name: [matmul_flops_per_s(device, DTYPES[name], n, 0.3 if name == "fp32" else 0.5,
-                                         3 if name == "fp32" else 7) for n in sizes] for name in dtypes}
-    others = others_share(before, _cpu_busy_jiffies(), time.perf_counter() - wall)
-    result = {
-        "machine": key,
-        "peak_flops": {name: max(rate for rate, _ in runs) for name, runs in timings.items()},
-        "bandwidth_bytes_per_s": bandwidth_bytes_per_s(device),
-        "method": f"median of repeated dense matmuls, best of square sizes {sizes}; bandwidth from a 256 MiB "
-                  "copy; profile: trainwise.measure.kernels",
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "measured_unix": time.time(),
-    }
+    began = time.perf_counter()
+    result = {"machine": key, **measure_peak(device)}
+    if result.get("busy") and old and not old.get("busy"):
+        # the quiet measurement stays in the cache, and its profile serves (a busy one is too slow)
+        return {**result, "profile": old["profile"], "profile_from": old["measured_at"]}
     result["profile"] = device_profile(device)
     result["calibration_s"] = time.perf_counter() - began
-    if device.type == "cpu":
-        result["cpu_share"] = min(share for runs in timings.values() for _, share in runs)
-        if others is not None:
-            result["others_share"] = others
-        if (others if others is not None else 1 - result["cpu_share"]) > BUSY_OTHERS:
-            result["busy"] = True
-            if old and not old.get("busy"):
-                return result  # the quiet measurement stays in the cache
     cached[key] = result
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
