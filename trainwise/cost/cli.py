@@ -193,11 +193,17 @@ def _cmd_fit(args, model, run, budget, hw) -> int:
         print(json.dumps({"best": [c.__dict__ for c in good[:3]], "rejected": [c.__dict__ for c in bad]}, indent=2))
         return 0 if good else 1
     print(f"fit: {gb} sequences x {seq} tokens per step, budget {fmt_bytes(budget)} per device")
-    head = f"{'micro_batch':>11} {'grad_accum':>10} {'checkpointing':>13} {'zero':>4} {'memory/device':>28} {'step time':>10}"
+    head = (f"{'micro_batch':>11} {'grad_accum':>10} {'checkpointing':>13} {'zero':>4} {'memory/device':>28} "
+            f"{'step time':>10} {'tokens/s':>10}")
     print(head)
     for c in good[:3]:
         print(f"{c.micro_batch:>11} {c.grad_accum:>10} {c.checkpointing:>13} {c.zero:>4} "
-              f"{fmt_bytes(c.per_device_bytes):>28} {c.step_seconds:>9.3g}s")
+              f"{fmt_bytes(c.per_device_bytes):>28} {c.step_seconds:>9.3g}s {c.tokens_per_s:>10,.0f}")
+    if good:
+        b = good[0]
+        print(f"fastest: micro-batch {b.micro_batch} x {b.grad_accum} accumulation steps, {b.checkpointing} "
+              f"checkpointing, ZeRO-{b.zero}: {b.tokens_per_s:,.0f} tokens/s predicted "
+              f"({'step-time model' if args.mfu is None and args.gpu and not args.peak_flops else 'assumed MFU'})")
     if not good:
         print("no candidate fits; raise --gpus, --tp/--pp or the budget.")
     print(f"rejected ({len(bad)}):")

@@ -42,6 +42,19 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float
         busy = " while busy: too low, see `trainwise hardware --calibrate`" if measured.get("busy") else ""
         hw = Hardware(f"this CPU (measured{busy})", peak, measured["bandwidth_bytes_per_s"], None,
                       Profile.from_json(measured["profile"]))
+    elif gpu and gpu.lower() == "cuda":  # this machine's GPU: its calibration if cached, else its table entry
+        import torch
+
+        from trainwise.cost.hardware import lookup_cuda_device
+        from trainwise.measure.calibrate import cached
+
+        name, entry = torch.cuda.get_device_name(), cached("cuda")
+        acc = lookup_cuda_device(name)
+        peak = acc.peak(dtype) if acc else (entry or {}).get("peak_flops", {}).get(dtype, 0.0)
+        profile = (Profile.from_json(entry["profile"]) if entry else
+                   table_profile(acc.peak_flops, acc.bandwidth_bytes_per_s) if acc and acc.bandwidth_bytes_per_s else None)
+        hw = Hardware(name, peak, acc.bandwidth_bytes_per_s if acc else None, acc.memory_bytes if acc else None,
+                      profile, cuda=True)
     elif gpu:
         acc: Accelerator = get_accelerator(gpu)
         hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes,
@@ -191,13 +204,14 @@ def train_settings(train: TrainConfig, precision: str | None = None) -> dict:
 
 def plan_for_run(cfg: RunConfig, precision: str, peak_flops: float, device: str | None = None,
                  compiled: bool = False, world_size: int = 1) -> Plan:
-    """The plan of a trainwise run as the trainer will execute it. device "cpu": this machine's
-    calibration prices the step (compiled or eager, per torchrun rank when world_size > 1); otherwise
-    one device of `peak_flops` at the assumed MFU."""
+    """The plan of a trainwise run as the trainer will execute it. device "cpu" (or "cuda"): this
+    machine's calibration prices the step (a GPU without one: its table entry at default efficiencies),
+    compiled or eager, per torchrun rank when world_size > 1; otherwise one device of `peak_flops` at
+    the assumed MFU."""
     t = cfg.train
-    if device == "cpu":
+    if device in ("cpu", "cuda"):
         zero = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}[cfg.parallel.strategy if world_size > 1 else "none"]
-        return plan_run(cfg.model, tokens=t.max_steps * t.tokens_per_step * world_size, gpu="cpu", gpus=world_size,
+        return plan_run(cfg.model, tokens=t.max_steps * t.tokens_per_step * world_size, gpu=device, gpus=world_size,
                         zero=zero, compiled=compiled, **train_settings(t, precision))
     tokens = t.max_steps * t.tokens_per_step
     return plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, mfu=DEFAULT_MFU, **train_settings(t, precision))

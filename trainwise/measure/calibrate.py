@@ -229,6 +229,13 @@ def _calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dic
     return result
 
 
+def cached(device: torch.device | str) -> dict | None:
+    """This device's cached calibration with a profile, or None; measures nothing (a GPU run must not
+    spend half a minute calibrating: without `trainwise hardware --calibrate` it uses table defaults)."""
+    entry = _read(cache_root() / "calibration.json").get(machine_key(torch.device(device)))
+    return entry if entry and "profile" in entry else None
+
+
 def busy_note(result: dict) -> str:
     """'' for a trustworthy measurement; else a sentence saying why the peak is too low and what to do."""
     if not result.get("busy"):

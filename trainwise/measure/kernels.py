@@ -34,12 +34,15 @@ def quartile_seconds(fn, budget_s: float = 0.06, min_reps: int = 5, max_reps: in
     """Lower-quartile wall time of fn() after one warm-up call, repeated for about budget_s (at least
     min_reps): on a quiet machine within a few percent of the median, and less thrown by a moment of
     contention than the median (the peak itself is the median: calibrate.matmul_flops_per_s)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
     fn()
+    sync()
     times: list[float] = []
     end = time.perf_counter() + budget_s
     while len(times) < min_reps or (time.perf_counter() < end and len(times) < max_reps):
         start = time.perf_counter()
         fn()
+        sync()  # a GPU kernel is timed to its end, not to its launch
         times.append(time.perf_counter() - start)
     return statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0]
 

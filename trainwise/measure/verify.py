@@ -184,7 +184,8 @@ def verify_run(run_dir: str | Path) -> dict:
     cfg = load_config(run_dir / "config.toml")
     info = old.get("run", {})
     plan = plan_for_run(cfg, precision=info.get("precision", "fp32"), peak_flops=info["peak_flops"],
-                        device="cpu" if old["device"] == "cpu" else None, compiled=info.get("compiled", False),
+                        device="cpu" if old["device"] == "cpu" else "cuda" if torch.cuda.is_available() else None,
+                        compiled=info.get("compiled", False),
                         world_size=info.get("world_size", 1))
     measured = {"flops_per_step": old["flops_per_step"]["measured"],
                 "peak_memory_bytes": old["peak_memory_bytes"]["measured"],
