@@ -53,7 +53,7 @@ def run(device: str, steps: int, overrides: list[str], out: Path) -> dict:
              # the step-time model (cost.steptime) against the run's steady state, as verify.json has them
              "step_time_predicted_s": verify["step_time_s"]["predicted"],
              "step_time_measured_s": verify["step_time_s"]["measured"],
-             "step_time_error": verify["step_time_s"]["error"], "time_source": verify["step_time_s"].get("source")}
+             "step_time_error": verify["step_time_s"]["error"], "time_source": verify.get("time_source")}
     if device.startswith("cuda"):  # the whole run: training, evaluation, sampling and verify's extra step
         stats["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         stats["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)

@@ -97,8 +97,9 @@ def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None
     out = {
         "flops_per_step": _entry(flops_pred, measured["flops_per_step"]),
         "peak_memory_bytes": _entry(plan.peak_bytes, measured["peak_memory_bytes"]),
-        "step_time_s": {**_entry(time_pred, step_time_s), "source": plan.time_source},
-        "mfu": {**_entry(plan.mfu, mfu_meas), "source": plan.time_source},
+        "step_time_s": _entry(time_pred, step_time_s),
+        "mfu": _entry(plan.mfu, mfu_meas),
+        "time_source": plan.time_source,  # where predicted step time and MFU came from (plan.json's time.source)
         "memory_bytes": {
             "params": _entry(s.params + s.master, mem["params"]),
             "grads": _entry(s.grads, mem["grads"]),
@@ -164,7 +165,7 @@ def format_table(v: dict) -> str:
     lines.append("-" * len(lines[0]))
     lines += [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}  {d:>{w[3]}}" for a, b, c, d in cells]
     lines.append(f"device: {v['device']}")
-    if source := v["step_time_s"].get("source"):
+    if source := v.get("time_source"):
         lines.append(f"step time and MFU predicted from: {source}"
                      + (" (step-time model, `trainwise plan --explain` itemises it)" if source != "assumed MFU (--mfu)" else ""))
     return "\n".join(lines)
