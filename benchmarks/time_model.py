@@ -10,6 +10,7 @@ step times after the first two. error = measured / predicted - 1.
     python benchmarks/time_model.py                 # all configurations (~5-10 min on a quiet 2-core CPU)
     python benchmarks/time_model.py --only 1,19     # a few, by number
     python benchmarks/time_model.py --json out.json
+    python benchmarks/time_model.py --stability 5   # five calibrations in a row: each figure's spread
 """
 
 from __future__ import annotations
@@ -136,11 +137,53 @@ def measure_torchrun(case: Case, steps: int = 10) -> float:
     return statistics.median(r["step_time_s"] for r in rows[2:])
 
 
+def figures(cal: dict) -> dict[str, float]:
+    """Every figure of a calibration, flattened: peaks, bandwidth, the profile's rates and overheads."""
+    out = {f"peak {k}": v for k, v in cal["peak_flops"].items()}
+    out["copy bandwidth"] = cal["bandwidth_bytes_per_s"]
+    p = cal["profile"]
+    for dt, (_, peak, bw) in p["matmul"].items():
+        out[f"matmul {dt} P"], out[f"matmul {dt} BW"] = peak, bw
+    for dt, classes in p["elementwise"].items():
+        out.update({f"{cls} {dt} BW": v[1] for cls, v in classes.items()})
+    for dt, phases in p["attention"].items():
+        out.update({f"attention {dt} {ph}": v[1] for ph, v in phases.items()})
+    out["optimizer s/tensor"], out["optimizer s/param"] = p["optimizer"]
+    out["overhead s/step"], out["overhead s/op"] = p["overhead"]
+    return out
+
+
+def stability(n: int) -> int:
+    """n calibrations in a row (a fresh cache each): each figure's spread max/min - 1 and the time taken."""
+    runs, took = [], []
+    for i in range(n):
+        with tempfile.TemporaryDirectory() as tmp:
+            os.environ["TRAINWISE_CACHE"] = tmp
+            load = os.getloadavg()[0]
+            cal = calibrate("cpu", refresh=True)
+            runs.append(figures(cal))
+            took.append(cal["calibration_s"])
+            print(f"calibration {i + 1}: {cal['calibration_s']:.1f} s, load {load:.2f}, busy={cal.get('busy', False)}, "
+                  f"others' share {cal.get('others_share', float('nan')):.0%}", flush=True)
+    print(f"{'figure':<34} {'min':>11} {'max':>11} {'spread':>7}")
+    worst = 0.0
+    for key in runs[0]:
+        vals = [r[key] for r in runs]
+        spread = max(vals) / min(vals) - 1 if min(vals) > 0 else float("inf")
+        worst = max(worst, spread)
+        print(f"{key:<34} {min(vals):>11.4g} {max(vals):>11.4g} {spread:>+7.1%}")
+    print(f"worst spread {worst:.1%}; calibration took {min(took):.1f}-{max(took):.1f} s")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma-separated case numbers (1-based)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--stability", type=int, metavar="N", help="instead: N calibrations in a row, each figure's spread")
     args = ap.parse_args()
+    if args.stability:
+        return stability(args.stability)
     cases = [CASES[int(i) - 1] for i in args.only.split(",")] if args.only else CASES
     load0 = os.getloadavg()
     t0 = time.time()

@@ -21,14 +21,16 @@ from dataclasses import dataclass, field
 
 from trainwise.cost.ops import Op
 
-# A fused inductor kernel reads a chain's inputs once and writes its outputs once: measured on this
-# 2-core Xeon, the default model's compiled step moves about this fraction of the eager element-wise
-# bytes' time (benchmarks/RESULTS.md, "Step-time model").
+# A fused inductor kernel reads a chain's inputs once and writes its outputs once, so a compiled step
+# moves a fraction of the eager element-wise bytes. An ESTIMATE, not yet fitted: the 2-core machine was
+# too loaded to measure it (benchmarks/RESULTS.md, "Step-time model"); fit it with
+# `python benchmarks/time_model.py --only 19,20,21` on a quiet machine.
 COMPILED_BYTES = 0.35
 
-# Uncalibrated accelerators: fractions of the datasheet figure a well-fed kernel reaches. Large bf16
-# GEMMs reach 70-80% of an A100/H100's dense peak, flash attention 50-70% forward and less backward,
-# element-wise kernels 70-90% of HBM bandwidth; a PyTorch eager op costs ~5-10 us of launch and Python.
+# Uncalibrated accelerators: fractions of the datasheet figure a well-fed kernel reaches, round figures
+# of the commonly reported range (not measured by trainwise): large bf16 GEMMs 70-80% of an A100/H100's
+# dense peak, flash attention 50-70% forward and less backward, element-wise kernels 70-90% of HBM
+# bandwidth; a PyTorch eager op costs ~5-10 us of launch and Python. `benchmarks/gpu_check.py` measures.
 DEFAULT_EFFICIENCY = {"matmul": 0.7, "attention_forward": 0.5, "attention_backward": 0.35, "bandwidth": 0.7}
 DEFAULT_OVERHEAD = [1e-3, 6e-6]  # [seconds per step, seconds per eager op] on a GPU host
 ADAMW_BYTES_PER_PARAM = 28  # fused AdamW, fp32: read+write param, m, v (24) + read grad (4)
