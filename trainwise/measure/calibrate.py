@@ -15,6 +15,8 @@ per core ~50%. Above BUSY_OTHERS the result says so (busy_note), wherever it is 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -211,6 +213,33 @@ def _calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dic
         old = None
     if old and not refresh and not (old.get("busy") and time.time() - old.get("measured_unix", 0) > RETRY_BUSY_S):
         return old
+    with _measuring_lock(path):
+        fresh = _read(path).get(key)  # another process (a torchrun rank) may have measured meanwhile
+        if fresh and "profile" in fresh and fresh.get("measured_unix", 0) > (old or {}).get("measured_unix", 0) \
+                and not refresh:
+            return fresh
+        return _measure_and_cache(device, path, key, old)
+
+
+@contextlib.contextmanager
+def _measuring_lock(path: Path):
+    """One calibration per machine at a time: concurrent ones (the ranks of a torchrun job starting
+    together) would measure each other's load, and the waiting one then reads the result."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "w")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _measure_and_cache(device: torch.device, path: Path, key: str, old: dict | None) -> dict:
     began = time.perf_counter()
     result = {"machine": key, **measure_peak(device)}
     if result.get("busy") and old and not old.get("busy"):
@@ -218,6 +247,7 @@ def _calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dic
         return {**result, "profile": old["profile"], "profile_from": old["measured_at"]}
     result["profile"] = device_profile(device)
     result["calibration_s"] = time.perf_counter() - began
+    cached = _read(path)
     cached[key] = result
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
