@@ -119,3 +119,32 @@ def test_the_worked_example_still_comes_out_exactly():
     p = plan_run(params_count=1e9, tokens=1e10, peak_flops=100e12, precision="fp32")
     assert p.states.total == 16e9 and p.total_flops == 6e19
     assert p.time.seconds == 1.5e6 and math.isclose(p.time.days, 17.36, abs_tol=5e-3)
+
+
+def test_collectives_are_calibrated_under_torchrun_and_used_by_the_plan(tmp_path):
+    """`torchrun --nproc_per_node 2 -m trainwise hardware --calibrate` measures gloo's all-reduce,
+    all-gather and reduce-scatter, fits the ring model's latency and bandwidth, and caches them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trainwise.cost.plan import _use_measured_link
+    from trainwise.measure.calibrate import cached_link
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRAINWISE_CACHE": str(tmp_path), "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "trainwise", "hardware", "--calibrate"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gloo collectives over 2 ranks" in proc.stdout
+    os.environ["TRAINWISE_CACHE"], old = str(tmp_path), os.environ.get("TRAINWISE_CACHE")
+    try:
+        latency, bandwidth = cached_link("gloo", 2)
+        p = profile()
+        _use_measured_link(p, "gloo", 2)
+    finally:
+        os.environ["TRAINWISE_CACHE"] = old
+    assert 0 <= latency < 0.1 and 1e6 < bandwidth < 1e12
+    assert p.link == [latency, bandwidth] and p.link_source == "calibrated (gloo, 2 ranks)"

@@ -291,7 +291,12 @@ def _cmd_simulate(args, model, run, plan) -> int:
 
 
 def _cmd_calibrate(args) -> int:
+    import os
+
     import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the collectives between the ranks
+        return _cmd_calibrate_link(args)
 
     from trainwise.cost.hardware import lookup_cuda_device
     from trainwise.measure.calibrate import busy_note, calibrate
@@ -330,4 +335,28 @@ def _cmd_calibrate(args) -> int:
                 print(f"  calibration took {r['calibration_s']:.1f} s")
         if note := busy_note(r):
             print(f"  warning: {note}")
+    return 0
+
+
+def _cmd_calibrate_link(args) -> int:
+    """`torchrun --nproc_per_node N -m trainwise hardware --calibrate`: latency and bandwidth of the
+    collectives (gloo on CPU, NCCL on GPUs), cached for the step-time model's communication terms."""
+    import torch
+    import torch.distributed as dist
+
+    from trainwise.measure.calibrate import calibrate_link
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        r = calibrate_link()
+    finally:
+        dist.destroy_process_group()
+    if r["rank"] == 0:
+        if args.json:
+            print(json.dumps(r, indent=2))
+        else:
+            print(f"{r['backend']} collectives over {r['world']} ranks: latency {r['link'][0] * 1e6:,.1f} us per hop, "
+                  f"bandwidth {r['link'][1] / 1e9:,.2f} GB/s (ring model, cached for `trainwise plan`)")
     return 0

@@ -42,6 +42,7 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float
         busy = " while busy: too low, see `trainwise hardware --calibrate`" if measured.get("busy") else ""
         hw = Hardware(f"this CPU (measured{busy})", peak, measured["bandwidth_bytes_per_s"], None,
                       Profile.from_json(measured["profile"]))
+        _use_measured_link(hw.profile, "gloo", threads and (os.cpu_count() or 1) // threads)
     elif gpu and gpu.lower() == "cuda":  # this machine's GPU: its calibration if cached, else its table entry
         import torch
 
@@ -55,6 +56,7 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float
                    table_profile(acc.peak_flops, acc.bandwidth_bytes_per_s) if acc and acc.bandwidth_bytes_per_s else None)
         hw = Hardware(name, peak, acc.bandwidth_bytes_per_s if acc else None, acc.memory_bytes if acc else None,
                       profile, cuda=True)
+        _use_measured_link(profile, "nccl", torch.cuda.device_count())
     elif gpu:
         acc: Accelerator = get_accelerator(gpu)
         hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes,
@@ -74,6 +76,14 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float
     if hw.peak_flops <= 0:
         raise TrainwiseError("--peak-flops must be positive.")
     return hw
+
+
+def _use_measured_link(profile: Profile | None, backend: str, world: int | None) -> None:
+    """The collectives as `trainwise hardware --calibrate` measured them under torchrun, if it did."""
+    from trainwise.measure.calibrate import cached_link
+
+    if profile is not None and world and world > 1 and (link := cached_link(backend, world)):
+        profile.link, profile.link_source = link, f"calibrated ({backend}, {world} ranks)"
 
 
 @dataclass

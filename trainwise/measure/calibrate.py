@@ -259,6 +259,38 @@ def _measure_and_cache(device: torch.device, path: Path, key: str, old: dict | N
     return result
 
 
+def link_key(backend: str, world: int) -> str:
+    """The collectives' cache key: the machine and torch, not the torch threads (a rank runs with one)."""
+    return f"link|{backend}|world={world}|{_cpu_model()}|torch={torch.__version__}"
+
+
+def calibrate_link() -> dict:
+    """Under torchrun (every rank calls it, process group initialised): measure the collectives
+    (kernels.collective_fit) and cache them; rank 0 writes. `trainwise hardware --calibrate` under
+    torchrun does this."""
+    import torch.distributed as dist
+
+    from trainwise.measure.kernels import collective_fit
+
+    result = {**collective_fit(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if result["rank"] == 0:
+        path = cache_root() / "calibration.json"
+        with _measuring_lock(path):
+            entries = _read(path)
+            entries[link_key(result["backend"], result["world"])] = result
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(entries, indent=1))
+            os.replace(tmp, path)
+    dist.barrier()
+    return result
+
+
+def cached_link(backend: str, world: int) -> list[float] | None:
+    """[latency s, bytes/s] of this machine's collectives over `world` ranks, if calibrate_link ran."""
+    entry = _read(cache_root() / "calibration.json").get(link_key(backend, world))
+    return entry["link"] if entry else None
+
+
 def cached(device: torch.device | str) -> dict | None:
     """This device's cached calibration with a profile, or None; measures nothing (a GPU run must not
     spend half a minute calibrating: without `trainwise hardware --calibrate` it uses table defaults)."""

@@ -159,3 +159,32 @@ def step_overhead(device: torch.device, optimizer: list[float]) -> list[float]:
         rows.append(([1.0, calls], max(t - t_opt, 1e-6)))
     per_step, per_op = fit_linear(rows)
     return [per_step, per_op]
+
+
+def collective_fit(sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23)) -> dict:
+    """Latency and bandwidth of the collectives the strategies issue, on the initialised process group
+    (run by every rank of a torchrun job): all-reduce, all-gather and reduce-scatter of fp32 buffers of
+    `sizes` bytes, median timings, fitted together to the ring model of cost.steptime.ring_seconds:
+    t = latency x hops x (n-1) + factor x (n-1)/n x bytes / bandwidth. Returns {"link": [s, bytes/s],
+    "backend", "world", "points": [[kind, bytes, seconds], ...]}."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    rows, points = [], []
+    for nbytes in sizes:
+        full = torch.ones(nbytes // 4, device=device)
+        shard = torch.ones(nbytes // 4 // world, device=device)
+        calls = {"all_reduce": (lambda: dist.all_reduce(full), 2),
+                 "all_gather": (lambda: dist.all_gather_into_tensor(full[: shard.numel() * world], shard), 1),
+                 "reduce_scatter": (lambda: dist.reduce_scatter_tensor(shard, full[: shard.numel() * world]), 1)}
+        for kind, (fn, factor) in calls.items():
+            dist.barrier()
+            # a fixed count on every rank (a time budget would give each rank its own count: a deadlock)
+            t = torch.tensor([quartile_seconds(fn, 0.0, 8, 8)], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank is what a step waits for
+            rows.append(([factor * (world - 1), factor * (world - 1) / world * nbytes], float(t)))
+            points.append([kind, nbytes, float(t)])
+    latency, inv_bw = fit_linear(rows)
+    return {"link": [latency, _rate(inv_bw)], "backend": dist.get_backend(), "world": world, "points": points,
+            "rank": rank}
