@@ -1,15 +1,18 @@
-"""Micro-benchmarks that describe a device for the step-time model (trainwise.cost.time).
+"""Micro-benchmarks that describe a device for the step-time model (trainwise.cost.steptime).
 
-Each figure is the lower quartile of repeated timings of the kernels the trainer really runs, with every torch
-thread, after a warm-up:
+Each figure is the lower quartile of repeated timings of the kernels the trainer really runs, with every
+torch thread, after a warm-up; every fit is cost.time.fit_linear (least squares in relative error,
+coefficients >= 0):
 - matmul: (M,K)x(K,N) over a small grid of shapes per dtype (skinny and small shapes run far below
-  peak), summarised by a fit t = c + F/P + Q/BW (cost.time.fit_matmul);
-- element-wise work per class (plain, activation, norm, softmax/cross-entropy) and dtype: t = c + Q/BW;
-- attention: the SDPA CPU kernel forward and backward, t = c + F/R;
+  peak), summarised by t = F/P + Q/BW;
+- element-wise work per class (plain, activation, norm, softmax/cross-entropy) and dtype: t = Q/BW;
+- attention: the SDPA CPU kernel forward and backward, t = F/R;
 - the optimizer step (AdamW foreach + gradient clipping): t = a x tensors + b x elements;
-- the per-operator overhead of an eager training step (dispatch + autograd), from two tiny models.
-FLOPs and bytes are those of the trainwise operator list (cost.ops), so the fits and the model that
-uses them count alike.
+- the per-operator overhead of an eager training step (dispatch + autograd), from two tiny models:
+  the per-call cost the other fits leave out (they have no intercept);
+- under torchrun, the collectives (collective_fit).
+FLOPs and bytes are counted as the trainwise operator list (cost.ops) counts them, so the fits and the
+model that uses them count alike.
 """
 
 from __future__ import annotations
