@@ -167,6 +167,13 @@ def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpoin
     from trainwise.train.parallelize import apply_activation_checkpointing
 
     precision = {"amp": "bf16", "bf16": "bf16", "fp16": "fp16"}.get(precision, "fp32")
+    if model_cfg.is_moe and not model_cfg.dropless:
+        # Capacity-limited routing cuts the groups with data-dependent shapes, which fake tensors cannot
+        # follow; under the uniform routing recorded here no expert exceeds its capacity (>= N k / E), so
+        # the dropless step runs the same expert work.
+        from dataclasses import replace
+
+        model_cfg = replace(model_cfg, dropless=True)
     rec = _Recorder()
     adam = importlib.import_module("torch.optim.adam")
     with FakeTensorMode(allow_non_fake_inputs=True), mock.patch.object(adam, "_get_value", _one), \
