@@ -3,6 +3,9 @@
 Trains RunConfig() (built-in corpus) for --steps steps through trainwise.train.loop.train and prints
 steady-state tokens/s and MFU (from metrics.jsonl), peak memory, the SDPA backend that runs, the
 precision chosen and the AdamW path; then a short torch.compile run and a short fp16 + GradScaler run.
+The GPU is calibrated first (`trainwise hardware --calibrate`: matmul shapes, bandwidth, attention,
+optimizer, overhead), and each of the three runs prints the step-time model's predicted step time
+against its measured steady state (from its verify.json).
 On a CPU (`--device cpu --steps 5`, the smoke test) memory is the trainer's verify.json
 peak_memory_bytes and the fp16 run is skipped.
 
@@ -17,6 +20,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -45,7 +49,11 @@ def run(device: str, steps: int, overrides: list[str], out: Path) -> dict:
              "mfu": rows[0]["mfu"] / rows[0]["tokens_per_s"] * tokens_per_s,  # mfu is linear in tokens/s
              "precision": verify["run"]["precision"], "peak_source": verify["run"]["peak_source"],
              "final_loss": result.train_loss, "val_loss": result.val_loss,
-             "verify_peak_memory_bytes": verify["peak_memory_bytes"]["measured"]}
+             "verify_peak_memory_bytes": verify["peak_memory_bytes"]["measured"],
+             # the step-time model (cost.steptime) against the run's steady state, as verify.json has them
+             "step_time_predicted_s": verify["step_time_s"]["predicted"],
+             "step_time_measured_s": verify["step_time_s"]["measured"],
+             "step_time_error": verify["step_time_s"]["error"], "time_source": verify.get("time_source")}
     if device.startswith("cuda"):  # the whole run: training, evaluation, sampling and verify's extra step
         stats["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         stats["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
@@ -113,6 +121,13 @@ def report(r: dict) -> None:
         extra = f", GradScaler scale {c['grad_scaler_scale']:g}" if "grad_scaler_scale" in c else ""
         print(f"{name:<16} ok: {c['tokens_per_s']:,.0f} tokens/s over {c['steps']} steps "
               f"({c['tokens_per_s'] / m['tokens_per_s']:.2f}x the main run), loss {c['final_loss']:.3f}{extra}")
+    print(f"step-time model  (calibration: {r['calibration']})")
+    print(f"  {'run':<8} {'predicted s':>11} {'measured s':>10} {'error':>7}  source")
+    for name in ("main", "compile", "fp16"):
+        c = r[name]
+        if "skipped" not in c and c.get("step_time_predicted_s") and c.get("step_time_measured_s"):
+            print(f"  {name:<8} {c['step_time_predicted_s']:>11.4g} {c['step_time_measured_s']:>10.4g} "
+                  f"{c['step_time_error']:>+7.1%}  {c['time_source']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100, help="steps of the main run (default 100)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also run 20 steps with train.compile=true (default: on)")
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                   help="calibrate the GPU first (`trainwise hardware --calibrate`), so that the step-time model's "
+                        "predictions are calibrated; --no-calibrate shows the table defaults (default: on)")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="also write the results as JSON ('-': stdout)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for every run, as in `trainwise train --set`")
@@ -129,7 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     if cuda and not torch.cuda.is_available():
         print("gpu_check: this PyTorch sees no CUDA GPU; use --device cpu for the smoke test.", file=sys.stderr)
         return 2
-    results = {"device": args.device,
+    calibration = "not asked (--no-calibrate): a GPU plans from its table entry"
+    if cuda and args.calibrate:  # the step-time model then prices this GPU as measured, not from its table
+        from trainwise.measure.calibrate import calibrate
+
+        t0 = time.perf_counter()
+        cal = calibrate(args.device)
+        calibration = (f"{time.perf_counter() - t0:.0f} s; measured bf16 peak {cal['peak_flops']['bf16'] / 1e12:,.1f} "
+                       f"TFLOP/s, copy bandwidth {cal['bandwidth_bytes_per_s'] / 1e9:,.0f} GB/s")
+    elif not cuda:
+        calibration = "this CPU's (the trainer calibrates it on its first run)"
+    results = {"device": args.device, "calibration": calibration,
                "device_name": torch.cuda.get_device_name(args.device) if cuda else "cpu",
                "torch": torch.__version__, "optimizer": optimizer_path(args.device)}
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:

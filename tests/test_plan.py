@@ -60,7 +60,11 @@ def test_cli_tables_and_explain(capsys, tmp_path):
     assert main(["plan", "--model", "mixtral-8x7b", "--tokens", "1e12", "--gpu", "h100", "--gpus", "64",
                  "--zero", "3", "--explain", "--price", "2"]) == 0
     out = capsys.readouterr().out
-    assert "C / (G x peak x MFU)" in out and "active" in out
+    assert "Time per step" in out and "from table, uncalibrated" in out and "active" in out
+    assert "largest contributors" in out and "all_gather" in out  # FSDP over 64 GPUs communicates
+    assert main(["plan", "--model", "mixtral-8x7b", "--tokens", "1e12", "--gpu", "h100", "--mfu", "0.4",
+                 "--explain"]) == 0
+    assert "C / (G x peak x MFU)" in capsys.readouterr().out  # --mfu stays a what-if
     toml = tmp_path / "run.toml"
     toml.write_text("[model]\nd_model = 128\nn_heads = 4\n[train]\nseq_len = 128\nmicro_batch = 4\n")
     assert main(["plan", "--model", str(toml), "--tokens", "1e8", "--peak-flops", "1e12", "--json"]) == 0

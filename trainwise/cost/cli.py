@@ -58,7 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth", type=_number, help="memory bandwidth, bytes/s")
     p.add_argument("--memory", help="device memory capacity (bytes or 80GiB)")
     p.add_argument("--memory-budget", help="per-device budget for `fits` (bytes, 80GiB or 80GB)")
-    p.add_argument("--mfu", type=_number, default=DEFAULT_MFU, help=f"model FLOP utilisation (default {DEFAULT_MFU})")
+    p.add_argument("--mfu", type=_number, default=None,
+                   help="what-if: time at this model FLOP utilisation instead of the step-time model (which "
+                        f"prices each operator on --gpu cpu or a table GPU; else {DEFAULT_MFU} is assumed)")
     p.add_argument("--price", type=_number, help="$ per device-hour")
     p.add_argument("--causal-halving", action="store_true", help="halve attention score/value FLOPs (causal)")
     p.add_argument("--fit", action="store_true", help="search micro-batch, grad-accum, checkpointing, ZeRO")
@@ -178,12 +180,21 @@ def _plan_table(plan) -> str:
         rows.append(("time", t["note"]))
     else:
         hw = plan.hardware
-        rows += [("hardware", f"{plan.gpus} x {hw.name} @ {hw.peak_flops:.4g} FLOP/s, MFU {plan.mfu}"),
+        rows += [("hardware", f"{plan.gpus} x {hw.name} @ {hw.peak_flops:.4g} FLOP/s"),
+                 ("step time", f"{t['step_seconds']:.4g} s per step of {plan.tokens_per_step:,} tokens, "
+                               f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} ({_source(t['source'])})"),
                  ("time", f"{t['seconds']:.4g} s = {t['days']:.2f} days = {t['device_hours']:,.1f} device-hours")]
     if "cost_usd" in t:
         rows.append(("cost", f"${t['cost_usd']:,.0f}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows + [("note", n) for n in plan.notes])
+
+
+def _source(source: str) -> str:
+    """How a plan's time was obtained, as a person reads it (plan.json keeps the DESIGN.md word)."""
+    return {"calibrated": "step-time model, calibrated on this machine",
+            "table defaults": "step-time model from table, uncalibrated: datasheet x default efficiencies"}.get(
+        source, "assumed MFU: a what-if, not a prediction")
 
 
 def _cmd_fit(args, model, run, budget, hw) -> int:
@@ -210,13 +221,18 @@ def _cmd_fit(args, model, run, budget, hw) -> int:
           "step FLOPs = one optimizer step on all devices, recompute included")
     timed = bool(good) and good[0].step_seconds is not None
     print(f"{'micro_batch':>11} {'grad_accum':>10} {'checkpointing':>13} {'zero':>4} {'memory/device':>28} "
-          f"{'step FLOPs':>10}" + (f" {'step time':>10}" if timed else ""))
+          f"{'step FLOPs':>10}" + (f" {'step time':>10} {'tokens/s':>10}" if timed else ""))
     for c in good[:3]:
         print(f"{c.micro_batch:>11} {c.grad_accum:>10} {c.checkpointing:>13} {c.zero:>4} "
               f"{fmt_bytes(c.per_device_bytes):>28} {c.step_flops:>10.3g}"
-              + (f" {c.step_seconds:>9.3g}s" if timed else ""))
+              + (f" {c.step_seconds:>9.3g}s {c.tokens_per_s:>10,.0f}" if timed else ""))
     if good and not timed:
         print("(no hardware given: ranked by step FLOPs; add --gpu NAME or --peak-flops P for step times)")
+    elif good:
+        b = good[0]
+        print(f"fastest: micro-batch {b.micro_batch} x {b.grad_accum} accumulation steps, {b.checkpointing} "
+              f"checkpointing, ZeRO-{b.zero}: {b.tokens_per_s:,.0f} tokens/s predicted "
+              f"({'step-time model' if args.mfu is None and args.gpu and not args.peak_flops else 'assumed MFU'})")
     if not good:
         print("no candidate fits; raise --gpus, --tp/--pp or the budget.")
     print(f"rejected ({len(bad)}):")
@@ -304,7 +320,12 @@ def _cmd_simulate(args, model, run, plan) -> int:
 
 
 def _cmd_calibrate(args) -> int:
+    import os
+
     import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the collectives between the ranks
+        return _cmd_calibrate_link(args)
 
     from trainwise.cost.hardware import lookup_cuda_device
     from trainwise.measure.calibrate import busy_note, calibrate
@@ -328,6 +349,43 @@ def _cmd_calibrate(args) -> int:
             print(f"  {dtype:<5} matmul peak {p / 1e9:,.1f} GFLOP/s measured{extra}")
         print(f"  memory bandwidth {r['bandwidth_bytes_per_s'] / 1e9:,.2f} GB/s measured"
               + ("" if r.get("busy") else " (cached)"))
+        if prof := r.get("profile"):  # what the step-time model prices operators with
+            for dtype, (_, p, bw) in prof["matmul"].items():
+                bw_text = "no byte term (fit 0)" if bw >= 1e29 else f"{bw / 1e9:,.2f} GB/s"
+                print(f"  {dtype:<5} matmul fit t = F/P + Q/BW: P = {p / 1e9:,.1f} GFLOP/s, BW = {bw_text}")
+            att = prof["attention"].get("bf16", {})
+            if att:
+                print(f"  bf16  attention kernel: forward {att['forward'][1] / 1e9:,.1f}, backward "
+                      f"{att['backward'][1] / 1e9:,.1f} GFLOP/s")
+            print(f"  optimizer step {prof['optimizer'][0] * 1e6:,.1f} us per tensor + {prof['optimizer'][1] * 1e9:,.2f} "
+                  f"ns per parameter; eager overhead {prof['overhead'][0] * 1e3:,.2f} ms per step + "
+                  f"{prof['overhead'][1] * 1e6:,.1f} us per op")
+            if "calibration_s" in r:
+                print(f"  calibration took {r['calibration_s']:.1f} s")
         if note := busy_note(r):
             print(f"  warning: {note}")
+    return 0
+
+
+def _cmd_calibrate_link(args) -> int:
+    """`torchrun --nproc_per_node N -m trainwise hardware --calibrate`: latency and bandwidth of the
+    collectives (gloo on CPU, NCCL on GPUs), cached for the step-time model's communication terms."""
+    import torch
+    import torch.distributed as dist
+
+    from trainwise.measure.calibrate import calibrate_link
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        r = calibrate_link()
+    finally:
+        dist.destroy_process_group()
+    if r["rank"] == 0:
+        if args.json:
+            print(json.dumps(r, indent=2))
+        else:
+            print(f"{r['backend']} collectives over {r['world']} ranks: latency {r['link'][0] * 1e6:,.1f} us per hop, "
+                  f"bandwidth {r['link'][1] / 1e9:,.2f} GB/s (ring model, cached for `trainwise plan`)")
     return 0

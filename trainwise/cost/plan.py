@@ -5,6 +5,7 @@ worked derivation (`explain`); and the `--fit` search over micro-batch, grad-acc
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from trainwise.cost import flops as F
 from trainwise.cost import memory as M
 from trainwise.cost.hardware import Accelerator, get_accelerator
 from trainwise.cost.params import ParamCount, params
+from trainwise.cost.steptime import Profile, StepTime, plan_step, table_profile
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time
 from trainwise.errors import TrainwiseError
 
@@ -23,28 +25,51 @@ class Hardware:
     peak_flops: float
     bandwidth_bytes_per_s: float | None = None
     memory_bytes: int | None = None
+    profile: Profile | None = None  # what the step-time model prices operators with (cost.steptime)
+    cuda: bool = False  # a GPU: CUDA kernels, communication overlapped with backward
 
 
 def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float | None, memory: int | None,
-                     dtype: str) -> Hardware:
-    """--gpu NAME from the table, overridden by --peak-flops/--bandwidth/--memory where given."""
+                     dtype: str, threads: int | None = None) -> Hardware:
+    """--gpu NAME from the table, overridden by --peak-flops/--bandwidth/--memory where given. `cpu` is
+    this machine as calibrated (with `threads` torch threads, e.g. per torchrun rank); a table GPU gets
+    the step-time model's default efficiencies (uncalibrated). A given --peak-flops drops the profile:
+    time then comes from the assumed MFU."""
     if gpu and gpu.lower() == "cpu":  # this machine, as `trainwise hardware --calibrate` measured it
         from trainwise.measure.calibrate import calibrate
 
-        measured = calibrate("cpu")
+        measured = calibrate("cpu", threads=threads)
         peak = measured["peak_flops"].get(dtype, measured["peak_flops"]["fp32"])
         busy = " while busy: too low, see `trainwise hardware --calibrate`" if measured.get("busy") else ""
-        hw = Hardware(f"this CPU (measured{busy})", peak, measured["bandwidth_bytes_per_s"], None)
+        hw = Hardware(f"this CPU (measured{busy})", peak, measured["bandwidth_bytes_per_s"], None,
+                      Profile.from_json(measured["profile"]))
+        _use_measured_link(hw.profile, "gloo", threads and (os.cpu_count() or 1) // threads)
+    elif gpu and gpu.lower() == "cuda":  # this machine's GPU: its calibration if cached, else its table entry
+        import torch
+
+        from trainwise.cost.hardware import lookup_cuda_device
+        from trainwise.measure.calibrate import cached
+
+        name, entry = torch.cuda.get_device_name(), cached("cuda")
+        acc = lookup_cuda_device(name)
+        peak = acc.peak(dtype) if acc else (entry or {}).get("peak_flops", {}).get(dtype, 0.0)
+        profile = (Profile.from_json(entry["profile"]) if entry else
+                   table_profile(acc.peak_flops, acc.bandwidth_bytes_per_s) if acc and acc.bandwidth_bytes_per_s else None)
+        hw = Hardware(name, peak, acc.bandwidth_bytes_per_s if acc else None, acc.memory_bytes if acc else None,
+                      profile, cuda=True)
+        _use_measured_link(profile, "nccl", torch.cuda.device_count())
     elif gpu:
         acc: Accelerator = get_accelerator(gpu)
-        hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes)
+        hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes,
+                      table_profile(acc.peak_flops, acc.bandwidth_bytes_per_s) if acc.bandwidth_bytes_per_s else None,
+                      cuda=True)
     elif peak_flops is not None:
         hw = Hardware("custom", peak_flops)
     else:
         raise TrainwiseError("give the hardware: --gpu NAME (see `trainwise hardware`), --gpu cpu (this machine's "
                              "measured peak) or --peak-flops P (FLOP/s).")
     if peak_flops is not None:
-        hw.peak_flops = float(peak_flops)
+        hw.peak_flops, hw.profile = float(peak_flops), None
     if bandwidth:
         hw.bandwidth_bytes_per_s = float(bandwidth)
     if memory:
@@ -52,6 +77,14 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float
     if hw.peak_flops <= 0:
         raise TrainwiseError("--peak-flops must be positive.")
     return hw
+
+
+def _use_measured_link(profile: Profile | None, backend: str, world: int | None) -> None:
+    """The collectives as `trainwise hardware --calibrate` measured them under torchrun, if it did."""
+    from trainwise.measure.calibrate import cached_link
+
+    if profile is not None and world and world > 1 and (link := cached_link(backend, world)):
+        profile.link, profile.link_source = link, f"calibrated ({backend}, {world} ranks)"
 
 
 @dataclass
@@ -84,6 +117,21 @@ class Plan:
     price: float | None = None
     notes: list[str] = field(default_factory=list)
     compiled: bool = False  # torch.compile: what autograd saves changes (memory.compiled_block_bytes_per_token)
+    step: StepTime | None = None  # the step-time model's prediction; None: time from the assumed MFU
+    time_source: str = "assumed MFU (--mfu)"  # DESIGN.md: "calibrated" | "table defaults" | "assumed MFU (--mfu)"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Predicted seconds of one optimizer step (all devices together); None without hardware."""
+        if self.step is not None:
+            return self.step.seconds
+        if self.hardware is None:
+            return None
+        return self.flops_per_token * self.tokens_per_step / (self.gpus * self.hardware.peak_flops * self.mfu)
 
     @property
     def dp(self) -> int:
@@ -152,8 +200,11 @@ class Plan:
     def _time_json(self) -> dict[str, Any]:
         """Without hardware the keys stay, null, with a note saying what to give (JSON contract: same keys)."""
         if self.time is None:
-            return {"seconds": None, "days": None, "device_hours": None, "note": NO_HARDWARE}
+            return {"seconds": None, "days": None, "device_hours": None, "step_seconds": None, "tokens_per_s": None,
+                    "mfu": None, "source": self.time_source, "note": NO_HARDWARE}
         return {"seconds": self.time.seconds, "days": self.time.days, "device_hours": self.time.device_hours,
+                "step_seconds": self.step_seconds, "tokens_per_s": self.tokens_per_step / self.step_seconds,
+                "mfu": self.mfu, "source": self.time_source,
                 **({"cost_usd": self.cost} if self.price is not None else {})}
 
     def explain(self) -> str:
@@ -179,24 +230,36 @@ def train_settings(train: TrainConfig, precision: str | None = None) -> dict:
                 checkpointing=train.activation_checkpointing)
 
 
-def plan_for_run(cfg: RunConfig, precision: str, peak_flops: float) -> Plan:
-    """The plan of a trainwise run as the trainer will execute it, on one device of `peak_flops`."""
+def plan_for_run(cfg: RunConfig, precision: str, peak_flops: float, device: str | None = None,
+                 compiled: bool | None = None, world_size: int = 1) -> Plan:
+    """The plan of a trainwise run as the trainer will execute it. device "cpu" (or "cuda"): this
+    machine's calibration prices the step (a GPU without one: its table entry at default efficiencies),
+    compiled or eager, per torchrun rank when world_size > 1; otherwise one device of `peak_flops` at
+    the assumed MFU. compiled None: decided as the trainer decides (train.compile)."""
     from trainwise.train.parallelize import resolve_compile
 
     t = cfg.train
+    if compiled is None:
+        compiled, _ = resolve_compile(t.compile, cfg.model, t.max_steps, cfg.parallel.strategy)
+    if device in ("cpu", "cuda"):
+        zero = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}[cfg.parallel.strategy if world_size > 1 else "none"]
+        return plan_run(cfg.model, tokens=t.max_steps * t.tokens_per_step * world_size, gpu=device, gpus=world_size,
+                        zero=zero, compiled=compiled, **train_settings(t, precision))
     tokens = t.max_steps * t.tokens_per_step
-    compiled, _ = resolve_compile(t.compile, cfg.model, t.max_steps, cfg.parallel.strategy)
-    return plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, compiled=compiled, **train_settings(t, precision))
+    return plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, mfu=DEFAULT_MFU, compiled=compiled,
+                    **train_settings(t, precision))
 
 
 def plan_run(model: ModelConfig | None = None, *, params_count: float | None = None, tokens: float,
              seq_len: int = 2048, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16",
              optimizer: str = "adamw", checkpointing: str = "none", zero: int = 0, tp: int = 1, pp: int = 1,
              gpus: int = 1, gpu: str | None = None, peak_flops: float | None = None,
-             bandwidth: float | None = None, memory: int | None = None, mfu: float = DEFAULT_MFU,
+             bandwidth: float | None = None, memory: int | None = None, mfu: float | None = None,
              causal_halving: bool = False, memory_budget: int | None = None, price: float | None = None,
              compiled: bool = False) -> Plan:
-    """Everything the planner knows about one run. Pass a ModelConfig, or only `params_count` (6ND rule)."""
+    """Everything the planner knows about one run. Pass a ModelConfig, or only `params_count` (6ND rule).
+    Time: with a model on a profiled device (--gpu cpu, a table GPU) and no `mfu`, the step-time model
+    (cost.steptime); else total FLOPs / (G x peak x MFU), MFU = `mfu` or DEFAULT_MFU (a what-if)."""
     for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--micro-batch", micro_batch),
                         ("--grad-accum", grad_accum), ("--tp", tp), ("--pp", pp), ("--gpus", gpus),
                         ("--params", params_count), ("--price", price)):
@@ -209,7 +272,8 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective or full.")
     recipe = M.get_recipe(precision)
     has_hw = gpu is not None or peak_flops is not None
-    hw = resolve_hardware(gpu, peak_flops, bandwidth, memory, recipe.compute_dtype) if has_hw else None
+    threads = max(1, (os.cpu_count() or 1) // gpus) if gpu and gpu.lower() == "cpu" and gpus > 1 else None
+    hw = resolve_hardware(gpu, peak_flops, bandwidth, memory, recipe.compute_dtype, threads) if has_hw else None
     if hw is None and memory:
         memory_budget = memory_budget or int(memory)  # --memory without a device: still the capacity to fit
     dp = gpus // (tp * pp)
@@ -233,13 +297,30 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         convention = "8ND" if checkpointing == "full" else "6ND"
         notes.append("activations unknown without a model config (--params only)")
     states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp)
-    t = None if hw is None else estimate_time(fpt * tokens, gpus, hw.peak_flops, mfu)
+    step, source, t = None, "assumed MFU (--mfu)", None
+    if hw is None:
+        source = "no hardware"
+    elif mfu is None and model is not None and hw.profile is not None and tp == pp == 1:
+        step = plan_step(model, hw.profile, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
+                         compute_dtype=recipe.compute_dtype, checkpointing=checkpointing, optimizer=optimizer,
+                         zero=zero, dp=dp, n_params=counts.total, grad_bytes=4 * counts.total,
+                         param_bytes=4 * counts.total, compiled=compiled, cuda=hw.cuda)
+        source = hw.profile.source
+        tokens_per_s = seq_len * micro_batch * grad_accum * dp / step.seconds
+        mfu = model_fpt * tokens_per_s / (gpus * hw.peak_flops)
+        t = TimeEstimate(tokens / tokens_per_s, gpus)
+    else:
+        if mfu is None and model is not None and hw.profile is not None:
+            notes.append("tensor/pipeline parallel steps are not modelled per operator: time from the assumed MFU")
+        mfu = DEFAULT_MFU if mfu is None else mfu
+        t = estimate_time(fpt * tokens, gpus, hw.peak_flops, mfu)
+    mfu = DEFAULT_MFU if mfu is None else mfu
     return Plan(name=name, model=model, counts=counts, tokens=float(tokens), seq_len=seq_len,
                 micro_batch=micro_batch, grad_accum=grad_accum, recipe=recipe, optimizer=optimizer,
                 checkpointing=checkpointing, zero=zero, tp=tp, pp=pp, gpus=gpus, hardware=hw, mfu=mfu,
                 causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
                 convention=convention, states=states, activations_bytes=acts, memory_budget=memory_budget,
-                time=t, price=price, notes=notes, compiled=compiled)
+                time=t, price=price, notes=notes, compiled=compiled, step=step, time_source=source)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -257,6 +338,7 @@ class Candidate:
     fits: bool
     reason: str = ""
     step_flops: float = 0.0  # per step, all devices, recompute included
+    tokens_per_s: float | None = None  # predicted; None without hardware
 
 
 def global_batch_sequences(seq_len: int, dp: int = 1, *, sequences: int | None = None,
@@ -281,15 +363,17 @@ def global_batch_sequences(seq_len: int, dp: int = 1, *, sequences: int | None =
 
 def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: int, precision: str = "bf16",
         optimizer: str = "adamw", tp: int = 1, pp: int = 1, gpus: int = 1, gpu: str | None = None,
-        peak_flops: float | None = None, mfu: float = DEFAULT_MFU, causal_halving: bool = False,
+        peak_flops: float | None = None, mfu: float | None = None, causal_halving: bool = False,
         max_micro_batch: int = 1024) -> tuple[list[Candidate], list[Candidate]]:
     """Search micro_batch x checkpointing x ZeRO stage for a global batch of `global_batch` sequences.
 
     Each candidate is the plan of one step (plan_run), so it fits exactly when `trainwise plan` with those
     settings says it fits: one memory model. grad_accum = global_batch / (micro_batch x dp) must be a
-    whole number. Ranked by step FLOPs including recompute (time = FLOPs / (G x peak x MFU) ranks the
-    same, and needs no hardware), so recomputation costs; ties go to the lower ZeRO stage (less
-    communication), then to fewer accumulation steps (larger, more efficient matmuls).
+    whole number. Candidates that fit are ranked by predicted step time: on a profiled device (--gpu
+    cpu, a table GPU) the step-time model prices each one (recompute, small matmuls, communication all
+    cost time; one recorded step per checkpointing mode, scaled to each micro-batch); else step FLOPs
+    including recompute / (G x peak x MFU); without hardware by step FLOPs, which ranks the same. Ties
+    go to the lower ZeRO stage (less communication), then to fewer accumulation steps.
     Returns (fitting candidates best first, rejected candidates with the reason)."""
     _positive("global batch", global_batch)
     dp = gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0
@@ -299,9 +383,14 @@ def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: i
         raise TrainwiseError(f"global batch {global_batch} sequences does not split over {dp} data-parallel ranks.")
     per_rank = global_batch // dp
     micro_batches = [b for b in range(1, min(per_rank, max_micro_batch) + 1) if per_rank % b == 0]
+    recipe, counts = M.get_recipe(precision), params(model)
+    hw = None
     if gpu is not None or peak_flops is not None:  # resolved once (--gpu cpu reads the calibration)
-        peak_flops = resolve_hardware(gpu, peak_flops, None, None, M.get_recipe(precision).compute_dtype).peak_flops
+        hw = resolve_hardware(gpu, peak_flops, None, None, recipe.compute_dtype)
+        peak_flops = hw.peak_flops
     good, bad = [], []
+    modelled = mfu is None and hw is not None and hw.profile is not None and tp == pp == 1
+    mfu = DEFAULT_MFU if mfu is None else mfu
     for zero in (0, 1, 2, 3):
         if zero and dp == 1:
             continue  # nothing to shard over
@@ -316,16 +405,38 @@ def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: i
                                         + (" (the model states alone exceed it)" if p.states.total > memory_budget
                                            else ""))
                 step_s = None if p.time is None else p.time.seconds
+                if ok and modelled:
+                    step_s = _modelled_step(model, hw, recipe, optimizer, ckpt, zero, dp, b, per_rank // b, seq_len,
+                                            counts.total)
                 (good if ok else bad).append(Candidate(b, per_rank // b, ckpt, zero, total, step_s, ok, reason,
-                                                       p.total_flops))
-    good.sort(key=lambda c: (c.step_flops, c.zero, c.grad_accum))
+                                                       p.total_flops, step_s and global_batch * seq_len / step_s))
+    good.sort(key=lambda c: (c.step_seconds if c.step_seconds is not None else c.step_flops, c.zero, c.grad_accum))
     for c in good[3:]:
         bad.append(dataclasses.replace(c, reason=_why_worse(c, good[0])))
     return good, bad
 
 
+def _modelled_step(model, hw: Hardware, recipe, optimizer: str, ckpt: str, zero: int, dp: int, micro_batch: int,
+                   grad_accum: int, seq_len: int, n_params: int) -> float:
+    """Step-time model of one --fit candidate, from the checkpointing mode's recorded micro-batch of 1."""
+    from trainwise.cost.steptime import cached_step_ops, scale_batch
+
+    precision = "fp32" if recipe.compute_dtype == "fp32" else recipe.compute_dtype
+    ops = scale_batch(cached_step_ops(model, 1, seq_len, precision, ckpt, False, optimizer), micro_batch, seq_len)
+    return plan_step(model, hw.profile, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
+                     compute_dtype=recipe.compute_dtype, checkpointing=ckpt, optimizer=optimizer, zero=zero, dp=dp,
+                     n_params=n_params, grad_bytes=4 * n_params, param_bytes=4 * n_params, cuda=hw.cuda,
+                     ops=ops).seconds
+
+
 def _why_worse(c: Candidate, best: Candidate) -> str:
-    if c.step_flops > best.step_flops * (1 + 1e-9):
+    if c.step_seconds is not None and best.step_seconds is not None:
+        if c.step_seconds > best.step_seconds * (1 + 1e-9):
+            why = (f"recompute ({c.checkpointing})" if c.checkpointing != best.checkpointing else
+                   f"ZeRO-{c.zero} communication" if c.zero != best.zero else
+                   f"micro-batch {c.micro_batch} x {c.grad_accum} accumulation steps")
+            return f"fits, but {why}: predicted step {c.step_seconds / best.step_seconds - 1:.1%} slower"
+    elif c.step_flops > best.step_flops * (1 + 1e-9):
         return f"fits, but recompute ({c.checkpointing}) makes the step {c.step_flops / best.step_flops - 1:.1%} slower"
     if c.zero > best.zero:
         return f"fits, same FLOPs, but ZeRO-{c.zero} communicates more than ZeRO-{best.zero}"
@@ -396,13 +507,19 @@ def explain_plan(p: Plan) -> str:
         f"incl. fp32 logits B*T*V) = {fmt_bytes(p.activations_bytes)}")
     add(f"   per device = {fmt_bytes(p.per_device_bytes)}; budget {fmt_bytes(p.budget)} -> fits: {p.fits}")
     add("")
-    add("4. Time = C / (G x peak x MFU)")
     if p.time is None:
+        add("4. Time")
         add(f"   {NO_HARDWARE}")
         out += [f"note: {n}" for n in p.notes]
         return "\n".join(out)
-    add(f"   = {p.total_flops:.4g} / ({p.gpus} x {p.hardware.peak_flops:.4g} x {p.mfu}) = {p.time.seconds:.4g} s"
-        f" = {p.time.days:.2f} days = {p.time.device_hours:,.1f} device-hours")
+    if p.step is not None:
+        from trainwise.cost.explain_time import explain_step
+
+        add(explain_step(p))
+    else:
+        add("4. Time = C / (G x peak x MFU)   (assumed MFU: a what-if, not a prediction)")
+        add(f"   = {p.total_flops:.4g} / ({p.gpus} x {p.hardware.peak_flops:.4g} x {p.mfu}) = {p.time.seconds:.4g} s"
+            f" = {p.time.days:.2f} days = {p.time.device_hours:,.1f} device-hours")
     if p.price is not None:
         add(f"   cost = {p.time.device_hours:,.1f} device-hours x ${p.price}/h = ${p.cost:,.0f}")
     for n in p.notes:

@@ -66,3 +66,28 @@ def model_flops_utilization(model_flops_per_s: float, peak_flops: float, devices
     """MFU = model FLOPs per second / (devices x peak FLOP/s) (PaLM, Chowdhery et al. 2022, appendix B);
     model FLOPs exclude recomputation. 40e12 / 100e12 = 0.4."""
     return model_flops_per_s / (devices * peak_flops)
+
+
+def fit_linear(rows: list[tuple[list[float], float]]) -> list[float]:
+    """Non-negative x minimising sum(((features . x) - t) / t)^2 over rows (features, t): a least-squares
+    fit in relative error, so that small and large kernels count alike, with every coefficient >= 0
+    (each is a time per unit of work). Exact for few features: every subset of free coefficients is
+    solved, the best feasible one kept. Rows ([1, 2], 5) and ([1, 4], 9) give x = [1, 2]."""
+    import itertools
+
+    import numpy as np
+
+    a = np.array([[f / t for f in feats] for feats, t in rows], dtype=float)
+    b = np.ones(len(rows))
+    n = a.shape[1]
+    best, best_err = np.zeros(n), float("inf")
+    for k in range(1, n + 1):
+        for keep in itertools.combinations(range(n), k):
+            x = np.zeros(n)
+            x[list(keep)] = np.linalg.lstsq(a[:, keep], b, rcond=None)[0]
+            if (x < 0).any():
+                continue
+            err = float(((a @ x - b) ** 2).sum())
+            if err < best_err:
+                best, best_err = x, err
+    return [float(v) for v in best]

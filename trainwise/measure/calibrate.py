@@ -1,28 +1,36 @@
-"""Measure this machine's peak: dense matmul FLOP/s per dtype and memory bandwidth.
+"""Measure this machine: its dense matmul peak per dtype, memory bandwidth, and the kernel profile the
+step-time model predicts from (trainwise.measure.kernels).
 
 MFU on a CPU is only meaningful against what this CPU can really do, so trainwise measures it (once,
-then caches it) instead of guessing from a spec sheet. The matmul peak is the best of a few square
-sizes; bandwidth is a large tensor copy (bytes read + bytes written per second).
+then caches it) instead of guessing from a spec sheet. The peak is the median of repeated square
+matmuls large enough to keep every thread busy (2048 and 3072 on a CPU; on an AMX Xeon a 1024 matmul
+runs on one thread and the best of a few timings swung 567 -> 2,206 GFLOP/s between calibrations);
+bandwidth is a large tensor copy (bytes read + bytes written per second).
 
-A peak measured while other work holds the CPU is too low (seen: bf16 238 instead of 444 GFLOP/s), and
-every MFU computed from it then reads too high. So the CPU time the matmul threads got is measured too:
-a quiet 2-core machine gives them 99-100% of the wall time, a busy one ~50%. Below BUSY_SHARE the
-result says so (busy_note), wherever it is printed.
+A peak measured while other work holds the CPU is too low, and every MFU computed from it then reads
+too high. So /proc/stat tells how much of the cores OTHER processes used during the peak timings
+(independent of how many threads our own kernels use): a quiet machine reads ~0, one spinning process
+per core ~50%. Above BUSY_OTHERS the result says so (busy_note), wherever it is printed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from trainwise.cost.time import fit_linear
 from trainwise.train.precision import DTYPES
 
-BUSY_SHARE = 0.8  # the matmul threads' share of wall time below which the CPU was busy with other work
+BUSY_SHARE = 0.8  # kept for callers: the matmul threads' share of wall time on a quiet machine
+BUSY_OTHERS = 0.2  # share of the cores other processes used during the peak timings above which it was busy
 RETRY_BUSY_S = 3600  # a busy measurement is measured again after this long
 
 
@@ -53,71 +61,193 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, size: int, seconds: float = 0.4) -> tuple[float, float]:
-    """(FLOP/s, CPU share) of (size x size) @ (size x size), 2 * size^3 FLOPs each, best of repeated
-    timings. CPU share = process CPU time / (wall time x torch threads) over the timings: ~1 when the
-    threads had the cores to themselves (meaningless on CUDA, where the GPU does the work)."""
+# Square sizes per dtype that keep every thread busy: fp32 sustains its rate from 2048 on; AMX bf16 needs
+# 2048-4096 (measured ~1,750 GFLOP/s with both threads of this Xeon), and 1024 ran on one thread only.
+PEAK_SIZES = {"cpu": {"fp32": (2048,), "bf16": (2048, 3072, 4096)},
+              "cuda": {"fp32": (4096, 8192), "bf16": (4096, 8192), "fp16": (4096, 8192)}}
+
+
+def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, size: int, seconds: float = 0.4,
+                       min_reps: int = 5) -> tuple[float, float]:
+    """(FLOP/s, CPU share) of (size x size) @ (size x size), 2 * size^3 FLOPs each: the MEDIAN of at least
+    min_reps timings after a warm-up, so that one lucky or unlucky repetition moves nothing (the best
+    of a few timings varied by 3x here). CPU share = process CPU time / (wall x torch threads)."""
     # A private generator: measuring must not move the global RNG a training run depends on.
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(size, size, device=device, generator=gen).to(dtype)
     b = torch.randn(size, size, device=device, generator=gen).to(dtype)
-    a @ b  # warm-up: kernel selection, page faults
+    for _ in range(2):  # warm-up: kernel selection, page faults, AMX tile set-up
+        a @ b
     _sync(device)
     wall, cpu = time.perf_counter(), time.process_time()
-    best, deadline = 0.0, wall + seconds
-    while time.perf_counter() < deadline:
+    times, deadline = [], wall + seconds
+    while len(times) < min_reps or time.perf_counter() < deadline:
         start = time.perf_counter()
         a @ b
         _sync(device)
-        best = max(best, 2 * size**3 / (time.perf_counter() - start))
+        times.append(time.perf_counter() - start)
     share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
-    return best, share
+    return 2 * size**3 / statistics.median(times), share
 
 
 def bandwidth_bytes_per_s(device: torch.device, n_bytes: int = 256 << 20, seconds: float = 0.4) -> float:
-    """Bytes moved per second by a tensor copy: each copy reads and writes n_bytes."""
+    """Bytes moved per second by a tensor copy (median timing): each copy reads and writes n_bytes."""
     src = torch.empty(n_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     dst.copy_(src)
     _sync(device)
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
+    times, deadline = [], time.perf_counter() + seconds
+    while len(times) < 5 or time.perf_counter() < deadline:
         start = time.perf_counter()
         dst.copy_(src)
         _sync(device)
-        best = max(best, 2 * n_bytes / (time.perf_counter() - start))
-    return best
+        times.append(time.perf_counter() - start)
+    return 2 * n_bytes / statistics.median(times)
 
 
-def calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dict:
-    """Return (and cache) {"peak_flops": {dtype: FLOP/s}, "bandwidth_bytes_per_s": B/s, ...}; on a CPU
-    also "cpu_share" and, below BUSY_SHARE, "busy": True. A busy measurement is cached (so that a
-    machine that is never quiet does not pay ~2 s every run) but measured again after RETRY_BUSY_S, and
-    it never replaces a quiet one."""
+def _cpu_busy_jiffies() -> tuple[float, float] | None:
+    """(busy seconds of all CPUs since boot, this process's CPU seconds) from /proc, or None off Linux."""
+    try:
+        fields = [float(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), time.process_time()
+
+
+def others_share(before: tuple[float, float] | None, after: tuple[float, float] | None, wall: float,
+                 cores: int | None = None) -> float | None:
+    """Share of the usable cores that OTHER processes kept busy between two _cpu_busy_jiffies readings:
+    (all CPUs' busy time - ours) / (wall x cores). Independent of how many threads our own kernels use
+    (a small matmul may run on one), so a quiet machine reads ~0 however the measurement runs."""
+    if before is None or after is None or wall <= 0:
+        return None
+    cores = cores or os.cpu_count() or 1
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (wall * cores))
+
+
+def device_profile(device: torch.device) -> dict:
+    """The step-time model's description of this device (trainwise.measure.kernels), as JSON."""
+    from trainwise.measure import kernels as K
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    took, clock = {}, time.perf_counter()
+
+    def lap(part: str) -> None:  # seconds each part took: the whole must stay under a minute on 2 cores
+        nonlocal clock
+        took[part] = time.perf_counter() - clock
+        clock = time.perf_counter()
+
+    grids = {name: K.matmul_grid(dt, device) for name, dt in dtypes.items()}
+    lap("matmul")
+    matmul = {}
+    for name, grid in grids.items():
+        size = DTYPES[name].itemsize
+        rows = [([2.0 * m * k * n, size * (m * k + k * n + m * n)], t) for m, k, n, t in grid]
+        inv_p, inv_bw = fit_linear(rows)  # no intercept: the per-call cost is the step overhead's
+        matmul[name] = [0.0, K._rate(inv_p), K._rate(inv_bw)]
+    elementwise = {name: K.elementwise_fits(dt, device) for name, dt in dtypes.items()}
+    lap("elementwise")
+    attention = {name: K.attention_fits(dt, device) for name, dt in dtypes.items()}
+    lap("attention")
+    optimizer = K.optimizer_fit(device)
+    lap("optimizer")
+    overhead = K.step_overhead(device, optimizer)
+    lap("overhead")
+    return {"matmul": matmul, "matmul_grid": grids, "elementwise": elementwise, "attention": attention,
+            "optimizer": optimizer, "overhead": overhead, "source": "calibrated", "seconds": took}
+
+
+def measure_peak(device: torch.device) -> dict:
+    """{"peak_flops", "bandwidth_bytes_per_s", "method", "measured_at", "measured_unix"}; on a CPU also
+    "cpu_share", "others_share" and "busy": True when other processes held more than BUSY_OTHERS of the
+    cores while the peak was timed (without /proc: when our threads got under BUSY_SHARE of the wall)."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    dtypes = ["fp32", "bf16"] + (["fp16"] if kind == "cuda" else [])
+    wall, before = time.perf_counter(), _cpu_busy_jiffies()
+    timings = {name: [matmul_flops_per_s(device, DTYPES[name], n, 0.3 if name == "fp32" else 0.4,
+                                         3 if name == "fp32" else 5) for n in PEAK_SIZES[kind][name]] for name in dtypes}
+    others = others_share(before, _cpu_busy_jiffies(), time.perf_counter() - wall)
+    result = {
+        "peak_flops": {name: max(rate for rate, _ in runs) for name, runs in timings.items()},
+        "bandwidth_bytes_per_s": bandwidth_bytes_per_s(device),
+        "method": f"median of repeated dense matmuls, best of square sizes {PEAK_SIZES[kind]}; bandwidth from a "
+                  "256 MiB copy; profile: trainwise.measure.kernels",
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "measured_unix": time.time(),
+    }
+    if kind == "cpu":
+        result["cpu_share"] = min(share for runs in timings.values() for _, share in runs)
+        if others is not None:
+            result["others_share"] = others
+        if (others > BUSY_OTHERS) if others is not None else result["cpu_share"] < BUSY_SHARE:
+            result["busy"] = True
+    return result
+
+
+def calibrate(device: torch.device | str = "cpu", refresh: bool = False, threads: int | None = None) -> dict:
+    """_calibrate with torch set to `threads` threads (e.g. 1 for each of 2 torchrun ranks on 2 cores,
+    which torchrun starts with OMP_NUM_THREADS=1); the thread count is part of the cache key."""
+    if threads is None or threads == torch.get_num_threads():
+        return _calibrate(device, refresh)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _calibrate(device, refresh)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dict:
+    """Return (and cache) {"peak_flops": {dtype: FLOP/s}, "bandwidth_bytes_per_s": B/s, "profile": {...}};
+    on a CPU also "others_share" (the cores other processes used meanwhile) and, above BUSY_OTHERS,
+    "busy": True. A busy measurement is cached (so that a machine that is never quiet does not pay the
+    measurement every run) but measured again after RETRY_BUSY_S, and it never replaces a quiet one.
+    An entry of an older trainwise (no "profile") is measured again."""
     device = torch.device(device)
     path = cache_root() / "calibration.json"
     key = machine_key(device)
     cached = _read(path)
     old = cached.get(key)
+    if old and "profile" not in old:
+        old = None
     if old and not refresh and not (old.get("busy") and time.time() - old.get("measured_unix", 0) > RETRY_BUSY_S):
         return old
-    sizes = (1024, 2048) if device.type == "cpu" else (4096, 8192)
-    dtypes = ["fp32", "bf16"] + (["fp16"] if device.type == "cuda" else [])
-    timings = {name: [matmul_flops_per_s(device, DTYPES[name], n) for n in sizes] for name in dtypes}
-    result = {
-        "machine": key,
-        "peak_flops": {name: max(rate for rate, _ in runs) for name, runs in timings.items()},
-        "bandwidth_bytes_per_s": bandwidth_bytes_per_s(device),
-        "method": f"best dense matmul of square sizes {sizes}; bandwidth from a 256 MiB copy",
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "measured_unix": time.time(),
-    }
-    if device.type == "cpu":
-        result["cpu_share"] = min(share for runs in timings.values() for _, share in runs)
-        if result["cpu_share"] < BUSY_SHARE:
-            result["busy"] = True
-            if old and not old.get("busy"):
-                return result  # the quiet measurement stays in the cache
+    with _measuring_lock(path):
+        fresh = _read(path).get(key)  # another process (a torchrun rank) may have measured meanwhile
+        if fresh and "profile" in fresh and fresh.get("measured_unix", 0) > (old or {}).get("measured_unix", 0) \
+                and not refresh:
+            return fresh
+        return _measure_and_cache(device, path, key, old)
+
+
+@contextlib.contextmanager
+def _measuring_lock(path: Path):
+    """One calibration per machine at a time: concurrent ones (the ranks of a torchrun job starting
+    together) would measure each other's load, and the waiting one then reads the result."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "w")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _measure_and_cache(device: torch.device, path: Path, key: str, old: dict | None) -> dict:
+    began = time.perf_counter()
+    result = {"machine": key, **measure_peak(device)}
+    if result.get("busy") and old and not old.get("busy"):
+        # the quiet measurement stays in the cache, and its profile serves (a busy one is too slow)
+        return {**result, "profile": old["profile"], "profile_from": old["measured_at"]}
+    result["profile"] = device_profile(device)
+    result["calibration_s"] = time.perf_counter() - began
+    cached = _read(path)
     cached[key] = result
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,12 +259,52 @@ def calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dict
     return result
 
 
+def link_key(backend: str, world: int) -> str:
+    """The collectives' cache key: the machine and torch, not the torch threads (a rank runs with one)."""
+    return f"link|{backend}|world={world}|{_cpu_model()}|torch={torch.__version__}"
+
+
+def calibrate_link() -> dict:
+    """Under torchrun (every rank calls it, process group initialised): measure the collectives
+    (kernels.collective_fit) and cache them; rank 0 writes. `trainwise hardware --calibrate` under
+    torchrun does this."""
+    import torch.distributed as dist
+
+    from trainwise.measure.kernels import collective_fit
+
+    result = {**collective_fit(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if result["rank"] == 0:
+        path = cache_root() / "calibration.json"
+        with _measuring_lock(path):
+            entries = _read(path)
+            entries[link_key(result["backend"], result["world"])] = result
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(entries, indent=1))
+            os.replace(tmp, path)
+    dist.barrier()
+    return result
+
+
+def cached_link(backend: str, world: int) -> list[float] | None:
+    """[latency s, bytes/s] of this machine's collectives over `world` ranks, if calibrate_link ran."""
+    entry = _read(cache_root() / "calibration.json").get(link_key(backend, world))
+    return entry["link"] if entry else None
+
+
+def cached(device: torch.device | str) -> dict | None:
+    """This device's cached calibration with a profile, or None; measures nothing (a GPU run must not
+    spend half a minute calibrating: without `trainwise hardware --calibrate` it uses table defaults)."""
+    entry = _read(cache_root() / "calibration.json").get(machine_key(torch.device(device)))
+    return entry if entry and "profile" in entry else None
+
+
 def busy_note(result: dict) -> str:
     """'' for a trustworthy measurement; else a sentence saying why the peak is too low and what to do."""
     if not result.get("busy"):
         return ""
-    return (f"measured while other work held the CPU (its matmul threads got {result['cpu_share']:.0%} of the "
-            f"wall time), so this peak is too low and MFU reads too high: run `trainwise hardware --calibrate` "
+    held = (f"other processes kept {result['others_share']:.0%} of the cores busy" if "others_share" in result
+            else f"its matmul threads got {result['cpu_share']:.0%} of the wall time")
+    return (f"measured while other work held the CPU ({held}), so this peak is too low and MFU reads too high: run `trainwise hardware --calibrate` "
             f"on a quiet machine (a run an hour later measures again on its own)")
 
 

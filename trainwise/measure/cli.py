@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from torch import device as torch_device
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     v = subparsers.add_parser("verify", help="recompute and print a run's predicted-vs-measured table",
@@ -21,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--model", default="trainwise-small", help="preset, trainwise TOML or config.json")
     r.add_argument("--gpu", help="accelerator from `trainwise hardware` (default: this CPU, calibrated)")
-    r.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    r.add_argument("--precision", choices=["fp32", "bf16"],
+                   help="default: what the trainer picks there (bf16 on a GPU or a CPU with native bf16)")
     r.add_argument("--seq-len", type=int)
     r.add_argument("--micro-batch", type=int, default=1)
     r.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none")
@@ -59,6 +62,15 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         raise TrainwiseError("--measure profiles a step on this CPU; it cannot be combined with --gpu.")
     from trainwise.cost.plan import resolve_hardware
 
+    if args.precision is None:  # the trainer's choice on that device (train.precision = auto)
+        if args.gpu:
+            from trainwise.cost.hardware import get_accelerator
+
+            args.precision = "bf16" if {"bf16", "fp16"} & set(get_accelerator(args.gpu).peak_flops) else "fp32"
+        else:
+            from trainwise.train.precision import resolve_precision
+
+            args.precision = resolve_precision("auto", torch_device("cpu"))[0]
     hardware = resolve_hardware(args.gpu or "cpu", None, None, None, args.precision)
     peak, bw, hw = hardware.peak_flops, hardware.bandwidth_bytes_per_s, hardware.name
     seq = args.seq_len or min(model.max_seq_len, 2048)
@@ -66,13 +78,20 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         from trainwise.measure.roofline import check_measurable
 
         check_measurable(model, args.micro_batch, seq, [], peak, bw)  # size first: before the fake step
-    points = roofline_ops(model, args.micro_batch, seq, args.precision, args.checkpointing)
+    points = roofline_ops(model, args.micro_batch, seq, args.precision, args.checkpointing, cuda=bool(args.gpu))
     measured = None
     if args.measure:
         from trainwise.measure.roofline import measure_ops
 
         check_measurable(model, args.micro_batch, seq, points, peak, bw)
         measured = measure_ops(model, args.micro_batch, seq, points, args.precision, args.checkpointing)
+        if hardware.profile is not None:
+            from trainwise.measure.roofline import predicted_by_name
+
+            predicted = predicted_by_name(model, args.micro_batch, seq, args.precision, args.checkpointing,
+                                          hardware.profile)
+            for m in measured:
+                m.predicted_s = predicted.get(m.point.name)
     if args.json:
         out = {"hardware": hw, "peak_flops": peak, "bandwidth_bytes_per_s": bw, "ridge": peak / bw,
                "ops": [{"op": p.name, "class": p.cls, "calls": p.calls, "flops": p.flops,

@@ -1,10 +1,9 @@
 """`trainwise roofline`: every operator of one training step on the roofline (Williams et al. 2009).
 
-The step runs on fake tensors (no memory, no compute) under a dispatch mode that records each aten op:
-FLOPs from the one FLOP counter's formulas (trainwise.measure.flopcount) for matmuls and attention, one
-FLOP per output element for everything else (norms, activations, softmax/cross-entropy, optimizer
-update); bytes moved = bytes of the tensor inputs read + outputs written (no cache reuse: a lower bound
-on intensity for fused kernels). Arithmetic intensity I = F/Q; ridge point = P/BW; an op is
+The operators are cost.ops.step_ops, the list the step-time model prices (one list, one FLOP count, one
+byte count): the step runs on fake tensors and each aten op is recorded with FLOPs from the FLOP
+counter's formulas (one per output element for non-matmul ops) and bytes = inputs read + outputs
+written (no cache reuse: a lower bound on intensity for fused kernels). Arithmetic intensity I = F/Q; ridge point = P/BW; an op is
 compute-bound when I >= ridge; its lower-bound time is max(F/P, Q/BW).
 """
 
@@ -14,30 +13,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from trainwise.cost.ops import CLASSES, by_name, for_cuda, op_class, step_ops  # noqa: F401  (op_class re-exported)
 from trainwise.cost.time import attainable_flops, ridge_point, roofline_seconds
 
-CLASSES = (("attention", ("attention",)), ("matmul", ("mm", "bmm", "addmm", "baddbmm")),
-           ("norm", ("rsqrt", "layer_norm", "pow", "mean", "rms")),
-           ("softmax/cross-entropy", ("softmax", "nll_loss", "log_softmax")),
-           ("activation", ("silu", "gelu", "relu")),
-           ("optimizer", ("_fused_adam", "_fused_sgd", "_foreach", "lerp", "addcdiv", "addcmul", "sqrt")))
-VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "split", "split_with_sizes", "slice",
-         "select", "detach", "alias", "unsqueeze", "squeeze", "as_strided", "chunk", "unbind", "reshape", "_to_copy",
-         "lift_fresh", "empty", "empty_like", "zeros_like", "ones_like", "new_empty_strided", "new_empty",
-         "_local_scalar_dense", "clone", "copy_", "randint", "zeros", "ones", "empty_strided", "normal_",
-         "fill_", "zero_", "arange", "full"}
-
-
-def op_class(name: str) -> str:
-    short = name.split(".")[1] if "." in name else name
-    for cls, keys in CLASSES:
-        if any(k in short for k in keys):
-            return cls
-    return "elementwise/other"
+MIN_PLOT_INTENSITY = 1e-3  # FLOPs/byte: below it an op is bookkeeping (a norm's scalar), not on the plot
 
 
 @dataclass
@@ -55,62 +35,14 @@ class OpPoint:
         return roofline_seconds(self.flops, self.bytes, peak, bw)
 
 
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-class _Recorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        from trainwise.measure.flopcount import flop_counter
-
-        self.registry = flop_counter().flop_registry
-        self.ops: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0])
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        name = str(packet)
-        if name.split(".")[-1] in VIEWS:
-            return out
-        ins = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-        outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-        if packet in self.registry:
-            flops = self.registry[packet](*args, **kwargs, out_val=out)
-        else:
-            flops = sum(o.numel() for o in outs)
-        rec = self.ops[name]
-        rec[0] += 1
-        rec[1] += flops
-        rec[2] += sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))
-        return out
-
-
 def roofline_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32",
-                 checkpointing: str = "none") -> list[OpPoint]:
-    """Operators of one training step of the trainwise model (fake tensors), largest FLOPs first."""
-    import importlib
-    from unittest import mock
-
-    from trainwise.config import TrainConfig
-    from trainwise.measure.simulate import _one
-    from trainwise.measure.step import train_step
-    from trainwise.model import Transformer
-    from trainwise.train.optim import build_optimizer
-    from trainwise.train.parallelize import apply_activation_checkpointing
-
-    rec = _Recorder()
-    with FakeTensorMode(allow_non_fake_inputs=True), \
-            mock.patch.object(importlib.import_module("torch.optim.adam"), "_get_value", _one):
-        model = Transformer(model_cfg)
-        if checkpointing != "none":
-            apply_activation_checkpointing(model, checkpointing)
-        opt = build_optimizer(model, TrainConfig())
-        ids = torch.randint(0, model_cfg.vocab_size, (micro_batch, seq_len + 1))
-        with rec:
-            train_step(model, opt, [(ids[:, :-1], ids[:, 1:])], torch.device("cpu"), precision)
-    points = [OpPoint(n, op_class(n), c, f, b) for n, (c, f, b) in rec.ops.items() if f or b]
+                 checkpointing: str = "none", cuda: bool = False, compiled: bool = False) -> list[OpPoint]:
+    """Operators of one training step of the trainwise model (cost.ops.step_ops, the list the step-time
+    model prices), summed per op name, largest FLOPs first. cuda: the kernels a CUDA device runs."""
+    ops = step_ops(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled=compiled and not cuda)
+    if cuda:
+        ops = for_cuda(ops)
+    points = [OpPoint(n, op_class(n), c, f, b) for n, (c, f, b) in by_name(ops).items()]
     return sorted(points, key=lambda p: -p.flops)
 
 
@@ -156,7 +88,10 @@ def plot_roofline(points: list[OpPoint], peak: float, bw: float, path: str, titl
     import matplotlib.pyplot as plt
 
     ridge = ridge_point(peak, bw)
-    xs = [p.intensity() for p in points if p.flops and p.bytes]
+    points = [p for p in points if p.flops and p.bytes and p.intensity() >= MIN_PLOT_INTENSITY]
+    if measured:
+        measured = [m for m in measured if m.point.intensity() >= MIN_PLOT_INTENSITY]
+    xs = [p.intensity() for p in points]
     lo, hi = min(xs + [ridge]) / 4, max(xs + [ridge]) * 4
     fig, ax = plt.subplots(figsize=(13, 7.5) if measured else (9, 6))
     ax.plot([lo, ridge, hi], [lo * bw, peak, peak], color="black", lw=2, label="roofline min(P, I x BW)")
@@ -195,6 +130,7 @@ class MeasuredOp:
     point: OpPoint
     time_s: float  # profiler self CPU time summed over the op's calls in the step
     calls: int  # calls the profiler saw
+    predicted_s: float | None = None  # the step-time model's time for the op (cost.steptime), if given
 
     def achieved(self) -> float:
         return self.point.flops / self.time_s if self.time_s > 0 else float("nan")
@@ -283,17 +219,23 @@ def measured_table(measured: list[MeasuredOp], peak: float, bw: float) -> str:
     lines = ["measured: one real step (after a warm-up step) under torch.profiler; FLOPs from the trainwise "
              "counter, time = profiler self CPU time (incl. helper kernels the op calls), all calls in the step",
              f"peak {peak:.4g} FLOP/s, bandwidth {bw:.4g} B/s, ridge point {ridge_point(peak, bw):.3g} FLOPs/byte",
-             f"{'operator':<50} {'class':<22} {'FLOPs':>10} {'time ms':>9} {'achieved FLOP/s':>15} "
+             f"{'operator':<50} {'class':<22} {'FLOPs':>10} {'time ms':>9} {'predicted ms':>12} {'achieved FLOP/s':>15} "
              f"{'attainable FLOP/s':>17} {'% bound':>8}"]
-    tot_f = tot_t = 0.0
+    tot_f = tot_t = tot_p = 0.0
     for m in measured:
         p = m.point
-        lines.append(f"{p.name:<50} {p.cls:<22} {p.flops:>10.3g} {m.time_s * 1e3:>9.3g} {m.achieved():>15.3g} "
+        pred = "n/a" if m.predicted_s is None else f"{m.predicted_s * 1e3:.3g}"
+        lines.append(f"{p.name:<50} {p.cls:<22} {p.flops:>10.3g} {m.time_s * 1e3:>9.3g} {pred:>12} {m.achieved():>15.3g} "
                      f"{m.attainable(peak, bw):>17.3g} {100 * m.fraction(peak, bw):>7.1f}%")
         tot_f += p.flops
         tot_t += m.time_s
+        tot_p += m.predicted_s or 0.0
     if tot_t:
-        lines.append(f"{'all measured ops':<73} {tot_f:>10.3g} {tot_t * 1e3:>9.3g} {tot_f / tot_t:>15.3g}")
+        lines.append(f"{'all measured ops':<73} {tot_f:>10.3g} {tot_t * 1e3:>9.3g} {tot_p * 1e3:>12.3g} "
+                     f"{tot_f / tot_t:>15.3g}")
+    if any(m.predicted_s is not None for m in measured):
+        lines.append("predicted ms: the step-time model (cost.steptime) per operator, its share of the eager "
+                     "per-call overhead included; the profiler's time excludes what runs outside aten ops")
     return "\n".join(lines)
 
 
@@ -301,7 +243,7 @@ def measured_json(measured: list[MeasuredOp], peak: float, bw: float) -> list[di
     return [{"op": m.point.name, "class": m.point.cls, "calls": m.calls, "flops": m.point.flops,
              "bytes": m.point.bytes, "intensity": m.point.intensity(), "time_s": m.time_s,
              "achieved_flops_per_s": m.achieved(), "attainable_flops_per_s": m.attainable(peak, bw),
-             "fraction_of_bound": m.fraction(peak, bw)} for m in measured]
+             "fraction_of_bound": m.fraction(peak, bw), "predicted_s": m.predicted_s} for m in measured]
 
 
 def _plot_measured(ax, fig, measured: list[MeasuredOp], peak: float, bw: float, title: str) -> None:
@@ -328,3 +270,19 @@ def _plot_measured(ax, fig, measured: list[MeasuredOp], peak: float, bw: float, 
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
               title="operator (filled = measured)", title_fontsize=9, borderaxespad=0)
     fig.tight_layout()
+
+
+def predicted_by_name(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpointing: str,
+                      profile) -> dict[str, float]:
+    """{op name: seconds} the step-time model gives each operator of one eager step on this CPU: its
+    priced time plus its calls x the calibrated per-call overhead."""
+    from trainwise.cost.params import params
+    from trainwise.cost.steptime import n_param_tensors, predict_step
+
+    ops = step_ops(model_cfg, micro_batch, seq_len, precision, checkpointing)
+    step = predict_step(ops, profile, n_param_tensors(model_cfg), params(model_cfg).total)
+    out: dict[str, float] = defaultdict(float)
+    for t in step.ops:
+        extra = profile.overhead[1] * t.op.calls if t.op.phase != "optimizer" else 0.0
+        out[t.op.name] += t.seconds + extra
+    return dict(out)

@@ -95,7 +95,7 @@ def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None
     flops_pred = plan.flops_per_token * tokens_per_step  # what runs, recompute included (HFU)
     model_flops_pred = plan.model_flops_per_token * tokens_per_step
     peak = plan.hardware.peak_flops
-    time_pred = flops_pred / (peak * plan.mfu)
+    time_pred = plan.step_seconds  # the step-time model where the device is profiled, else the assumed MFU
     mfu_meas = model_flops_pred / step_time_s / peak if step_time_s else None
     mem = measured["memory_bytes"]
     s = plan.states
@@ -104,6 +104,7 @@ def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None
         "peak_memory_bytes": _entry(plan.peak_bytes, measured["peak_memory_bytes"]),
         "step_time_s": _entry(time_pred, step_time_s),
         "mfu": _entry(plan.mfu, mfu_meas),
+        "time_source": plan.time_source,  # where predicted step time and MFU came from (plan.json's time.source)
         "memory_bytes": {
             "params": _entry(s.params + s.master, mem["params"]),
             "grads": _entry(s.grads, mem["grads"]),
@@ -115,8 +116,11 @@ def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None
             "error = measured / predicted - 1",
             f"FLOPs: planner (matmuls; backward = 2 x forward; recompute of {t.activation_checkpointing} "
             "checkpointing included) vs trainwise.measure.flopcount on one real step",
-            f"step time predicted = FLOPs per step / (peak {peak:.4g} FLOP/s x assumed MFU {plan.mfu}); "
-            f"peak: {peak_source}",
+            (f"step time predicted by the step-time model ({plan.time_source}): the step's operators priced by "
+             f"the device profile + eager overhead + communication (`trainwise plan --explain`); "
+             if plan.step is not None else
+             f"step time predicted = FLOPs per step / (peak {peak:.4g} FLOP/s x assumed MFU {plan.mfu}); ")
+            + f"MFU against peak {peak:.4g} FLOP/s: {peak_source}",
             "step time measured = mean logged step_time_s after the first log interval",
             "memory by category measured with MemTracker on one extra real step of an eager copy of the "
             "trained model; peak predicted = cost.memory.peak_bytes",
@@ -177,6 +181,9 @@ def format_table(v: dict) -> str:
     lines.append("-" * len(lines[0]))
     lines += [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}  {d:>{w[3]}}" for a, b, c, d in cells]
     lines.append(f"device: {v['device']}")
+    if source := v.get("time_source"):
+        lines.append(f"step time and MFU predicted from: {source}"
+                     + (" (step-time model, `trainwise plan --explain` itemises it)" if source != "assumed MFU (--mfu)" else ""))
     return "\n".join(lines)
 
 
@@ -193,7 +200,10 @@ def verify_run(run_dir: str | Path) -> dict:
     old = json.loads(path.read_text(encoding="utf-8"))
     cfg = load_config(run_dir / "config.toml")
     info = old.get("run", {})
-    plan = plan_for_run(cfg, precision=info.get("precision", "fp32"), peak_flops=info["peak_flops"])
+    plan = plan_for_run(cfg, precision=info.get("precision", "fp32"), peak_flops=info["peak_flops"],
+                        device="cpu" if old["device"] == "cpu" else "cuda" if torch.cuda.is_available() else None,
+                        compiled=info.get("compiled", False),
+                        world_size=info.get("world_size", 1))
     measured = {"flops_per_step": old["flops_per_step"]["measured"],
                 "peak_memory_bytes": old["peak_memory_bytes"]["measured"],
                 "memory_bytes": {k: e["measured"] for k, e in old["memory_bytes"].items()},

@@ -45,6 +45,9 @@ class RunReporter:
         self.hardware_flops_per_token = flops_per_token_train(cfg.model, t.seq_len,
                                                                recompute=t.activation_checkpointing)
         self.peak_flops, self.peak_source = device_peak_flops(device, precision)
+        # How the step will run, for the step-time model: compiled (whole model or per block) and ranks.
+        self.compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in (model, *model.blocks))
+        self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         built = sum(p.numel() for p in model.parameters())
         say(f"model {cfg.model.name}: {built:,} parameters ({self.counts.active:,} active per token), "
             f"{cfg.model.n_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}")
@@ -54,13 +57,15 @@ class RunReporter:
         mem, when = plan["memory"], plan["time"]
         say(f"plan: peak memory {fmt_bytes(mem['peak_bytes'])} (states {fmt_bytes(mem['states_bytes'])}, "
             f"activations {fmt_bytes(mem['activations_bytes'])}); {plan['flops']['total']:.3g} FLOPs in all, "
-            f"{when['seconds']:,.0f} s at {plan['hardware']['mfu']:.0%} MFU")
+            f"{when['step_seconds']:.3g} s per step, {when['seconds']:,.0f} s in all at {when['mfu']:.1%} MFU "
+            f"({when['source']})")
         say("      (plan.json; `trainwise plan --model RUN/config.toml --gpu cpu --explain` derives it)")
 
     def plan(self):
         from trainwise.cost.plan import plan_for_run  # noqa: PLC0415
 
-        return plan_for_run(self.cfg, precision=self.precision, peak_flops=self.peak_flops)
+        return plan_for_run(self.cfg, precision=self.precision, peak_flops=self.peak_flops, device=self.device.type,
+                            compiled=self.compiled, world_size=self.world_size)
 
     def write_plan(self, path: Path) -> None:
         path.write_text(json.dumps(self.plan().to_json(), indent=1), encoding="utf-8")
@@ -100,7 +105,7 @@ class RunReporter:
         device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else f"{self.device.type}")
         result = build_verify(self.cfg, self.plan(), measured, step_time, device, self.peak_source)
         result["run"] = {"precision": self.precision, "peak_flops": self.peak_flops, "peak_source": self.peak_source,
-                         "step": step, "tokens": tokens_seen}
+                         "step": step, "tokens": tokens_seen, "compiled": self.compiled, "world_size": self.world_size}
         (out / "verify.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
         self.say("\npredicted vs measured (verify.json):\n" + format_table(result))
         return result

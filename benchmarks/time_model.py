@@ -1,0 +1,217 @@
+"""Predicted vs measured steady-state step time on this CPU, over 26 training configurations.
+
+Each configuration is planned with the step-time model (`trainwise plan --gpu cpu`: cost.steptime on
+this machine's calibration) and then run for real: single-process ones in this process, through the
+trainer's own step (trainwise.measure.step.train_step, compiled with train.parallelize.apply_compile
+where marked), two warm-up steps and then the median of the next steps; ddp/fsdp ones through
+`torchrun --nproc_per_node 2 -m trainwise train` (gloo, one thread per rank), the median of the logged
+step times after the first two. error = measured / predicted - 1.
+
+    python benchmarks/time_model.py                 # all configurations (~5-10 min on a quiet 2-core CPU)
+    python benchmarks/time_model.py --only 1,19     # a few, by number
+    python benchmarks/time_model.py --json out.json
+    python benchmarks/time_model.py --stability 5   # five calibrations in a row: each figure's spread
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from trainwise.config import ModelConfig, RunConfig, TrainConfig, apply_overrides, save_config
+from trainwise.cost.plan import plan_for_run, plan_run
+from trainwise.measure.calibrate import _cpu_model, calibrate
+from trainwise.measure.step import random_batches, train_step
+from trainwise.model import Transformer
+from trainwise.train.optim import build_optimizer
+from trainwise.train.parallelize import apply_activation_checkpointing, apply_compile
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=704, max_seq_len=512)
+TINY = dict(vocab_size=4096, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=192, max_seq_len=512)
+MEDIUM = dict(vocab_size=4096, d_model=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=1024, max_seq_len=512)
+WIDE = dict(vocab_size=4096, d_model=512, n_layers=2, n_heads=8, n_kv_heads=8, ffn_hidden=1408, max_seq_len=512)
+GPT2ISH = dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=1024, max_seq_len=512,
+               activation="gelu", norm="layernorm", position="learned", bias=True)
+MOE = dict(SMALL, n_experts=4, top_k=2, expert_ffn_hidden=352)
+
+
+@dataclass
+class Case:
+    name: str
+    model: dict
+    micro_batch: int
+    seq_len: int
+    grad_accum: int = 1
+    checkpointing: str = "none"
+    precision: str = "bf16"
+    compiled: bool = False
+    strategy: str = "none"  # ddp / fsdp: 2 gloo ranks under torchrun
+    results: dict = field(default_factory=dict)
+
+
+CASES = [
+    Case("small", SMALL, 16, 256), Case("small fp32", SMALL, 16, 256, precision="fp32"),
+    Case("small B4", SMALL, 4, 256), Case("small T128", SMALL, 16, 128),
+    Case("small K2", SMALL, 8, 256, grad_accum=2), Case("small selective", SMALL, 16, 256, checkpointing="selective"),
+    Case("small full", SMALL, 16, 256, checkpointing="full"),
+    Case("small fp32 full K2", SMALL, 8, 256, 2, "full", "fp32"),
+    Case("tiny", TINY, 8, 128), Case("tiny fp32", TINY, 32, 64, precision="fp32"),
+    Case("medium", MEDIUM, 8, 256), Case("medium fp32", MEDIUM, 4, 256, precision="fp32"),
+    Case("medium T512", MEDIUM, 4, 512), Case("wide fp32", WIDE, 8, 128, precision="fp32"),
+    Case("small B2 T64", SMALL, 2, 64), Case("moe", MOE, 8, 256), Case("moe fp32", MOE, 4, 128, precision="fp32"),
+    Case("moe T512", MOE, 4, 512), Case("small compiled", SMALL, 16, 256, compiled=True),
+    Case("small fp32 compiled", SMALL, 8, 256, precision="fp32", compiled=True),
+    Case("tiny compiled", TINY, 8, 128, compiled=True), Case("medium K4", MEDIUM, 4, 256, grad_accum=4),
+    Case("gpt2-style", GPT2ISH, 8, 256), Case("small ddp", SMALL, 8, 256, strategy="ddp"),
+    Case("small fsdp", SMALL, 8, 256, strategy="fsdp"), Case("tiny ddp fp32", TINY, 8, 128, precision="fp32", strategy="ddp"),
+]
+
+
+def predict(case: Case) -> float:
+    if case.strategy != "none":
+        return plan_for_run(run_config(case, 10), case.precision, 0.0, device="cpu", world_size=2).step_seconds
+    plan = plan_run(ModelConfig(**case.model), tokens=1, gpu="cpu", seq_len=case.seq_len, micro_batch=case.micro_batch,
+                    grad_accum=case.grad_accum, precision="fp32" if case.precision == "fp32" else "amp",
+                    checkpointing=case.checkpointing, compiled=case.compiled)
+    return plan.step_seconds
+
+
+def measure_local(case: Case, min_steps: int = 5, min_s: float = 2.0) -> float:
+    """Median seconds of the trainer's step after two warm-up steps (compile happens in the first)."""
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    cfg = ModelConfig(**case.model)
+    model = Transformer(cfg)
+    if case.checkpointing != "none":
+        apply_activation_checkpointing(model, case.checkpointing)
+    if case.compiled:
+        apply_compile(model)
+    opt = build_optimizer(model, TrainConfig())
+    batches = random_batches(cfg.vocab_size, case.micro_batch, case.seq_len, case.grad_accum, cpu)
+    for _ in range(2):
+        train_step(model, opt, batches, cpu, case.precision)
+    times, start = [], time.perf_counter()
+    while len(times) < min_steps or time.perf_counter() - start < min_s:
+        t = time.perf_counter()
+        train_step(model, opt, batches, cpu, case.precision)
+        times.append(time.perf_counter() - t)
+    if case.compiled:
+        torch._dynamo.reset()
+    return statistics.median(times)
+
+
+def run_config(case: Case, steps: int) -> RunConfig:
+    sets = [f"train.{k}={v}" for k, v in dict(micro_batch=case.micro_batch, seq_len=case.seq_len, max_steps=steps,
+                                             grad_accum_steps=case.grad_accum, precision=case.precision,
+                                             activation_checkpointing=case.checkpointing, log_every=1,
+                                             eval_every=0, checkpoint_every=0, sample_tokens=8, device="cpu",
+                                             compile="true" if case.compiled else "false").items()]
+    sets += [f"model.{k}={v}" for k, v in case.model.items() if k != "vocab_size"]
+    sets += [f"tokenizer.vocab_size={case.model['vocab_size']}", f"parallel.strategy={case.strategy}"]
+    return apply_overrides(RunConfig(), sets)
+
+
+def measure_torchrun(case: Case, steps: int = 10) -> float:
+    """Median logged step time after the first two steps of a 2-rank gloo run of the trainer."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_path = Path(tmp) / "run.toml"
+        save_config(run_config(case, steps), cfg_path)
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "trainwise",
+               "train", "--config", str(cfg_path), "--out", str(Path(tmp) / "run")]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode:
+            raise RuntimeError(proc.stderr[-3000:])
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["step_time_s"] for r in rows[2:])
+
+
+def figures(cal: dict) -> dict[str, float]:
+    """Every figure of a calibration, flattened: peaks, bandwidth, the profile's rates and overheads."""
+    out = {f"peak {k}": v for k, v in cal["peak_flops"].items()}
+    out["copy bandwidth"] = cal["bandwidth_bytes_per_s"]
+    p = cal["profile"]
+    for dt, (_, peak, bw) in p["matmul"].items():
+        out[f"matmul {dt} P"], out[f"matmul {dt} BW"] = peak, bw
+    for dt, classes in p["elementwise"].items():
+        out.update({f"{cls} {dt} BW": v[1] for cls, v in classes.items()})
+    for dt, phases in p["attention"].items():
+        out.update({f"attention {dt} {ph}": v[1] for ph, v in phases.items()})
+    out["optimizer s/tensor"], out["optimizer s/param"] = p["optimizer"]
+    out["overhead s/step"], out["overhead s/op"] = p["overhead"]
+    return out
+
+
+def stability(n: int) -> int:
+    """n calibrations in a row (a fresh cache each): each figure's spread max/min - 1 and the time taken."""
+    runs, took = [], []
+    for i in range(n):
+        with tempfile.TemporaryDirectory() as tmp:
+            os.environ["TRAINWISE_CACHE"] = tmp
+            load = os.getloadavg()[0]
+            cal = calibrate("cpu", refresh=True)
+            runs.append(figures(cal))
+            took.append(cal["calibration_s"])
+            print(f"calibration {i + 1}: {cal['calibration_s']:.1f} s, load {load:.2f}, busy={cal.get('busy', False)}, "
+                  f"others' share {cal.get('others_share', float('nan')):.0%}", flush=True)
+    print(f"{'figure':<34} {'min':>11} {'max':>11} {'spread':>7}")
+    worst = 0.0
+    for key in runs[0]:
+        vals = [r[key] for r in runs]
+        spread = max(vals) / min(vals) - 1 if min(vals) > 0 else float("inf")
+        worst = max(worst, spread)
+        print(f"{key:<34} {min(vals):>11.4g} {max(vals):>11.4g} {spread:>+7.1%}")
+    print(f"worst spread {worst:.1%}; calibration took {min(took):.1f}-{max(took):.1f} s")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help="comma-separated case numbers (1-based)")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--stability", type=int, metavar="N", help="instead: N calibrations in a row, each figure's spread")
+    args = ap.parse_args()
+    if args.stability:
+        return stability(args.stability)
+    cases = [CASES[int(i) - 1] for i in args.only.split(",")] if args.only else CASES
+    load0 = os.getloadavg()
+    t0 = time.time()
+    calibrate("cpu")
+    if any(c.strategy != "none" for c in cases):
+        calibrate("cpu", threads=1)  # what each of the 2 torchrun ranks runs with (OMP_NUM_THREADS=1)
+    print(f"CPU: {_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}; load average at start "
+          f"{load0[0]:.2f} (1 min); calibration ready after {time.time() - t0:.0f} s")
+    print(f"{'#':>2} {'config':<22} {'B':>3} {'T':>4} {'K':>2} {'ckpt':<9} {'prec':<4} {'comp':<4} {'strategy':<8} "
+          f"{'predicted s':>11} {'measured s':>10} {'error':>7} {'load':>5}")
+    errors = []
+    for case in cases:
+        i = CASES.index(case) + 1
+        predicted = predict(case)
+        load = os.getloadavg()[0]
+        measured = measure_torchrun(case) if case.strategy != "none" else measure_local(case)
+        err = measured / predicted - 1
+        errors.append(abs(err))
+        case.results = {"predicted_s": predicted, "measured_s": measured, "error": err, "load_1min": load}
+        print(f"{i:>2} {case.name:<22} {case.micro_batch:>3} {case.seq_len:>4} {case.grad_accum:>2} "
+              f"{case.checkpointing:<9} {case.precision:<4} {'yes' if case.compiled else 'no':<4} {case.strategy:<8} "
+              f"{predicted:>11.4f} {measured:>10.4f} {err:>+7.1%} {load:>5.2f}", flush=True)
+    print(f"|error|: median {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(errors)} configs; "
+          f"load average at end {os.getloadavg()[0]:.2f}; {time.time() - t0:.0f} s in all")
+    if args.json:
+        Path(args.json).write_text(json.dumps([{"name": c.name, **c.results} for c in cases], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""The step-time model's parts with numbers worked by hand: the fits, the operator list, the pricing of
+operators, the communication terms, and the plan that puts them together."""
+
+import math
+
+import pytest
+
+from trainwise.config import ModelConfig
+from trainwise.cost.flops import flops_per_token_train
+from trainwise.cost.ops import Op, for_cuda, step_ops
+from trainwise.cost.plan import plan_run
+from trainwise.cost.steptime import (Profile, comm_seconds, exposed_comm, predict_step, ring_seconds, scale_batch,
+                                     table_profile)
+from trainwise.cost.time import fit_linear
+
+TINY = ModelConfig(vocab_size=256, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32)
+
+
+def profile() -> Profile:
+    cls = {"elementwise/other": [0, 1e10], "activation": [0, 5e9], "norm": [0, 1e10], "softmax/cross-entropy": [0, 2e9]}
+    return Profile(matmul={"fp32": [0, 1e11, 1e10]}, elementwise={"fp32": cls},
+                   attention={"fp32": {"forward": [0, 2e10], "backward": [0, 1e10]}},
+                   optimizer=[1e-5, 1e-9], overhead=[1e-3, 1e-5], source="calibrated")
+
+
+def test_fit_linear_recovers_coefficients_and_stays_non_negative():
+    # t = 1 + 2x at x = 2, 4: 5 and 9 -> [1, 2] exactly
+    assert fit_linear([([1, 2], 5), ([1, 4], 9)]) == pytest.approx([1, 2])
+    # a matmul-like fit t = F/P + Q/BW with P = 1e11, BW = 1e10, from three shapes
+    rows = [([f, q], f / 1e11 + q / 1e10) for f, q in ((1e9, 1e7), (1e6, 1e6), (1e8, 1e8))]
+    inv_p, inv_bw = fit_linear(rows)
+    assert 1 / inv_p == pytest.approx(1e11) and 1 / inv_bw == pytest.approx(1e10)
+    # unconstrained least squares would give t = 3 - x (a negative time per unit): clamped to x >= 0
+    assert min(fit_linear([([1, 1], 2), ([1, 2], 1)])) >= 0
+
+
+def test_operators_are_priced_by_their_rule():
+    p = profile()
+    # mm 4096x256 @ 256x256 fp32: F = 2*4096*256*256 = 536,870,912; Q = 4*(4096*256 + 256*256 + 4096*256)
+    # = 8,650,752 bytes -> F/P + Q/BW = 5.36870912e-3 + 8.650752e-4 = 6.23378432e-3 s
+    mm = Op("aten.mm", "matmul", "forward", "fp32", (1, 4096, 256, 256), 1, 536_870_912, 8_650_752)
+    mul = Op("aten.mul", "elementwise/other", "backward", "fp32", None, 10, 1e7, 1e8)  # 1e8 / 1e10 = 0.01 s
+    sdpa = Op("aten._scaled_dot_product_flash_attention_for_cpu_backward", "attention", "backward", "fp32", None,
+              2, 4e8, 1e6)  # 4e8 / 1e10 = 0.04 s (the backward rate)
+    adam = Op("aten._foreach_addcdiv_", "optimizer", "optimizer", "fp32", None, 1, 1e6, 3e7)
+    st = predict_step([mm, mul, sdpa, adam], p, n_param_tensors=10, n_params=1_000_000)
+    times = {t.op.name: t.seconds for t in st.ops}
+    assert times["aten.mm"] == pytest.approx(6.23378432e-3)
+    assert times["aten.mul"] == pytest.approx(0.01)
+    assert times[sdpa.name] == pytest.approx(0.04)
+    # optimizer: a x tensors + b x params = 1e-5 x 10 + 1e-9 x 1e6 = 1.1e-3 s
+    assert times["aten._foreach_addcdiv_"] == pytest.approx(1.1e-3)
+    # eager overhead: 1e-3 per step + 1e-5 x (1 + 10 + 2) forward/backward calls = 1.13e-3 s
+    assert st.overhead_s == pytest.approx(1.13e-3)
+    assert st.seconds == pytest.approx(6.23378432e-3 + 0.01 + 0.04 + 1.1e-3 + 1.13e-3)
+    assert st.top(1)[0].op.name == sdpa.name
+
+
+def test_ring_collectives_and_strategies():
+    link = [1e-4, 1e9]  # 100 us per hop, 1 GB/s
+    # all-reduce of 1e8 bytes over 2 ranks: 2 hops x 1e-4 + 2 x (1/2) x 1e8 / 1e9 = 0.1002 s
+    assert ring_seconds("all_reduce", 1e8, 2, link) == pytest.approx(0.1002)
+    assert ring_seconds("all_reduce", 1e8, 1, link) == 0
+    # DDP: 1e8 bytes = 4 buckets of 25 MiB: 4 x 2e-4 + 0.1 = 0.1008 s
+    assert comm_seconds("ddp", 2, 1e8, 1e8, 3, 1, link) == {"all_reduce": pytest.approx(0.1008)}
+    # FSDP, K = 2, 3 blocks (4 messages): all-gather 4 x 1e-4 + 0.5 x 1e8 / 1e9 = 0.0504, twice per micro-batch
+    # (before forward, before backward) x 2 micro-batches = 0.2016; one reduce-scatter 0.0504
+    fsdp = comm_seconds("fsdp", 2, 1e8, 1e8, 3, 2, link)
+    assert fsdp["all_gather"] == pytest.approx(0.2016) and fsdp["reduce_scatter"] == pytest.approx(0.0504)
+    assert comm_seconds("zero2", 2, 1e8, 1e8, 3, 2, link)["all_gather"] == pytest.approx(0.1008)
+    # CPU (gloo shares the cores): all of it shows; GPU: only what outlasts the compute
+    assert exposed_comm(fsdp, 0.2, overlaps=False) == pytest.approx(0.252)
+    assert exposed_comm(fsdp, 0.2, overlaps=True) == pytest.approx(0.052)
+
+
+def test_operator_list_counts_what_the_planner_counts():
+    B, T = 2, 16
+    ops = step_ops(TINY, B, T)
+    assert {o.phase for o in ops} == {"forward", "backward", "optimizer"}
+    matmul_flops = sum(o.flops for o in ops if o.cls in ("matmul", "attention"))
+    assert matmul_flops == flops_per_token_train(TINY, T) * B * T  # one FLOP count
+    qkv = [o for o in ops if o.name == "aten.mm" and o.phase == "forward" and o.shape[2:] == (32, 64)]
+    assert qkv and qkv[0].shape == (1, B * T, 32, (4 + 2 * 2) * 8)  # (B*T, H) x (H, (nh + 2 nkv) hd)
+    # K micro-batches repeat forward and backward, not the optimizer step
+    k2 = {(o.name, o.phase, o.shape): o.flops for o in step_ops(TINY, B, T, grad_accum=2)}
+    for o in ops:
+        assert k2[(o.name, o.phase, o.shape)] == o.flops * (1 if o.phase == "optimizer" else 2)
+    # compiled on a CPU: attention as two matmuls around a softmax, no SDPA kernel
+    compiled = step_ops(TINY, B, T, compiled=True)
+    assert not any(o.cls == "attention" for o in compiled) and any(o.name == "aten.bmm" for o in compiled)
+    # micro-batch 2 x 2 priced from micro-batch 2's list: the same matmul FLOPs as recording it; the
+    # weight-sized element-wise work (embedding gradient) is scaled too, by design an overestimate (<1%)
+    scaled, real = scale_batch(ops, 2, T), step_ops(TINY, 2 * B, T)
+    assert sum(o.flops for o in scaled if o.cls == "matmul") == sum(o.flops for o in real if o.cls == "matmul")
+    assert sum(o.flops for o in scaled if o.phase != "optimizer") == pytest.approx(
+        sum(o.flops for o in real if o.phase != "optimizer"), rel=0.01)
+
+
+def test_a_gpu_plan_runs_the_gpus_step_from_table_defaults():
+    ops = for_cuda(step_ops(TINY, 2, 16, "bf16"))
+    names = {o.name for o in ops}
+    assert "aten._scaled_dot_product_flash_attention" in names and "aten._fused_adamw_" in names
+    assert not any("for_cpu" in n or "_foreach" in n for n in names)
+    assert any(o.dtype == "bf16" and o.cls == "matmul" for o in ops)
+    plan = plan_run(TINY, tokens=1e6, seq_len=16, micro_batch=2, gpu="h100")
+    j = plan.to_json()["time"]
+    assert j["source"] == "table defaults" and 0 < j["mfu"] < 0.7
+    assert j["step_seconds"] == pytest.approx(plan.step.seconds) and j["tokens_per_s"] == pytest.approx(32 / plan.step.seconds)
+    assert j["seconds"] == pytest.approx(1e6 / j["tokens_per_s"])
+    p = table_profile({"bf16": 1e15, "fp32": 5e13}, 3e12)
+    assert p.matmul["bf16"][1] == pytest.approx(0.7e15) and p.elementwise["bf16"]["norm"][1] == pytest.approx(2.1e12)
+    # --mfu stays a what-if: C / (G x peak x MFU)
+    what_if = plan_run(TINY, tokens=1e6, seq_len=16, micro_batch=2, gpu="h100", mfu=0.5)
+    assert what_if.time_source == "assumed MFU (--mfu)" and what_if.step is None
+    assert what_if.time.seconds == pytest.approx(what_if.total_flops / (989.4e12 * 0.5))
+
+
+def test_the_worked_example_still_comes_out_exactly():
+    p = plan_run(params_count=1e9, tokens=1e10, peak_flops=100e12, precision="fp32")
+    assert p.states.total == 16e9 and p.total_flops == 6e19
+    assert p.time.seconds == 1.5e6 and math.isclose(p.time.days, 17.36, abs_tol=5e-3)
+
+
+def test_collectives_are_calibrated_under_torchrun_and_used_by_the_plan(tmp_path):
+    """`torchrun --nproc_per_node 2 -m trainwise hardware --calibrate` measures gloo's all-reduce,
+    all-gather and reduce-scatter, fits the ring model's latency and bandwidth, and caches them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trainwise.cost.plan import _use_measured_link
+    from trainwise.measure.calibrate import cached_link
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRAINWISE_CACHE": str(tmp_path), "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "trainwise", "hardware", "--calibrate"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gloo collectives over 2 ranks" in proc.stdout
+    os.environ["TRAINWISE_CACHE"], old = str(tmp_path), os.environ.get("TRAINWISE_CACHE")
+    try:
+        latency, bandwidth = cached_link("gloo", 2)
+        p = profile()
+        _use_measured_link(p, "gloo", 2)
+    finally:
+        os.environ["TRAINWISE_CACHE"] = old
+    assert 0 <= latency < 0.1 and 1e6 < bandwidth < 1e12
+    assert p.link == [latency, bandwidth] and p.link_source == "calibrated (gloo, 2 ranks)"

@@ -1,0 +1,44 @@
+"""`trainwise plan --explain`, section 4 when the step-time model priced the step: the formula, the
+per-operator table, the phases, the largest contributors and the communication terms."""
+
+from __future__ import annotations
+
+from trainwise.cost.steptime import COMPILED_BYTES
+
+SOURCES = {"calibrated": "calibrated on this machine (`trainwise hardware --calibrate`)",
+           "table defaults": "from table, uncalibrated: datasheet peaks x default efficiencies "
+                             "(cost.steptime.DEFAULT_EFFICIENCY)"}
+
+
+def explain_step(p) -> str:
+    st, out = p.step, []
+    add = out.append
+    add(f"4. Time per step = sum over the step's operators + eager overhead + exposed communication "
+        f"({SOURCES.get(st.source, st.source)})")
+    add("   matmul: F/P + Q/BW (fitted over shapes); attention kernel: F/R; other ops: Q/BW of their class"
+        + (f"; compiled: fused element-wise work at {COMPILED_BYTES} x its eager bytes" if st.compiled else ""))
+    add(f"   {'operator':<50} {'phase':<9} {'dtype':<5} {'calls':>6} {'FLOPs':>10} {'bytes':>10} {'time s':>10}  rule")
+    rows = sorted(st.ops, key=lambda t: -t.seconds)
+    for t in rows[:25]:
+        o = t.op
+        shape = f" {o.shape[1]}x{o.shape[2]}x{o.shape[3]}" + (f" x{o.shape[0]}" if o.shape[0] > 1 else "") if o.shape else ""
+        add(f"   {(o.name.removeprefix('aten.') + shape)[:50]:<50} {o.phase:<9} {o.dtype:<5} {o.calls:>6} "
+            f"{o.flops:>10.3g} {o.bytes:>10.3g} {t.seconds:>10.4g}  {t.how}")
+    if len(rows) > 25:
+        add(f"   ... {len(rows) - 25} more operators, {sum(t.seconds for t in rows[25:]):.4g} s together")
+    phases = st.by_phase()
+    add("   per phase: " + ", ".join(f"{k} {v:.4g} s" for k, v in phases.items())
+        + (" (backward includes the recompute of checkpointing)" if p.checkpointing != "none" else ""))
+    top = st.top(3)
+    share = ", ".join(f"{t.op.name.removeprefix('aten.')} ({t.op.phase}) {t.seconds / st.seconds:.0%}" for t in top)
+    add(f"   largest contributors: {share}")
+    add(f"   operators {st.compute_s:.4g} s + eager overhead {st.overhead_s:.4g} s + communication "
+        f"{st.comm_s:.4g} s exposed" + (f" (of {sum(st.comm.values()):.4g} s: "
+                                        + ", ".join(f"{k} {v:.4g} s" for k, v in st.comm.items()) + ")" if st.comm else "")
+        + f" = {st.seconds:.4g} s per step")
+    tps = p.tokens_per_step / st.seconds
+    add(f"   tokens/s = {p.tokens_per_step:,} tokens per step / {st.seconds:.4g} s = {tps:,.0f}; "
+        f"MFU = {p.model_flops_per_token:.4g} x {tps:,.0f} / ({p.gpus} x {p.hardware.peak_flops:.4g}) = {p.mfu:.2%}")
+    add(f"   time = D / tokens/s = {p.tokens:.4g} / {tps:,.0f} = {p.time.seconds:.4g} s = {p.time.days:.2f} days "
+        f"= {p.time.device_hours:,.1f} device-hours")
+    return "\n".join(out)
