@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -28,15 +27,9 @@ MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
          "train.precision=fp32", "train.compile=false"]  # small: the whole benchmark fits in ~10 min on 2 cores
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
+
+from trainwise.measure.calibrate import cpu_model  # noqa: E402
 
 def split_corpus(out: Path) -> tuple[Path, Path]:
     """The built-in corpus, every tenth topic held out (7% of its bytes): (train.txt, held_out.txt)."""

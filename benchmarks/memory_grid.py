@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import statistics
 import sys
 import time
@@ -43,12 +42,9 @@ ARCHS = {
 }
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
+
+from trainwise.measure.calibrate import cpu_model  # noqa: E402
 
 def build(arch: str, checkpointing: str, compiled: bool):
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from trainwise.config import RunConfig
-from trainwise.measure.calibrate import _cpu_model
+from trainwise.measure.calibrate import cpu_model
 from trainwise.scale.cli import _plot, format_fit
 from trainwise.scale.fitting import fit_runs, optimal, predict
 from trainwise.scale.points import non_embedding_params
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--factor", type=float, default=4.0, help="held-out compute / the sweep's largest")
     args = ap.parse_args()
     out = Path(args.out)
-    print(f"CPU: {_cpu_model()}, {os.cpu_count()} cores; load average at start {load()}; "
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load average at start {load()}; "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
 
     t0 = time.perf_counter()
@@ -79,7 +79,7 @@ def main() -> None:
     error = pred["loss"] / result.val_loss - 1
     print(f"measured: {result.val_loss:.4f} nats/token after {held_s / 60:.1f} min; prediction error "
           f"{error:+.2%} ({'within' if abs(error) <= 0.03 else 'OUTSIDE'} 3%); load average now {load()}")
-    summary = {"cpu": _cpu_model(), "minutes": args.minutes, "sweep_s": sweep_s, "held_s": held_s,
+    summary = {"cpu": cpu_model(), "minutes": args.minutes, "sweep_s": sweep_s, "held_s": held_s,
                "fit": {k: record[k] for k in ("law", "residuals", "recipe")},
                "bootstrap_p5_p95": record["bootstrap"]["p5_p95"],
                "sweep": [{"model": r.config.model.name, "n_params": non_embedding_params(r.config), "tokens": r.tokens,

@@ -30,7 +30,7 @@ import torch
 
 from trainwise.config import ModelConfig, RunConfig, TrainConfig, apply_overrides, save_config
 from trainwise.cost.plan import plan_for_run, plan_run
-from trainwise.measure.calibrate import _cpu_model, calibrate
+from trainwise.measure.calibrate import cpu_model, calibrate
 from trainwise.measure.step import random_batches, train_step
 from trainwise.model import Transformer
 from trainwise.train.optim import build_optimizer
@@ -190,7 +190,7 @@ def main() -> int:
     calibrate("cpu")
     if any(c.strategy != "none" for c in cases):
         calibrate("cpu", threads=1)  # what each of the 2 torchrun ranks runs with (OMP_NUM_THREADS=1)
-    print(f"CPU: {_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}; load average at start "
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}; load average at start "
           f"{load0[0]:.2f} (1 min); calibration ready after {time.time() - t0:.0f} s")
     print(f"{'#':>2} {'config':<22} {'B':>3} {'T':>4} {'K':>2} {'ckpt':<9} {'prec':<4} {'comp':<4} {'strategy':<8} "
           f"{'predicted s':>11} {'measured s':>10} {'error':>7} {'load':>5}")

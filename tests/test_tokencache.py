@@ -9,7 +9,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 from trainwise import tokencache
 from trainwise.config import DataConfig

@@ -38,7 +38,7 @@ from trainwise.config import DataConfig
 from trainwise.errors import TrainwiseError
 from trainwise.formats import CHUNK_CHARS, Reading, builtin_texts, iter_pieces
 from trainwise.sources import BUILTIN_CORPUS_DESCRIPTION, Corpus, discover
-from trainwise.tokencache import token_dtype
+from trainwise.tokencache import token_dtype  # noqa: F401  (re-exported: the cache's dtype rule)
 from trainwise.tokenizer import Tokenizer
 
 MAX_TOKENIZER_TRAIN_BYTES = 100_000_000  # BPE merges are learned on a seeded sample of at most this much

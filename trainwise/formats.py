@@ -24,7 +24,6 @@ import json
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from trainwise.errors import TrainwiseError
 from trainwise.sources import SourceFile, open_binary, require

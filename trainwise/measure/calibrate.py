@@ -42,11 +42,11 @@ def machine_key(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = _cpu_model()
+        name = cpu_model()
     return f"{device.type}|{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -261,7 +261,7 @@ def _measure_and_cache(device: torch.device, path: Path, key: str, old: dict | N
 
 def link_key(backend: str, world: int) -> str:
     """The collectives' cache key: the machine and torch, not the torch threads (a rank runs with one)."""
-    return f"link|{backend}|world={world}|{_cpu_model()}|torch={torch.__version__}"
+    return f"link|{backend}|world={world}|{cpu_model()}|torch={torch.__version__}"
 
 
 def calibrate_link() -> dict:
