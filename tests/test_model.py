@@ -132,9 +132,9 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
         assert (id(p) in decayed) == expect, name
 
 
-def test_adamw_is_foreach_on_cpu_and_fused_only_on_cuda():
+def test_adamw_is_fused_on_cpu_and_cuda():
     opt = build_optimizer(Transformer(tiny()), TrainConfig())
-    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
     if torch.cuda.is_available():
         opt = build_optimizer(Transformer(tiny()).cuda(), TrainConfig())
         assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
@@ -143,8 +143,8 @@ def test_adamw_is_foreach_on_cpu_and_fused_only_on_cuda():
 @pytest.mark.parametrize("kernel", ["foreach", "fused"])
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_step_is_skipped_when_the_gradient_is_not_finite(optimizer, kernel):
-    """Both paths of step_if_finite: the host check (foreach, trainwise's CPU optimizer) and the
-    on-device found_inf flag of the fused kernels (trainwise's CUDA optimizer; PyTorch runs them on CPU too)."""
+    """Both paths of step_if_finite: the host check (foreach, e.g. parameters on other devices) and the
+    on-device found_inf flag of the fused kernels (trainwise's optimizer on CPU and CUDA)."""
     from trainwise.train.optim import param_groups, step_if_finite
 
     torch.manual_seed(0)
@@ -258,3 +258,24 @@ def test_explicit_attention_equals_sdpa(dtype, kv_heads):
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=kv_heads != 4)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(explicit_attention(q, k, v).float(), want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_equals_the_reference_rope_forward_and_backward(dtype):
+    """Rotary (one autograd node, half tables, (B, T, heads, hd) layout) is apply_rope, gradient included:
+    fp32 to float rounding, bf16 (tables and arithmetic in bf16) to bf16 rounding."""
+    from trainwise.model.transformer import Rotary, apply_rope, rope_tables
+
+    g = torch.Generator().manual_seed(0)
+    B, T, heads, hd = 2, 12, 3, 8
+    cos, sin = rope_tables(hd, T, 10000.0)
+    x = torch.randn(B, T, heads, hd, generator=g).to(dtype).requires_grad_()
+    grad_out = torch.randn(B, T, heads, hd, generator=g)
+    got = Rotary.apply(x, cos[:, None, :hd // 2].to(dtype), sin[:, None, :hd // 2].to(dtype))
+    (got.float() * grad_out).sum().backward()
+    x_ref = x.detach().float().requires_grad_()
+    want = apply_rope(x_ref.transpose(1, 2), cos, sin).transpose(1, 2)  # reference: (B, heads, T, hd)
+    (want * grad_out).sum().backward()
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), want, **tol)
+    torch.testing.assert_close(x.grad.float(), x_ref.grad, **tol)
