@@ -279,3 +279,26 @@ def test_rotary_equals_the_reference_rope_forward_and_backward(dtype):
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got.float(), want, **tol)
     torch.testing.assert_close(x.grad.float(), x_ref.grad, **tol)
+
+
+@pytest.mark.slow
+def test_compiled_bf16_step_at_the_default_width_has_finite_gradients_equal_to_eager():
+    """Regression: with the old RoPE form (cat of -x2, x1) a whole-model compile of the default block at
+    T = 256 in bf16 gave NaN gradients on an AMX Xeon, so every step of the default run was skipped.
+    One layer of the default model, B 2: the compiled gradients are finite and match eager's."""
+    from trainwise.train.parallelize import apply_compile
+    from trainwise.train.precision import autocast
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=1)
+    eager, compiled = Transformer(cfg), Transformer(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    apply_compile(compiled)
+    x, y = batch(cfg, b=2, t=cfg.max_seq_len)
+    for model in (eager, compiled):
+        with autocast(torch.device("cpu"), "bf16"):
+            loss = model(x, y)
+        loss.backward()
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.isfinite(b.grad).all(), name
+        torch.testing.assert_close(b.grad, a.grad, rtol=5e-2, atol=2e-3, msg=name)
