@@ -228,6 +228,9 @@ def run_shape(shape_name: str, shape: dict, nanogpt, steps: int, warmup: int, wh
     from trainwise.cost.flops import flops_per_token_train
 
     B, T = shape["B"], shape["T"]
+    # Forget the previous shape's graphs: recompiling the same forward at a new shape would otherwise
+    # switch dynamo to dynamic shapes (slower code, and an inductor error seen with nanoGPT's model).
+    torch._dynamo.reset()
     variants = build_variants(shape, nanogpt, which)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, shape["vocab"], (B, T + 1), generator=g) for _ in range(4)]
