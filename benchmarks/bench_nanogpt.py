@@ -5,12 +5,26 @@ zero_grad(set_to_none=True). Variants, all at the same model shape and the same 
 
   nanogpt          nanoGPT's GPT, its own configure_optimizers(0.1, 6e-4, (0.9, 0.95), 'cpu'), fp32
                    (nanoGPT's train.py uses a nullcontext, i.e. fp32, on CPU)
+  nanogpt bf16     the same under torch.autocast('cpu', bfloat16): nanoGPT's train.py with dtype='bfloat16'
+                   where its ctx is an autocast (its GPU default), i.e. the peer at its best in eager mode
+  nanogpt bf16 compile
+                   the same plus `model = torch.compile(model)`, as its train.py does with compile=True
   tw-gpt2 bf16     trainwise Transformer with nanoGPT's architecture (gelu, layernorm, learned
                    positions, bias, tied embeddings, MHA), the trainer's own path: bf16 autocast from
                    trainwise.train.precision.autocast, AdamW from build_optimizer(model, TrainConfig())
   tw-gpt2 fp32     the same model and optimizer without autocast
   tw-llama bf16    trainwise's default Llama-style block (swiglu, rmsnorm, rope, no bias, GQA with
                    n_kv_heads = n_heads // 2) at the same vocab / d_model / layers / heads, bf16
+
+`tw-* compile` variants call the trainer's own apply_compile (what `trainwise train` runs when it
+compiles). Ratios are reported against every nanoGPT variant in the run (per round, median).
+
+The matmul-only bound of a trainwise variant (--bound): the matmuls one step runs, recorded with their
+shapes, strides and dtypes by a dispatch mode on one eager step, each shape then timed alone on this
+CPU (best of a few repeats) and summed over calls. Attention counts as the six batched matmuls of its
+explicit form (QK^T, PV forward; four in backward, full T x T), which is what the compiled CPU step
+runs (trainwise.model.transformer.explicit_attention). step / bound says how far the step is from
+"nothing but matmuls".
 
 Steps are interleaved (one step of each variant per round, in turn) so that load from other
 processes on a shared machine hits every variant alike; the table reports median tokens/s and the
@@ -20,7 +34,7 @@ matmuls run in (trainwise.measure.calibrate).
 
 nanoGPT is NOT part of trainwise: pass a local checkout with --nanogpt DIR (the directory holding
 model.py). Example:
-    python benchmarks/bench_nanogpt.py --nanogpt /tmp/nanogpt --shape both --steps 8
+    python benchmarks/bench_nanogpt.py --nanogpt /tmp/nanogpt --shape default,nanogpt --steps 8
 """
 
 from __future__ import annotations
@@ -41,6 +55,8 @@ SHAPES = {
     # trainwise's default ModelConfig / TrainConfig shape, read from the config so it follows the defaults
     "default": dict(vocab=_Model().vocab_size, d_model=_Model().d_model, layers=_Model().n_layers,
                     heads=_Model().n_heads, T=_Train().seq_len, B=_Train().micro_batch),
+    # nanoGPT's model at a small-LM scale: its shakespeare model's width and depth with a BPE-sized vocab
+    "nanogpt": dict(vocab=8192, d_model=384, layers=6, heads=6, T=256, B=8),
     # nanoGPT's config/train_shakespeare_char.py shape (its batch_size is 64)
     "shakespeare": dict(vocab=65, d_model=384, layers=6, heads=6, T=256, B=64),
 }
@@ -88,6 +104,26 @@ class Variant:
         return time.perf_counter() - start
 
 
+def nanogpt_variant(name: str, shape: dict, nanogpt, cfg) -> Variant:
+    """nanoGPT as its train.py runs it: fp32 on CPU by default; `bf16` = its autocast context with
+    dtype='bfloat16'; `compile` = its `model = torch.compile(model)`."""
+    import contextlib
+    import io
+
+    conf = nanogpt.GPTConfig(block_size=shape["T"], vocab_size=shape["vocab"], n_layer=shape["layers"],
+                             n_head=shape["heads"], n_embd=shape["d_model"], dropout=0.0)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints parameter counts
+        model = nanogpt.GPT(conf)
+        opt = model.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, betas=(0.9, 0.95),
+                                         device_type="cpu")
+    words = name.split()
+    if "compile" in words:
+        model = torch.compile(model)
+    if "bf16" in words:
+        return Variant(name, model, opt, lambda: torch.autocast("cpu", dtype=torch.bfloat16), cfg, "bf16")
+    return Variant(name, model, opt, contextlib.nullcontext, cfg, "fp32")
+
+
 def build_variants(shape: dict, nanogpt, which: list[str]) -> list[Variant]:
     from trainwise.config import ModelConfig, TrainConfig
     from trainwise.model import Transformer
@@ -104,16 +140,8 @@ def build_variants(shape: dict, nanogpt, which: list[str]) -> list[Variant]:
     variants = []
     for name in which:
         torch.manual_seed(0)
-        if name == "nanogpt":
-            conf = nanogpt.GPTConfig(block_size=shape["T"], vocab_size=shape["vocab"], n_layer=shape["layers"],
-                                     n_head=shape["heads"], n_embd=shape["d_model"], dropout=0.0)
-            import contextlib
-            import io
-            with contextlib.redirect_stdout(io.StringIO()):  # it prints parameter counts
-                model = nanogpt.GPT(conf)
-                opt = model.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, betas=(0.9, 0.95),
-                                                 device_type="cpu")
-            variants.append(Variant(name, model, opt, contextlib.nullcontext, gpt2_cfg, "fp32"))
+        if name.startswith("nanogpt"):
+            variants.append(nanogpt_variant(name, shape, nanogpt, gpt2_cfg))
             continue
         arch, precision, *compiled = name.split()
         cfg = gpt2_cfg if arch == "tw-gpt2" else llama_cfg
@@ -127,11 +155,82 @@ def build_variants(shape: dict, nanogpt, which: list[str]) -> list[Variant]:
     return variants
 
 
+MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
+
+
+class _MatmulRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts each matmul of a step by (op, input sizes/strides/dtypes, other args); SDPA calls are
+    counted as the batched matmuls of explicit attention at the same q/k/v shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict = {}
+
+    def add(self, func, args, kwargs, n=1):
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        key = (func, spec, tuple((tuple(a.shape), tuple(a.stride()), a.dtype) if isinstance(a, torch.Tensor)
+                                 else a for a in flat))
+        self.calls[key] = self.calls.get(key, 0) + n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func._overloadpacket)
+        if name in MATMULS:
+            self.add(func, args, kwargs)
+        elif "scaled_dot_product" in name:
+            q = args[0] if "backward" not in name else args[1]  # backward ops take grad_out first
+            B, nh, T, hd = q.shape
+            scores = (torch.empty(B * nh, T, hd, dtype=q.dtype), torch.empty(B * nh, hd, T, dtype=q.dtype))
+            mix = (torch.empty(B * nh, T, T, dtype=q.dtype), torch.empty(B * nh, T, hd, dtype=q.dtype))
+            backward = "backward" in name  # forward: QK^T, PV; backward: dO V^T; P^T dO, dS K, dS^T Q
+            self.add(torch.ops.aten.bmm.default, scores, {}, 1)
+            self.add(torch.ops.aten.bmm.default, mix, {}, 3 if backward else 1)
+        return func(*args, **kwargs)
+
+
+def _time_call(key, repeats: int = 5) -> float:
+    """Best-of-`repeats` seconds of one recorded matmul on fresh tensors of its sizes, strides, dtypes."""
+    func, spec, flat = key
+    g = torch.Generator().manual_seed(0)
+    real = [torch.empty_strided(a[0], a[1], dtype=a[2]).normal_(generator=g) if isinstance(a, tuple)
+            and len(a) == 3 and isinstance(a[2], torch.dtype) else a for a in flat]
+    args, kwargs = torch.utils._pytree.tree_unflatten(real, spec)
+    func(*args, **kwargs)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        func(*args, **kwargs)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_bound(model_cfg, B: int, T: int, precision: str) -> dict:
+    """Seconds of a step's matmuls alone (see the module docstring): one eager trainwise step recorded,
+    every distinct matmul timed alone, summed over its calls."""
+    from trainwise.config import TrainConfig
+    from trainwise.measure.step import random_batches, train_step
+    from trainwise.model import Transformer
+    from trainwise.train.optim import build_optimizer
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    model = Transformer(model_cfg)
+    opt = build_optimizer(model, TrainConfig())
+    rec = _MatmulRecorder()
+    with rec:
+        train_step(model, opt, random_batches(model_cfg.vocab_size, B, T, 1, cpu), cpu, precision)
+    seconds = sum(n * _time_call(key) for key, n in rec.calls.items())
+    return {"matmul_bound_s": seconds, "matmul_calls": sum(rec.calls.values()), "distinct_matmuls": len(rec.calls)}
+
+
 def run_shape(shape_name: str, shape: dict, nanogpt, steps: int, warmup: int, which: list[str],
-              peaks: dict, log) -> dict:
+              peaks: dict, log, bound: bool = False) -> dict:
     from trainwise.cost.flops import flops_per_token_train
 
     B, T = shape["B"], shape["T"]
+    # Forget the previous shape's graphs: recompiling the same forward at a new shape would otherwise
+    # switch dynamo to dynamic shapes (slower code, and an inductor error seen with nanoGPT's model).
+    torch._dynamo.reset()
     variants = build_variants(shape, nanogpt, which)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, shape["vocab"], (B, T + 1), generator=g) for _ in range(4)]
@@ -148,7 +247,8 @@ def run_shape(shape_name: str, shape: dict, nanogpt, steps: int, warmup: int, wh
         if i >= warmup:
             log("  step %d: " % (i - warmup) + ", ".join(f"{v.name} {B * T / v.times[-1]:,.0f} tok/s"
                                                          for v in variants))
-    base = variants[0] if variants[0].name == "nanogpt" else None
+    peers = [v for v in variants if v.name.startswith("nanogpt")]
+    bounds = {}
     rows = []
     for v in variants:
         tok_s = [B * T / t for t in v.times]
@@ -158,53 +258,70 @@ def run_shape(shape_name: str, shape: dict, nanogpt, steps: int, warmup: int, wh
             "shape": shape_name, "variant": v.name, "B": B, "T": T,
             "params": sum(p.numel() for p in v.model.parameters()),
             "median_tok_s": med, "min_tok_s": min(tok_s), "max_tok_s": max(tok_s),
+            "median_step_s": statistics.median(v.times),
             "flops_per_token": flops,
             "mfu_vs_own_dtype_peak": med * flops / peaks[v.matmul_dtype],
             "mfu_vs_bf16_peak": med * flops / peaks["bf16"],
             "mfu_vs_fp32_peak": med * flops / peaks["fp32"],
             "matmul_dtype": v.matmul_dtype,
+            "ratios": {},
         }
-        if base is not None:
-            ratios = [bt / vt for bt, vt in zip(base.times, v.times)]  # per-round tokens/s ratio
-            row["ratio_vs_nanogpt_median"] = statistics.median(ratios)
-            row["ratio_vs_nanogpt_min"] = min(ratios)
-            row["ratio_vs_nanogpt_max"] = max(ratios)
+        for peer in peers:
+            ratios = [pt / vt for pt, vt in zip(peer.times, v.times)]  # per-round tokens/s ratio
+            row["ratios"][peer.name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        if bound and v.name.startswith("tw-"):
+            key = (v.model_cfg.name, v.matmul_dtype)
+            if key not in bounds:
+                bounds[key] = matmul_bound(v.model_cfg, B, T, v.matmul_dtype)
+            row.update(bounds[key])
+            row["step_over_bound"] = row["median_step_s"] / row["matmul_bound_s"]
         rows.append(row)
     return {"shape": shape_name, "config": shape, "steps": steps, "warmup": warmup, "rows": rows}
 
 
 def print_table(results: list[dict], peaks: dict) -> None:
-    print(f"\npeaks (trainwise.measure.calibrate method): fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, "
-          f"bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s; torch {torch.__version__}, threads {torch.get_num_threads()}")
-    head = (f"{'shape':<12} {'B x T':<9} {'variant':<14} {'tok/s (median)':>15} {'ratio vs nanoGPT':>22} "
-            f"{'MFU own':>8} {'MFU bf16':>9} {'MFU fp32':>9}")
+    from trainwise.measure.calibrate import _cpu_model
+
+    print(f"\nCPU: {_cpu_model()}; torch {torch.__version__}, threads {torch.get_num_threads()}; "
+          f"load average at the end {Path('/proc/loadavg').read_text().split()[:3]}")
+    print(f"peaks (trainwise.measure.calibrate method): fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, "
+          f"bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s")
+    peers = [r["variant"] for r in results[0]["rows"] if r["variant"].startswith("nanogpt")]
+    head = (f"{'shape':<9} {'B x T':<7} {'variant':<21} {'tok/s (med)':>11} {'ms/step':>8} "
+            + "".join(f"{'vs ' + p:>28}" for p in peers) + f" {'MFU own':>8} {'step/matmul bound':>18}")
     print(head)
     print("-" * len(head))
     for res in results:
         for r in res["rows"]:
-            ratio = ""
-            if "ratio_vs_nanogpt_median" in r:
-                ratio = (f"{r['ratio_vs_nanogpt_median']:.2f}x "
-                         f"[{r['ratio_vs_nanogpt_min']:.2f}-{r['ratio_vs_nanogpt_max']:.2f}]")
-            print(f"{r['shape']:<12} {str(r['B']) + 'x' + str(r['T']):<9} {r['variant']:<14} "
-                  f"{r['median_tok_s']:>15,.0f} {ratio:>22} {r['mfu_vs_own_dtype_peak']:>8.1%} "
-                  f"{r['mfu_vs_bf16_peak']:>9.1%} {r['mfu_vs_fp32_peak']:>9.1%}")
-    print("ratio = median over rounds of (trainwise tok/s / nanoGPT tok/s in the same round) [min-max]; "
-          "MFU own = against the peak of the dtype the matmuls run in (nanoGPT and fp32 rows: fp32).")
+            ratios = "".join(f"{q['median']:>13.2f}x [{q['min']:.2f}-{q['max']:.2f}]" for q in r["ratios"].values())
+            bound = (f"{r['step_over_bound']:.2f}x of {r['matmul_bound_s'] * 1e3:.0f} ms"
+                     if "step_over_bound" in r else "")
+            print(f"{r['shape']:<9} {str(r['B']) + 'x' + str(r['T']):<7} {r['variant']:<21} "
+                  f"{r['median_tok_s']:>11,.0f} {r['median_step_s'] * 1e3:>8.0f} {ratios} "
+                  f"{r['mfu_vs_own_dtype_peak']:>8.1%} {bound:>18}")
+    print("vs X = median over rounds of (variant tok/s / X tok/s in the same round) [min-max]; MFU own = model "
+          "FLOPs/s against the calibrated peak of the dtype the matmuls run in; step/matmul bound = median step "
+          "time / the step's matmuls timed alone at their shapes (ms = 1e-3 s).")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nanogpt", required=True, help="directory of a nanoGPT checkout (holding model.py)")
-    ap.add_argument("--shape", choices=["default", "shakespeare", "both"], default="both")
+    ap.add_argument("--shape", default="default,nanogpt",
+                    help=f"comma-separated shapes of {', '.join(SHAPES)} (default: default,nanogpt; 'both' = "
+                         "default,shakespeare, as before)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per variant (default 8)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
     ap.add_argument("--batch", type=int, default=0,
-                    help="micro-batch B for every shape (default: the shape's own, 16 / 64)")
-    ap.add_argument("--variants", default="nanogpt,tw-gpt2 bf16,tw-gpt2 fp32,tw-llama bf16",
-                    help="comma-separated subset of: nanogpt, tw-gpt2 bf16, tw-gpt2 fp32, tw-llama bf16, "
-                         "tw-llama fp32; append ' compile' to a trainwise variant for train.compile=true")
+                    help="micro-batch B for every shape (default: the shape's own, 16 / 8 / 64)")
+    ap.add_argument("--variants",
+                    default="nanogpt bf16,nanogpt bf16 compile,tw-llama bf16,tw-llama bf16 compile",
+                    help="comma-separated subset of: nanogpt, nanogpt bf16, nanogpt bf16 compile, tw-gpt2 bf16, "
+                         "tw-gpt2 fp32, tw-llama bf16, tw-llama fp32; append ' compile' to a trainwise variant "
+                         "for train.compile=true")
+    ap.add_argument("--bound", action="store_true",
+                    help="also time each trainwise variant's matmuls alone (the matmul-only bound of its step)")
     ap.add_argument("--peaks", choices=["measure", "cached"], default="measure",
                     help="matmul peaks for MFU: 'measure' (default) re-runs calibrate()'s matmul timing now "
                          "without touching its cache; 'cached' uses calibrate('cpu'), measured on an earlier, "
@@ -223,17 +340,23 @@ def main(argv: list[str] | None = None) -> int:
         cpu = torch.device("cpu")
         peaks = {d: max(matmul_flops_per_s(cpu, DTYPES[d], n)[0] for n in (1024, 2048)) for d in ("fp32", "bf16")}
     which = [w.strip() for w in args.variants.split(",") if w.strip()]
-    names = ["default", "shakespeare"] if args.shape == "both" else [args.shape]
+    names = ["default", "shakespeare"] if args.shape == "both" else [n.strip() for n in args.shape.split(",")]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        ap.error(f"--shape {', '.join(unknown)}: choose from {', '.join(SHAPES)}")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     results = []
     for name in names:
         shape = dict(SHAPES[name])
         if args.batch:
             shape["B"] = args.batch
-        results.append(run_shape(name, shape, nanogpt, args.steps, args.warmup, which, peaks, log))
+        results.append(run_shape(name, shape, nanogpt, args.steps, args.warmup, which, peaks, log, args.bound))
     print_table(results, peaks)
     if args.json is not None:
-        payload = json.dumps({"peaks": peaks, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        from trainwise.measure.calibrate import _cpu_model
+
+        payload = json.dumps({"cpu": _cpu_model(), "peaks": peaks, "torch": torch.__version__,
+                              "threads": torch.get_num_threads(), "loadavg": Path("/proc/loadavg").read_text().split()[:3],
                               "results": results}, indent=1)
         if args.json == "-":
             print(payload)

@@ -336,8 +336,8 @@ def peak_bytes(cfg: ModelConfig, states: StateBytes, activations: int, optimizer
         (recompute_bytes), + the gradients when accumulating (K > 1: they already
         hold the earlier micro-batches; with K = 1 they are None, zero_grad(set_to_none=True));
       optimizer step: all states + one moment's worth of scratch for AdamW (sharded like the moments):
-        on CPU trainwise's AdamW is foreach, which builds sqrt(v) for every parameter at once. On CUDA
-        it is fused and needs no scratch, so there the term is a margin of one moment."""
+        a foreach AdamW builds sqrt(v) for every parameter at once. trainwise's AdamW is fused on CPU
+        and CUDA (trainwise.train.optim) and needs no scratch, so there the term is a margin of one moment."""
     logits_grads = loss_backward_bytes(cfg, recipe or RECIPES["fp32"], micro_batch * seq_len, tp)
     if compiled and not cfg.loss_chunk_tokens:
         logits_grads = compiled_loss_backward_bytes(cfg, recipe or RECIPES["fp32"], micro_batch * seq_len,

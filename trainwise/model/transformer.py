@@ -34,10 +34,39 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, hd); cos, sin: (T, hd)."""
+    """The reference form (fp32 arithmetic): x (B, heads, T, hd); cos, sin (T, hd)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Each pair (x1, x2) = (x[..., i], x[..., i + hd/2]) turned by its angle: (x1 cos - x2 sin,
+    x2 cos + x1 sin). cos, sin are the half tables (hd/2 columns), broadcastable to x's halves.
+    Written into one output with four in-place ops: no concatenation, no negated copy."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    out1, out2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=out2).addcmul_(x1, sin)
+    return out
+
+
+class Rotary(torch.autograd.Function):
+    """RoPE as one autograd node: a rotation's gradient is the rotation by minus the angle, so backward
+    is the same four ops with -sin and saves nothing but the tables. Equals apply_rope (up to rounding
+    in x's dtype) on x (B, T, heads, hd) with cos, sin (T, 1, hd/2)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return rotate(grad, cos, -sin), None, None
 
 
 class KVCache:
@@ -71,17 +100,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple | None, cache: KVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
-        q, k, v = self.qkv(x).split(
-            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
-            dim=-1,
-        )
-        q = rearrange(q, "b t (h d) -> b h t d", d=self.head_dim)  # (B, nh, T, hd)
-        k = rearrange(k, "b t (h d) -> b h t d", d=self.head_dim)  # (B, nkv, T, hd)
-        v = rearrange(v, "b t (h d) -> b h t d", d=self.head_dim)
+        nh, nkv = self.n_heads, self.n_kv_heads
+        # (B, T, nh + 2 nkv, hd): q and k heads first, so one RoPE call turns both
+        qk, v = self.qkv(x).unflatten(-1, (nh + 2 * nkv, self.head_dim)).split([nh + nkv, nkv], dim=2)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = qk.split([nh, nkv], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         if self.use_rope:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            cos, sin = rope  # (T, hd/2) half tables
+            qk = Rotary.apply(qk, cos[:, None].to(qk.dtype), sin[:, None].to(qk.dtype))
+        q, k = qk.split([nh, nkv], dim=2)
+        # (B, heads, T, hd) views; SDPA and the matmuls take the strides as they are
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         causal = True
         if cache is not None:
             causal = cache.length == 0  # prefill is causal; one new token sees every cached position
@@ -188,8 +218,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         if cfg.position == "rope":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            half = cfg.head_dim // 2  # the tables repeat after hd/2 columns; rotate() takes one half
+            self.register_buffer("rope_cos", cos[:, :half].contiguous(), persistent=False)
+            self.register_buffer("rope_sin", sin[:, :half].contiguous(), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

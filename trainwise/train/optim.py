@@ -26,15 +26,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, shard_states: bool = False) -> torch.optim.Optimizer:
-    """AdamW with decoupled weight decay (Loshchilov & Hutter 2019) or SGD with momentum. On CUDA the
-    fused kernels do a group's whole update in one launch and take step_if_finite's on-device skip
-    flag; on CPU foreach keeps the update to a handful of multi-tensor ops (fused measured no faster
-    here, and the planner's CPU memory model is validated against foreach). shard_states (ZeRO-1, under
-    torchrun): torch.distributed.optim.ZeroRedundancyOptimizer keeps each parameter's states on one
-    rank only and broadcasts the updated parameters after the step."""
+    """AdamW with decoupled weight decay (Loshchilov & Hutter 2019) or SGD with momentum. The fused
+    kernels (CUDA and CPU) do each parameter's whole update in one pass over it and take step_if_finite's
+    skip flag; foreach makes ~10 passes over all parameters (one per multi-tensor op), which on a 2-core
+    Xeon cost 2-5x the fused step (benchmarks/RESULTS.md). shard_states (ZeRO-1, under torchrun):
+    torch.distributed.optim.ZeroRedundancyOptimizer keeps each parameter's states on one rank only and
+    broadcasts the updated parameters after the step."""
     groups = param_groups(model, cfg.weight_decay)
-    on_cuda = all(p.is_cuda for group in groups for p in group["params"])
-    kernel = {"fused": True} if on_cuda else {"foreach": True}
+    devices = {p.device.type for group in groups for p in group["params"]}
+    kernel = {"fused": True} if devices <= {"cuda", "cpu"} else {"foreach": True}
     if cfg.optimizer == "sgd":
         cls, kwargs = torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum, **kernel)
     else:
