@@ -7,7 +7,7 @@ coefficients >= 0):
   peak), summarised by t = F/P + Q/BW;
 - element-wise work per class (plain, activation, norm, softmax/cross-entropy) and dtype: t = Q/BW;
 - attention: the SDPA CPU kernel forward and backward, t = F/R;
-- the optimizer step (AdamW foreach + gradient clipping): t = a x tensors + b x elements;
+- the optimizer step (fused AdamW + gradient clipping): t = a x tensors + b x elements;
 - the per-operator overhead of an eager training step (dispatch + autograd), from two tiny models:
   the per-call cost the other fits leave out (they have no intercept);
 - under torchrun, the collectives (collective_fit).
@@ -115,12 +115,12 @@ def attention_fits(dtype: torch.dtype, device: torch.device) -> dict[str, list[f
 
 
 def optimizer_fit(device: torch.device) -> list[float]:
-    """[seconds per tensor, seconds per element] of clip_grad_norm_ + AdamW(foreach).step() + zero_grad,
+    """[seconds per tensor, seconds per element] of clip_grad_norm_ + AdamW(fused).step() + zero_grad,
     the trainer's CPU update (train.optim.build_optimizer), from two parameter sets."""
     rows = []
     for n_tensors, numel in ((8, 1 << 20), (128, 1 << 14), (32, 1 << 17)):
         params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(n_tensors)]
-        opt = torch.optim.AdamW(params, lr=1e-3, foreach=device.type == "cpu", fused=device.type == "cuda")
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)  # as train/optim.py builds it, CPU and CUDA
 
         def step():
             for p in params:
