@@ -240,6 +240,13 @@ def _measuring_lock(path: Path):
 
 
 def _measure_and_cache(device: torch.device, path: Path, key: str, old: dict | None) -> dict:
+    # The measurements draw random tensors: a run that calibrates between seeding and its first step
+    # must draw the same dropout masks as one that found the calibration cached (exact resume).
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _measure_and_cache_unseeded(device, path, key, old)
+
+
+def _measure_and_cache_unseeded(device: torch.device, path: Path, key: str, old: dict | None) -> dict:
     began = time.perf_counter()
     result = {"machine": key, **measure_peak(device)}
     if result.get("busy") and old and not old.get("busy"):
