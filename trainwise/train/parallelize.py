@@ -6,6 +6,7 @@ so checkpoints load with or without them.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from trainwise.config import FSDP_STRATEGIES, ModelConfig
@@ -55,7 +56,12 @@ def apply_compile(model: nn.Module, per_block: bool = False) -> None:
     softmax (trainwise.model.transformer.explicit_attention) with the norm/RoPE/activation work:
     on this 2-core CPU the default model's step went from 560 ms eager to 398 ms, where compiling
     each block alone gave no gain. per_block=True (torchtitan's scheme) is for FSDP2, whose per-block
-    hooks must stay outside the compiled graphs (fsdp, zero2). The first steps pay the compile time."""
+    hooks must stay outside the compiled graphs (fsdp, zero2). The first steps pay the compile time.
+
+    Dynamo's caches are cleared first: code compiled earlier in this process for another model or
+    dtype (a second run from the Python API, a test) made inductor fail on the Rotary node ("mul
+    expected 2 arguments, got 3") when the same code was compiled again in bf16."""
+    torch._dynamo.reset()
     if per_block:
         for block in model.blocks:
             block.compile()
