@@ -78,14 +78,14 @@ def test_legacy_encodings_are_detected_and_decode_exactly(tmp_path):
     assert sorted(texts) == sorted(expected.values())
 
 
-def test_mixed_folder_trains_and_round_trips_through_the_runs_tokenizer(tmp_path):
+def train_and_decode(corpus, tmp_path, *extra):
+    """Train a tiny run on `corpus`; the run's tokenized documents, decoded with its tokenizer."""
     from trainwise.train.loop import train
 
-    expected = make_mixed_folder(tmp_path / "corpus")
     cfg = apply_overrides(RunConfig(), [
-        f"data.paths=['{tmp_path / 'corpus'}']", "data.val_fraction=0.2", "tokenizer.vocab_size=300",
+        f"data.paths=['{corpus}']", "data.val_fraction=0.2", "tokenizer.vocab_size=300",
         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.seq_len=32", "train.micro_batch=2",
-        "train.max_steps=2", "train.eval_every=0", "train.warmup_steps=0", "train.compile=false"])
+        "train.max_steps=2", "train.eval_every=0", "train.warmup_steps=0", "train.compile=false", *extra])
     result = train(cfg, out=tmp_path / "run", quiet=True)
     assert np.isfinite(result.train_loss)
     tok = Tokenizer.load(tmp_path / "run" / "tokenizer.json")
@@ -97,6 +97,12 @@ def test_mixed_folder_trains_and_round_trips_through_the_runs_tokenizer(tmp_path
         if t == tok.eot_id:
             docs.append(tok.decode(stream[start:i]))
             start = i + 1
+    return data, docs
+
+
+def test_mixed_folder_trains_and_round_trips_through_the_runs_tokenizer(tmp_path):
+    expected = make_mixed_folder(tmp_path / "corpus")
+    data, docs = train_and_decode(tmp_path / "corpus", tmp_path)
     assert sorted(docs) == sorted(expected.values())  # every file decoded and tokenized exactly
     report = data.stats.report
     assert report["encodings"]["utf-16"] == {"files": 1, "bytes": len(LEGACY["en_utf16.txt"][0].encode("utf-16"))}
@@ -200,3 +206,32 @@ def test_fifo_in_a_folder_is_skipped_not_waited_on(tmp_path):
     os.mkfifo(tmp_path / "pipe")
     corpus = discover(DataConfig(paths=[str(tmp_path)]))
     assert [f.path.name for f in corpus.files] == ["a.txt"] and [p.name for p in corpus.broken] == ["pipe"]
+
+
+def test_compressed_and_table_formats_train_and_round_trip(tmp_path):
+    """Each compression, Parquet, Arrow and a save_to_disk folder in one corpus: a run trains on it and
+    every document comes back from the run's tokens."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    zstandard = pytest.importorskip("zstandard")
+    datasets = pytest.importorskip("datasets")
+    root = tmp_path / "corpus"
+    root.mkdir()
+    texts = {"gz": EN * 3, "bz2": FR * 3, "xz": KO * 3, "zst": JA * 3}
+    for (suffix, text), opener in zip(texts.items(), (gzip.open, bz2.open, lzma.open, None)):
+        payload = text.encode("gb18030" if suffix == "gz" else "utf-8")
+        if opener is None:
+            (root / f"doc.{suffix}").write_bytes(zstandard.ZstdCompressor().compress(payload))
+        else:
+            with opener(root / f"doc.{suffix}", "wb") as f:
+                f.write(payload)
+    rows = [ZH, ZH_T, EN + KO]
+    pq.write_table(pa.table({"text": rows[:1]}), root / "rows.parquet")
+    with pa.OSFile(str(root / "rows.arrow"), "wb") as sink, pa.ipc.new_file(sink, pa.schema([("text", pa.string())])) as w:
+        w.write_table(pa.table({"text": rows[1:2]}))
+    datasets.Dataset.from_dict({"text": rows[2:]}).save_to_disk(str(root / "hf"))
+    data, docs = train_and_decode(root, tmp_path)
+    assert sorted(docs) == sorted([*texts.values(), *rows])
+    assert data.stats.report["formats"] == {"text+gzip": 1, "text+bz2": 1, "text+xz": 1, "text+zstd": 1,
+                                            "parquet": 1, "arrow": 2}
