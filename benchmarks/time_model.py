@@ -3,14 +3,16 @@
 Each configuration is planned with the step-time model (`trainwise plan --gpu cpu`: cost.steptime on
 this machine's calibration) and then run for real: single-process ones in this process, through the
 trainer's own step (trainwise.measure.step.train_step, compiled with train.parallelize.apply_compile
-where marked), two warm-up steps and then the median of the next steps; ddp/fsdp ones through
-`torchrun --nproc_per_node 2 -m trainwise train` (gloo, one thread per rank), the median of the logged
-step times after the first two. error = measured / predicted - 1.
+where marked), two warm-up steps, then --rounds rounds over all configurations, each keeping its fastest
+round's median step; ddp/fsdp ones through `torchrun --nproc_per_node 2 -m trainwise train` (gloo, one
+thread per rank), the lower quartile of the logged step times after the first two.
+error = measured / predicted - 1.
 
     python benchmarks/time_model.py                 # all configurations (~5-10 min on a quiet 2-core CPU)
     python benchmarks/time_model.py --only 1,19     # a few, by number
     python benchmarks/time_model.py --json out.json
     python benchmarks/time_model.py --stability 5   # five calibrations in a row: each figure's spread
+    python benchmarks/time_model.py --fit-compiled  # the compiled step's element-wise factor, on other configs
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from trainwise.cost.plan import plan_for_run, plan_run
 from trainwise.measure.calibrate import cpu_model, calibrate
 from trainwise.measure.step import random_batches, train_step
 from trainwise.model import Transformer
+from trainwise.train.allocator import keep_freed_memory
 from trainwise.train.optim import build_optimizer
 from trainwise.train.parallelize import apply_activation_checkpointing, apply_compile
 
@@ -87,28 +90,33 @@ def predict(case: Case) -> float:
     return plan.step_seconds
 
 
-def measure_local(case: Case, min_steps: int = 5, min_s: float = 2.0) -> float:
-    """Median seconds of the trainer's step after two warm-up steps (compile happens in the first)."""
-    cpu = torch.device("cpu")
-    torch.manual_seed(0)
-    cfg = ModelConfig(**case.model)
-    model = Transformer(cfg)
-    if case.checkpointing != "none":
-        apply_activation_checkpointing(model, case.checkpointing)
-    if case.compiled:
-        apply_compile(model)
-    opt = build_optimizer(model, TrainConfig())
-    batches = random_batches(cfg.vocab_size, case.micro_batch, case.seq_len, case.grad_accum, cpu)
-    for _ in range(2):
-        train_step(model, opt, batches, cpu, case.precision)
-    times, start = [], time.perf_counter()
-    while len(times) < min_steps or time.perf_counter() - start < min_s:
-        t = time.perf_counter()
-        train_step(model, opt, batches, cpu, case.precision)
-        times.append(time.perf_counter() - t)
-    if case.compiled:
-        torch._dynamo.reset()
-    return statistics.median(times)
+class LocalRun:
+    """One single-process configuration, built once and measured in several rounds: the trainer's step
+    (compiled with train.parallelize.apply_compile where marked), two warm-up steps (compile happens in
+    the first), then per round the median of the steps of about round_s seconds."""
+
+    def __init__(self, case: Case):
+        cpu = torch.device("cpu")
+        torch.manual_seed(0)
+        cfg = ModelConfig(**case.model)
+        self.model = Transformer(cfg)
+        if case.checkpointing != "none":
+            apply_activation_checkpointing(self.model, case.checkpointing)
+        if case.compiled:
+            apply_compile(self.model)
+        self.opt = build_optimizer(self.model, TrainConfig())
+        self.batches = random_batches(cfg.vocab_size, case.micro_batch, case.seq_len, case.grad_accum, cpu)
+        self.step = lambda: train_step(self.model, self.opt, self.batches, cpu, case.precision)
+        for _ in range(2):
+            self.step()
+
+    def round(self, min_steps: int = 3, round_s: float = 1.0) -> float:
+        times, start = [], time.perf_counter()
+        while len(times) < min_steps or time.perf_counter() - start < round_s:
+            t = time.perf_counter()
+            self.step()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
 
 
 def run_config(case: Case, steps: int) -> RunConfig:
@@ -122,8 +130,9 @@ def run_config(case: Case, steps: int) -> RunConfig:
     return apply_overrides(RunConfig(), sets)
 
 
-def measure_torchrun(case: Case, steps: int = 10) -> float:
-    """Median logged step time after the first two steps of a 2-rank gloo run of the trainer."""
+def measure_torchrun(case: Case, steps: int = 20) -> float:
+    """Lower quartile of the logged step times after the first two steps of a 2-rank gloo run of the
+    trainer (one run: its steps span the time the rounds of a local configuration span)."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path = Path(tmp) / "run.toml"
         save_config(run_config(case, steps), cfg_path)
@@ -134,7 +143,40 @@ def measure_torchrun(case: Case, steps: int = 10) -> float:
         if proc.returncode:
             raise RuntimeError(proc.stderr[-3000:])
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["step_time_s"] for r in rows[2:])
+    return statistics.quantiles([r["step_time_s"] for r in rows[2:]], n=4)[0]
+
+
+# Compiled configurations unlike any of CASES, for --fit-compiled
+FIT_COMPILED = [Case("fit bf16", dict(vocab_size=2048, d_model=192, n_layers=3, n_heads=3, n_kv_heads=1, ffn_hidden=512,
+                                      max_seq_len=192), 8, 192, compiled=True),
+                Case("fit fp32", dict(vocab_size=2048, d_model=192, n_layers=3, n_heads=3, n_kv_heads=1, ffn_hidden=512,
+                                      max_seq_len=192), 4, 192, precision="fp32", compiled=True)]
+
+
+def fit_compiled(rounds: int) -> int:
+    """The factor cost.steptime.COMPILED_ELEMENTWISE: measured compiled step = its matmuls + optimizer +
+    overhead as predicted + f x its element-wise work priced at eager rates, solved for f on FIT_COMPILED."""
+    from trainwise.cost.steptime import op_seconds
+
+    fs = []
+    for case in FIT_COMPILED:
+        run = LocalRun(case)
+        measured = min(run.round() for _ in range(rounds))
+        del run
+        torch._dynamo.reset()
+        plan = plan_run(ModelConfig(**case.model), tokens=1, gpu="cpu", seq_len=case.seq_len,
+                        micro_batch=case.micro_batch, precision="fp32" if case.precision == "fp32" else "amp",
+                        compiled=True)
+        st, prof = plan.step, plan.hardware.profile
+        fused = [t for t in st.ops if t.op.cls not in ("matmul", "attention") and t.op.phase != "optimizer"]
+        rest = st.seconds - sum(t.seconds for t in fused)
+        eager = prof.in_step * sum(op_seconds(t.op, prof)[0] for t in fused)  # (the plan's: x the factor)
+        f = (measured - rest) / eager
+        fs.append(f)
+        print(f"{case.name}: measured {measured:.4f} s = {rest:.4f} s (matmuls, optimizer, overhead) + "
+              f"f x {eager:.4f} s (element-wise at eager rates) -> f = {f:.3f}")
+    print(f"COMPILED_ELEMENTWISE = {{'fp32': {fs[1]:.2f}, 'bf16': {fs[0]:.2f}}} (CPU {cpu_model()})")
+    return 0
 
 
 def figures(cal: dict) -> dict[str, float]:
@@ -177,13 +219,18 @@ def stability(n: int) -> int:
 
 
 def main() -> int:
+    keep_freed_memory()  # as `trainwise train` runs (train.allocator)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma-separated case numbers (1-based)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--rounds", type=int, default=3, help="measurement rounds per local configuration (default 3)")
+    ap.add_argument("--fit-compiled", action="store_true", help="instead: fit cost.steptime.COMPILED_ELEMENTWISE")
     ap.add_argument("--stability", type=int, metavar="N", help="instead: N calibrations in a row, each figure's spread")
     args = ap.parse_args()
     if args.stability:
         return stability(args.stability)
+    if args.fit_compiled:
+        return fit_compiled(args.rounds)
     cases = [CASES[int(i) - 1] for i in args.only.split(",")] if args.only else CASES
     load0 = os.getloadavg()
     t0 = time.time()
@@ -194,15 +241,36 @@ def main() -> int:
           f"{load0[0]:.2f} (1 min); calibration ready after {time.time() - t0:.0f} s")
     print(f"{'#':>2} {'config':<22} {'B':>3} {'T':>4} {'K':>2} {'ckpt':<9} {'prec':<4} {'comp':<4} {'strategy':<8} "
           f"{'predicted s':>11} {'measured s':>10} {'error':>7} {'load':>5}")
+    # Rounds: every local configuration is measured ROUNDS times, one after the other, and keeps its
+    # fastest round's median. This machine's speed drifts by up to 30% over seconds (the same step, run
+    # again in the same process: 0.37-0.50 s); interference only ever adds time, so the fastest round is
+    # the steady state, as the calibration's lower quartiles are.
+    # (A compiled configuration is measured in its rounds right after it is built: building the next one
+    # resets dynamo, which would recompile it inside a round.)
+    rounds: dict[int, list[float]] = {}
+    for case in cases:
+        if case.strategy == "none" and case.compiled:
+            run = LocalRun(case)
+            rounds[id(case)] = [run.round() for _ in range(args.rounds)]
+            del run
+            torch._dynamo.reset()
+    runs = {id(c): LocalRun(c) for c in cases if c.strategy == "none" and not c.compiled}
+    rounds.update({i: [] for i in runs})
+    for _ in range(args.rounds):
+        for case in cases:
+            if id(case) in runs:
+                rounds[id(case)].append(runs[id(case)].round())
+    runs.clear()
     errors = []
     for case in cases:
         i = CASES.index(case) + 1
         predicted = predict(case)
         load = os.getloadavg()[0]
-        measured = measure_torchrun(case) if case.strategy != "none" else measure_local(case)
+        measured = measure_torchrun(case) if case.strategy != "none" else min(rounds[id(case)])
         err = measured / predicted - 1
         errors.append(abs(err))
-        case.results = {"predicted_s": predicted, "measured_s": measured, "error": err, "load_1min": load}
+        case.results = {"predicted_s": predicted, "measured_s": measured, "error": err, "load_1min": load,
+                        "rounds_s": rounds.get(id(case), [])}
         print(f"{i:>2} {case.name:<22} {case.micro_batch:>3} {case.seq_len:>4} {case.grad_accum:>2} "
               f"{case.checkpointing:<9} {case.precision:<4} {'yes' if case.compiled else 'no':<4} {case.strategy:<8} "
               f"{predicted:>11.4f} {measured:>10.4f} {err:>+7.1%} {load:>5.2f}", flush=True)

@@ -17,7 +17,8 @@ TINY = ModelConfig(vocab_size=256, d_model=32, n_layers=3, n_heads=4, n_kv_heads
 
 
 def profile() -> Profile:
-    cls = {"elementwise/other": [0, 1e10], "activation": [0, 5e9], "norm": [0, 1e10], "softmax/cross-entropy": [0, 2e9]}
+    cls = {"elementwise/other": [[1e6, 1e10]], "activation": [[1e6, 5e9]], "norm": [[1e6, 1e10]],
+           "softmax/cross-entropy": [[1e6, 2e9]]}
     return Profile(matmul={"fp32": [0, 1e11, 1e10]}, elementwise={"fp32": cls},
                    attention={"fp32": {"forward": [0, 2e10], "backward": [0, 1e10]}},
                    optimizer=[1e-5, 1e-9], overhead=[1e-3, 1e-5], source="calibrated")
@@ -82,9 +83,12 @@ def test_operator_list_counts_what_the_planner_counts():
     qkv = [o for o in ops if o.name == "aten.mm" and o.phase == "forward" and o.shape[2:] == (32, 64)]
     assert qkv and qkv[0].shape == (1, B * T, 32, (4 + 2 * 2) * 8)  # (B*T, H) x (H, (nh + 2 nkv) hd)
     # K micro-batches repeat forward and backward, not the optimizer step
-    k2 = {(o.name, o.phase, o.shape): o.flops for o in step_ops(TINY, B, T, grad_accum=2)}
+    def key(o):
+        return o.name, o.phase, o.dtype, o.shape, o.layout, o.per_call_bytes()
+
+    k2 = {key(o): o.flops for o in step_ops(TINY, B, T, grad_accum=2)}
     for o in ops:
-        assert k2[(o.name, o.phase, o.shape)] == o.flops * (1 if o.phase == "optimizer" else 2)
+        assert k2[key(o)] == o.flops * (1 if o.phase == "optimizer" else 2)
     # compiled on a CPU: attention as two matmuls around a softmax, no SDPA kernel
     compiled = step_ops(TINY, B, T, compiled=True)
     assert not any(o.cls == "attention" for o in compiled) and any(o.name == "aten.bmm" for o in compiled)
@@ -108,7 +112,7 @@ def test_a_gpu_plan_runs_the_gpus_step_from_table_defaults():
     assert j["step_seconds"] == pytest.approx(plan.step.seconds) and j["tokens_per_s"] == pytest.approx(32 / plan.step.seconds)
     assert j["seconds"] == pytest.approx(1e6 / j["tokens_per_s"])
     p = table_profile({"bf16": 1e15, "fp32": 5e13}, 3e12)
-    assert p.matmul["bf16"][1] == pytest.approx(0.7e15) and p.elementwise["bf16"]["norm"][1] == pytest.approx(2.1e12)
+    assert p.matmul["bf16"][1] == pytest.approx(0.7e15) and p.elementwise["bf16"]["norm"] == [[1.0, pytest.approx(2.1e12)]]
     # --mfu stays a what-if: C / (G x peak x MFU)
     what_if = plan_run(TINY, tokens=1e6, seq_len=16, micro_batch=2, gpu="h100", mfu=0.5)
     assert what_if.time_source == "assumed MFU (--mfu)" and what_if.step is None
@@ -148,3 +152,89 @@ def test_collectives_are_calibrated_under_torchrun_and_used_by_the_plan(tmp_path
         os.environ["TRAINWISE_CACHE"] = old
     assert 0 <= latency < 0.1 and 1e6 < bandwidth < 1e12
     assert p.link == [latency, bandwidth] and p.link_source == "calibrated (gloo, 2 ranks)"
+
+
+def test_element_wise_work_is_priced_at_the_rate_of_its_size():
+    """A class's rate is calibrated at several sizes per call; between them seconds per byte are
+    interpolated linearly in log(bytes), and held at the ends."""
+    from trainwise.cost.steptime import elementwise_rate
+
+    grid = [[1e6, 4e10], [1e8, 1e10]]  # 25 ps/byte in cache, 100 ps/byte from memory
+    assert elementwise_rate(grid, 1e3) == 4e10 and elementwise_rate(grid, 1e9) == 1e10
+    # 1e7 is halfway in log: (25 + 100) / 2 = 62.5 ps/byte -> 1.6e10 bytes/s
+    assert elementwise_rate(grid, 1e7) == pytest.approx(1.6e10)
+    p = profile()
+    p.elementwise["fp32"]["elementwise/other"] = grid
+    # 10 calls of 1e7 bytes each: 1e8 bytes at 1.6e10 bytes/s = 6.25 ms; compiled bf16: x1.29
+    mul = Op("aten.mul", "elementwise/other", "forward", "fp32", None, 10, 1e7, 1e8)
+    st = predict_step([mul], p, n_param_tensors=0, n_params=0)
+    assert st.ops[0].seconds == pytest.approx(6.25e-3)
+    from trainwise.cost.steptime import COMPILED_ELEMENTWISE
+
+    compiled = predict_step([mul], p, 0, 0, compiled=True, precision="bf16")
+    assert compiled.ops[0].seconds == pytest.approx(6.25e-3 * COMPILED_ELEMENTWISE["bf16"])
+    assert compiled.overhead_s == pytest.approx(1e-3)  # fused kernels pay no eager per-op cost
+
+
+def test_kernels_timed_at_their_shape_override_the_fit_and_in_step_scales_all():
+    p = profile()
+    mm = Op("aten.mm", "matmul", "forward", "bf16", (1, 4096, 256, 4096), 3, 3 * 2 * 4096 * 256 * 4096, 1.0, "NT")
+    # no table entry and no device to time it on: the fit (fp32's, the only dtype): F/P + Q/BW
+    fit = 3 * 2 * 4096 * 256 * 4096 / 1e11 + 1.0 / 1e10
+    assert predict_step([mm], p, 0, 0).ops[0].seconds == pytest.approx(fit)
+    # a timed call of that shape and layout: 20 ms each, 3 calls = 60 ms; in a step x1.25 = 75 ms
+    from trainwise.cost.steptime import kernel_key
+
+    assert kernel_key(mm) == "matmul|bf16|1x4096x256x4096|NT"
+    p.kernels[kernel_key(mm)] = 0.02
+    p.in_step = 1.25
+    st = predict_step([mm], p, 0, 0)
+    assert st.ops[0].seconds == pytest.approx(0.075) and "timed at its shape" in st.ops[0].how
+    # another layout of the same shape is another kernel (x.t() @ dy runs 1.5-2x slower here)
+    assert predict_step([Op(**{**mm.__dict__, "layout": "TN"})], p, 0, 0).ops[0].seconds == pytest.approx(fit * 1.25)
+
+
+def test_the_operator_list_records_layouts_casts_and_kernel_shapes():
+    B, T = 2, 16
+    ops = step_ops(TINY, B, T, "bf16")
+    fwd = [o for o in ops if o.name == "aten.mm" and o.phase == "forward"]
+    assert fwd and all(o.layout == "NT" for o in fwd)  # x @ W.t(): nn.Linear's weight, transposed
+    assert any(o.layout == "TN" for o in ops if o.name == "aten.mm" and o.phase == "backward")  # dW = dy.t() @ x
+    # autocast's casts are memory work with no FLOPs: every fp32 weight read (4 bytes) and written in bf16 (2)
+    casts = [o for o in ops if o.name == "aten._to_copy" and o.phase == "forward"]
+    assert casts and all(o.flops == 0 for o in casts)
+    # attention as (batch, heads, kv heads, T, head dim), forward and backward alike
+    attn = {o.phase: o.shape for o in ops if o.cls == "attention"}
+    assert attn == {"forward": (B, 4, 2, T, 8), "backward": (B, 4, 2, T, 8)}
+    # each element-wise record's calls move the same bytes
+    assert all(o.bytes == o.per_call_bytes() * o.calls for o in ops)
+
+
+def test_an_moe_steps_grouped_matmuls_are_recorded_with_their_expert_shapes():
+    moe = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32,
+                      n_experts=4, top_k=2, expert_ffn_hidden=32)
+    grouped = {(o.phase, o.shape, o.layout) for o in step_ops(moe, 2, 16, "bf16") if "grouped_mm" in o.name}
+    # 2 x 16 tokens x top-2 = 64 rows, 16 per expert: (S, 32) x (E, 32, 2 x 32) up, (S, 32) x (E, 32, 32) down
+    assert ("forward", (4, 16, 32, 64), "NN") in grouped and ("forward", (4, 16, 32, 32), "NN") in grouped
+    # the experts' weight gradients: (K', S) x (S, N) split along S into 4 groups
+    assert ("backward", (4, 32, 16, 64), "TN:split-k") in grouped
+
+
+def test_the_host_allocator_keeps_freed_memory():
+    """glibc's thresholds are raised once per process (train.allocator); a subprocess shows that a large
+    block freed and allocated again, step after step, is served from the heap (no new page faults)."""
+    import subprocess
+    import sys
+
+    code = ("import resource\nfrom trainwise.train.allocator import keep_freed_memory\nimport torch\n"
+            "assert keep_freed_memory() and keep_freed_memory()\n"
+            "for _ in range(10):\n    x = torch.ones(1 << 23); del x\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+            "for _ in range(10):\n    y = torch.ones(1 << 23); del y\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n")
+    faults = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    off = subprocess.run([sys.executable, "-c", code.replace("assert keep_freed_memory() and keep_freed_memory()\n",
+                                                             "")], capture_output=True, text=True, check=True)
+    # without the setting each 32 MiB block is mmapped afresh: 10 x 8,192 pages faulted (81,930 measured);
+    # with it, once the heap has grown (a few steps), the block is reused: none (0 measured)
+    assert int(off.stdout) > 60_000 and faults < 2_000

@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from trainwise.train.allocator import keep_freed_memory
+
+    keep_freed_memory()  # what `plan` and `hardware` time is what `train` runs: one allocator (train.allocator)
     try:
         return args.func(args)
     except TrainwiseError as err:

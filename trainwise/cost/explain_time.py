@@ -3,7 +3,7 @@ per-operator table, the phases, the largest contributors and the communication t
 
 from __future__ import annotations
 
-from trainwise.cost.steptime import COMPILED_BYTES
+from trainwise.cost.steptime import COMPILED_ELEMENTWISE
 
 SOURCES = {"calibrated": "calibrated on this machine (`trainwise hardware --calibrate`)",
            "table defaults": "from table, uncalibrated: datasheet peaks x default efficiencies "
@@ -15,8 +15,11 @@ def explain_step(p) -> str:
     add = out.append
     add(f"4. Time per step = sum over the step's operators + eager overhead + exposed communication "
         f"({SOURCES.get(st.source, st.source)})")
-    add("   matmul: F/P + Q/BW (fitted over shapes); attention kernel: F/R; other ops: Q/BW of their class"
-        + (f"; compiled: fused element-wise work at {COMPILED_BYTES} x its eager bytes" if st.compiled else ""))
+    add("   matmul and attention: timed at their shape and layout on this device (else F/P + Q/BW, F/R); other "
+        "ops: Q/BW(q) of their class at their bytes per call q" + (f"; x{p.hardware.profile.in_step:.3g}, what "
+        "kernels lose inside a real step" if p.hardware.profile and p.hardware.profile.in_step != 1 else "")
+        + (f"; compiled: fused element-wise work at {COMPILED_ELEMENTWISE.get(p.recipe.compute_dtype, 1.0)} x its "
+           "eager time" if st.compiled else ""))
     add(f"   {'operator':<50} {'phase':<9} {'dtype':<5} {'calls':>6} {'FLOPs':>10} {'bytes':>10} {'time s':>10}  rule")
     rows = sorted(st.ops, key=lambda t: -t.seconds)
     for t in rows[:25]:

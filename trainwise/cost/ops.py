@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from unittest import mock
 
 import torch
@@ -31,10 +31,14 @@ CLASSES = (("attention", ("attention",)), ("matmul", ("mm", "bmm", "addmm", "bad
            ("activation", ("silu", "gelu", "relu")),
            ("optimizer", ("_fused_adam", "_fused_sgd", "_foreach", "lerp", "addcdiv", "addcmul", "sqrt")))
 VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "split", "split_with_sizes", "slice",
-         "select", "detach", "alias", "unsqueeze", "squeeze", "as_strided", "chunk", "unbind", "reshape", "_to_copy",
-         "lift_fresh", "empty", "empty_like", "zeros_like", "ones_like", "new_empty_strided", "new_empty",
-         "_local_scalar_dense", "clone", "copy_", "randint", "zeros", "ones", "empty_strided", "normal_",
-         "fill_", "zero_", "arange", "full", "device", "sym_size", "sym_stride", "sym_numel", "dim"}
+         "select", "detach", "alias", "unsqueeze", "squeeze", "as_strided", "chunk", "unbind", "reshape",
+         "lift_fresh", "empty", "empty_like", "new_empty_strided", "new_empty", "_local_scalar_dense", "randint",
+         "empty_strided", "normal_", "arange", "device", "sym_size", "sym_stride", "sym_numel", "dim"}
+# Ops that move memory but compute nothing: casts (autocast's copies of weights and activations), copies
+# and fills. They cost time like any element-wise op (a bf16 step spends ~10% of its time casting), so
+# they are in the list, with bytes and no FLOPs.
+COPIES = {"_to_copy", "copy_", "clone", "fill_", "zero_", "zeros", "ones", "zeros_like", "ones_like", "full",
+          "new_zeros", "new_ones", "new_full"}
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -48,7 +52,10 @@ def op_class(name: str) -> str:
 
 @dataclass(frozen=True)
 class Op:
-    """Calls of one aten op in one phase with one dtype (and, for matmuls, one shape (batch, M, K, N))."""
+    """Calls of one aten op in one phase with one dtype and one shape: a matmul's (batch, M, K, N), an
+    attention kernel's (batch, heads, kv heads, T, head dim); any other op's calls all move the same
+    bytes per call (the time model prices element-wise work by its size: in cache, from memory, or
+    written to fresh pages)."""
 
     name: str
     cls: str
@@ -58,10 +65,13 @@ class Op:
     calls: int
     flops: float  # all calls together
     bytes: float  # all calls together
+    layout: str = ""  # a matmul's operands: N (row-major) or T (transposed) each, e.g. "NT" for x @ W.t()
 
     def scaled(self, factor: int) -> Op:
-        return Op(self.name, self.cls, self.phase, self.dtype, self.shape, self.calls * factor,
-                  self.flops * factor, self.bytes * factor)
+        return replace(self, calls=self.calls * factor, flops=self.flops * factor, bytes=self.bytes * factor)
+
+    def per_call_bytes(self) -> float:
+        return self.bytes / self.calls if self.calls else 0.0
 
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -71,18 +81,35 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def _matmul_shape(name: str, ins: list[torch.Tensor]) -> tuple[int, ...] | None:
-    """(batch, M, K, N) of mm / addmm / bmm / baddbmm from their two matrix operands (the last two)."""
-    if op_class(name) != "matmul" or len(ins) < 2:
-        return None
-    a, b = ins[-2], ins[-1]
+def _layout(t: torch.Tensor) -> str:
+    """N: the last dimension is contiguous (row-major); T: a transposed view (a weight's .t())."""
+    return "N" if t.dim() < 2 or t.stride(-1) == 1 or t.shape[-1] == 1 else "T"
+
+
+def _shape(name: str, ins: list[torch.Tensor]) -> tuple[tuple[int, ...] | None, str]:
+    """(shape, layout) of an operator call: a matmul's (batch, M, K, N) of mm / addmm / bmm / baddbmm from
+    its two matrix operands (the last two) and their layout; an attention kernel's (batch, heads, kv heads,
+    T, head dim) from q and k; (None, "") for other ops."""
+    cls = op_class(name)
+    if cls == "attention" and len(ins) >= 3 and ins[0].dim() == 4:
+        q, k = ins[1:3] if "backward" in name else ins[:2]  # the backward's first input is the output's gradient
+        return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]), ""
+    floats = [x for x in ins if x.is_floating_point()]
+    if cls != "matmul" or len(floats) < 2:
+        return None, ""
+    a, b = floats[-2], floats[-1]
+    layout = _layout(a) + _layout(b)
+    if "grouped_mm" in name:
+        groups = next((x.numel() for x in ins if not x.is_floating_point()), 1)  # the offsets
+        if b.dim() == 3:  # (S, K) rows split over E experts' (K, N) weights
+            return (b.shape[0], a.shape[0] // b.shape[0], a.shape[1], b.shape[2]), layout
+        # (K, S) x (S, N) split along S into E groups: the experts' weight gradients, (E, K, N)
+        return (groups, a.shape[0], a.shape[1] // groups, b.shape[1]), layout + ":split-k"
     if a.dim() == 2 and b.dim() == 2:
-        return (1, a.shape[0], a.shape[1], b.shape[1])
+        return (1, a.shape[0], a.shape[1], b.shape[1]), layout
     if a.dim() == 3 and b.dim() == 3:
-        return (a.shape[0], a.shape[1], a.shape[2], b.shape[2])
-    if a.dim() == 2 and b.dim() == 3:  # _grouped_mm: (S, K) rows split over E experts' (K, N) weights
-        return (b.shape[0], a.shape[0] // b.shape[0], a.shape[1], b.shape[2])
-    return None
+        return (a.shape[0], a.shape[1], a.shape[2], b.shape[2]), layout
+    return None, ""
 
 
 def _balanced_bincount(x: torch.Tensor, weights=None, minlength: int = 0) -> torch.Tensor:
@@ -118,15 +145,22 @@ class _Recorder(TorchDispatchMode):
             return out
         ins = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        short = name.split(".")[-1]
         if packet in self.registry:
             flops = self.registry[packet](*args, **kwargs, out_val=out)
+        elif short in COPIES:
+            flops = 0
         else:
             flops = sum(o.numel() for o in outs)
-        dtype = next((_DTYPE_NAMES.get(x.dtype, "other") for x in ins if x.is_floating_point()), "other")
-        rec = self.ops[(name, self.phase, dtype, _matmul_shape(name, ins))]
+        if short in ("copy_", "fill_", "zero_"):  # in place: the output is the input, written once
+            outs = []
+        dtype = next((_DTYPE_NAMES.get(x.dtype, "other") for x in ins + outs if x.is_floating_point()), "other")
+        nbytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))
+        shape, layout = _shape(name, ins)
+        rec = self.ops[(name, self.phase, dtype, shape, layout, nbytes if shape is None else 0)]
         rec[0] += 1
         rec[1] += flops
-        rec[2] += sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))
+        rec[2] += nbytes
         return out
 
 
@@ -152,14 +186,16 @@ def step_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32",
         recs = {k: [a + extra * (b - a) for a, b in zip(one.get(k, [0, 0.0, 0.0]), two[k])] for k in two}
     else:
         recs = _record(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled, optimizer)
-    ops = [Op(n, op_class(n), ph, dt, shape, int(c), f, b) for (n, ph, dt, shape), (c, f, b) in recs.items() if f or b]
+    ops = [Op(n, op_class(n), ph, dt, shape, int(c), f, b, layout)
+           for (n, ph, dt, shape, layout, _), (c, f, b) in recs.items() if f or b]
     ops = [op.scaled(grad_accum) if op.phase != "optimizer" else op for op in ops]
     return sorted(ops, key=lambda o: -o.flops)
 
 
 def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpointing: str, compiled: bool,
             optimizer: str) -> dict[tuple, list]:
-    """{(name, phase, dtype, shape): [calls, FLOPs, bytes]} of one micro-batch's step on fake tensors."""
+    """{(name, phase, dtype, shape, layout, bytes per call): [calls, FLOPs, bytes]} of one micro-batch's
+    step on fake tensors (bytes per call 0 for matmuls and attention, which their shape describes)."""
     from trainwise.config import TrainConfig
     from trainwise.measure.step import train_step
     from trainwise.model import Transformer
@@ -211,7 +247,7 @@ def for_cuda(ops: list[Op]) -> list[Op]:
             fused = [op.flops, op.bytes] if fused is None else [fused[0] + op.flops, fused[1] + op.bytes]
             continue
         name = CUDA_KERNELS.get(op.name, op.name)
-        out.append(Op(name, op_class(name), op.phase, op.dtype, op.shape, op.calls, op.flops, op.bytes))
+        out.append(replace(op, name=name, cls=op_class(name)))
     if fused is not None:
         out.append(Op("aten._fused_adamw_", "optimizer", "optimizer", "fp32", None, 2, fused[0], fused[1]))
     return sorted(out, key=lambda o: -o.flops)

@@ -42,7 +42,7 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float
         peak = measured["peak_flops"].get(dtype, measured["peak_flops"]["fp32"])
         busy = " while busy: too low, see `trainwise hardware --calibrate`" if measured.get("busy") else ""
         hw = Hardware(f"this CPU (measured{busy})", peak, measured["bandwidth_bytes_per_s"], None,
-                      Profile.from_json(measured["profile"]))
+                      Profile.from_json(measured["profile"]).on_device("cpu", measured["machine"], threads))
         _use_measured_link(hw.profile, "gloo", threads and (os.cpu_count() or 1) // threads)
     elif gpu and gpu.lower() == "cuda":  # this machine's GPU: its calibration if cached, else its table entry
         import torch
@@ -53,7 +53,7 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None, bandwidth: float
         name, entry = torch.cuda.get_device_name(), cached("cuda")
         acc = lookup_cuda_device(name)
         peak = acc.peak(dtype) if acc else (entry or {}).get("peak_flops", {}).get(dtype, 0.0)
-        profile = (Profile.from_json(entry["profile"]) if entry else
+        profile = (Profile.from_json(entry["profile"]).on_device("cuda", entry["machine"], None) if entry else
                    table_profile(acc.peak_flops, acc.bandwidth_bytes_per_s) if acc and acc.bandwidth_bytes_per_s else None)
         hw = Hardware(name, peak, acc.bandwidth_bytes_per_s if acc else None, acc.memory_bytes if acc else None,
                       profile, cuda=True)

@@ -1,31 +1,37 @@
 """Predicted step time: the sum over the step's operators (cost.ops) of each one's calibrated time, plus
 communication per strategy, plus a fixed per-step cost.
 
-    matmul            F/P + Q/BW_mm          (P, BW_mm fitted over a grid of shapes: small ones run slow)
-    attention kernel  F/R_fwd or F/R_bwd     (the SDPA kernel itself, timed forward and backward)
-    everything else   Q/BW_class             (memory-bound: bytes over the bandwidth of that class of op)
+    matmul            measured at its shape and operand layout on this device (kernel table), else F/P + Q/BW
+    attention kernel  measured at its shape forward and backward (kernel table), else F/R_fwd or F/R_bwd
+    everything else   Q/BW_class(q)          (memory-bound: bytes over the bandwidth of that class of op at
+                                               its bytes per call q: in cache, from memory, to fresh pages)
     optimizer         a x tensors + b x parameters      (clip + AdamW step, timed as the trainer runs it)
     eager overhead    per-op x calls + per-step          (Python, dispatch, autograd; from tiny models)
 
-The fits' intercepts are left out: the per-call cost is the eager overhead term, measured in a real step.
-A compiled step (torch.compile, CPU) runs the same matmuls; inductor fuses the rest into a few kernels,
-which move COMPILED_BYTES of the eager bytes and pay no per-op overhead. The profile comes from
-`trainwise hardware --calibrate` (source "calibrated") or, for a table GPU, from DEFAULT_EFFICIENCY
-applied to its datasheet (source "table defaults": "from table, uncalibrated").
+A device's calibration (`trainwise hardware --calibrate`, source "calibrated") holds the fits; the kernel
+table holds matmuls and attention calls timed at the shapes of the steps planned on it (measured when a
+plan first needs them, a few ms each, and cached): on a CPU the same FLOPs run 2-5x apart with shape and
+layout, which no two-parameter fit follows. The fits' intercepts are left out: the per-call cost is the
+eager overhead term, measured in real steps (with the factor by which kernels run slower inside a step
+than alone). A compiled step (torch.compile, CPU) runs the same matmuls; inductor fuses the rest into
+kernels that take COMPILED_ELEMENTWISE x the eager element-wise time and pay no per-op overhead. A table GPU gets DEFAULT_EFFICIENCY applied to its datasheet (source "table
+defaults": "from table, uncalibrated").
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainwise.cost.ops import Op
 
-# A fused inductor kernel reads a chain's inputs once and writes its outputs once, so a compiled step
-# moves a fraction of the eager element-wise bytes. An ESTIMATE, not yet fitted: the 2-core machine was
-# too loaded to measure it (benchmarks/RESULTS.md, "Step-time model"); fit it with
-# `python benchmarks/time_model.py --only 19,20,21` on a quiet machine.
-COMPILED_BYTES = 0.35
+# A compiled CPU step runs the eager step's matmuls (timed as in eager) and inductor's generated kernels
+# for the rest. Those fuse chains of element-wise ops, but on the 2-core Xeon (AMX) they took about as
+# long as the eager ops they replace, more in bf16 (conversions in every loop) and with the explicit
+# attention's T x T scores in memory: the fused work costs COMPILED_ELEMENTWISE x the eager element-wise
+# time, fitted on two compiled configurations unlike those benchmarks/time_model.py checks
+# (`python benchmarks/time_model.py --fit-compiled`, per compute precision of the step; RESULTS.md).
+COMPILED_ELEMENTWISE = {"fp32": 1.02, "bf16": 1.29, "fp16": 1.29}
 
 # Uncalibrated accelerators: fractions of the datasheet figure a well-fed kernel reaches, round figures
 # of the commonly reported range (not measured by trainwise): large bf16 GEMMs 70-80% of an A100/H100's
@@ -36,26 +42,55 @@ DEFAULT_OVERHEAD = [1e-3, 6e-6]  # [seconds per step, seconds per eager op] on a
 ADAMW_BYTES_PER_PARAM = 28  # fused AdamW, fp32: read+write param, m, v (24) + read grad (4)
 
 
+PROFILE_VERSION = 3  # a cached calibration of another version is measured again
+
+
 @dataclass
 class Profile:
     """What a device does per unit of work; see the module docstring. Rates in FLOP/s and bytes/s."""
 
     matmul: dict[str, list[float]]  # dtype -> [c s, P FLOP/s, BW bytes/s]
-    elementwise: dict[str, dict[str, list[float]]]  # dtype -> class -> [c s, BW bytes/s]
+    elementwise: dict[str, dict[str, list[list[float]]]]  # dtype -> class -> [[bytes per call, bytes/s], ...]
     attention: dict[str, dict[str, list[float]]]  # dtype -> "forward"/"backward" -> [c s, FLOP/s]
     optimizer: list[float]  # [s per parameter tensor, s per parameter] of clip + AdamW step
     overhead: list[float]  # [s per step, s per eager op call]
     source: str  # "calibrated" | "table defaults"
     link: list[float] = field(default_factory=lambda: [5e-5, 1e9])  # collectives: [latency s, bytes/s]
     link_source: str = "default"
+    in_step: float = 1.0  # a real step's kernels take this times their time alone (calibrated: step_fit)
+    # seconds per call of matmuls and attention at given shapes (kernel_key); with `device` set, the
+    # calls a plan needs and the table lacks are measured on this device (`threads` torch threads)
+    kernels: dict[str, float] = field(default_factory=dict)
+    device: str | None = None
+    threads: int | None = None
+    machine: str = ""
+    new_kernels: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, d: dict) -> Profile:
         return cls(**{k: d[k] for k in ("matmul", "elementwise", "attention", "optimizer", "overhead", "source")},
-                   link=d.get("link", [5e-5, 1e9]), link_source=d.get("link_source", "default"))
+                   link=d.get("link", [5e-5, 1e9]), link_source=d.get("link_source", "default"),
+                   in_step=d.get("in_step", 1.0))
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k not in ("kernels", "device", "threads", "new_kernels")}
+
+    def on_device(self, device: str, machine: str, threads: int | None) -> Profile:
+        """This profile measured here: kernels at new shapes may be timed on `device`, and the ones timed
+        before on this machine (calibrate.kernel_table) are used."""
+        from trainwise.measure.calibrate import kernel_table
+
+        self.device, self.machine, self.threads = device, machine, threads
+        self.kernels = {**kernel_table(machine), **self.kernels}
+        return self
+
+    def save_kernels(self) -> None:
+        """Cache the kernels timed since the last save (calibrate.save_kernel_table)."""
+        if self.new_kernels and self.machine:
+            from trainwise.measure.calibrate import save_kernel_table
+
+            save_kernel_table(self.machine, self.new_kernels)
+            self.new_kernels = {}
 
 
 def table_profile(peak_flops: dict[str, float], bandwidth: float) -> Profile:
@@ -69,11 +104,79 @@ def table_profile(peak_flops: dict[str, float], bandwidth: float) -> Profile:
     dtypes = {k: v for k, v in dtypes.items() if v}
     return Profile(
         matmul={d: [0.0, e["matmul"] * p, bw] for d, p in dtypes.items()},
-        elementwise={d: {c: [0.0, bw] for c in classes} for d in dtypes},
+        elementwise={d: {c: [[1.0, bw]] for c in classes} for d in dtypes},
         attention={d: {"forward": [0.0, e["attention_forward"] * p], "backward": [0.0, e["attention_backward"] * p]}
                    for d, p in dtypes.items()},
         optimizer=[0.0, ADAMW_BYTES_PER_PARAM / bw], overhead=list(DEFAULT_OVERHEAD), source="table defaults",
         link=[1e-5, 100e9], link_source="default (100 GB/s, 10 us; interconnect not in the table)")
+
+
+def elementwise_rate(grid: list[list[float]], nbytes: float) -> float:
+    """Bytes/s of an element-wise call moving nbytes, from a class's calibrated [[bytes, bytes/s], ...]:
+    seconds per byte interpolated linearly in log(bytes) between the calibrated sizes, held at the ends."""
+    import math
+
+    pts = sorted(grid)
+    if nbytes <= pts[0][0] or len(pts) == 1:
+        return pts[0][1]
+    if nbytes >= pts[-1][0]:
+        return pts[-1][1]
+    for (q0, r0), (q1, r1) in zip(pts, pts[1:]):
+        if q0 <= nbytes <= q1:
+            w = (math.log(nbytes) - math.log(q0)) / (math.log(q1) - math.log(q0))
+            return 1.0 / ((1 - w) / r0 + w / r1)
+    return pts[-1][1]
+
+
+# The largest matmul or attention call timed on demand (larger ones take the fit, which large shapes
+# follow): a few hundred ms on a 2-core CPU, and at most MAX_KERNEL_BYTES of operands.
+MAX_KERNEL_FLOPS = 1e11
+MAX_KERNEL_BYTES = 1 << 30
+
+
+def kernel_key(op: Op) -> str:
+    """The kernel table's name of a matmul or attention call: kind, dtype, shape, layout."""
+    kind = "attention" if op.cls == "attention" else "grouped_mm" if "grouped_mm" in op.name else "matmul"
+    return f"{kind}|{op.dtype}|{'x'.join(map(str, op.shape))}|{op.layout}"
+
+
+def kernel_seconds(op: Op, p: Profile) -> float | None:
+    """Seconds per call of a matmul or attention op from the profile's kernel table, timing it on this
+    device first if the profile is this device's (Profile.on_device) and the call is small enough."""
+    if op.shape is None or op.dtype not in ("fp32", "bf16", "fp16") or not op.calls:
+        return None
+    key = kernel_key(op)
+    phase = "backward" if "backward" in op.name else "forward"
+    if op.cls == "attention":
+        key = f"{key}|{phase}"
+    if key not in p.kernels:
+        per_call_flops = op.flops / op.calls
+        if p.device is None or per_call_flops > MAX_KERNEL_FLOPS or op.bytes / op.calls > MAX_KERNEL_BYTES:
+            return None
+        import torch
+
+        from trainwise.measure import kernels as K
+        from trainwise.train.allocator import keep_freed_memory
+        from trainwise.train.precision import DTYPES
+
+        keep_freed_memory()
+        before = torch.get_num_threads()
+        if p.threads:
+            torch.set_num_threads(p.threads)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                dtype, device = DTYPES[op.dtype], torch.device(p.device)
+                if op.cls == "attention":
+                    fwd, bwd = K.attention_call_seconds(op.shape, dtype, device)
+                    base = key.rsplit("|", 1)[0]
+                    p.new_kernels[f"{base}|forward"], p.new_kernels[f"{base}|backward"] = fwd, bwd
+                else:
+                    p.new_kernels[key] = K.matmul_call_seconds(op.shape, op.layout, dtype, device,
+                                                               grouped="grouped_mm" in op.name)
+        finally:
+            torch.set_num_threads(before)
+        p.kernels.update(p.new_kernels)
+    return p.kernels[key]
 
 
 @dataclass
@@ -108,8 +211,13 @@ def _dtype(profile_part: dict, dtype: str):
     return profile_part.get(dtype) or profile_part.get("fp32") or next(iter(profile_part.values()))
 
 
-def op_seconds(op: Op, p: Profile, compiled: bool = False) -> tuple[float, str]:
-    """Time of all calls of one operator, without the per-call overhead, and the rule used."""
+def op_seconds(op: Op, p: Profile, compiled: bool = False, precision: str = "fp32") -> tuple[float, str]:
+    """Time of all calls of one operator, without the per-call overhead, and the rule used (compiled: in
+    a torch.compile'd step whose compute precision is `precision`)."""
+    if op.cls in ("matmul", "attention"):
+        per_call = kernel_seconds(op, p)
+        if per_call is not None:
+            return per_call * op.calls, f"{op.cls} timed at its shape"
     if op.cls == "matmul":
         _, peak, bw = _dtype(p.matmul, op.dtype)
         return op.flops / peak + op.bytes / bw, "matmul F/P + Q/BW"
@@ -117,15 +225,19 @@ def op_seconds(op: Op, p: Profile, compiled: bool = False) -> tuple[float, str]:
         phase = "backward" if "backward" in op.name else "forward"
         return op.flops / _dtype(p.attention, op.dtype)[phase][1], f"attention {phase} F/R"
     ew = _dtype(p.elementwise, op.dtype)
-    bw = ew.get(op.cls, ew["elementwise/other"])[1]
+    grid = ew.get(op.cls, ew["elementwise/other"])
+    eager = op.bytes / elementwise_rate(grid, op.per_call_bytes())
     if compiled and op.phase != "optimizer":
-        return COMPILED_BYTES * op.bytes / _dtype(p.elementwise, "fp32")["elementwise/other"][1], "fused Q/BW"
-    return op.bytes / bw, "Q/BW"
+        factor = COMPILED_ELEMENTWISE.get(precision, COMPILED_ELEMENTWISE["fp32"])
+        return factor * eager, f"fused: {factor} x Q/BW(q)"
+    return eager, "Q/BW(q)"
 
 
 def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int, compiled: bool = False,
-                 comm_s: float = 0.0, optimizer: str = "adamw", async_launch: bool = False) -> StepTime:
-    """Predicted seconds of one optimizer step whose operators are `ops` (cost.ops.step_ops)."""
+                 comm_s: float = 0.0, optimizer: str = "adamw", async_launch: bool = False,
+                 precision: str = "fp32") -> StepTime:
+    """Predicted seconds of one optimizer step whose operators are `ops` (cost.ops.step_ops), run in
+    compute precision `precision`."""
     timed = []
     opt_ops = [o for o in ops if o.phase == "optimizer"]
     opt_bytes = sum(o.bytes for o in opt_ops) or 1.0
@@ -134,7 +246,8 @@ def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int,
         if op.phase == "optimizer" and opt_total is not None:
             timed.append(OpTime(op, opt_total * op.bytes / opt_bytes, "optimizer a*tensors + b*params, by bytes"))
         else:
-            timed.append(OpTime(op, *op_seconds(op, p, compiled)))
+            seconds, how = op_seconds(op, p, compiled, precision)
+            timed.append(OpTime(op, seconds * p.in_step, how if p.in_step == 1 else f"{how}, x{p.in_step:.3g} in a step"))
     compute = sum(t.seconds for t in timed)
     eager_calls = sum(o.calls for o in ops if o.phase != "optimizer" and (not compiled or o.cls == "matmul"))
     if opt_total is None:  # optimizer ops priced one by one: they pay the eager per-op cost too
@@ -142,6 +255,7 @@ def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int,
     overhead = p.overhead[0] + p.overhead[1] * eager_calls
     # A GPU runs its kernels while the host queues the next ones: the step takes the longer of the two.
     busy = max(compute, overhead) if async_launch else compute + overhead
+    p.save_kernels()
     return StepTime(busy + comm_s, compute, overhead, comm_s, timed, p.source, compiled)
 
 
@@ -224,13 +338,15 @@ def scale_batch(ops: list[Op], factor: int, seq_len: int) -> list[Op]:
         shape = op.shape
         if shape is not None:
             dims = list(shape)
-            if dims[0] > 1:
+            if "grouped_mm" in op.name:  # (experts, tokens per expert, K, N)
+                dims[1] *= factor
+            elif dims[0] > 1 or op.cls == "attention":  # bmm's batch; attention's (batch, heads, kv heads, T, hd)
                 dims[0] *= factor
             else:
                 i = next((i for i in (1, 2, 3) if dims[i] % seq_len == 0), 1)
                 dims[i] *= factor
             shape = tuple(dims)
-        out.append(Op(op.name, op.cls, op.phase, op.dtype, shape, op.calls, op.flops * factor, op.bytes * factor))
+        out.append(replace(op, shape=shape, flops=op.flops * factor, bytes=op.bytes * factor))
     return out
 
 
@@ -257,10 +373,10 @@ def plan_step(model, profile: Profile, *, micro_batch: int, seq_len: int, grad_a
     ops = [o.scaled(grad_accum) if o.phase != "optimizer" else o for o in ops]
     tensors = n_param_tensors(model)
     if zero >= 1 and dp > 1:  # each rank updates only its 1/dp shard of the parameters
-        ops = [o if o.phase != "optimizer" else Op(o.name, o.cls, o.phase, o.dtype, o.shape, o.calls, o.flops / dp,
-                                                    o.bytes / dp) for o in ops]
+        ops = [o if o.phase != "optimizer" else replace(o, flops=o.flops / dp, bytes=o.bytes / dp) for o in ops]
         n_params = n_params // dp
-    base = predict_step(ops, profile, tensors, n_params, compiled, 0.0, optimizer, async_launch=cuda)
+    base = predict_step(ops, profile, tensors, n_params, compiled, 0.0, optimizer, async_launch=cuda,
+                        precision=precision)
     comm = comm_seconds(strategy_for(zero, dp), dp, grad_bytes, param_bytes, model.n_layers, grad_accum, profile.link,
                         param_bytes // 2 if precision != "fp32" and zero >= 2 else None)
     phases = base.by_phase()

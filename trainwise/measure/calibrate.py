@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from trainwise.cost.steptime import PROFILE_VERSION
 from trainwise.cost.time import fit_linear
 from trainwise.train.precision import DTYPES
 
@@ -146,16 +147,21 @@ def device_profile(device: torch.device) -> dict:
         rows = [([2.0 * m * k * n, size * (m * k + k * n + m * n)], t) for m, k, n, t in grid]
         inv_p, inv_bw = fit_linear(rows)  # no intercept: the per-call cost is the step overhead's
         matmul[name] = [0.0, K._rate(inv_p), K._rate(inv_bw)]
-    elementwise = {name: K.elementwise_fits(dt, device) for name, dt in dtypes.items()}
+    elementwise = {name: K.elementwise_grid(dt, device) for name, dt in dtypes.items()}
     lap("elementwise")
     attention = {name: K.attention_fits(dt, device) for name, dt in dtypes.items()}
     lap("attention")
     optimizer = K.optimizer_fit(device)
     lap("optimizer")
-    overhead = K.step_overhead(device, optimizer)
-    lap("overhead")
+    from trainwise.cost.steptime import Profile
+
+    partial = Profile(matmul=matmul, elementwise=elementwise, attention=attention, optimizer=optimizer,
+                      overhead=[0.0, 0.0], source="calibrated")
+    steps = K.step_fit(device, partial.on_device(device.type, machine_key(device), torch.get_num_threads()))
+    lap("steps")
     return {"matmul": matmul, "matmul_grid": grids, "elementwise": elementwise, "attention": attention,
-            "optimizer": optimizer, "overhead": overhead, "source": "calibrated", "seconds": took}
+            "optimizer": optimizer, "overhead": steps["overhead"], "in_step": steps["in_step"],
+            "reference_steps": steps["rows"], "source": "calibrated", "seconds": took, "version": PROFILE_VERSION}
 
 
 def measure_peak(device: torch.device) -> dict:
@@ -209,13 +215,14 @@ def _calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dic
     key = machine_key(device)
     cached = _read(path)
     old = cached.get(key)
-    if old and "profile" not in old:
+    if old and old.get("profile", {}).get("version") != PROFILE_VERSION:  # an older trainwise's: measure again
         old = None
     if old and not refresh and not (old.get("busy") and time.time() - old.get("measured_unix", 0) > RETRY_BUSY_S):
         return old
     with _measuring_lock(path):
         fresh = _read(path).get(key)  # another process (a torchrun rank) may have measured meanwhile
-        if fresh and "profile" in fresh and fresh.get("measured_unix", 0) > (old or {}).get("measured_unix", 0) \
+        if fresh and fresh.get("profile", {}).get("version") == PROFILE_VERSION \
+                and fresh.get("measured_unix", 0) > (old or {}).get("measured_unix", 0) \
                 and not refresh:
             return fresh
         return _measure_and_cache(device, path, key, old)
@@ -247,6 +254,9 @@ def _measure_and_cache(device: torch.device, path: Path, key: str, old: dict | N
 
 
 def _measure_and_cache_unseeded(device: torch.device, path: Path, key: str, old: dict | None) -> dict:
+    from trainwise.train.allocator import keep_freed_memory
+
+    keep_freed_memory()  # measure under the allocator the trainer runs with
     began = time.perf_counter()
     result = {"machine": key, **measure_peak(device)}
     if result.get("busy") and old and not old.get("busy"):
@@ -302,7 +312,27 @@ def cached(device: torch.device | str) -> dict | None:
     """This device's cached calibration with a profile, or None; measures nothing (a GPU run must not
     spend half a minute calibrating: without `trainwise hardware --calibrate` it uses table defaults)."""
     entry = _read(cache_root() / "calibration.json").get(machine_key(torch.device(device)))
-    return entry if entry and "profile" in entry else None
+    return entry if entry and entry.get("profile", {}).get("version") == PROFILE_VERSION else None
+
+
+def kernel_table(machine: str) -> dict[str, float]:
+    """{kernel: seconds per call} of the matmul and attention calls timed on this machine (cost.steptime
+    .kernel_seconds), keyed by calibrate.machine_key (device, threads, torch)."""
+    return _read(cache_root() / "kernels.json").get(machine, {})
+
+
+def save_kernel_table(machine: str, new: dict[str, float]) -> None:
+    """Add kernels timed on this machine to the table (atomically; concurrent writers take turns)."""
+    path = cache_root() / "kernels.json"
+    try:
+        with _measuring_lock(path):
+            table = _read(path)
+            table.setdefault(machine, {}).update(new)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(table))
+            os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home times them again next time
 
 
 def busy_note(result: dict) -> str:

@@ -5,11 +5,15 @@ torch thread, after a warm-up; every fit is cost.time.fit_linear (least squares 
 coefficients >= 0):
 - matmul: (M,K)x(K,N) over a small grid of shapes per dtype (skinny and small shapes run far below
   peak), summarised by t = F/P + Q/BW;
-- element-wise work per class (plain, activation, norm, softmax/cross-entropy) and dtype: t = Q/BW;
+- element-wise work per class (plain, activation, norm, softmax/cross-entropy) and dtype, at sizes from
+  in-cache to past the allocator's mmap threshold: bytes/s per size;
+- matmuls and attention at the exact shapes (and operand layouts) of a planned step, on demand
+  (matmul_call_seconds, attention_call_seconds; cached by cost.steptime's kernel table);
 - attention: the SDPA CPU kernel forward and backward, t = F/R;
 - the optimizer step (fused AdamW + gradient clipping): t = a x tensors + b x elements;
-- the per-operator overhead of an eager training step (dispatch + autograd), from two tiny models:
-  the per-call cost the other fits leave out (they have no intercept);
+- real eager steps of reference models (step_fit): the per-operator overhead (dispatch + autograd) the
+  other fits leave out (they have no intercept), and the factor by which kernels run slower inside a step
+  than alone;
 - under torchrun, the collectives (collective_fit).
 FLOPs and bytes are counted as the trainwise operator list (cost.ops) counts them, so the fits and the
 model that uses them count alike.
@@ -73,20 +77,90 @@ ELEMENTWISE = {
     "norm": (lambda x, y: x.pow(2), 2),
     "softmax/cross-entropy": (lambda x, y: torch.log_softmax(x, dim=-1), 2),
 }
+# Bytes one call moves: in a core's cache, in the shared cache, from memory, and past the allocator's
+# mmap threshold (glibc: up to 32 MiB), where every output is written to freshly faulted pages.
+ELEMENTWISE_BYTES = (1 << 18, 1 << 21, 1 << 24, 1 << 27)
 
 
-def elementwise_fits(dtype: torch.dtype, device: torch.device) -> dict[str, list[float]]:
-    """{class: [0, bytes/s]}: t = Q/BW over tensors of 1 .. 32 MiB (fp32 size); the per-call cost is the
-    step overhead's (step_overhead), so the fit has no intercept."""
-    fits = {}
+def elementwise_grid(dtype: torch.dtype, device: torch.device) -> dict[str, list[list[float]]]:
+    """{class: [[bytes per call, bytes/s], ...]} at ELEMENTWISE_BYTES: element-wise work runs at a rate
+    that depends on its size (cost.steptime.elementwise_rate interpolates), and a step has all sizes."""
+    grid = {}
     for cls, (fn, passes) in ELEMENTWISE.items():
         rows = []
-        for numel in (262_144, 1_048_576, 8_388_608):
+        for nbytes in ELEMENTWISE_BYTES:
+            numel = max(4096, nbytes // (passes * torch.tensor([], dtype=dtype).element_size()) // 4096 * 4096)
             x, y = (torch.randn(numel // 4096, 4096, device=device).to(dtype) for _ in range(2))
-            t = quartile_seconds(lambda: fn(x, y), 0.03, 3)
-            rows.append(([passes * x.numel() * x.element_size()], t))
-        fits[cls] = [0.0, _rate(fit_linear(rows)[0])]
-    return fits
+            moved = passes * x.numel() * x.element_size()
+            rows.append([float(moved), moved / quartile_seconds(lambda: fn(x, y), 0.05, 3)])
+        grid[cls] = rows
+    return grid
+
+
+def _operand(rows: int, cols: int, layout: str, dtype: torch.dtype, device: torch.device, gen,
+             batch: int = 0) -> torch.Tensor:
+    """A (rows, cols) matrix (or `batch` of them), row-major (N) or as the transposed view of a (cols, rows)
+    one (T)."""
+    lead = (batch,) if batch else ()
+    if layout == "T":
+        return torch.randn(*lead, cols, rows, generator=gen, device=device).to(dtype).transpose(-2, -1)
+    return torch.randn(*lead, rows, cols, generator=gen, device=device).to(dtype)
+
+
+def matmul_call_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: torch.device,
+                        grouped: bool = False) -> float:
+    """Seconds of one (batch, M, K, N) matmul with operands laid out as `layout` (e.g. "NT": x @ W.t()),
+    the lower quartile of repeated calls: the same FLOPs run 2-5x apart with the shape and the layout
+    on a CPU (a 4096x256x4096 bf16 mm reached 440 GFLOP/s, a 4096x256x704 one 2,700 here)."""
+    batch, m, k, n = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    la, lb = (layout or "NN")[:2]
+    if grouped:
+        return _grouped_mm_seconds(shape, layout, dtype, device, gen)
+    if batch > 1:
+        a, b = _operand(m, k, la, dtype, device, gen, batch), _operand(k, n, lb, dtype, device, gen, batch)
+        return quartile_seconds(lambda: torch.bmm(a, b), 0.05, 3)
+    a, b = _operand(m, k, la, dtype, device, gen), _operand(k, n, lb, dtype, device, gen)
+    return quartile_seconds(lambda: torch.mm(a, b), 0.05, 3)
+
+
+def _grouped_mm_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: torch.device, gen) -> float:
+    """One torch._grouped_mm call of an MoE layer as cost.ops records it: (experts, rows per expert, K, N)
+    for (S, K) x (E, K, N); with layout "..:split-k", (experts, K', rows per expert, N) for the weight
+    gradient (K', S) x (S, N) -> (E, K', N). Each call routes the S rows to the experts anew (a seeded
+    uniform draw), as training does: every group size is new, so a CPU builds a fresh kernel per call
+    (oneDNN makes one per shape, ~ms each); timed at fixed sizes the same call ran 4x faster than in a step."""
+    split_k = layout.endswith(":split-k")
+    experts, rows = shape[0], shape[2] if split_k else shape[1]
+    total = experts * rows
+    offsets = [torch.bincount(torch.randint(0, experts, (total,), generator=gen, device=device),
+                              minlength=experts).cumsum(0).to(torch.int32) for _ in range(16)]
+    if split_k:
+        a = _operand(shape[1], total, layout[0], dtype, device, gen)
+        b = _operand(total, shape[3], layout[1], dtype, device, gen)
+    else:
+        a = _operand(total, shape[2], layout[0], dtype, device, gen)
+        b = _operand(shape[2], shape[3], layout[1], dtype, device, gen, experts)
+    calls = iter(range(1 << 30))
+    return quartile_seconds(lambda: torch._grouped_mm(a, b, offs=offsets[next(calls) % len(offsets)]), 0.05, 3)
+
+
+def attention_call_seconds(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """(forward, backward) seconds of one causal SDPA call at (batch, heads, kv heads, T, head dim), as
+    the model calls it (grouped-query attention through enable_gqa)."""
+    batch, heads, kv, t_len, hd = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(batch, heads, t_len, hd, generator=gen, device=device).to(dtype).requires_grad_()
+    k, v = (torch.randn(batch, kv, t_len, hd, generator=gen, device=device).to(dtype).requires_grad_()
+            for _ in range(2))
+
+    def fwd():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != heads)
+
+    grad = torch.randn_like(fwd())
+    t_fwd = quartile_seconds(fwd, 0.05, 3)
+    t_both = quartile_seconds(lambda: torch.autograd.grad(fwd(), (q, k, v), grad), 0.08, 3)
+    return t_fwd, max(t_both - t_fwd, 1e-7)
 
 
 def attention_fits(dtype: torch.dtype, device: torch.device) -> dict[str, list[float]]:
@@ -135,33 +209,57 @@ def optimizer_fit(device: torch.device) -> list[float]:
     return [a, b]
 
 
-def step_overhead(device: torch.device, optimizer: list[float]) -> list[float]:
-    """[seconds per step, seconds per operator call]: two tiny models whose work is negligible, so their
-    step time less their optimizer update (optimizer = optimizer_fit) is the eager overhead (Python,
-    dispatch, autograd) of their forward and backward operators (cost.ops)."""
+# Reference steps the step fit runs: unlike the configurations benchmarks/time_model.py checks, and from
+# overhead-bound (d_model 16) to kernel-bound (d_model 192), fp32 and bf16: (model, micro-batch, T, precision)
+REFERENCE_STEPS = (
+    (dict(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=32), 1, 8, "fp32"),
+    (dict(vocab_size=64, d_model=16, n_layers=6, n_heads=2, n_kv_heads=2, ffn_hidden=32), 1, 8, "fp32"),
+    (dict(vocab_size=1024, d_model=128, n_layers=3, n_heads=2, n_kv_heads=2, ffn_hidden=384), 16, 64, "bf16"),
+    (dict(vocab_size=2048, d_model=192, n_layers=2, n_heads=3, n_kv_heads=1, ffn_hidden=512), 8, 192, "bf16"),
+    (dict(vocab_size=2048, d_model=192, n_layers=2, n_heads=3, n_kv_heads=1, ffn_hidden=512), 4, 192, "fp32"),
+)
+
+
+def step_fit(device: torch.device, profile) -> dict:
+    """What a real eager step adds to its kernels timed one by one: t = per step + per op x calls + in_step
+    x (the sum of its operators' times from `profile`, a cost.steptime.Profile) + its optimizer update,
+    fitted over REFERENCE_STEPS run with the trainer's own step. The per-op term is Python, dispatch and
+    autograd; in_step (> 1) is what the kernels lose inside a step (operands evicted from cache by the
+    step's other work, allocation). Returns {"overhead": [s per step, s per op], "in_step": x, "rows"}."""
     from trainwise.config import ModelConfig, TrainConfig
     from trainwise.cost.ops import step_ops
+    from trainwise.cost.steptime import op_seconds
     from trainwise.measure.step import random_batches, train_step
     from trainwise.model import Transformer
     from trainwise.train.optim import build_optimizer
 
-    rows = []
-    for layers in (1, 6):
-        cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_hidden=32,
-                          max_seq_len=8)
-        ops = step_ops(cfg, 1, 8)
-        calls = sum(op.calls for op in ops if op.phase != "optimizer")
+    refs = []
+    for model, batch, seq, precision in REFERENCE_STEPS:
+        cfg = ModelConfig(**model, max_seq_len=seq)
+        ops = [op for op in step_ops(cfg, batch, seq, precision) if op.phase != "optimizer"]
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            model = Transformer(cfg).to(device)
-            opt = build_optimizer(model, TrainConfig())
-        batches = random_batches(cfg.vocab_size, 1, 8, 1, device)
-        t = quartile_seconds(lambda: train_step(model, opt, batches, device, "fp32"), 0.15, 5)
-        tensors = list(model.parameters())
-        t_opt = optimizer[0] * len(tensors) + optimizer[1] * sum(p.numel() for p in tensors)
-        rows.append(([1.0, calls], max(t - t_opt, 1e-6)))
-    per_step, per_op = fit_linear(rows)
-    return [per_step, per_op]
+            net = Transformer(cfg).to(device)
+            opt = build_optimizer(net, TrainConfig())
+        batches = random_batches(cfg.vocab_size, batch, seq, 1, device)
+        train_step(net, opt, batches, device, precision)
+        step = (lambda net=net, opt=opt, batches=batches, precision=precision:
+                train_step(net, opt, batches, device, precision))
+        tensors = list(net.parameters())
+        t_opt = profile.optimizer[0] * len(tensors) + profile.optimizer[1] * sum(p.numel() for p in tensors)
+        refs.append((f"d{cfg.d_model} L{cfg.n_layers} B{batch} T{seq} {precision}", ops, step, t_opt))
+    # three rounds over the references, each keeping its fastest: this machine's speed drifts over
+    # seconds, and interference only adds time
+    times = [min(ts) for ts in zip(*[[quartile_seconds(step, 0.1, 3) for _, _, step, _ in refs] for _ in range(3)])]
+    rows, table = [], []
+    for (name, ops, _, t_opt), t in zip(refs, times):
+        kernels = sum(op_seconds(op, profile)[0] for op in ops)
+        calls = sum(op.calls for op in ops)
+        rows.append(([1.0, calls, kernels], max(t - t_opt, 1e-6)))
+        table.append([name, t, kernels, calls])
+    profile.save_kernels()
+    per_step, per_op, in_step = fit_linear(rows)
+    return {"overhead": [per_step, per_op], "in_step": in_step or 1.0, "rows": table}
 
 
 def collective_fit(sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23)) -> dict:

@@ -31,6 +31,7 @@ from trainwise.errors import TrainwiseError
 from trainwise.evaluate import bits_per_byte, val_window_bytes
 from trainwise.model import Transformer
 from trainwise.tokenizer import Tokenizer
+from trainwise.train.allocator import keep_freed_memory
 from trainwise.train import checkpoint as ckpt
 from trainwise.train.checkpoint import capture_rng, restore_rng
 from trainwise.train import distributed, relaunch
@@ -370,6 +371,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
           max_steps: int | None = None, init_from: str | None = None, quiet: bool = False) -> TrainResult:
     """Run (or continue) a training run; see the module docstring. Returns the final numbers."""
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    keep_freed_memory()  # steps reuse the heap instead of faulting in fresh pages (train.allocator)
     out = Path(out) if out else default_run_dir()
     if not resume:  # the same command run again (a requeued job) continues its run: train.resume
         cfg = cfg or RunConfig()
