@@ -187,11 +187,12 @@ def figures(cal: dict) -> dict[str, float]:
     for dt, (_, peak, bw) in p["matmul"].items():
         out[f"matmul {dt} P"], out[f"matmul {dt} BW"] = peak, bw
     for dt, classes in p["elementwise"].items():
-        out.update({f"{cls} {dt} BW": v[1] for cls, v in classes.items()})
+        out.update({f"{cls} {dt} BW @{q / 2**20:.2g} MiB": bw for cls, grid in classes.items() for q, bw in grid})
     for dt, phases in p["attention"].items():
         out.update({f"attention {dt} {ph}": v[1] for ph, v in phases.items()})
     out["optimizer s/tensor"], out["optimizer s/param"] = p["optimizer"]
     out["overhead s/step"], out["overhead s/op"] = p["overhead"]
+    out["in-step factor"] = p["in_step"]
     return out
 
 
