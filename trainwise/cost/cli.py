@@ -351,15 +351,19 @@ def _cmd_calibrate(args) -> int:
               + ("" if r.get("busy") else " (cached)"))
         if prof := r.get("profile"):  # what the step-time model prices operators with
             for dtype, (_, p, bw) in prof["matmul"].items():
-                bw_text = "no byte term (fit 0)" if bw >= 1e29 else f"{bw / 1e9:,.2f} GB/s"
-                print(f"  {dtype:<5} matmul fit t = F/P + Q/BW: P = {p / 1e9:,.1f} GFLOP/s, BW = {bw_text}")
+                print(f"  {dtype:<5} large matmuls (1024-4096) t = F/P + Q/BW: P = {p / 1e9:,.1f} GFLOP/s, "
+                      f"BW = {bw / 1e9:,.2f} GB/s (smaller ones: timed at their shape when a plan needs them)")
+            for dtype, classes in prof["elementwise"].items():
+                rates = ", ".join(f"{q / 2**20:.3g} MiB {r / 1e9:,.1f}" for q, r in classes["elementwise/other"])
+                print(f"  {dtype:<5} element-wise x*y, bytes per call: GB/s: {rates}")
             att = prof["attention"].get("bf16", {})
             if att:
                 print(f"  bf16  attention kernel: forward {att['forward'][1] / 1e9:,.1f}, backward "
                       f"{att['backward'][1] / 1e9:,.1f} GFLOP/s")
             print(f"  optimizer step {prof['optimizer'][0] * 1e6:,.1f} us per tensor + {prof['optimizer'][1] * 1e9:,.2f} "
                   f"ns per parameter; eager overhead {prof['overhead'][0] * 1e3:,.2f} ms per step + "
-                  f"{prof['overhead'][1] * 1e6:,.1f} us per op")
+                  f"{prof['overhead'][1] * 1e6:,.1f} us per op; kernels in a real step x{prof.get('in_step', 1.0):.3g} "
+                  "their time alone")
             if "calibration_s" in r:
                 print(f"  calibration took {r['calibration_s']:.1f} s")
         if note := busy_note(r):

@@ -20,12 +20,15 @@ def explain_step(p) -> str:
         "kernels lose inside a real step" if p.hardware.profile and p.hardware.profile.in_step != 1 else "")
         + (f"; compiled: fused element-wise work at {COMPILED_ELEMENTWISE.get(p.recipe.compute_dtype, 1.0)} x its "
            "eager time" if st.compiled else ""))
-    add(f"   {'operator':<50} {'phase':<9} {'dtype':<5} {'calls':>6} {'FLOPs':>10} {'bytes':>10} {'time s':>10}  rule")
+    add("   (a matmul's shape: M x K x N, or batch x M x K x N, and its operands' layout, N row-major or T "
+        "transposed; attention: batch x heads x kv heads x T x head dim)")
+    add(f"   {'operator':<56} {'phase':<9} {'dtype':<5} {'calls':>6} {'FLOPs':>10} {'bytes':>10} {'time s':>10}  rule")
     rows = sorted(st.ops, key=lambda t: -t.seconds)
     for t in rows[:25]:
         o = t.op
-        shape = f" {o.shape[1]}x{o.shape[2]}x{o.shape[3]}" + (f" x{o.shape[0]}" if o.shape[0] > 1 else "") if o.shape else ""
-        add(f"   {(o.name.removeprefix('aten.') + shape)[:50]:<50} {o.phase:<9} {o.dtype:<5} {o.calls:>6} "
+        shape = (f" {'x'.join(map(str, o.shape[1:] if o.cls == 'matmul' and o.shape[0] == 1 else o.shape))} {o.layout}"
+                 if o.shape else "")
+        add(f"   {(o.name.removeprefix('aten.') + shape)[:56]:<56} {o.phase:<9} {o.dtype:<5} {o.calls:>6} "
             f"{o.flops:>10.3g} {o.bytes:>10.3g} {t.seconds:>10.4g}  {t.how}")
     if len(rows) > 25:
         add(f"   ... {len(rows) - 25} more operators, {sum(t.seconds for t in rows[25:]):.4g} s together")
