@@ -184,3 +184,16 @@ def test_fit_uses_the_plans_memory_model():
         p = plan_run(model, tokens=32 * 4096, seq_len=4096, micro_batch=c.micro_batch, grad_accum=c.grad_accum,
                      checkpointing=c.checkpointing, zero=c.zero, gpus=8, memory_budget=budget)
         assert p.fits is c.fits and p.per_device_bytes == c.per_device_bytes
+
+
+def test_fit_on_this_cpu_uses_its_available_memory_and_ranks_by_predicted_time(capsys, monkeypatch):
+    """`plan --gpu cpu --fit` without a budget: this machine's available memory (it used to fail with
+    "unknown GPU 'cpu'"); the candidates are ranked by the step-time model (kernels timed here)."""
+    monkeypatch.setenv("TRAINWISE_AVAILABLE_MEMORY", str(2 * 2**30))
+    rc = main(["plan", "--model", "trainwise-small", "--gpu", "cpu", "--tokens", "1e6", "--seq-len", "64", "--fit",
+               "--global-batch", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    best = out["best"][0]
+    assert rc == 0 and best["fits"] and 0 < best["step_seconds"] and best["per_device_bytes"] <= 2 * 2**30
+    slower = [c for c in out["rejected"] if c["fits"]]
+    assert slower and all(c["step_seconds"] >= best["step_seconds"] and "slower" in c["reason"] for c in slower)

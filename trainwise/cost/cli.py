@@ -246,6 +246,10 @@ def _cmd_fit(args, model, run, budget, hw) -> int:
 def _gpu_capacity(name: str) -> int:
     from trainwise.cost.hardware import get_accelerator
 
+    if name.lower() == "cpu":  # this machine: the memory available now (cgroup limit or MemAvailable)
+        from trainwise.train.memcheck import cpu_available_bytes
+
+        return cpu_available_bytes()[0]
     acc = get_accelerator(name)
     if acc.memory_bytes is None:
         raise TrainwiseError(f"{acc.name} has no known capacity; pass --memory-budget.")
