@@ -280,9 +280,9 @@ def run_shape(shape_name: str, shape: dict, nanogpt, steps: int, warmup: int, wh
 
 
 def print_table(results: list[dict], peaks: dict) -> None:
-    from trainwise.measure.calibrate import _cpu_model
+    from trainwise.measure.calibrate import cpu_model
 
-    print(f"\nCPU: {_cpu_model()}; torch {torch.__version__}, threads {torch.get_num_threads()}; "
+    print(f"\nCPU: {cpu_model()}; torch {torch.__version__}, threads {torch.get_num_threads()}; "
           f"load average at the end {Path('/proc/loadavg').read_text().split()[:3]}")
     print(f"peaks (trainwise.measure.calibrate method): fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, "
           f"bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s")
@@ -328,17 +328,23 @@ def main(argv: list[str] | None = None) -> int:
                          "quiet run")
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                     help="also write the results as JSON to PATH ('-' or no PATH: stdout)")
+    ap.add_argument("--allocator", choices=["trainwise", "default"], default="trainwise",
+                    help="'trainwise' (default): glibc keeps freed memory, as `trainwise train` sets it "
+                         "(trainwise.train.allocator), for EVERY variant of this process, nanoGPT included; "
+                         "'default': glibc's own thresholds for all")
     args = ap.parse_args(argv)
 
+    if args.allocator == "trainwise":
+        from trainwise.train.allocator import keep_freed_memory
+
+        keep_freed_memory()
     nanogpt = load_nanogpt(args.nanogpt)
-    from trainwise.measure.calibrate import calibrate, matmul_flops_per_s
-    from trainwise.train.precision import DTYPES
+    from trainwise.measure.calibrate import calibrate, measure_peak
 
     if args.peaks == "cached":
         peaks = calibrate("cpu")["peak_flops"]
     else:  # calibrate()'s own method, measured now and not written to its cache
-        cpu = torch.device("cpu")
-        peaks = {d: max(matmul_flops_per_s(cpu, DTYPES[d], n)[0] for n in (1024, 2048)) for d in ("fp32", "bf16")}
+        peaks = measure_peak(torch.device("cpu"))["peak_flops"]
     which = [w.strip() for w in args.variants.split(",") if w.strip()]
     names = ["default", "shakespeare"] if args.shape == "both" else [n.strip() for n in args.shape.split(",")]
     unknown = [n for n in names if n not in SHAPES]
@@ -353,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_shape(name, shape, nanogpt, args.steps, args.warmup, which, peaks, log, args.bound))
     print_table(results, peaks)
     if args.json is not None:
-        from trainwise.measure.calibrate import _cpu_model
+        from trainwise.measure.calibrate import cpu_model
 
-        payload = json.dumps({"cpu": _cpu_model(), "peaks": peaks, "torch": torch.__version__,
+        payload = json.dumps({"cpu": cpu_model(), "allocator": args.allocator, "peaks": peaks, "torch": torch.__version__,
                               "threads": torch.get_num_threads(), "loadavg": Path("/proc/loadavg").read_text().split()[:3],
                               "results": results}, indent=1)
         if args.json == "-":
