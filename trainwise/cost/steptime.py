@@ -6,7 +6,8 @@ communication per strategy, plus a fixed per-step cost.
     everything else   Q/BW_class(q)          (memory-bound: bytes over the bandwidth of that class of op at
                                                its bytes per call q: in cache, from memory, to fresh pages)
     optimizer         a x tensors + b x parameters      (clip + AdamW step, timed as the trainer runs it)
-    eager overhead    per-op x calls + per-step          (Python, dispatch, autograd; from tiny models)
+    eager overhead    per-op x calls + per-step          (Python, dispatch, autograd; from reference steps)
+    in a step         the eager operators' times x in_step (what kernels lose in a real step; ibid.)
 
 A device's calibration (`trainwise hardware --calibrate`, source "calibrated") holds the fits; the kernel
 table holds matmuls and attention calls timed at the shapes of the steps planned on it (measured when a
@@ -14,8 +15,9 @@ plan first needs them, a few ms each, and cached): on a CPU the same FLOPs run 2
 layout, which no two-parameter fit follows. The fits' intercepts are left out: the per-call cost is the
 eager overhead term, measured in real steps (with the factor by which kernels run slower inside a step
 than alone). A compiled step (torch.compile, CPU) runs the same matmuls; inductor fuses the rest into
-kernels that take COMPILED_ELEMENTWISE x the eager element-wise time and pay no per-op overhead. A table GPU gets DEFAULT_EFFICIENCY applied to its datasheet (source "table
-defaults": "from table, uncalibrated").
+kernels that take COMPILED_ELEMENTWISE x the eager element-wise time and pay no per-op overhead. A table
+GPU gets DEFAULT_EFFICIENCY applied to its datasheet (source "table defaults": "from table,
+uncalibrated").
 """
 
 from __future__ import annotations
@@ -247,7 +249,8 @@ def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int,
             timed.append(OpTime(op, opt_total * op.bytes / opt_bytes, "optimizer a*tensors + b*params, by bytes"))
         else:
             seconds, how = op_seconds(op, p, compiled, precision)
-            timed.append(OpTime(op, seconds * p.in_step, how if p.in_step == 1 else f"{how}, x{p.in_step:.3g} in a step"))
+            how = how if p.in_step == 1 else f"{how}, x{p.in_step:.3g} in a step"
+            timed.append(OpTime(op, seconds * p.in_step, how))
     compute = sum(t.seconds for t in timed)
     eager_calls = sum(o.calls for o in ops if o.phase != "optimizer" and (not compiled or o.cls == "matmul"))
     if opt_total is None:  # optimizer ops priced one by one: they pay the eager per-op cost too

@@ -2,10 +2,11 @@
 step-time model predicts from (trainwise.measure.kernels).
 
 MFU on a CPU is only meaningful against what this CPU can really do, so trainwise measures it (once,
-then caches it) instead of guessing from a spec sheet. The peak is the median of repeated square
-matmuls large enough to keep every thread busy (2048 and 3072 on a CPU; on an AMX Xeon a 1024 matmul
-runs on one thread and the best of a few timings swung 567 -> 2,206 GFLOP/s between calibrations);
-bandwidth is a large tensor copy (bytes read + bytes written per second).
+then caches it) instead of guessing from a spec sheet. The peak is the 90% quantile of ~40 repeated square
+matmuls large enough to keep every thread busy (2048-4096 on a CPU; on an AMX Xeon a 1024 matmul runs on
+one thread), in two rounds ~20 s apart (PEAK_QUANTILE: five calibrations in a row agreed within 5-12%;
+the best of a few timings had swung 567 -> 2,206 GFLOP/s); bandwidth is a large tensor copy (bytes read
++ bytes written per second).
 
 A peak measured while other work holds the CPU is too low, and every MFU computed from it then reads
 too high. So /proc/stat tells how much of the cores OTHER processes used during the peak timings
@@ -87,13 +88,6 @@ def matmul_rates(device: torch.device, dtype: torch.dtype, size: int, seconds: f
         rates.append(2 * size**3 / (time.perf_counter() - start))
     share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
     return rates, share
-
-
-def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, size: int, seconds: float = 0.4,
-                       min_reps: int = 5) -> tuple[float, float]:
-    """(median FLOP/s, CPU share) of repeated square matmuls of `size` (matmul_rates)."""
-    rates, share = matmul_rates(device, dtype, size, seconds, min_reps)
-    return statistics.median(rates), share
 
 
 # The peak is an upper quantile of every timed repetition, over rounds spread across the calibration:

@@ -1,19 +1,17 @@
 """Micro-benchmarks that describe a device for the step-time model (trainwise.cost.steptime).
 
-Each figure is the lower quartile of repeated timings of the kernels the trainer really runs, with every
-torch thread, after a warm-up; every fit is cost.time.fit_linear (least squares in relative error,
-coefficients >= 0):
-- matmul: (M,K)x(K,N) over a small grid of shapes per dtype (skinny and small shapes run far below
-  peak), summarised by t = F/P + Q/BW;
-- element-wise work per class (plain, activation, norm, softmax/cross-entropy) and dtype, at sizes from
-  in-cache to past the allocator's mmap threshold: bytes/s per size;
+Each figure is the fast end (fast_seconds: 10th percentile) of repeated timings of the kernels the
+trainer really runs, with every torch thread, after a warm-up; fits are cost.time.fit_linear (least
+squares in relative error, coefficients >= 0):
 - matmuls and attention at the exact shapes (and operand layouts) of a planned step, on demand
-  (matmul_call_seconds, attention_call_seconds; cached by cost.steptime's kernel table);
-- attention: the SDPA CPU kernel forward and backward, t = F/R;
+  (matmul_call_seconds, attention_call_seconds; cached in cost.steptime's kernel table); for matmuls
+  too large to time, the best throughput over a grid of 1024/4096 shapes per dtype;
+- element-wise work per class (plain, activation, norm, softmax/cross-entropy) and dtype, at sizes from
+  a core's cache to far past the shared cache: bytes/s per size;
+- attention without a timed shape: the SDPA CPU kernel forward and backward, t = F/R;
 - the optimizer step (fused AdamW + gradient clipping): t = a x tensors + b x elements;
 - real eager steps of reference models (step_fit): the per-operator overhead (dispatch + autograd) the
-  other fits leave out (they have no intercept), and the factor by which kernels run slower inside a step
-  than alone;
+  kernel timings leave out, and the factor by which kernels run slower inside a step than alone;
 - under torchrun, the collectives (collective_fit).
 FLOPs and bytes are counted as the trainwise operator list (cost.ops) counts them, so the fits and the
 model that uses them count alike.
@@ -40,7 +38,7 @@ def _rate(seconds_per_unit: float) -> float:
     return 1.0 / seconds_per_unit if seconds_per_unit > 0 else 1e30
 
 
-def quartile_seconds(fn, budget_s: float = 0.06, min_reps: int = 5, max_reps: int = 200) -> float:
+def fast_seconds(fn, budget_s: float = 0.06, min_reps: int = 5, max_reps: int = 200) -> float:
     """Undisturbed wall time of fn(): the 10th percentile of repeated calls after one warm-up, repeated
     for about budget_s (at least min_reps). This machine's speed drifts by 20-30% over seconds and
     interference only adds time, so the fast end is the figure that repeats from one calibration to the
@@ -60,7 +58,7 @@ def quartile_seconds(fn, budget_s: float = 0.06, min_reps: int = 5, max_reps: in
 
 def matmul_grid(dtype: torch.dtype, device: torch.device) -> list[tuple[int, int, int, float]]:
     """(M, K, N, seconds) for the shapes of MATMUL_SIZES whose product is at most 4096*1024*1024, each the
-    lower quartile of repeated calls."""
+    fast end of repeated calls (fast_seconds)."""
     gen = torch.Generator(device=device).manual_seed(0)
     out = []
     for m in MATMUL_SIZES:
@@ -70,7 +68,7 @@ def matmul_grid(dtype: torch.dtype, device: torch.device) -> list[tuple[int, int
                     continue
                 a = torch.randn(m, k, generator=gen, device=device).to(dtype)
                 b = torch.randn(k, n, generator=gen, device=device).to(dtype)
-                out.append((m, k, n, quartile_seconds(lambda: torch.mm(a, b), 0.2, 3)))
+                out.append((m, k, n, fast_seconds(lambda: torch.mm(a, b), 0.2, 3)))
     return out
 
 
@@ -97,7 +95,7 @@ def elementwise_grid(dtype: torch.dtype, device: torch.device) -> dict[str, list
             numel = max(4096, nbytes // (passes * torch.tensor([], dtype=dtype).element_size()) // 4096 * 4096)
             x, y = (torch.randn(numel // 4096, 4096, device=device).to(dtype) for _ in range(2))
             moved = passes * x.numel() * x.element_size()
-            rows.append([float(moved), moved / quartile_seconds(lambda: fn(x, y), 0.05, 3)])
+            rows.append([float(moved), moved / fast_seconds(lambda: fn(x, y), 0.05, 3)])
         grid[cls] = rows
     return grid
 
@@ -115,8 +113,8 @@ def _operand(rows: int, cols: int, layout: str, dtype: torch.dtype, device: torc
 def matmul_call_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: torch.device,
                         grouped: bool = False) -> float:
     """Seconds of one (batch, M, K, N) matmul with operands laid out as `layout` (e.g. "NT": x @ W.t()),
-    the lower quartile of repeated calls: the same FLOPs run 2-5x apart with the shape and the layout
-    on a CPU (a 4096x256x4096 bf16 mm reached 440 GFLOP/s, a 4096x256x704 one 2,700 here)."""
+    the fast end of repeated calls (fast_seconds): the same FLOPs run 2-5x apart with the shape and the
+    layout on a CPU (a 4096x256x4096 bf16 mm reached 440 GFLOP/s, a 4096x256x704 one 2,700 here)."""
     batch, m, k, n = shape
     gen = torch.Generator(device=device).manual_seed(0)
     la, lb = (layout or "NN")[:2]
@@ -124,9 +122,9 @@ def matmul_call_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype,
         return _grouped_mm_seconds(shape, layout, dtype, device, gen)
     if batch > 1:
         a, b = _operand(m, k, la, dtype, device, gen, batch), _operand(k, n, lb, dtype, device, gen, batch)
-        return quartile_seconds(lambda: torch.bmm(a, b), 0.05, 3)
+        return fast_seconds(lambda: torch.bmm(a, b), 0.05, 3)
     a, b = _operand(m, k, la, dtype, device, gen), _operand(k, n, lb, dtype, device, gen)
-    return quartile_seconds(lambda: torch.mm(a, b), 0.05, 3)
+    return fast_seconds(lambda: torch.mm(a, b), 0.05, 3)
 
 
 def _grouped_mm_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: torch.device, gen) -> float:
@@ -147,7 +145,7 @@ def _grouped_mm_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype,
         a = _operand(total, shape[2], layout[0], dtype, device, gen)
         b = _operand(shape[2], shape[3], layout[1], dtype, device, gen, experts)
     calls = iter(range(1 << 30))
-    return quartile_seconds(lambda: torch._grouped_mm(a, b, offs=offsets[next(calls) % len(offsets)]), 0.05, 3)
+    return fast_seconds(lambda: torch._grouped_mm(a, b, offs=offsets[next(calls) % len(offsets)]), 0.05, 3)
 
 
 def attention_call_seconds(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
@@ -163,8 +161,8 @@ def attention_call_seconds(shape: tuple[int, ...], dtype: torch.dtype, device: t
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != heads)
 
     grad = torch.randn_like(fwd())
-    t_fwd = quartile_seconds(fwd, 0.05, 3)
-    t_both = quartile_seconds(lambda: torch.autograd.grad(fwd(), (q, k, v), grad), 0.08, 3)
+    t_fwd = fast_seconds(fwd, 0.05, 3)
+    t_both = fast_seconds(lambda: torch.autograd.grad(fwd(), (q, k, v), grad), 0.08, 3)
     return t_fwd, max(t_both - t_fwd, 1e-7)
 
 
@@ -186,8 +184,8 @@ def attention_fits(dtype: torch.dtype, device: torch.device) -> dict[str, list[f
             y.backward(grad)
         total = counter.get_total_flops()
         f_fwd = total / 3  # the counter's convention: backward = 2 x forward
-        t_fwd = quartile_seconds(fwd, 0.03, 3)
-        t_both = quartile_seconds(lambda: torch.autograd.grad(fwd(), (q, k, v), grad), 0.05, 3)
+        t_fwd = fast_seconds(fwd, 0.03, 3)
+        t_both = fast_seconds(lambda: torch.autograd.grad(fwd(), (q, k, v), grad), 0.05, 3)
         fwd_rows.append(([f_fwd], t_fwd))
         bwd_rows.append(([2 * f_fwd], max(t_both - t_fwd, 1e-7)))
     return {phase: [0.0, _rate(fit_linear(rows)[0])] for phase, rows in (("forward", fwd_rows), ("backward", bwd_rows))}
@@ -208,8 +206,8 @@ def optimizer_fit(device: torch.device) -> list[float]:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        grad_fill = quartile_seconds(lambda: [torch.ones_like(p) for p in params], 0.02, 3)
-        rows.append(([n_tensors, n_tensors * numel], max(quartile_seconds(step, 0.1, 3) - grad_fill, 1e-7)))
+        grad_fill = fast_seconds(lambda: [torch.ones_like(p) for p in params], 0.02, 3)
+        rows.append(([n_tensors, n_tensors * numel], max(fast_seconds(step, 0.1, 3) - grad_fill, 1e-7)))
     a, b = fit_linear(rows)
     return [a, b]
 
@@ -259,7 +257,7 @@ def step_fit(device: torch.device, profile) -> dict:
         refs.append((f"d{cfg.d_model} L{cfg.n_layers} B{batch} T{seq} {precision}", ops, step, t_opt))
     # three rounds over the references, each keeping its fastest: this machine's speed drifts over
     # seconds, and interference only adds time
-    times = [min(ts) for ts in zip(*[[quartile_seconds(step, 0.1, 3) for _, _, step, _ in refs] for _ in range(3)])]
+    times = [min(ts) for ts in zip(*[[fast_seconds(step, 0.1, 3) for _, _, step, _ in refs] for _ in range(3)])]
     table = []
     for (name, ops, _, t_opt), t in zip(refs, times):
         table.append([name, t - t_opt, sum(op_seconds(op, profile)[0] for op in ops), sum(op.calls for op in ops)])
@@ -277,7 +275,7 @@ def step_fit(device: torch.device, profile) -> dict:
 def collective_fit(sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23)) -> dict:
     """Latency and bandwidth of the collectives the strategies issue, on the initialised process group
     (run by every rank of a torchrun job): all-reduce, all-gather and reduce-scatter of fp32 buffers of
-    `sizes` bytes, median timings, fitted together to the ring model of cost.steptime.ring_seconds:
+    `sizes` bytes, the fast end of 8 timings each, fitted together to the ring model of cost.steptime.ring_seconds:
     t = latency x hops x (n-1) + factor x (n-1)/n x bytes / bandwidth. Returns {"link": [s, bytes/s],
     "backend", "world", "points": [[kind, bytes, seconds], ...]}."""
     import torch.distributed as dist
@@ -294,7 +292,7 @@ def collective_fit(sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23)) -> dict
         for kind, (fn, factor) in calls.items():
             dist.barrier()
             # a fixed count on every rank (a time budget would give each rank its own count: a deadlock)
-            t = torch.tensor([quartile_seconds(fn, 0.0, 8, 8)], device=device)
+            t = torch.tensor([fast_seconds(fn, 0.0, 8, 8)], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank is what a step waits for
             rows.append(([factor * (world - 1), factor * (world - 1) / world * nbytes], float(t)))
             points.append([kind, nbytes, float(t)])
