@@ -44,7 +44,7 @@ DEFAULT_OVERHEAD = [1e-3, 6e-6]  # [seconds per step, seconds per eager op] on a
 ADAMW_BYTES_PER_PARAM = 28  # fused AdamW, fp32: read+write param, m, v (24) + read grad (4)
 
 
-PROFILE_VERSION = 3  # a cached calibration of another version is measured again
+PROFILE_VERSION = 6  # a cached calibration of another version is measured again
 
 
 @dataclass
@@ -142,43 +142,76 @@ def kernel_key(op: Op) -> str:
     return f"{kind}|{op.dtype}|{'x'.join(map(str, op.shape))}|{op.layout}"
 
 
-def kernel_seconds(op: Op, p: Profile) -> float | None:
-    """Seconds per call of a matmul or attention op from the profile's kernel table, timing it on this
-    device first if the profile is this device's (Profile.on_device) and the call is small enough."""
-    if op.shape is None or op.dtype not in ("fp32", "bf16", "fp16") or not op.calls:
-        return None
+# New kernels are timed in this many passes over all of a plan's new kernels, each keeping its fastest:
+# the passes span a second or more, so one slow spell of this machine (its speed drifts 20-30% over
+# seconds) does not get written into the table for good (a table timed in one pass put a whole benchmark
+# run 20% high).
+KERNEL_PASSES = 3
+
+
+def _kernel_entry(op: Op) -> tuple[str, bool]:
+    """(kernel table key, may be timed here: a matmul or attention call small enough to time)."""
+    if op.shape is None or op.dtype not in ("fp32", "bf16", "fp16") or not op.calls or op.cls not in (
+            "matmul", "attention"):
+        return "", False
     key = kernel_key(op)
-    phase = "backward" if "backward" in op.name else "forward"
     if op.cls == "attention":
-        key = f"{key}|{phase}"
-    if key not in p.kernels:
-        per_call_flops = op.flops / op.calls
-        if p.device is None or per_call_flops > MAX_KERNEL_FLOPS or op.bytes / op.calls > MAX_KERNEL_BYTES:
-            return None
-        import torch
+        key = f"{key}|{'backward' if 'backward' in op.name else 'forward'}"
+    return key, op.flops / op.calls <= MAX_KERNEL_FLOPS and op.bytes / op.calls <= MAX_KERNEL_BYTES
 
-        from trainwise.measure import kernels as K
-        from trainwise.train.allocator import keep_freed_memory
-        from trainwise.train.precision import DTYPES
 
-        keep_freed_memory()
-        before = torch.get_num_threads()
-        if p.threads:
-            torch.set_num_threads(p.threads)
-        try:
-            with torch.random.fork_rng(devices=[]):
-                dtype, device = DTYPES[op.dtype], torch.device(p.device)
-                if op.cls == "attention":
-                    fwd, bwd = K.attention_call_seconds(op.shape, dtype, device)
-                    base = key.rsplit("|", 1)[0]
-                    p.new_kernels[f"{base}|forward"], p.new_kernels[f"{base}|backward"] = fwd, bwd
-                else:
-                    p.new_kernels[key] = K.matmul_call_seconds(op.shape, op.layout, dtype, device,
-                                                               grouped="grouped_mm" in op.name)
-        finally:
-            torch.set_num_threads(before)
-        p.kernels.update(p.new_kernels)
-    return p.kernels[key]
+def time_new_kernels(ops: list[Op], p: Profile) -> None:
+    """Time, on this device, the matmul and attention calls of `ops` the kernel table lacks (when the
+    profile is this device's: Profile.on_device), in KERNEL_PASSES passes keeping each one's fastest."""
+    todo = {}  # one timing per kernel: an attention call's forward and backward come from one
+    for op in ops:
+        key, small = _kernel_entry(op)
+        if small and key not in p.kernels:
+            todo[key.rsplit("|", 1)[0] if op.cls == "attention" else key] = op
+    if p.device is None or not todo:
+        return
+    import torch
+
+    from trainwise.measure import kernels as K
+    from trainwise.train.allocator import keep_freed_memory
+    from trainwise.train.precision import DTYPES
+
+    keep_freed_memory()
+    before = torch.get_num_threads()
+    if p.threads:
+        torch.set_num_threads(p.threads)
+    timed: dict[str, float] = {}
+
+    def keep(key: str, seconds: float) -> None:
+        timed[key] = min(seconds, timed.get(key, seconds))
+
+    try:
+        with torch.random.fork_rng(devices=[]):
+            for _ in range(KERNEL_PASSES):
+                for key, op in todo.items():
+                    dtype, device = DTYPES[op.dtype], torch.device(p.device)
+                    if op.cls == "attention":
+                        fwd, bwd = K.attention_call_seconds(op.shape, dtype, device)
+                        keep(f"{key}|forward", fwd)
+                        keep(f"{key}|backward", bwd)
+                    else:
+                        keep(key, K.matmul_call_seconds(op.shape, op.layout, dtype, device,
+                                                        grouped="grouped_mm" in op.name))
+    finally:
+        torch.set_num_threads(before)
+    p.new_kernels.update(timed)
+    p.kernels.update(timed)
+
+
+def kernel_seconds(op: Op, p: Profile) -> float | None:
+    """Seconds per call of a matmul or attention op from the profile's kernel table (time_new_kernels
+    fills it), or None (too large to time, or no table entry and no device to time it on)."""
+    key, small = _kernel_entry(op)
+    if not key:
+        return None
+    if key not in p.kernels and small:
+        time_new_kernels([op], p)
+    return p.kernels.get(key)
 
 
 @dataclass
@@ -240,6 +273,7 @@ def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int,
                  precision: str = "fp32") -> StepTime:
     """Predicted seconds of one optimizer step whose operators are `ops` (cost.ops.step_ops), run in
     compute precision `precision`."""
+    time_new_kernels(ops, p)  # all of the step's new kernels together, in passes
     timed = []
     opt_ops = [o for o in ops if o.phase == "optimizer"]
     opt_bytes = sum(o.bytes for o in opt_ops) or 1.0

@@ -167,23 +167,28 @@ def device_profile(device: torch.device) -> dict:
         took[part] = time.perf_counter() - clock
         clock = time.perf_counter()
 
+    refs = K.ReferenceSteps(device)  # real steps, timed in rounds between the other parts (drift)
+    refs.round()
     grids = {name: K.matmul_grid(dt, device) for name, dt in dtypes.items()}
     lap("matmul")
+    refs.round()
     # large matmuls: compute-bound at the best throughput of the grid (as the peak: the fast end is what
     # repeats); their operands stream at least once at the copy bandwidth
     bandwidth = bandwidth_bytes_per_s(device)
     matmul = {name: [0.0, max(2.0 * m * k * n / t for m, k, n, t in grid), bandwidth] for name, grid in grids.items()}
     elementwise = {name: K.elementwise_grid(dt, device) for name, dt in dtypes.items()}
     lap("elementwise")
+    refs.round()
     attention = {name: K.attention_fits(dt, device) for name, dt in dtypes.items()}
     lap("attention")
     optimizer = K.optimizer_fit(device)
     lap("optimizer")
+    refs.round()
     from trainwise.cost.steptime import Profile
 
     partial = Profile(matmul=matmul, elementwise=elementwise, attention=attention, optimizer=optimizer,
                       overhead=[0.0, 0.0], source="calibrated")
-    steps = K.step_fit(device, partial.on_device(device.type, machine_key(device), torch.get_num_threads()))
+    steps = refs.fit(partial.on_device(device.type, machine_key(device), torch.get_num_threads()))
     lap("steps")
     return {"matmul": matmul, "matmul_grid": grids, "elementwise": elementwise, "attention": attention,
             "optimizer": optimizer, "overhead": steps["overhead"], "in_step": steps["in_step"],
@@ -345,8 +350,9 @@ def cached(device: torch.device | str) -> dict | None:
 
 def kernel_table(machine: str) -> dict[str, float]:
     """{kernel: seconds per call} of the matmul and attention calls timed on this machine (cost.steptime
-    .kernel_seconds), keyed by calibrate.machine_key (device, threads, torch)."""
-    return _read(cache_root() / "kernels.json").get(machine, {})
+    .kernel_seconds), keyed by calibrate.machine_key (device, threads, torch) and the profile's version
+    (a new timing protocol times them again)."""
+    return _read(cache_root() / "kernels.json").get(f"{machine}|v{PROFILE_VERSION}", {})
 
 
 def save_kernel_table(machine: str, new: dict[str, float]) -> None:
@@ -355,7 +361,7 @@ def save_kernel_table(machine: str, new: dict[str, float]) -> None:
     try:
         with _measuring_lock(path):
             table = _read(path)
-            table.setdefault(machine, {}).update(new)
+            table.setdefault(f"{machine}|v{PROFILE_VERSION}", {}).update(new)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(table))
             os.replace(tmp, path)

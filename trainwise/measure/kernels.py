@@ -10,7 +10,7 @@ squares in relative error, coefficients >= 0):
   a core's cache to far past the shared cache: bytes/s per size;
 - attention without a timed shape: the SDPA CPU kernel forward and backward, t = F/R;
 - the optimizer step (fused AdamW + gradient clipping): t = a x tensors + b x elements;
-- real eager steps of reference models (step_fit): the per-operator overhead (dispatch + autograd) the
+- real eager steps of reference models (ReferenceSteps): the per-operator overhead (dispatch + autograd) the
   kernel timings leave out, and the factor by which kernels run slower inside a step than alone;
 - under torchrun, the collectives (collective_fit).
 FLOPs and bytes are counted as the trainwise operator list (cost.ops) counts them, so the fits and the
@@ -42,7 +42,9 @@ def fast_seconds(fn, budget_s: float = 0.06, min_reps: int = 5, max_reps: int = 
     """Undisturbed wall time of fn(): the 10th percentile of repeated calls after one warm-up, repeated
     for about budget_s (at least min_reps). This machine's speed drifts by 20-30% over seconds and
     interference only adds time, so the fast end is the figure that repeats from one calibration to the
-    next (the median moved with the drift)."""
+    next (the median moved with the drift). Kernels are timed hot; in_step carries what a step adds.
+    (Tried: overwriting the core's cache before each call. One benchmark run gave a median error of
+    11.8% against 6.6% the hour before with hot timings: inconclusive on this drifting machine, not kept.)"""
     sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
     fn()
     sync()
@@ -100,6 +102,11 @@ def elementwise_grid(dtype: torch.dtype, device: torch.device) -> dict[str, list
     return grid
 
 
+# Seconds of repeated calls per timing of a kernel for the kernel table (at least 3 calls); cost.steptime
+# times each new kernel in three passes, so a plan of the default model's ~20 new kernels takes ~1.5 s
+KERNEL_BUDGET_S = 0.02
+
+
 def _operand(rows: int, cols: int, layout: str, dtype: torch.dtype, device: torch.device, gen,
              batch: int = 0) -> torch.Tensor:
     """A (rows, cols) matrix (or `batch` of them), row-major (N) or as the transposed view of a (cols, rows)
@@ -122,9 +129,12 @@ def matmul_call_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype,
         return _grouped_mm_seconds(shape, layout, dtype, device, gen)
     if batch > 1:
         a, b = _operand(m, k, la, dtype, device, gen, batch), _operand(k, n, lb, dtype, device, gen, batch)
-        return fast_seconds(lambda: torch.bmm(a, b), 0.05, 3)
+        return fast_seconds(lambda: torch.bmm(a, b), KERNEL_BUDGET_S, 3)
     a, b = _operand(m, k, la, dtype, device, gen), _operand(k, n, lb, dtype, device, gen)
-    return fast_seconds(lambda: torch.mm(a, b), 0.05, 3)
+    return fast_seconds(lambda: torch.mm(a, b), KERNEL_BUDGET_S, 3)
+
+
+_routings = 0
 
 
 def _grouped_mm_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: torch.device, gen) -> float:
@@ -136,7 +146,12 @@ def _grouped_mm_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype,
     split_k = layout.endswith(":split-k")
     experts, rows = shape[0], shape[2] if split_k else shape[1]
     total = experts * rows
-    offsets = [torch.bincount(torch.randint(0, experts, (total,), generator=gen, device=device),
+    # routings never drawn before in this process (a seed per call): a second timing of the same shape
+    # must not find the first one's kernels built (cost.steptime times each kernel in several passes)
+    global _routings
+    _routings += 1
+    routes = torch.Generator(device=device).manual_seed(1000 + _routings)
+    offsets = [torch.bincount(torch.randint(0, experts, (total,), generator=routes, device=device),
                               minlength=experts).cumsum(0).to(torch.int32) for _ in range(16)]
     if split_k:
         a = _operand(shape[1], total, layout[0], dtype, device, gen)
@@ -145,7 +160,8 @@ def _grouped_mm_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype,
         a = _operand(total, shape[2], layout[0], dtype, device, gen)
         b = _operand(shape[2], shape[3], layout[1], dtype, device, gen, experts)
     calls = iter(range(1 << 30))
-    return fast_seconds(lambda: torch._grouped_mm(a, b, offs=offsets[next(calls) % len(offsets)]), 0.05, 3)
+    return fast_seconds(lambda: torch._grouped_mm(a, b, offs=offsets[next(calls) % len(offsets)]),
+                        KERNEL_BUDGET_S, 3)
 
 
 def attention_call_seconds(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
@@ -161,8 +177,8 @@ def attention_call_seconds(shape: tuple[int, ...], dtype: torch.dtype, device: t
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != heads)
 
     grad = torch.randn_like(fwd())
-    t_fwd = fast_seconds(fwd, 0.05, 3)
-    t_both = fast_seconds(lambda: torch.autograd.grad(fwd(), (q, k, v), grad), 0.08, 3)
+    t_fwd = fast_seconds(fwd, KERNEL_BUDGET_S, 3)
+    t_both = fast_seconds(lambda: torch.autograd.grad(fwd(), (q, k, v), grad), 1.5 * KERNEL_BUDGET_S, 3)
     return t_fwd, max(t_both - t_fwd, 1e-7)
 
 
@@ -226,50 +242,59 @@ REFERENCE_STEPS = (
 OVERHEAD_REFERENCES = 2  # the first two: kernels ~10% of their step, the rest Python, dispatch, autograd
 
 
-def step_fit(device: torch.device, profile) -> dict:
-    """What a real eager step adds to its kernels timed one by one: t = per step + per op x calls + in_step
-    x (the sum of its operators' times from `profile`, a cost.steptime.Profile) + its optimizer update,
-    from REFERENCE_STEPS run with the trainer's own step: per step and per op fitted on the overhead-bound
-    references, in_step the median over the others. The per-op term is Python, dispatch and
-    autograd; in_step (> 1) is what the kernels lose inside a step (operands evicted from cache by the
-    step's other work, allocation). Returns {"overhead": [s per step, s per op], "in_step": x, "rows"}."""
-    from trainwise.config import ModelConfig, TrainConfig
-    from trainwise.cost.ops import step_ops
-    from trainwise.cost.steptime import op_seconds
-    from trainwise.measure.step import random_batches, train_step
-    from trainwise.model import Transformer
-    from trainwise.train.optim import build_optimizer
+class ReferenceSteps:
+    """Real eager steps of REFERENCE_STEPS with the trainer's own step, timed in rounds spread over the
+    calibration (round() between its other parts: this machine's speed drifts over seconds, and a slow
+    spell that covered three back-to-back rounds moved in_step from 1.16 to 1.51), each keeping its
+    fastest; then fit(profile) says what a real eager step adds to its kernels timed one by one:
+    t = per step + per op x calls + in_step x (its operators' times from `profile`, a
+    cost.steptime.Profile) + its optimizer update."""
 
-    refs = []
-    for model, batch, seq, precision in REFERENCE_STEPS:
-        cfg = ModelConfig(**model, max_seq_len=seq)
-        ops = [op for op in step_ops(cfg, batch, seq, precision) if op.phase != "optimizer"]
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            net = Transformer(cfg).to(device)
-            opt = build_optimizer(net, TrainConfig())
-        batches = random_batches(cfg.vocab_size, batch, seq, 1, device)
-        train_step(net, opt, batches, device, precision)
-        step = (lambda net=net, opt=opt, batches=batches, precision=precision:
-                train_step(net, opt, batches, device, precision))
-        tensors = list(net.parameters())
-        t_opt = profile.optimizer[0] * len(tensors) + profile.optimizer[1] * sum(p.numel() for p in tensors)
-        refs.append((f"d{cfg.d_model} L{cfg.n_layers} B{batch} T{seq} {precision}", ops, step, t_opt))
-    # three rounds over the references, each keeping its fastest: this machine's speed drifts over
-    # seconds, and interference only adds time
-    times = [min(ts) for ts in zip(*[[fast_seconds(step, 0.1, 3) for _, _, step, _ in refs] for _ in range(3)])]
-    table = []
-    for (name, ops, _, t_opt), t in zip(refs, times):
-        table.append([name, t - t_opt, sum(op_seconds(op, profile)[0] for op in ops), sum(op.calls for op in ops)])
-    profile.save_kernels()
-    # In two stages, each well determined (one fit of the three moved in_step by 0.9-1.7 between
-    # calibrations, the terms trading off): the overhead-bound references (d_model 16, the first
-    # OVERHEAD_REFERENCES) give the per-step and per-op costs; the others, what their kernels take in a step
-    per_step, per_op = fit_linear([([1.0, calls], max(t - kernels, 1e-6))
-                                   for _, t, kernels, calls in table[:OVERHEAD_REFERENCES]])
-    ratios = [(t - per_step - per_op * calls) / kernels for _, t, kernels, calls in table[OVERHEAD_REFERENCES:]]
-    in_step = statistics.median(ratios) if ratios else 1.0
-    return {"overhead": [per_step, per_op], "in_step": max(in_step, 0.5), "rows": table}
+    def __init__(self, device: torch.device):
+        from trainwise.config import ModelConfig, TrainConfig
+        from trainwise.cost.ops import step_ops
+        from trainwise.measure.step import random_batches, train_step
+        from trainwise.model import Transformer
+        from trainwise.train.optim import build_optimizer
+
+        self.refs, self.times = [], []
+        for model, batch, seq, precision in REFERENCE_STEPS:
+            cfg = ModelConfig(**model, max_seq_len=seq)
+            ops = [op for op in step_ops(cfg, batch, seq, precision) if op.phase != "optimizer"]
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                net = Transformer(cfg).to(device)
+                opt = build_optimizer(net, TrainConfig())
+            batches = random_batches(cfg.vocab_size, batch, seq, 1, device)
+            step = (lambda net=net, opt=opt, batches=batches, precision=precision:
+                    train_step(net, opt, batches, device, precision))
+            step()
+            tensors = list(net.parameters())
+            self.refs.append((f"d{cfg.d_model} L{cfg.n_layers} B{batch} T{seq} {precision}", ops, step,
+                              len(tensors), sum(p.numel() for p in tensors)))
+
+    def round(self) -> None:
+        self.times.append([fast_seconds(step, 0.1, 3) for _, _, step, _, _ in self.refs])
+
+    def fit(self, profile) -> dict:
+        """{"overhead": [s per step, s per op], "in_step": x, "rows": [[name, s, kernels s, calls], ...]}, in two
+        stages, each well determined (one fit of the three traded its terms off, in_step 0.9-1.7 between
+        calibrations): the overhead-bound references (d_model 16, the first OVERHEAD_REFERENCES) give the
+        per-step and per-op costs (Python, dispatch, autograd); the others, in_step: what their kernels
+        lose inside a step (operands evicted by the step's other work, allocation), their median."""
+        from trainwise.cost.steptime import op_seconds, time_new_kernels
+
+        time_new_kernels([op for ref in self.refs for op in ref[1]], profile)
+        table = []
+        for (name, ops, _, tensors, params), t in zip(self.refs, map(min, zip(*self.times))):
+            t_opt = profile.optimizer[0] * tensors + profile.optimizer[1] * params
+            table.append([name, t - t_opt, sum(op_seconds(op, profile)[0] for op in ops), sum(op.calls for op in ops)])
+        profile.save_kernels()
+        per_step, per_op = fit_linear([([1.0, calls], max(t - kernels, 1e-6))
+                                       for _, t, kernels, calls in table[:OVERHEAD_REFERENCES]])
+        ratios = [(t - per_step - per_op * calls) / kernels for _, t, kernels, calls in table[OVERHEAD_REFERENCES:]]
+        in_step = statistics.median(ratios) if ratios else 1.0
+        return {"overhead": [per_step, per_op], "in_step": max(in_step, 0.5), "rows": table}
 
 
 def collective_fit(sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23)) -> dict:
