@@ -155,7 +155,7 @@ def others_share(before: tuple[float, float] | None, after: tuple[float, float] 
     return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (wall * cores))
 
 
-def device_profile(device: torch.device) -> dict:
+def device_profile(device: torch.device, bandwidth: float | None = None) -> dict:
     """The step-time model's description of this device (trainwise.measure.kernels), as JSON."""
     from trainwise.measure import kernels as K
 
@@ -174,7 +174,7 @@ def device_profile(device: torch.device) -> dict:
     refs.round()
     # large matmuls: compute-bound at the best throughput of the grid (as the peak: the fast end is what
     # repeats); their operands stream at least once at the copy bandwidth
-    bandwidth = bandwidth_bytes_per_s(device)
+    bandwidth = bandwidth or bandwidth_bytes_per_s(device)
     matmul = {name: [0.0, max(2.0 * m * k * n / t for m, k, n, t in grid), bandwidth] for name, grid in grids.items()}
     elementwise = {name: K.elementwise_grid(dt, device) for name, dt in dtypes.items()}
     lap("elementwise")
@@ -195,7 +195,7 @@ def device_profile(device: torch.device) -> dict:
             "reference_steps": steps["rows"], "source": "calibrated", "seconds": took, "version": PROFILE_VERSION}
 
 
-def measure_peak(device: torch.device, rounds: list[dict] | None = None) -> dict:
+def measure_peak(device: torch.device, rounds: list[dict] | None = None, bandwidth: float | None = None) -> dict:
     """{"peak_flops", "bandwidth_bytes_per_s", "method", "measured_at", "measured_unix"}; on a CPU also
     "cpu_share", "others_share" and "busy": True when other processes held more than BUSY_OTHERS of the
     cores while the peak was timed (without /proc: when our threads got under BUSY_SHARE of the wall).
@@ -205,7 +205,7 @@ def measure_peak(device: torch.device, rounds: list[dict] | None = None) -> dict
     result = {
         "peak_flops": {name: _quantile([r for rd in rounds for r in rd["rates"][name]], PEAK_QUANTILE)
                        for name in rounds[0]["rates"]},
-        "bandwidth_bytes_per_s": bandwidth_bytes_per_s(device),
+        "bandwidth_bytes_per_s": bandwidth or bandwidth_bytes_per_s(device),
         "method": f"{PEAK_QUANTILE:.0%} quantile of repeated dense matmuls of square sizes {PEAK_SIZES[kind]} in "
                   f"{len(rounds)} rounds; bandwidth from a 256 MiB copy; profile: trainwise.measure.kernels",
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -293,9 +293,10 @@ def _measure_and_cache_unseeded(device: torch.device, path: Path, key: str, old:
     if result.get("busy") and old and not old.get("busy"):
         # the quiet measurement stays in the cache, and its profile serves (a busy one is too slow)
         return {**result, "profile": old["profile"], "profile_from": old["measured_at"]}
-    profile = device_profile(device)
+    profile = device_profile(device, result["bandwidth_bytes_per_s"])
     # a second round of peak timings ~20 s after the first: the peak spans the machine's drift
-    result = {"machine": key, **measure_peak(device, [first, peak_round(device)]), "profile": profile}
+    result = {"machine": key, **measure_peak(device, [first, peak_round(device)], result["bandwidth_bytes_per_s"]),
+              "profile": profile}
     result["calibration_s"] = time.perf_counter() - began
     cached = _read(path)
     cached[key] = result
