@@ -74,11 +74,11 @@ TINY = ["model.n_layers=1", "model.max_seq_len=32", "train.seq_len=32", "train.m
         "train.lr=3e-3"]
 
 
-def tiny_run(corpus, out, d_model: int, steps: int, constant: bool = True):
+def tiny_run(corpus, out, d_model: int, steps: int, constant: bool = True, extra=()):
     from trainwise.train.loop import train
 
     sets = TINY + [f"data.paths=['{corpus}']", f"model.d_model={d_model}", f"model.n_heads={d_model // 8}",
-                   f"model.n_kv_heads={d_model // 8}", f"train.max_steps={steps}", "train.eval_every=2"]
+                   f"model.n_kv_heads={d_model // 8}", f"train.max_steps={steps}", "train.eval_every=2", *extra]
     sets += ["train.min_lr=3e-3"] if constant else ["train.min_lr=3e-4"]
     return train(apply_overrides(RunConfig(), sets), out=out, quiet=True).run_dir
 
@@ -108,6 +108,41 @@ def test_points_constant_lr_uses_the_curve_and_cosine_only_the_end(corpus, tiny_
     (cut / "config.toml").write_text(text.replace("max_steps = 16", "max_steps = 99"))
     with pytest.raises(TrainwiseError, match="stopped at step 16 of 99"):
         read_run(cut)
+
+
+def test_rows_past_four_passes_over_the_corpus_are_not_fitted(corpus, tmp_path):
+    """A corpus of ~1,000 tokens and a run of 3,072: the rows past 4 passes over its training split are left
+    out (the law has no term for repeated tokens), and the fit says why when too few rows are left."""
+    from trainwise.scale.fitting import fit_runs
+    from trainwise.scale.points import REPEAT_EPOCHS, read_run
+
+    small = tmp_path / "small.txt"
+    small.write_text(corpus.read_text(encoding="utf-8")[:1_200], encoding="utf-8")
+    pts = read_run(tiny_run(small, tmp_path / "run", 8, 24))
+    assert 300 < pts.unique_tokens < 3072 / REPEAT_EPOCHS  # so that some rows are past 4 passes
+    assert len(pts.tokens) and pts.tokens.max() <= REPEAT_EPOCHS * pts.unique_tokens < 3072
+    assert f"past {REPEAT_EPOCHS} passes over the corpus's {pts.unique_tokens:,} training tokens" in pts.used
+    everything = [4 * 32 * s for s in range(4, 25, 2)]  # the rows from 10% of the run (and warmup) on
+    assert list(pts.tokens) == [d for d in everything if d <= REPEAT_EPOCHS * pts.unique_tokens]
+    tinier = tmp_path / "tinier.txt"
+    tinier.write_text(corpus.read_text(encoding="utf-8")[:700], encoding="utf-8")
+    few = tiny_run(tinier, tmp_path / "few", 8, 24, extra=["data.val_fraction=0.2"])  # < 5 rows within 4 passes
+    with pytest.raises(TrainwiseError, match="fewer than 5 validation rows within 4 passes"):
+        fit_runs([few])
+
+
+def test_optimal_stays_within_four_passes_and_names_what_more_text_would_buy():
+    """Hoffmann et al.'s law on a 1e6-token corpus at 1e16 FLOPs: unconstrained, a mid-size model on many
+    passes wins; constrained, the best model whose D is at most 4 passes, and the answer says both."""
+    from trainwise.scale.fitting import optimal
+
+    record = {"law": TRUE.to_json(), "recipe": None, "corpus_train_tokens": 1_000_000}
+    free = optimal({**record, "corpus_train_tokens": None}, 1e16)
+    assert free["data_bound"] is None and free["tokens"] > 4e6  # what the law alone would choose
+    bound = optimal(record, 1e16)
+    assert bound["tokens"] <= 4e6 and bound["repetition_note"] is None
+    assert bound["n_params"] > free["n_params"] and bound["loss"] >= free["loss"]
+    assert bound["data_bound"]["model"] == free["model"] and bound["data_bound"]["passes"] > 4
 
 
 def test_fit_cli_stores_per_corpus_and_plan_predict_optimal_read_it(corpus, tiny_runs, tmp_path, capsys):

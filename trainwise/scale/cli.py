@@ -210,6 +210,11 @@ def cmd_optimal(args: argparse.Namespace) -> int:
           f"predicted loss {out['loss']:.4f} nats/token")
     if out["repetition_note"]:
         print(f"  warning: {out['repetition_note']}")
+    if out["data_bound"]:
+        b = out["data_bound"]
+        print(f"  bound by the corpus: with unlimited text {b['model']} on {b['tokens']:.4g} tokens would be best "
+              f"(law: {b['loss']:.4f}), but that is {b['passes']:.1f} passes over it; this choice stays within "
+              f"{out['max_passes']}")
     if out["at_edge_of_family"]:
         print("  note: the best model is at the edge of the searched shape family; the true optimum lies beyond it")
     print(f"  closed form for C = 6ND: N = {s['n_params']:.4g}, D = {s['tokens']:.4g}, loss {s['loss']:.4f} "

@@ -14,11 +14,10 @@ import numpy as np
 from trainwise.config import RunConfig
 from trainwise.errors import TrainwiseError
 from trainwise.scale.law import HUBER_DELTA, PARAM_NAMES, Bootstrap, Law, bootstrap, fit_law
-from trainwise.scale.points import non_embedding_params, read_runs
+from trainwise.scale.points import REPEAT_EPOCHS, non_embedding_params, read_runs
 
 N_CONVENTION = "non-embedding parameters (cost/params.py; active parameters for MoE)"
 OPTIMAL_WIDTHS = tuple(range(64, 4097, 32))  # the shape family `optimal` searches (sweep.shape)
-REPEAT_EPOCHS = 4  # passes over the corpus beyond which predictions get a warning (repetition_note)
 
 
 def recipe_of(cfg: RunConfig, schedule: str) -> dict:
@@ -32,14 +31,19 @@ def recipe_of(cfg: RunConfig, schedule: str) -> dict:
 def fit_runs(run_dirs: list[str | Path], points: str = "auto", samples: int = 100, seed: int = 0) -> dict:
     """Fit the law to the runs' validation points; returns the fit record (see the module docstring)."""
     runs = read_runs(run_dirs, points)
-    groups = [r.array() for r in runs]
-    every = np.concatenate(groups)
+    groups = [r.array() for r in runs if len(r.tokens)]
+    if sum(map(len, groups)) < 5 and any("left out" in r.used for r in runs):
+        raise TrainwiseError(
+            f"fewer than 5 validation rows within {REPEAT_EPOCHS} passes over the corpus "
+            f"({runs[0].unique_tokens:,} training tokens): {'; '.join(f'{r.run_dir}: {r.used}' for r in runs)}. "
+            "The law is fitted only where repeated tokens count as new ones: evaluate more often "
+            "(train.eval_every), or train on more text.")
+    every = np.concatenate(groups) if groups else np.zeros((0, 3))
     law, objective = fit_law(every[:, 0], every[:, 1], every[:, 2])
     boot = bootstrap(groups, law, samples=samples, seed=seed)
     fitted = law.loss(every[:, 0], every[:, 1])
     rel = fitted / every[:, 2] - 1
     recipes = {tuple(sorted(recipe_of(r.config, r.schedule).items())) for r in runs}
-    corpus_tokens = train_tokens(runs[0].config, runs[0].run_dir)
     return {
         "law": law.to_json(), "objective": objective, "huber_delta": HUBER_DELTA,
         "bootstrap": {**boot.to_json(), "laws": [[getattr(b, k) for k in PARAM_NAMES] for b in boot.laws]},
@@ -47,18 +51,11 @@ def fit_runs(run_dirs: list[str | Path], points: str = "auto", samples: int = 10
                       "points": int(len(rel))},
         "conventions": {"N": N_CONVENTION, "D": "tokens seen at the validation row", "L": "validation loss, nats/token"},
         "recipe": dict(recipes.pop()) if len(recipes) == 1 else None,
-        "corpus_train_tokens": corpus_tokens,
+        "corpus_train_tokens": runs[0].unique_tokens,
+        "max_passes": REPEAT_EPOCHS,  # rows past this many passes over the corpus are not fitted
         "runs": [{"run_dir": str(r.run_dir), "name": r.config.model.name, "n_params": r.n_params, "used": r.used,
                   "points": [[float(d), float(l)] for d, l in zip(r.tokens, r.losses)]} for r in runs],
     }
-
-
-def train_tokens(cfg: RunConfig, run_dir: Path) -> int:
-    """Tokens in the corpus's training split (the token cache, as the run built it)."""
-    from trainwise.data import prepare_data
-    from trainwise.tokenizer import Tokenizer
-
-    return int(len(prepare_data(cfg.data, Tokenizer.load(Path(run_dir) / "tokenizer.json"), cfg.train.seq_len).train))
 
 
 def repetition_note(record: dict, tokens: float) -> str | None:
@@ -103,7 +100,9 @@ def optimal(record: dict, flops: float, base: RunConfig | None = None, widths=OP
     """Compute-optimal N and D for C FLOPs. Two answers: the closed form for C = 6ND (Hoffmann et al.
     eq. 4), and the one this command plans: the best model of the sweep's shape family (`widths`,
     default OPTIMAL_WIDTHS) when each is trained on D = C / its exact per-token FLOPs (cost/flops.py:
-    the LM head and attention included, which 6N leaves out and which dominate small models)."""
+    the LM head and attention included, which 6N leaves out and which dominate small models), among
+    those whose D stays within REPEAT_EPOCHS passes over the fit's corpus (the data-constrained
+    optimum: past them the law overrates repeated tokens); when none does, the best of all, with a note."""
     from trainwise.scale.sweep import flops_per_token, ladder
 
     if flops <= 0:
@@ -114,18 +113,19 @@ def optimal(record: dict, flops: float, base: RunConfig | None = None, widths=OP
         r = record["recipe"]
         for key in ("micro_batch", "seq_len", "grad_accum_steps", "lr", "min_lr", "warmup_steps", "eval_steps"):
             setattr(base.train, key, r[key])
-    best = None
+    candidates = []
     for cfg in ladder(base, widths, train={}):
         fpt = flops_per_token(cfg)
         d = flops / fpt
-        if d < cfg.train.tokens_per_step:
-            continue
-        loss = float(law.loss(non_embedding_params(cfg), d))
-        if best is None or loss < best[0]:
-            best = (loss, cfg, d, fpt)
+        if d >= cfg.train.tokens_per_step:
+            candidates.append((float(law.loss(non_embedding_params(cfg), d)), cfg, d, fpt))
+    unique = record.get("corpus_train_tokens")
+    within = [c for c in candidates if not unique or c[2] <= REPEAT_EPOCHS * unique]
+    best = min(within or candidates, key=lambda c: c[0], default=None)
     if best is None:
         raise TrainwiseError(f"--flops {flops:.3g} buys less than one optimizer step of the smallest model; give more.")
     loss, cfg, d, fpt = best
+    unconstrained = min(candidates, key=lambda c: c[0])
     n6, d6 = law.optimal_6nd(flops)
     at_edge = cfg.model.d_model in (min(widths), max(widths))
     cfg.train.max_steps = max(1, round(d / cfg.train.tokens_per_step))
@@ -133,6 +133,10 @@ def optimal(record: dict, flops: float, base: RunConfig | None = None, widths=OP
             "model": cfg.model.name, "d_model": cfg.model.d_model, "n_layers": cfg.model.n_layers,
             "n_params": non_embedding_params(cfg), "tokens": float(d), "flops_per_token": fpt,
             "loss": loss, "at_edge_of_family": at_edge, "config": cfg, "repetition_note": repetition_note(record, d),
+            "data_bound": None if unconstrained is best else {  # what more text would let it choose
+                "model": unconstrained[1].model.name, "tokens": unconstrained[2], "loss": unconstrained[0],
+                "passes": unconstrained[2] / unique},
+            "max_passes": REPEAT_EPOCHS,
             "six_nd": {"n_params": float(n6), "tokens": float(d6), "loss": float(law.loss(n6, d6)),
                        "convention": "C = 6ND, closed form (Hoffmann et al. 2022, eq. 4)"}}
 
