@@ -225,6 +225,6 @@ def test_sweep_cli_trains_the_grid_inside_the_budget_and_fits_it(corpus, tmp_pat
     assert main(["scale", "sweep", "--minutes", "1.5", "--data", str(corpus), "--set", "tokenizer.vocab_size=300",
                  "--out", str(tmp_path / "sweep"), "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
-    assert len(record["runs"]) == 5 and all("validation rows" in r["used"] for r in record["runs"])
+    assert 5 <= len(record["runs"]) <= 15 and all("validation rows" in r["used"] for r in record["runs"])  # seeds
     assert sum(r["measured_s"] for r in record["sweep"]["runs"]) < 1.5 * 60 * 2  # a minimum of steps can overrun
     assert time.perf_counter() - start < 1.5 * 60 * 4

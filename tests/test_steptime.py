@@ -194,6 +194,17 @@ def test_kernels_timed_at_their_shape_override_the_fit_and_in_step_scales_all():
     assert predict_step([Op(**{**mm.__dict__, "layout": "TN"})], p, 0, 0).ops[0].seconds == pytest.approx(fit * 1.25)
 
 
+def test_a_new_calibration_starts_a_new_kernel_table():
+    """The in-step factor is fitted against the table's kernel times: both must come from one state of the
+    machine, whose speed moves by up to 2x between hours. Other machines' kernels stay."""
+    from trainwise.measure.calibrate import drop_kernel_table, kernel_table, save_kernel_table
+
+    save_kernel_table("cpu|this", {"matmul|bf16|1x8x8x8|NN": 1e-6})
+    save_kernel_table("cpu|other", {"matmul|bf16|1x8x8x8|NN": 2e-6})
+    drop_kernel_table("cpu|this")
+    assert kernel_table("cpu|this") == {} and kernel_table("cpu|other") == {"matmul|bf16|1x8x8x8|NN": 2e-6}
+
+
 def test_the_operator_list_records_layouts_casts_and_kernel_shapes():
     B, T = 2, 16
     ops = step_ops(TINY, B, T, "bf16")

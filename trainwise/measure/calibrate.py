@@ -293,6 +293,7 @@ def _measure_and_cache_unseeded(device: torch.device, path: Path, key: str, old:
     if result.get("busy") and old and not old.get("busy"):
         # the quiet measurement stays in the cache, and its profile serves (a busy one is too slow)
         return {**result, "profile": old["profile"], "profile_from": old["measured_at"]}
+    drop_kernel_table(key)  # the profile and the kernels it is fitted with: one state of the machine
     profile = device_profile(device, result["bandwidth_bytes_per_s"])
     # a second round of peak timings ~20 s after the first: the peak spans the machine's drift
     result = {"machine": key, **measure_peak(device, [first, peak_round(device)], result["bandwidth_bytes_per_s"]),
@@ -354,6 +355,25 @@ def kernel_table(machine: str) -> dict[str, float]:
     .kernel_seconds), keyed by calibrate.machine_key (device, threads, torch) and the profile's version
     (a new timing protocol times them again)."""
     return _read(cache_root() / "kernels.json").get(f"{machine}|v{PROFILE_VERSION}", {})
+
+
+def drop_kernel_table(machine: str) -> None:
+    """Forget the kernels timed on this machine before a new calibration: their times are taken with the
+    in-step factor fitted against them, and this machine's speed moves by up to 2x between hours (bf16
+    matmul peak 1,702 GFLOP/s at 04:32, 677 at 05:41 on 2026-12-01; the 04:32 profile, still cached,
+    then predicted every step ~40% short). Kernels are timed again on demand, a few ms each."""
+    path = cache_root() / "kernels.json"
+    try:
+        with _measuring_lock(path):
+            table = _read(path)
+            if not any(k.startswith(f"{machine}|v") for k in table):
+                return
+            table = {k: v for k, v in table.items() if not k.startswith(f"{machine}|v")}
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(table))
+            os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def save_kernel_table(machine: str, new: dict[str, float]) -> None:

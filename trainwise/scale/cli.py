@@ -119,7 +119,7 @@ def format_fit(record: dict) -> str:
     lines.append(f"  {res['points']} points from {len(record['runs'])} runs; fit vs observed: rms {res['rms_relative']:.2%},"
                  f" max {res['max_abs_relative']:.2%}")
     for r in record["runs"]:
-        lines.append(f"    {r['name']} N={r['n_params']:,}: {r['used']}")
+        lines.append(f"    {Path(r['run_dir']).name} ({r['name']}, N={r['n_params']:,}): {r['used']}")
     if record.get("recipe"):
         r = record["recipe"]
         lines.append(f"  recipe (predictions hold for runs trained this way): {r['schedule']} LR {r['lr']:g}"
