@@ -32,7 +32,7 @@ def fit_runs(run_dirs: list[str | Path], points: str = "auto", samples: int = 10
     """Fit the law to the runs' validation points; returns the fit record (see the module docstring)."""
     runs = read_runs(run_dirs, points)
     groups = [r.array() for r in runs if len(r.tokens)]
-    if sum(map(len, groups)) < 5 and any("left out" in r.used for r in runs):
+    if sum(map(len, groups)) < 5 and any(r.past_passes for r in runs):
         raise TrainwiseError(
             f"fewer than 5 validation rows within {REPEAT_EPOCHS} passes over the corpus "
             f"({runs[0].unique_tokens:,} training tokens): {'; '.join(f'{r.run_dir}: {r.used}' for r in runs)}. "

@@ -58,6 +58,7 @@ class RunPoints:
     schedule: str  # "constant" or "decaying"
     used: str  # what was taken and why
     unique_tokens: int  # the corpus's training split, in the run's tokenizer
+    past_passes: int = 0  # rows left out: past REPEAT_EPOCHS passes over it
 
     def array(self) -> np.ndarray:
         """(P, 3) rows of (N, D, L)."""
@@ -106,21 +107,22 @@ def read_run(run_dir: str | Path, points: str = "auto") -> RunPoints:
         rows = rows[-1:]
         used = ("final row (the LR decays: earlier rows are not losses of shorter runs)"
                 if schedule == "decaying" and points == "auto" else "final row")
-    unique = train_tokens(cfg, run_dir)
+    from trainwise.tokenizer import Tokenizer
+
+    unique = train_tokens(cfg, Tokenizer.load(run_dir / "tokenizer.json"))
     kept = [r for r in rows if r["tokens"] <= REPEAT_EPOCHS * unique]
     if len(kept) < len(rows):
         used += (f"; {len(rows) - len(kept)} of them left out: past {REPEAT_EPOCHS} passes over the corpus's "
                  f"{unique:,} training tokens (repeated tokens are worth less than new ones)")
     return RunPoints(run_dir, cfg, non_embedding_params(cfg), np.array([float(r["tokens"]) for r in kept]),
-                     np.array([float(r["val_loss"]) for r in kept]), schedule, used, unique)
+                     np.array([float(r["val_loss"]) for r in kept]), schedule, used, unique, len(rows) - len(kept))
 
 
-def train_tokens(cfg: RunConfig, run_dir: Path) -> int:
-    """Tokens in the corpus's training split (the token cache, as the run built it)."""
+def train_tokens(cfg: RunConfig, tokenizer) -> int:
+    """Tokens in the training split of cfg's corpus with `tokenizer` (the token cache, as a run builds it)."""
     from trainwise.data import prepare_data
-    from trainwise.tokenizer import Tokenizer
 
-    return int(len(prepare_data(cfg.data, Tokenizer.load(Path(run_dir) / "tokenizer.json"), cfg.train.seq_len).train))
+    return int(len(prepare_data(cfg.data, tokenizer, cfg.train.seq_len).train))
 
 
 def read_runs(run_dirs: list[str | Path], points: str = "auto") -> list[RunPoints]:

@@ -39,7 +39,7 @@ from trainwise.config import RunConfig, apply_overrides
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.plan import plan_run, train_settings
 from trainwise.errors import TrainwiseError
-from trainwise.scale.points import REPEAT_EPOCHS
+from trainwise.scale.points import REPEAT_EPOCHS, train_tokens
 
 SWEEP_WIDTHS = (64, 96, 128, 160, 192, 256, 320, 384, 512)
 SWEEP_MODELS = 5
@@ -182,7 +182,10 @@ def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, sa
         raise TrainwiseError(f"sweep directory '{out}' exists and is not empty; choose a new --out.")
     base = base or RunConfig()
     start = time.perf_counter()
-    unique = corpus_train_tokens(base)
+    from trainwise.data import prepare_tokenizer
+
+    unique = train_tokens(ladder_config(base, *shape(SWEEP_WIDTHS[0])),  # the sweep's seq_len
+                          prepare_tokenizer(base.data, base.tokenizer.vocab_size))
     cap = REPEAT_EPOCHS * unique
     peak, source = device_peak_flops(torch.device("cpu"), "bf16")
     say(f"sizing the sweep for {minutes:g} minutes: peak {peak / 1e9:,.1f} GFLOP/s ({source}); the corpus has "
@@ -254,10 +257,3 @@ def _repeat_with_seeds(runs: list[SweepRun], out: Path, left_s: float, say) -> l
 def _compute(run: SweepRun) -> float:
     return run.tokens * flops_per_token(run.config)
 
-
-def corpus_train_tokens(base: RunConfig) -> int:
-    """Tokens in the training split of base's corpus with base's tokenizer (both cached: the runs reuse them)."""
-    from trainwise.data import prepare_data, prepare_tokenizer
-
-    tokenizer = prepare_tokenizer(base.data, base.tokenizer.vocab_size)
-    return int(len(prepare_data(base.data, tokenizer, SWEEP_TRAIN["seq_len"]).train))
