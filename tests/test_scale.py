@@ -111,24 +111,21 @@ def test_points_constant_lr_uses_the_curve_and_cosine_only_the_end(corpus, tiny_
 
 
 def test_rows_past_four_passes_over_the_corpus_are_not_fitted(corpus, tmp_path):
-    """A corpus of ~1,000 tokens and a run of 3,072: the rows past 4 passes over its training split are left
-    out (the law has no term for repeated tokens), and the fit says why when too few rows are left."""
+    """A corpus of a few hundred tokens and a run of 3,072: the rows past 4 passes over its training split
+    are left out (the law has no term for repeated tokens), and the fit says why when too few are left."""
     from trainwise.scale.fitting import fit_runs
     from trainwise.scale.points import REPEAT_EPOCHS, read_run
 
     small = tmp_path / "small.txt"
-    small.write_text(corpus.read_text(encoding="utf-8")[:1_200], encoding="utf-8")
-    pts = read_run(tiny_run(small, tmp_path / "run", 8, 24))
-    assert 300 < pts.unique_tokens < 3072 / REPEAT_EPOCHS  # so that some rows are past 4 passes
-    assert len(pts.tokens) and pts.tokens.max() <= REPEAT_EPOCHS * pts.unique_tokens < 3072
-    assert f"past {REPEAT_EPOCHS} passes over the corpus's {pts.unique_tokens:,} training tokens" in pts.used
+    small.write_text(corpus.read_text(encoding="utf-8")[:700], encoding="utf-8")
+    pts = read_run(tiny_run(small, tmp_path / "run", 8, 24, extra=["data.val_fraction=0.2"]))
+    assert 100 < pts.unique_tokens < 3072 / REPEAT_EPOCHS  # so that some rows are past 4 passes
     everything = [4 * 32 * s for s in range(4, 25, 2)]  # the rows from 10% of the run (and warmup) on
     assert list(pts.tokens) == [d for d in everything if d <= REPEAT_EPOCHS * pts.unique_tokens]
-    tinier = tmp_path / "tinier.txt"
-    tinier.write_text(corpus.read_text(encoding="utf-8")[:700], encoding="utf-8")
-    few = tiny_run(tinier, tmp_path / "few", 8, 24, extra=["data.val_fraction=0.2"])  # < 5 rows within 4 passes
+    assert 0 < len(pts.tokens) < 5 and pts.past_passes == len(everything) - len(pts.tokens)
+    assert f"past {REPEAT_EPOCHS} passes over the corpus's {pts.unique_tokens:,} training tokens" in pts.used
     with pytest.raises(TrainwiseError, match="fewer than 5 validation rows within 4 passes"):
-        fit_runs([few])
+        fit_runs([pts.run_dir])
 
 
 def test_optimal_stays_within_four_passes_and_names_what_more_text_would_buy():
