@@ -140,6 +140,8 @@ def test_optimal_stays_within_four_passes_and_names_what_more_text_would_buy():
     assert bound["tokens"] <= 4e6 and bound["repetition_note"] is None
     assert bound["n_params"] > free["n_params"] and bound["loss"] >= free["loss"]
     assert bound["data_bound"]["model"] == free["model"] and bound["data_bound"]["passes"] > 4
+    fitted_up_to = optimal({**record, "runs": [{"n_params": 1e6}]}, 1e16)["n_beyond_fitted"]
+    assert fitted_up_to == pytest.approx(bound["n_params"] / 1e6) and bound["n_beyond_fitted"] is None
 
 
 def test_fit_cli_stores_per_corpus_and_plan_predict_optimal_read_it(corpus, tiny_runs, tmp_path, capsys):

@@ -119,7 +119,9 @@ def format_fit(record: dict) -> str:
     lines.append(f"  {res['points']} points from {len(record['runs'])} runs; fit vs observed: rms {res['rms_relative']:.2%},"
                  f" max {res['max_abs_relative']:.2%}")
     for r in record["runs"]:
-        lines.append(f"    {Path(r['run_dir']).name} ({r['name']}, N={r['n_params']:,}): {r['used']}")
+        label = Path(r["run_dir"]).name
+        label += "" if label == r["name"] else f" ({r['name']})"  # a seed's directory names its model
+        lines.append(f"    {label} N={r['n_params']:,}: {r['used']}")
     if record.get("recipe"):
         r = record["recipe"]
         lines.append(f"  recipe (predictions hold for runs trained this way): {r['schedule']} LR {r['lr']:g}"
@@ -215,6 +217,10 @@ def cmd_optimal(args: argparse.Namespace) -> int:
         print(f"  bound by the corpus: with unlimited text {b['model']} on {b['tokens']:.4g} tokens would be best "
               f"(law: {b['loss']:.4f}), but that is {b['passes']:.1f} passes over it; this choice stays within "
               f"{out['max_passes']}")
+    if out["n_beyond_fitted"] and out["n_beyond_fitted"] > 2:
+        print(f"  warning: N is {out['n_beyond_fitted']:.0f}x the largest fitted model's: the law has not seen such "
+              f"models, and on repeated tokens extra parameters buy less than it says (Muennighoff et al. 2023); "
+              f"train a sweep of larger models, or use more text")
     if out["at_edge_of_family"]:
         print("  note: the best model is at the edge of the searched shape family; the true optimum lies beyond it")
     print(f"  closed form for C = 6ND: N = {s['n_params']:.4g}, D = {s['tokens']:.4g}, loss {s['loss']:.4f} "

@@ -96,6 +96,12 @@ def predict(record: dict, cfg: RunConfig, tokens: float) -> dict:
             "repetition_note": repetition_note(record, tokens)}
 
 
+def n_beyond_fitted(record: dict, n_params: float) -> float | None:
+    """How many times the largest fitted model's N a planned N is, when it is larger (else None)."""
+    largest = max((r["n_params"] for r in record.get("runs", [])), default=None)
+    return n_params / largest if largest and n_params > largest else None
+
+
 def optimal(record: dict, flops: float, base: RunConfig | None = None, widths=OPTIMAL_WIDTHS) -> dict:
     """Compute-optimal N and D for C FLOPs. Two answers: the closed form for C = 6ND (Hoffmann et al.
     eq. 4), and the one this command plans: the best model of the sweep's shape family (`widths`,
@@ -136,7 +142,7 @@ def optimal(record: dict, flops: float, base: RunConfig | None = None, widths=OP
             "data_bound": None if unconstrained is best else {  # what more text would let it choose
                 "model": unconstrained[1].model.name, "tokens": unconstrained[2], "loss": unconstrained[0],
                 "passes": unconstrained[2] / unique},
-            "max_passes": REPEAT_EPOCHS,
+            "max_passes": REPEAT_EPOCHS, "n_beyond_fitted": n_beyond_fitted(record, non_embedding_params(cfg)),
             "six_nd": {"n_params": float(n6), "tokens": float(d6), "loss": float(law.loss(n6, d6)),
                        "convention": "C = 6ND, closed form (Hoffmann et al. 2022, eq. 4)"}}
 
