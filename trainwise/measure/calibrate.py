@@ -303,12 +303,29 @@ def _measure_and_cache_unseeded(device: torch.device, path: Path, key: str, old:
     cached[key] = result
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cached, indent=1))
-        os.replace(tmp, path)
+        _write_atomic(path, cached)
     except OSError:
         pass  # a read-only home still gets a measured peak, just not a cached one
     return result
+
+
+def _write_atomic(path: Path, data: dict) -> None:
+    """Write JSON through a temporary file and a rename: a reader never sees half a file."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _update_json(path: Path, change) -> None:
+    """Apply change(entries) to the JSON file under its lock (concurrent writers take turns) and write it
+    back atomically; nothing happens on a read-only home."""
+    try:
+        with _measuring_lock(path):
+            entries = _read(path)
+            change(entries)
+            _write_atomic(path, entries)
+    except OSError:
+        pass
 
 
 def link_key(backend: str, world: int) -> str:
@@ -326,13 +343,8 @@ def calibrate_link() -> dict:
 
     result = {**collective_fit(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if result["rank"] == 0:
-        path = cache_root() / "calibration.json"
-        with _measuring_lock(path):
-            entries = _read(path)
-            entries[link_key(result["backend"], result["world"])] = result
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(entries, indent=1))
-            os.replace(tmp, path)
+        _update_json(cache_root() / "calibration.json",
+                     lambda entries: entries.update({link_key(result["backend"], result["world"]): result}))
     dist.barrier()
     return result
 
@@ -362,32 +374,17 @@ def drop_kernel_table(machine: str) -> None:
     in-step factor fitted against them, and this machine's speed moves by up to 2x between hours (bf16
     matmul peak 1,702 GFLOP/s at 04:32, 677 at 05:41 on 2026-12-01; the 04:32 profile, still cached,
     then predicted every step ~40% short). Kernels are timed again on demand, a few ms each."""
-    path = cache_root() / "kernels.json"
-    try:
-        with _measuring_lock(path):
-            table = _read(path)
-            if not any(k.startswith(f"{machine}|v") for k in table):
-                return
-            table = {k: v for k, v in table.items() if not k.startswith(f"{machine}|v")}
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(table))
-            os.replace(tmp, path)
-    except OSError:
-        pass
+    def drop(table: dict) -> None:
+        for k in [k for k in table if k.startswith(f"{machine}|v")]:
+            del table[k]
+
+    _update_json(cache_root() / "kernels.json", drop)
 
 
 def save_kernel_table(machine: str, new: dict[str, float]) -> None:
     """Add kernels timed on this machine to the table (atomically; concurrent writers take turns)."""
-    path = cache_root() / "kernels.json"
-    try:
-        with _measuring_lock(path):
-            table = _read(path)
-            table.setdefault(f"{machine}|v{PROFILE_VERSION}", {}).update(new)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(table))
-            os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home times them again next time
+    _update_json(cache_root() / "kernels.json",  # a read-only home times them again next time
+                 lambda table: table.setdefault(f"{machine}|v{PROFILE_VERSION}", {}).update(new))
 
 
 def busy_note(result: dict) -> str:
