@@ -44,7 +44,7 @@ DEFAULT_OVERHEAD = [1e-3, 6e-6]  # [seconds per step, seconds per eager op] on a
 ADAMW_BYTES_PER_PARAM = 28  # fused AdamW, fp32: read+write param, m, v (24) + read grad (4)
 
 
-PROFILE_VERSION = 6  # a cached calibration of another version is measured again
+PROFILE_VERSION = 7  # a cached calibration of another version is measured again
 
 
 @dataclass
@@ -160,9 +160,10 @@ def _kernel_entry(op: Op) -> tuple[str, bool]:
     return key, op.flops / op.calls <= MAX_KERNEL_FLOPS and op.bytes / op.calls <= MAX_KERNEL_BYTES
 
 
-def time_new_kernels(ops: list[Op], p: Profile) -> None:
+def time_new_kernels(ops: list[Op], p: Profile, between=None) -> None:
     """Time, on this device, the matmul and attention calls of `ops` the kernel table lacks (when the
-    profile is this device's: Profile.on_device), in KERNEL_PASSES passes keeping each one's fastest."""
+    profile is this device's: Profile.on_device), in KERNEL_PASSES passes keeping each one's fastest;
+    between() after each pass (the calibration samples its reference steps there)."""
     todo = {}  # one timing per kernel: an attention call's forward and backward come from one
     for op in ops:
         key, small = _kernel_entry(op)
@@ -197,6 +198,8 @@ def time_new_kernels(ops: list[Op], p: Profile) -> None:
                     else:
                         keep(key, K.matmul_call_seconds(op.shape, op.layout, dtype, device,
                                                         grouped="grouped_mm" in op.name))
+                if between is not None:
+                    between()
     finally:
         torch.set_num_threads(before)
     p.new_kernels.update(timed)

@@ -4,9 +4,10 @@ step-time model predicts from (trainwise.measure.kernels).
 MFU on a CPU is only meaningful against what this CPU can really do, so trainwise measures it (once,
 then caches it) instead of guessing from a spec sheet. The peak is the 90% quantile of ~40 repeated square
 matmuls large enough to keep every thread busy (2048-4096 on a CPU; on an AMX Xeon a 1024 matmul runs on
-one thread), in two rounds ~20 s apart (PEAK_QUANTILE: five calibrations in a row agreed within 5-12%;
-the best of a few timings had swung 567 -> 2,206 GFLOP/s); bandwidth is a large tensor copy (bytes read
-+ bytes written per second).
+one thread), in three rounds: at the start, half-way and at the end of the calibration (PEAK_QUANTILE:
+with two rounds five calibrations in a row agreed within 5-12% on an AMX Xeon and 11-15% on an AMD EPYC;
+with three, 2.9% (bf16) and 5.5% (fp32) on the EPYC; the best of a few timings had swung 567 -> 2,206
+GFLOP/s); bandwidth is a large tensor copy (bytes read + bytes written per second).
 
 A peak measured while other work holds the CPU is too low, and every MFU computed from it then reads
 too high. So /proc/stat tells how much of the cores OTHER processes used during the peak timings
@@ -155,35 +156,43 @@ def others_share(before: tuple[float, float] | None, after: tuple[float, float] 
     return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (wall * cores))
 
 
-def device_profile(device: torch.device, bandwidth: float | None = None) -> dict:
-    """The step-time model's description of this device (trainwise.measure.kernels), as JSON."""
+def device_profile(device: torch.device, bandwidth: float | None = None, peak_rounds: list | None = None) -> dict:
+    """The step-time model's description of this device (trainwise.measure.kernels), as JSON. The
+    reference steps are sampled after every part (the machine's state drifts over seconds: their
+    fastest sample is what in_step is fitted on), and a round of peak timings is added to peak_rounds
+    half-way through."""
     from trainwise.measure import kernels as K
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     took, clock = {}, time.perf_counter()
+    refs = K.ReferenceSteps(device)  # real steps, sampled between the other parts
+    refs.sample()
 
-    def lap(part: str) -> None:  # seconds each part took: the whole must stay under a minute on 2 cores
+    def lap(part: str) -> None:  # seconds each part took (the whole must stay under a minute on 2 cores)
         nonlocal clock
-        took[part] = time.perf_counter() - clock
+        took[part] = took.get(part, 0.0) + time.perf_counter() - clock
+        refs.sample()
         clock = time.perf_counter()
 
-    refs = K.ReferenceSteps(device)  # real steps, timed in rounds between the other parts (drift)
-    refs.round()
-    grids = {name: K.matmul_grid(dt, device) for name, dt in dtypes.items()}
-    lap("matmul")
-    refs.round()
+    def per_dtype(part: str, measure) -> dict:
+        out = {}
+        for name, dt in dtypes.items():
+            out[name] = measure(dt, device)
+            lap(part)
+        return out
+
+    grids = per_dtype("matmul", K.matmul_grid)
     # large matmuls: compute-bound at the best throughput of the grid (as the peak: the fast end is what
     # repeats); their operands stream at least once at the copy bandwidth
     bandwidth = bandwidth or bandwidth_bytes_per_s(device)
     matmul = {name: [0.0, max(2.0 * m * k * n / t for m, k, n, t in grid), bandwidth] for name, grid in grids.items()}
-    elementwise = {name: K.elementwise_grid(dt, device) for name, dt in dtypes.items()}
-    lap("elementwise")
-    refs.round()
-    attention = {name: K.attention_fits(dt, device) for name, dt in dtypes.items()}
-    lap("attention")
+    elementwise = per_dtype("elementwise", K.elementwise_grid)
+    if peak_rounds is not None:
+        peak_rounds.append(peak_round(device))
+        lap("peak")
+    attention = per_dtype("attention", K.attention_fits)
     optimizer = K.optimizer_fit(device)
     lap("optimizer")
-    refs.round()
     from trainwise.cost.steptime import Profile
 
     partial = Profile(matmul=matmul, elementwise=elementwise, attention=attention, optimizer=optimizer,
@@ -192,7 +201,8 @@ def device_profile(device: torch.device, bandwidth: float | None = None) -> dict
     lap("steps")
     return {"matmul": matmul, "matmul_grid": grids, "elementwise": elementwise, "attention": attention,
             "optimizer": optimizer, "overhead": steps["overhead"], "in_step": steps["in_step"],
-            "reference_steps": steps["rows"], "source": "calibrated", "seconds": took, "version": PROFILE_VERSION}
+            "reference_steps": steps["rows"], "reference_samples": len(refs.times), "source": "calibrated",
+            "seconds": took, "version": PROFILE_VERSION}
 
 
 def measure_peak(device: torch.device, rounds: list[dict] | None = None, bandwidth: float | None = None) -> dict:
@@ -294,10 +304,10 @@ def _measure_and_cache_unseeded(device: torch.device, path: Path, key: str, old:
         # the quiet measurement stays in the cache, and its profile serves (a busy one is too slow)
         return {**result, "profile": old["profile"], "profile_from": old["measured_at"]}
     drop_kernel_table(key)  # the profile and the kernels it is fitted with: one state of the machine
-    profile = device_profile(device, result["bandwidth_bytes_per_s"])
-    # a second round of peak timings ~20 s after the first: the peak spans the machine's drift
-    result = {"machine": key, **measure_peak(device, [first, peak_round(device)], result["bandwidth_bytes_per_s"]),
-              "profile": profile}
+    rounds = [first]  # peak timings at the start, half-way and at the end: the peak spans the drift
+    profile = device_profile(device, result["bandwidth_bytes_per_s"], rounds)
+    rounds.append(peak_round(device))
+    result = {"machine": key, **measure_peak(device, rounds, result["bandwidth_bytes_per_s"]), "profile": profile}
     result["calibration_s"] = time.perf_counter() - began
     cached = _read(path)
     cached[key] = result

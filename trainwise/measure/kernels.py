@@ -240,15 +240,21 @@ REFERENCE_STEPS = (
 
 
 OVERHEAD_REFERENCES = 2  # the first two: kernels ~10% of their step, the rest Python, dispatch, autograd
+SAMPLE_S = 0.01  # seconds of calls per reference step and sample (at least one call)
 
 
 class ReferenceSteps:
-    """Real eager steps of REFERENCE_STEPS with the trainer's own step, timed in rounds spread over the
-    calibration (round() between its other parts: this machine's speed drifts over seconds, and a slow
-    spell that covered three back-to-back rounds moved in_step from 1.16 to 1.51), each keeping its
-    fastest; then fit(profile) says what a real eager step adds to its kernels timed one by one:
-    t = per step + per op x calls + in_step x (its operators' times from `profile`, a
-    cost.steptime.Profile) + its optimizer update."""
+    """Real eager steps of REFERENCE_STEPS with the trainer's own step, sampled again and again over the
+    whole calibration (sample() after each of its parts, and between the passes that time their
+    kernels), each keeping its fastest; then fit(profile) says what a real eager step adds to its
+    kernels timed one by one: t = per step + per op x calls + in_step x (its operators' times from
+    `profile`, a cost.steptime.Profile) + its optimizer update.
+
+    Why samples spread so widely: these VMs switch between a fast and a slow state for seconds to tens
+    of seconds at a time (AMD EPYC, 2026-12-01: the d192 reference step 57-59 ms for ~10 s, then 69-72 ms
+    for ~15 s, in one process with nothing else running, while a 1024 bf16 matmul moved 5%), and small
+    kernels lose most in the slow state. Four rounds at four points gave in_step 1.05-1.38 over eight
+    calibrations; a step fitted in a slow spell predicted the default model's step 15-20% long."""
 
     def __init__(self, device: torch.device):
         from trainwise.config import ModelConfig, TrainConfig
@@ -273,8 +279,18 @@ class ReferenceSteps:
             self.refs.append((f"d{cfg.d_model} L{cfg.n_layers} B{batch} T{seq} {precision}", ops, step,
                               len(tensors), sum(p.numel() for p in tensors)))
 
-    def round(self) -> None:
-        self.times.append([fast_seconds(step, 0.1, 3) for _, _, step, _, _ in self.refs])
+    def sample(self) -> None:
+        """Time each reference step once more (the overhead-bound ones for SAMPLE_S, a few calls):
+        ~0.15 s on 2 cores."""
+        row = []
+        for _, _, step, _, _ in self.refs:
+            best, end = float("inf"), time.perf_counter() + SAMPLE_S
+            while best == float("inf") or time.perf_counter() < end:
+                start = time.perf_counter()
+                step()
+                best = min(best, time.perf_counter() - start)
+            row.append(best)
+        self.times.append(row)
 
     def fit(self, profile) -> dict:
         """{"overhead": [s per step, s per op], "in_step": x, "rows": [[name, s, kernels s, calls], ...]}, in two
@@ -284,7 +300,7 @@ class ReferenceSteps:
         lose inside a step (operands evicted by the step's other work, allocation), their median."""
         from trainwise.cost.steptime import op_seconds, time_new_kernels
 
-        time_new_kernels([op for ref in self.refs for op in ref[1]], profile)
+        time_new_kernels([op for ref in self.refs for op in ref[1]], profile, between=self.sample)
         table = []
         for (name, ops, _, tensors, params), t in zip(self.refs, map(min, zip(*self.times))):
             t_opt = profile.optimizer[0] * tensors + profile.optimizer[1] * params
