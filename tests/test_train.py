@@ -186,3 +186,18 @@ def test_compiled_run_trains_evaluates_eagerly_and_samples(corpus, tmp_path, cap
     assert [r["step"] for r in rows if "val_loss" in r] == [5] and rows[-1]["loss"] < rows[0]["loss"]
     assert result.val_loss == result.val_loss and result.sample
     assert (out / "checkpoints" / "step_00000005" / "model.safetensors").is_file()
+
+
+def test_step_time_leaves_out_checkpoint_saves(corpus, tmp_path):
+    """metrics.jsonl's step_time_s (and verify.json's measured step time) is the steps' own time: a run
+    that saves a checkpoint after every step logs about the step time of one that never saves (a save,
+    with its fsyncs and checksums, took ~3x a tiny step here and was counted in the next interval)."""
+    import statistics
+
+    medians = []
+    for every in (0, 1):
+        out = tmp_path / f"every{every}"
+        train(tiny_config(corpus, "train.max_steps=12", "train.eval_every=0", f"train.checkpoint_every={every}"),
+              out=out, quiet=True)
+        medians.append(statistics.median(r["step_time_s"] for r in read_metrics(out)[1:]))
+    assert medians[1] < 2.5 * medians[0], medians

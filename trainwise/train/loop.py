@@ -479,7 +479,9 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
                 interval_start, interval_steps = time.perf_counter(), 0
             new_best = do_eval and cfg.train.keep_best and val_loss < best_val
             if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or stop_now or new_best:
+                saving = time.perf_counter()
                 _save(run, out, step, tokens_seen)
+                interval_start += time.perf_counter() - saving  # step_time_s is the steps', not the saves'
             if new_best:
                 best_val = val_loss
                 if d.is_main:
