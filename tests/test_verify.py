@@ -19,8 +19,12 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path / "cache"))
 
 
-def test_train_writes_verify_json(tmp_path, capsys):
+def test_train_writes_verify_json(tmp_path, capsys, monkeypatch):
     from pydoc_data.topics import topics
+
+    from trainwise.train import report
+
+    monkeypatch.setattr(report, "PROBE_MIN_RUN_S", 0.0)  # the speed probe runs after runs of 30 s; this one too
 
     corpus = tmp_path / "docs.txt"
     corpus.write_text("\n\n".join(topics[k] for k in sorted(topics))[:30_000], encoding="utf-8")
@@ -35,6 +39,12 @@ def test_train_writes_verify_json(tmp_path, capsys):
     assert abs(v["memory_bytes"]["params"]["error"]) < 0.01
     assert abs(v["peak_memory_bytes"]["error"]) < 0.10
     assert v["step_time_s"]["error"] is not None and v["device"] and v["notes"]
+    # the calibration's reference steps timed again after the run: the machine's speed beside the error
+    speed = v["machine_speed"]
+    assert speed["error"] == pytest.approx(speed["measured"] / speed["predicted"] - 1)
+    assert len(speed["per_reference_s"]) == 5 and all(t > 0 for t in speed["per_reference_s"])
+    assert speed["per_reference_s"][3] > speed["per_reference_s"][0]  # the d_model 192 step does more than d 16
     assert main(["verify", str(out)]) == 0
     table = capsys.readouterr().out
     assert "FLOPs / step" in table and "MiB" in table and "%" in table
+    assert "machine speed: the calibration's reference steps took" in table  # kept by `trainwise verify`

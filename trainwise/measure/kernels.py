@@ -264,6 +264,7 @@ class ReferenceSteps:
         from trainwise.train.optim import build_optimizer
 
         self.refs, self.times = [], []
+        self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         for model, batch, seq, precision in REFERENCE_STEPS:
             cfg = ModelConfig(**model, max_seq_len=seq)
             ops = [op for op in step_ops(cfg, batch, seq, precision) if op.phase != "optimizer"]
@@ -288,12 +289,18 @@ class ReferenceSteps:
             while best == float("inf") or time.perf_counter() < end:
                 start = time.perf_counter()
                 step()
+                self.sync()  # a GPU step is timed to its end, not to its launch
                 best = min(best, time.perf_counter() - start)
             row.append(best)
         self.times.append(row)
 
+    def fastest(self) -> list[float]:
+        """Each reference step's fastest sample, seconds."""
+        return list(map(min, zip(*self.times)))
+
     def fit(self, profile) -> dict:
-        """{"overhead": [s per step, s per op], "in_step": x, "rows": [[name, s, kernels s, calls], ...]}, in two
+        """{"overhead": [s per step, s per op], "in_step": x, "rows": [[name, s, kernels s, calls], ...],
+        "fastest": [s, ...]} (rows: without the optimizer update; fastest: whole steps), in two
         stages, each well determined (one fit of the three traded its terms off, in_step 0.9-1.7 between
         calibrations): the overhead-bound references (d_model 16, the first OVERHEAD_REFERENCES) give the
         per-step and per-op costs (Python, dispatch, autograd); the others, in_step: what their kernels
@@ -302,7 +309,8 @@ class ReferenceSteps:
 
         time_new_kernels([op for ref in self.refs for op in ref[1]], profile, between=self.sample)
         table = []
-        for (name, ops, _, tensors, params), t in zip(self.refs, map(min, zip(*self.times))):
+        fastest = self.fastest()
+        for (name, ops, _, tensors, params), t in zip(self.refs, fastest):
             t_opt = profile.optimizer[0] * tensors + profile.optimizer[1] * params
             table.append([name, t - t_opt, sum(op_seconds(op, profile)[0] for op in ops), sum(op.calls for op in ops)])
         profile.save_kernels()
@@ -310,7 +318,23 @@ class ReferenceSteps:
                                        for _, t, kernels, calls in table[:OVERHEAD_REFERENCES]])
         ratios = [(t - per_step - per_op * calls) / kernels for _, t, kernels, calls in table[OVERHEAD_REFERENCES:]]
         in_step = statistics.median(ratios) if ratios else 1.0
-        return {"overhead": [per_step, per_op], "in_step": max(in_step, 0.5), "rows": table}
+        return {"overhead": [per_step, per_op], "in_step": max(in_step, 0.5), "rows": table, "fastest": fastest}
+
+
+PROBE_S = 0.6  # seconds of reference-step samples in a speed probe (at least one sample)
+
+
+def reference_speed(device: torch.device, seconds: float = PROBE_S) -> list[float]:
+    """The calibration's reference steps timed again now: each one's fastest over `seconds` of samples
+    (seconds per step), to hold against the calibration's own (profile "reference_fastest_s"): what a
+    step-time error owes to this machine's speed having moved rather than to the model. The global RNG
+    is left as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        refs = ReferenceSteps(device)
+        end = time.perf_counter() + seconds
+        while not refs.times or time.perf_counter() < end:
+            refs.sample()
+    return refs.fastest()
 
 
 def collective_fit(sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23)) -> dict:

@@ -184,6 +184,11 @@ def format_table(v: dict) -> str:
     if source := v.get("time_source"):
         lines.append(f"step time and MFU predicted from: {source}"
                      + (" (step-time model, `trainwise plan --explain` itemises it)" if source != "assumed MFU (--mfu)" else ""))
+    if speed := v.get("machine_speed"):
+        lines.append(f"machine speed: the calibration's reference steps (small models) took {speed['measured']:.4g} s "
+                     f"after the run against {speed['predicted']:.4g} s when it was calibrated ({speed['error']:+.1%}): "
+                     "this machine's speed has moved by up to that much (small kernels move most), which every "
+                     "step-time error above includes")
     return "\n".join(lines)
 
 
@@ -214,6 +219,7 @@ def verify_run(run_dir: str | Path) -> dict:
     step_time, _ = steady_step_time(run_dir / "metrics.jsonl")
     new = build_verify(cfg, plan, measured, step_time, old["device"], info.get("peak_source", "stored"))
     new["run"] = info
-    if "per_rank" in old:  # measured on the ranks of a torchrun job; kept as the run recorded it
-        new["per_rank"] = old["per_rank"]
+    for key in ("per_rank", "machine_speed"):  # measured when the run ended; kept as the run recorded them
+        if key in old:
+            new[key] = old[key]
     return new

@@ -36,6 +36,10 @@ def device_peak_flops(device: torch.device, precision: str) -> tuple[float, str]
             f"measured {precision} matmul peak of this {device.type}" + (f"; {note}" if note else ""))
 
 
+# The speed probe after a run (RunReporter.machine_speed) costs ~1 s: only runs whose steps took this long
+PROBE_MIN_RUN_S = 30.0
+
+
 class RunReporter:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, device: torch.device, precision: str, say):
         self.cfg, self.device, self.precision, self.say = cfg, device, precision, say
@@ -66,6 +70,23 @@ class RunReporter:
 
         return plan_for_run(self.cfg, precision=self.precision, peak_flops=self.peak_flops, device=self.device.type,
                             compiled=self.compiled, world_size=self.world_size)
+
+    def machine_speed(self) -> dict | None:
+        """After the run: the calibration's reference steps timed again (measure.kernels.reference_speed),
+        as a verify.json entry {"predicted": their calibrated seconds (summed), "measured": now, "error"}: how much
+        of the step-time error is this machine's speed having moved since it was calibrated. None where
+        there is no such calibration (a table GPU, torchrun ranks of one thread each)."""
+        if self.world_size > 1:
+            return None
+        from trainwise.measure.calibrate import cached
+        from trainwise.measure.kernels import reference_speed
+
+        calibrated = ((cached(self.device) or {}).get("profile") or {}).get("reference_fastest_s")
+        if not calibrated:
+            return None
+        now = reference_speed(self.device)
+        return {"predicted": sum(calibrated), "measured": sum(now), "error": sum(now) / sum(calibrated) - 1,
+                "per_reference_s": now}
 
     def write_plan(self, path: Path) -> None:
         path.write_text(json.dumps(self.plan().to_json(), indent=1), encoding="utf-8")
@@ -106,6 +127,8 @@ class RunReporter:
         result = build_verify(self.cfg, self.plan(), measured, step_time, device, self.peak_source)
         result["run"] = {"precision": self.precision, "peak_flops": self.peak_flops, "peak_source": self.peak_source,
                          "step": step, "tokens": tokens_seen, "compiled": self.compiled, "world_size": self.world_size}
+        if step_time and step_time * step >= PROBE_MIN_RUN_S and (speed := self.machine_speed()) is not None:
+            result["machine_speed"] = speed
         (out / "verify.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
         self.say("\npredicted vs measured (verify.json):\n" + format_table(result))
         return result
