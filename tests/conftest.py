@@ -24,6 +24,30 @@ def private_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def calibrated(private_cache) -> Path:
+    """This machine's calibration in the session's cache (measured once, ~25 s), for the tests that
+    isolate their token caches (isolated_cache): they need no calibration of their own."""
+    from trainwise.measure.calibrate import cache_root, calibrate
+
+    calibrate("cpu")
+    return cache_root()
+
+
+@pytest.fixture
+def isolated_cache(tmp_path_factory, monkeypatch, calibrated) -> Path:
+    """A private TRAINWISE_CACHE for one test (tokenizers and token shards start empty), holding a copy
+    of the session's calibration and kernel table; outside tmp_path, which tests read as a corpus."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("cache")
+    for name in ("calibration.json", "kernels.json"):
+        if (calibrated / name).is_file():
+            shutil.copy(calibrated / name, path / name)
+    monkeypatch.setenv("TRAINWISE_CACHE", str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     """About 60 KB of real English text (CPython's reference docs), as a plain .txt file."""
     from pydoc_data.topics import topics

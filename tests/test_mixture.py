@@ -15,8 +15,8 @@ ZH = "训练语言模型需要大量的文本数据，模型学习预测下一�
 
 
 @pytest.fixture(autouse=True)
-def cache_in_tmp(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path / "cache"))
+def cache_in_tmp(isolated_cache):
+    return isolated_cache
 
 
 def test_sampler_draws_sources_in_proportion_and_resumes():

@@ -296,12 +296,11 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_h
         "model.n_shared_experts=1", "model.first_dense_layers=1"]
 
 
-def test_training_a_tiny_moe_lowers_the_loss_and_logs_expert_counts(tmp_path, monkeypatch):
+def test_training_a_tiny_moe_lowers_the_loss_and_logs_expert_counts(tmp_path, isolated_cache):
     from pydoc_data.topics import topics
 
     from trainwise.train.loop import train
 
-    monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path / "cache"))
     corpus = tmp_path / "docs.txt"
     corpus.write_text("\n\n".join(topics[k] for k in sorted(topics))[:30_000], encoding="utf-8")
     cfg = apply_overrides(RunConfig(), TINY + [f"data.paths=['{corpus}']", "train.max_steps=15"])

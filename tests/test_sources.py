@@ -37,8 +37,8 @@ LEGACY = {  # file name: (text, codec it is written in)
 
 
 @pytest.fixture(autouse=True)
-def cache_in_tmp(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path / "cache"))
+def cache_in_tmp(isolated_cache):
+    return isolated_cache
 
 
 def make_mixed_folder(root):
