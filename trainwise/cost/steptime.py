@@ -60,6 +60,9 @@ class Profile:
     link: list[float] = field(default_factory=lambda: [5e-5, 1e9])  # collectives: [latency s, bytes/s]
     link_source: str = "default"
     in_step: float = 1.0  # a real step's kernels take this times their time alone (calibrated: step_fit)
+    # a few of the calibration's own kernels at their fastest: kernels timed later are scaled by how much
+    # slower these run at that moment (time_new_kernels), so the whole table describes one machine state
+    anchors: dict[str, float] = field(default_factory=dict)
     # seconds per call of matmuls and attention at given shapes (kernel_key); with `device` set, the
     # calls a plan needs and the table lacks are measured on this device (`threads` torch threads)
     kernels: dict[str, float] = field(default_factory=dict)
@@ -72,7 +75,7 @@ class Profile:
     def from_json(cls, d: dict) -> Profile:
         return cls(**{k: d[k] for k in ("matmul", "elementwise", "attention", "optimizer", "overhead", "source")},
                    link=d.get("link", [5e-5, 1e9]), link_source=d.get("link_source", "default"),
-                   in_step=d.get("in_step", 1.0))
+                   in_step=d.get("in_step", 1.0), anchors=d.get("anchors", {}))
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("kernels", "device", "threads", "new_kernels")}
@@ -160,46 +163,81 @@ def _kernel_entry(op: Op) -> tuple[str, bool]:
     return key, op.flops / op.calls <= MAX_KERNEL_FLOPS and op.bytes / op.calls <= MAX_KERNEL_BYTES
 
 
-def time_new_kernels(ops: list[Op], p: Profile, between=None) -> None:
-    """Time, on this device, the matmul and attention calls of `ops` the kernel table lacks (when the
-    profile is this device's: Profile.on_device), in KERNEL_PASSES passes keeping each one's fastest;
-    between() after each pass (the calibration samples its reference steps there)."""
-    todo = {}  # one timing per kernel: an attention call's forward and backward come from one
+def kernels_to_time(ops: list[Op], known: dict[str, float]) -> dict[str, Op]:
+    """{kernel: op} of the matmul and attention calls of `ops` small enough to time and not in `known`
+    (one entry per attention call: its forward and backward are timed together)."""
+    todo = {}
     for op in ops:
         key, small = _kernel_entry(op)
-        if small and key not in p.kernels:
+        if small and key not in known:
             todo[key.rsplit("|", 1)[0] if op.cls == "attention" else key] = op
-    if p.device is None or not todo:
-        return
+    return todo
+
+
+def time_kernel_pass(todo: dict[str, Op], device: str, timed: dict[str, float], budget_s: float | None = None) -> None:
+    """Time each kernel of `todo` (kernels_to_time) once more on `device` with the current torch threads,
+    keeping each one's fastest in `timed` (seconds per call; attention as "...|forward" and "...|backward")."""
     import torch
 
     from trainwise.measure import kernels as K
-    from trainwise.train.allocator import keep_freed_memory
     from trainwise.train.precision import DTYPES
+
+    budget = K.KERNEL_BUDGET_S if budget_s is None else budget_s
+
+    def keep(key: str, seconds: float) -> None:
+        timed[key] = min(seconds, timed.get(key, seconds))
+
+    with torch.random.fork_rng(devices=[]):
+        for key, op in todo.items():
+            dtype, dev = DTYPES[op.dtype], torch.device(device)
+            if op.cls == "attention":
+                fwd, bwd = K.attention_call_seconds(op.shape, dtype, dev, budget)
+                keep(f"{key}|forward", fwd)
+                keep(f"{key}|backward", bwd)
+            else:
+                keep(key, K.matmul_call_seconds(op.shape, op.layout, dtype, dev, grouped="grouped_mm" in op.name,
+                                                budget_s=budget))
+
+
+def matmul_op(key: str) -> Op:
+    """The matmul call a kernel table key names ("matmul|bf16|1x1536x192x512|NT"), to time it again."""
+    kind, dtype, dims, layout = key.split("|")
+    batch, m, k, n = map(int, dims.split("x"))
+    flops = 2.0 * batch * m * k * n
+    return Op("aten.bmm" if batch > 1 else "aten.mm", "matmul", "forward", dtype, (batch, m, k, n), 1, flops,
+              0.0, layout)
+
+
+def time_new_kernels(ops: list[Op], p: Profile) -> None:
+    """Time, on this device, the matmul and attention calls of `ops` the kernel table lacks (when the
+    profile is this device's: Profile.on_device), in KERNEL_PASSES passes keeping each one's fastest.
+    Each pass also times the profile's anchors again and scales its timings by how much slower they ran
+    than at their fastest in the calibration (the median ratio): this machine moves between a fast and a
+    slow state for seconds at a time, and a table timed in a slow spell put a plan's step 8-12% long."""
+    todo = kernels_to_time(ops, p.kernels)
+    if p.device is None or not todo:
+        return
+    import statistics
+
+    import torch
+
+    from trainwise.train.allocator import keep_freed_memory
 
     keep_freed_memory()
     before = torch.get_num_threads()
     if p.threads:
         torch.set_num_threads(p.threads)
+    anchors = {key: matmul_op(key) for key in p.anchors}
     timed: dict[str, float] = {}
-
-    def keep(key: str, seconds: float) -> None:
-        timed[key] = min(seconds, timed.get(key, seconds))
-
     try:
-        with torch.random.fork_rng(devices=[]):
-            for _ in range(KERNEL_PASSES):
-                for key, op in todo.items():
-                    dtype, device = DTYPES[op.dtype], torch.device(p.device)
-                    if op.cls == "attention":
-                        fwd, bwd = K.attention_call_seconds(op.shape, dtype, device)
-                        keep(f"{key}|forward", fwd)
-                        keep(f"{key}|backward", bwd)
-                    else:
-                        keep(key, K.matmul_call_seconds(op.shape, op.layout, dtype, device,
-                                                        grouped="grouped_mm" in op.name))
-                if between is not None:
-                    between()
+        for _ in range(KERNEL_PASSES):
+            now: dict[str, float] = {}
+            time_kernel_pass(anchors, p.device, now)
+            state = statistics.median(now[k] / p.anchors[k] for k in anchors) if anchors else 1.0
+            this_pass: dict[str, float] = {}
+            time_kernel_pass(todo, p.device, this_pass)
+            for key, seconds in this_pass.items():
+                timed[key] = min(seconds / state, timed.get(key, float("inf")))
     finally:
         torch.set_num_threads(before)
     p.new_kernels.update(timed)

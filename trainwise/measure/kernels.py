@@ -118,7 +118,7 @@ def _operand(rows: int, cols: int, layout: str, dtype: torch.dtype, device: torc
 
 
 def matmul_call_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: torch.device,
-                        grouped: bool = False) -> float:
+                        grouped: bool = False, budget_s: float = KERNEL_BUDGET_S) -> float:
     """Seconds of one (batch, M, K, N) matmul with operands laid out as `layout` (e.g. "NT": x @ W.t()),
     the fast end of repeated calls (fast_seconds): the same FLOPs run 2-5x apart with the shape and the
     layout on a CPU (a 4096x256x4096 bf16 mm reached 440 GFLOP/s, a 4096x256x704 one 2,700 here)."""
@@ -126,18 +126,19 @@ def matmul_call_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype,
     gen = torch.Generator(device=device).manual_seed(0)
     la, lb = (layout or "NN")[:2]
     if grouped:
-        return _grouped_mm_seconds(shape, layout, dtype, device, gen)
+        return _grouped_mm_seconds(shape, layout, dtype, device, gen, budget_s)
     if batch > 1:
         a, b = _operand(m, k, la, dtype, device, gen, batch), _operand(k, n, lb, dtype, device, gen, batch)
-        return fast_seconds(lambda: torch.bmm(a, b), KERNEL_BUDGET_S, 3)
+        return fast_seconds(lambda: torch.bmm(a, b), budget_s, 3)
     a, b = _operand(m, k, la, dtype, device, gen), _operand(k, n, lb, dtype, device, gen)
-    return fast_seconds(lambda: torch.mm(a, b), KERNEL_BUDGET_S, 3)
+    return fast_seconds(lambda: torch.mm(a, b), budget_s, 3)
 
 
 _routings = 0
 
 
-def _grouped_mm_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: torch.device, gen) -> float:
+def _grouped_mm_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: torch.device, gen,
+                        budget_s: float) -> float:
     """One torch._grouped_mm call of an MoE layer as cost.ops records it: (experts, rows per expert, K, N)
     for (S, K) x (E, K, N); with layout "..:split-k", (experts, K', rows per expert, N) for the weight
     gradient (K', S) x (S, N) -> (E, K', N). Each call routes the S rows to the experts anew (a seeded
@@ -160,11 +161,11 @@ def _grouped_mm_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype,
         a = _operand(total, shape[2], layout[0], dtype, device, gen)
         b = _operand(shape[2], shape[3], layout[1], dtype, device, gen, experts)
     calls = iter(range(1 << 30))
-    return fast_seconds(lambda: torch._grouped_mm(a, b, offs=offsets[next(calls) % len(offsets)]),
-                        KERNEL_BUDGET_S, 3)
+    return fast_seconds(lambda: torch._grouped_mm(a, b, offs=offsets[next(calls) % len(offsets)]), budget_s, 3)
 
 
-def attention_call_seconds(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+def attention_call_seconds(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                           budget_s: float = KERNEL_BUDGET_S) -> tuple[float, float]:
     """(forward, backward) seconds of one causal SDPA call at (batch, heads, kv heads, T, head dim), as
     the model calls it (grouped-query attention through enable_gqa)."""
     batch, heads, kv, t_len, hd = shape
@@ -177,8 +178,8 @@ def attention_call_seconds(shape: tuple[int, ...], dtype: torch.dtype, device: t
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != heads)
 
     grad = torch.randn_like(fwd())
-    t_fwd = fast_seconds(fwd, KERNEL_BUDGET_S, 3)
-    t_both = fast_seconds(lambda: torch.autograd.grad(fwd(), (q, k, v), grad), 1.5 * KERNEL_BUDGET_S, 3)
+    t_fwd = fast_seconds(fwd, budget_s, 3)
+    t_both = fast_seconds(lambda: torch.autograd.grad(fwd(), (q, k, v), grad), 1.5 * budget_s, 3)
     return t_fwd, max(t_both - t_fwd, 1e-7)
 
 
@@ -241,12 +242,13 @@ REFERENCE_STEPS = (
 
 OVERHEAD_REFERENCES = 2  # the first two: kernels ~10% of their step, the rest Python, dispatch, autograd
 SAMPLE_S = 0.01  # seconds of calls per reference step and sample (at least one call)
+ANCHORS = 4  # the references' slowest matmuls, timed again beside every later kernel timing (Profile.anchors)
 
 
 class ReferenceSteps:
     """Real eager steps of REFERENCE_STEPS with the trainer's own step, sampled again and again over the
-    whole calibration (sample() after each of its parts, and between the passes that time their
-    kernels), each keeping its fastest; then fit(profile) says what a real eager step adds to its
+    whole calibration (sample() after each of its parts), each keeping its fastest, and their matmul and
+    attention calls timed alone in the same samples; then fit(profile) says what a real eager step adds to its
     kernels timed one by one: t = per step + per op x calls + in_step x (its operators' times from
     `profile`, a cost.steptime.Profile) + its optimizer update.
 
@@ -256,15 +258,17 @@ class ReferenceSteps:
     kernels lose most in the slow state. Four rounds at four points gave in_step 1.05-1.38 over eight
     calibrations; a step fitted in a slow spell predicted the default model's step 15-20% long."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, time_kernels: bool = True):
         from trainwise.config import ModelConfig, TrainConfig
         from trainwise.cost.ops import step_ops
         from trainwise.measure.step import random_batches, train_step
         from trainwise.model import Transformer
         from trainwise.train.optim import build_optimizer
 
-        self.refs, self.times = [], []
+        self.refs, self.times, self.device = [], [], device
         self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        self.kernels: dict[str, float] = {}  # the references' matmuls and attention calls: fastest seconds
+        self.time_kernels = time_kernels
         for model, batch, seq, precision in REFERENCE_STEPS:
             cfg = ModelConfig(**model, max_seq_len=seq)
             ops = [op for op in step_ops(cfg, batch, seq, precision) if op.phase != "optimizer"]
@@ -281,8 +285,14 @@ class ReferenceSteps:
                               len(tensors), sum(p.numel() for p in tensors)))
 
     def sample(self) -> None:
-        """Time each reference step once more (the overhead-bound ones for SAMPLE_S, a few calls):
-        ~0.15 s on 2 cores."""
+        """Time each reference step once more (the overhead-bound ones for SAMPLE_S, a few calls), and
+        (time_kernels) each of their matmul and attention calls alone once more: ~0.3 s on 2 cores. The
+        steps and their kernels are timed side by side, so in_step compares one state of the machine."""
+        from trainwise.cost.steptime import kernels_to_time, time_kernel_pass
+
+        if self.time_kernels:
+            todo = kernels_to_time([op for ref in self.refs for op in ref[1]], {})
+            time_kernel_pass(todo, self.device.type, self.kernels, budget_s=0.0)  # 4 calls each, the fastest
         row = []
         for _, _, step, _, _ in self.refs:
             best, end = float("inf"), time.perf_counter() + SAMPLE_S
@@ -305,9 +315,10 @@ class ReferenceSteps:
         calibrations): the overhead-bound references (d_model 16, the first OVERHEAD_REFERENCES) give the
         per-step and per-op costs (Python, dispatch, autograd); the others, in_step: what their kernels
         lose inside a step (operands evicted by the step's other work, allocation), their median."""
-        from trainwise.cost.steptime import op_seconds, time_new_kernels
+        from trainwise.cost.steptime import op_seconds
 
-        time_new_kernels([op for ref in self.refs for op in ref[1]], profile, between=self.sample)
+        profile.kernels.update(self.kernels)
+        profile.new_kernels.update(self.kernels)
         table = []
         fastest = self.fastest()
         for (name, ops, _, tensors, params), t in zip(self.refs, fastest):
@@ -318,7 +329,9 @@ class ReferenceSteps:
                                        for _, t, kernels, calls in table[:OVERHEAD_REFERENCES]])
         ratios = [(t - per_step - per_op * calls) / kernels for _, t, kernels, calls in table[OVERHEAD_REFERENCES:]]
         in_step = statistics.median(ratios) if ratios else 1.0
-        return {"overhead": [per_step, per_op], "in_step": max(in_step, 0.5), "rows": table, "fastest": fastest}
+        anchors = sorted((k for k in self.kernels if k.startswith("matmul|")), key=lambda k: -self.kernels[k])
+        return {"overhead": [per_step, per_op], "in_step": max(in_step, 0.5), "rows": table, "fastest": fastest,
+                "anchors": {k: self.kernels[k] for k in anchors[:ANCHORS]}}
 
 
 PROBE_S = 0.6  # seconds of reference-step samples in a speed probe (at least one sample)
@@ -330,7 +343,7 @@ def reference_speed(device: torch.device, seconds: float = PROBE_S) -> list[floa
     step-time error owes to this machine's speed having moved rather than to the model. The global RNG
     is left as it was."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        refs = ReferenceSteps(device)
+        refs = ReferenceSteps(device, time_kernels=False)
         end = time.perf_counter() + seconds
         while not refs.times or time.perf_counter() < end:
             refs.sample()
