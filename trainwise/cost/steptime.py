@@ -60,9 +60,6 @@ class Profile:
     link: list[float] = field(default_factory=lambda: [5e-5, 1e9])  # collectives: [latency s, bytes/s]
     link_source: str = "default"
     in_step: float = 1.0  # a real step's kernels take this times their time alone (calibrated: step_fit)
-    # a few of the calibration's own kernels at their fastest: kernels timed later are scaled by how much
-    # slower these run at that moment (time_new_kernels), so the whole table describes one machine state
-    anchors: dict[str, float] = field(default_factory=dict)
     # seconds per call of matmuls and attention at given shapes (kernel_key); with `device` set, the
     # calls a plan needs and the table lacks are measured on this device (`threads` torch threads)
     kernels: dict[str, float] = field(default_factory=dict)
@@ -75,7 +72,7 @@ class Profile:
     def from_json(cls, d: dict) -> Profile:
         return cls(**{k: d[k] for k in ("matmul", "elementwise", "attention", "optimizer", "overhead", "source")},
                    link=d.get("link", [5e-5, 1e9]), link_source=d.get("link_source", "default"),
-                   in_step=d.get("in_step", 1.0), anchors=d.get("anchors", {}))
+                   in_step=d.get("in_step", 1.0))
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("kernels", "device", "threads", "new_kernels")}
@@ -199,26 +196,15 @@ def time_kernel_pass(todo: dict[str, Op], device: str, timed: dict[str, float], 
                                                 budget_s=budget))
 
 
-def matmul_op(key: str) -> Op:
-    """The matmul call a kernel table key names ("matmul|bf16|1x1536x192x512|NT"), to time it again."""
-    kind, dtype, dims, layout = key.split("|")
-    batch, m, k, n = map(int, dims.split("x"))
-    flops = 2.0 * batch * m * k * n
-    return Op("aten.bmm" if batch > 1 else "aten.mm", "matmul", "forward", dtype, (batch, m, k, n), 1, flops,
-              0.0, layout)
-
-
 def time_new_kernels(ops: list[Op], p: Profile) -> None:
     """Time, on this device, the matmul and attention calls of `ops` the kernel table lacks (when the
     profile is this device's: Profile.on_device), in KERNEL_PASSES passes keeping each one's fastest.
-    Each pass also times the profile's anchors again and scales its timings by how much slower they ran
-    than at their fastest in the calibration (the median ratio): this machine moves between a fast and a
-    slow state for seconds at a time, and a table timed in a slow spell put a plan's step 8-12% long."""
+    (Tried: scaling each pass by how much slower a few of the calibration's own matmuls ran beside it.
+    In this VM's slow state ~3 ms matmuls ran 1.5x slow and 20 ms ones were not slowed, so the default
+    step was planned 40% short; not kept.)"""
     todo = kernels_to_time(ops, p.kernels)
     if p.device is None or not todo:
         return
-    import statistics
-
     import torch
 
     from trainwise.train.allocator import keep_freed_memory
@@ -227,17 +213,10 @@ def time_new_kernels(ops: list[Op], p: Profile) -> None:
     before = torch.get_num_threads()
     if p.threads:
         torch.set_num_threads(p.threads)
-    anchors = {key: matmul_op(key) for key in p.anchors}
     timed: dict[str, float] = {}
     try:
         for _ in range(KERNEL_PASSES):
-            now: dict[str, float] = {}
-            time_kernel_pass(anchors, p.device, now)
-            state = statistics.median(now[k] / p.anchors[k] for k in anchors) if anchors else 1.0
-            this_pass: dict[str, float] = {}
-            time_kernel_pass(todo, p.device, this_pass)
-            for key, seconds in this_pass.items():
-                timed[key] = min(seconds / state, timed.get(key, float("inf")))
+            time_kernel_pass(todo, p.device, timed)
     finally:
         torch.set_num_threads(before)
     p.new_kernels.update(timed)

@@ -201,7 +201,7 @@ def device_profile(device: torch.device, bandwidth: float | None = None, peak_ro
     took["steps"] = time.perf_counter() - clock
     return {"matmul": matmul, "matmul_grid": grids, "elementwise": elementwise, "attention": attention,
             "optimizer": optimizer, "overhead": steps["overhead"], "in_step": steps["in_step"],
-            "reference_steps": steps["rows"], "reference_fastest_s": steps["fastest"], "anchors": steps["anchors"],
+            "reference_steps": steps["rows"], "reference_fastest_s": steps["fastest"],
             "reference_samples": len(refs.times), "source": "calibrated",
             "seconds": took, "version": PROFILE_VERSION}
 

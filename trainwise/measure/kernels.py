@@ -242,7 +242,6 @@ REFERENCE_STEPS = (
 
 OVERHEAD_REFERENCES = 2  # the first two: kernels ~10% of their step, the rest Python, dispatch, autograd
 SAMPLE_S = 0.01  # seconds of calls per reference step and sample (at least one call)
-ANCHORS = 4  # the references' slowest matmuls, timed again beside every later kernel timing (Profile.anchors)
 
 
 class ReferenceSteps:
@@ -329,9 +328,7 @@ class ReferenceSteps:
                                        for _, t, kernels, calls in table[:OVERHEAD_REFERENCES]])
         ratios = [(t - per_step - per_op * calls) / kernels for _, t, kernels, calls in table[OVERHEAD_REFERENCES:]]
         in_step = statistics.median(ratios) if ratios else 1.0
-        anchors = sorted((k for k in self.kernels if k.startswith("matmul|")), key=lambda k: -self.kernels[k])
-        return {"overhead": [per_step, per_op], "in_step": max(in_step, 0.5), "rows": table, "fastest": fastest,
-                "anchors": {k: self.kernels[k] for k in anchors[:ANCHORS]}}
+        return {"overhead": [per_step, per_op], "in_step": max(in_step, 0.5), "rows": table, "fastest": fastest}
 
 
 PROBE_S = 0.6  # seconds of reference-step samples in a speed probe (at least one sample)
