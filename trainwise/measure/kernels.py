@@ -267,7 +267,7 @@ class ReferenceSteps:
         self.refs, self.times, self.device = [], [], device
         self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         self.kernels: dict[str, float] = {}  # the references' matmuls and attention calls: fastest seconds
-        self.time_kernels = time_kernels
+        self.time_kernels, self.todo = time_kernels, {}
         for model, batch, seq, precision in REFERENCE_STEPS:
             cfg = ModelConfig(**model, max_seq_len=seq)
             ops = [op for op in step_ops(cfg, batch, seq, precision) if op.phase != "optimizer"]
@@ -290,8 +290,8 @@ class ReferenceSteps:
         from trainwise.cost.steptime import kernels_to_time, time_kernel_pass
 
         if self.time_kernels:
-            todo = kernels_to_time([op for ref in self.refs for op in ref[1]], {})
-            time_kernel_pass(todo, self.device.type, self.kernels, budget_s=0.0)  # 4 calls each, the fastest
+            self.todo = self.todo or kernels_to_time([op for ref in self.refs for op in ref[1]], {})
+            time_kernel_pass(self.todo, self.device.type, self.kernels, budget_s=0.0)  # 4 calls each, the fastest
         row = []
         for _, _, step, _, _ in self.refs:
             best, end = float("inf"), time.perf_counter() + SAMPLE_S
