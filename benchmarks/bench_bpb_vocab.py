@@ -29,7 +29,7 @@ MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
 
 
 
-from trainwise.measure.calibrate import cpu_model  # noqa: E402
+from trainwise.hardware.cache import cpu_model
 
 def split_corpus(out: Path) -> tuple[Path, Path]:
     """The built-in corpus, every tenth topic held out (7% of its bytes): (train.txt, held_out.txt)."""
@@ -47,7 +47,7 @@ def split_corpus(out: Path) -> tuple[Path, Path]:
 def run_one(out: Path, corpus: Path, held_out: Path, vocab: int, steps: int, extra: list[str]) -> dict:
     from trainwise.config import RunConfig, apply_overrides
     from trainwise.evaluate import evaluate_run
-    from trainwise.train.loop import train
+    from trainwise.trainer.loop import train
 
     run_dir = out / f"v{vocab}-s{steps}"
     start = time.perf_counter()

@@ -6,7 +6,7 @@
 The same model (d_model 256, 2 layers, tied embeddings) twice, built from one seed: once with
 model.loss_chunk_tokens = 0 (F.cross_entropy on the whole fp32 B x T x V logits) and once with
 --chunk (trainwise.model.loss). One training step (forward + backward + clip + AdamW step, the
-trainer's `train_step`) of each on the same batch, after one warm-up step so the optimizer states
+trainer's own step, trainwise.runtime.step) of each on the same batch, after one warm-up step so the optimizer states
 exist. Peak memory is MemTracker's (trainwise.measure.memtrack: every tensor storage, CPU or CUDA),
 beside the planner's prediction (plan_run(...).peak_bytes); the loss difference is that of the first
 step; step times are medians of --reps interleaved untracked steps (plain, chunked, plain, ...).
@@ -21,21 +21,18 @@ import time
 import torch
 
 from trainwise.config import ModelConfig, TrainConfig
-from trainwise.cost.plan import plan_run
 from trainwise.measure.memtrack import track_train_step
-from trainwise.measure.step import random_batches, train_step
-from trainwise.model import Transformer
-from trainwise.train.optim import build_optimizer
+from trainwise.planner.plan import plan_run
+from trainwise.runtime.step import build_model, build_step, random_batches
 
 MIB = 2**20
 
 
-def build(args, chunk: int, device: torch.device):
+def build(args, chunk: int, device: torch.device, precision: str):
     cfg = ModelConfig(vocab_size=args.vocab, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
                       max_seq_len=args.seq_len, loss_chunk_tokens=chunk)
     torch.manual_seed(0)
-    model = Transformer(cfg).to(device)
-    return cfg, model, build_optimizer(model, TrainConfig())
+    return cfg, build_step(build_model(cfg, device), TrainConfig(), device, precision)
 
 
 def sync(device: torch.device) -> None:
@@ -47,18 +44,18 @@ def compare(args, precision: str, device: torch.device) -> dict:
     batches = random_batches(args.vocab, args.micro_batch, args.seq_len, 1, device)
     runs = {}
     for name, chunk in (("plain", 0), ("chunked", args.chunk)):
-        cfg, model, opt = build(args, chunk, device)
-        first = train_step(model, opt, batches, device, precision).item()  # fp32 master weights: same start
-        tracked = track_train_step(model, opt, batches, device, precision)
+        cfg, step = build(args, chunk, device, precision)
+        first = step(batches).loss.item()  # fp32 master weights: same start
+        tracked = track_train_step(step, batches)
         plan = plan_run(cfg, tokens=1, seq_len=args.seq_len, micro_batch=args.micro_batch, peak_flops=1e12,
                         precision="fp32" if precision == "fp32" else "amp")
-        runs[name] = dict(model=model, opt=opt, loss=first, peak=tracked.peak_bytes, plan=plan.peak_bytes,
+        runs[name] = dict(step=step, loss=first, peak=tracked.peak_bytes, plan=plan.peak_bytes,
                           cuda=tracked.cuda_max_allocated_bytes, times=[])
     for _ in range(args.reps):
         for run in runs.values():
             sync(device)
             start = time.perf_counter()
-            train_step(run["model"], run["opt"], batches, device, precision)
+            run["step"](batches)
             sync(device)
             run["times"].append(time.perf_counter() - start)
     plain, chunked = runs["plain"], runs["chunked"]

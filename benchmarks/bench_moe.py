@@ -3,8 +3,8 @@
     python benchmarks/bench_moe.py [--micro-batch 16] [--seq-len 256] [--reps 5] [--dispatch both]
 
 Models: trainwise-moe-small (8 experts of width 352, top-2) and trainwise-small (one MLP of width 704,
-the same active parameters bar the 8H router per layer). A step is forward + backward + AdamW update on
-one micro-batch. Both models are timed in this process with interleaved repetitions (dense, moe, dense,
+the same active parameters bar the 8H router per layer). A step is the trainer's own (trainwise.runtime
+.step: forward + backward + clip + fused AdamW update) on one micro-batch. Both models are timed in this process with interleaved repetitions (dense, moe, dense,
 moe, ...) so that load from other processes hits both alike; medians are reported, in fp32 and under
 bf16 autocast. --dispatch compares torch._grouped_mm with the loop over experts.
 """
@@ -12,30 +12,28 @@ bf16 autocast. --dispatch compares torch._grouped_mm with the loop over experts.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 
 import torch
 
+from trainwise.config import TrainConfig
 from trainwise.cost.params import params
 from trainwise.model import Transformer
 from trainwise.model.moe import MoE
 from trainwise.presets import get_preset
+from trainwise.runtime.step import build_model, build_step
+
+CPU = torch.device("cpu")
 
 
 def make_step(model: Transformer, batch: torch.Tensor, precision: str):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    train_step = build_step(model, TrainConfig(), CPU, precision)
+    batches = [(batch[:, :-1], batch[:, 1:])]
 
     def step() -> float:
-        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
-                    else contextlib.nullcontext())
         start = time.perf_counter()
-        with autocast:
-            loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(batches)
         return time.perf_counter() - start
 
     return step
@@ -72,9 +70,9 @@ def main() -> None:
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
     for precision in precisions:
         torch.manual_seed(0)
-        runs = {"dense": make_step(Transformer(dense_cfg), batch, precision)}
+        runs = {"dense": make_step(build_model(dense_cfg), batch, precision)}
         for grouped_mm in dispatches:
-            moe = Transformer(moe_cfg)
+            moe = build_model(moe_cfg)
             set_dispatch(moe, grouped_mm)
             runs["moe " + ("grouped_mm" if grouped_mm is None else "loop")] = make_step(moe, batch, precision)
         times: dict[str, list[float]] = {name: [] for name in runs}

@@ -11,7 +11,7 @@ zero_grad(set_to_none=True). Variants, all at the same model shape and the same 
                    the same plus `model = torch.compile(model)`, as its train.py does with compile=True
   tw-gpt2 bf16     trainwise Transformer with nanoGPT's architecture (gelu, layernorm, learned
                    positions, bias, tied embeddings, MHA), the trainer's own path: bf16 autocast from
-                   trainwise.train.precision.autocast, AdamW from build_optimizer(model, TrainConfig())
+                   trainwise.runtime.precision.autocast, AdamW from build_optimizer(model, TrainConfig())
   tw-gpt2 fp32     the same model and optimizer without autocast
   tw-llama bf16    trainwise's default Llama-style block (swiglu, rmsnorm, rope, no bias, GQA with
                    n_kv_heads = n_heads // 2) at the same vocab / d_model / layers / heads, bf16
@@ -126,9 +126,8 @@ def nanogpt_variant(name: str, shape: dict, nanogpt, cfg) -> Variant:
 
 def build_variants(shape: dict, nanogpt, which: list[str]) -> list[Variant]:
     from trainwise.config import ModelConfig, TrainConfig
-    from trainwise.model import Transformer
-    from trainwise.train.optim import build_optimizer
-    from trainwise.train.precision import autocast
+    from trainwise.runtime.precision import autocast
+    from trainwise.runtime.step import build_model, build_step
 
     cpu = torch.device("cpu")
     common = dict(vocab_size=shape["vocab"], d_model=shape["d_model"], n_layers=shape["layers"],
@@ -145,13 +144,9 @@ def build_variants(shape: dict, nanogpt, which: list[str]) -> list[Variant]:
             continue
         arch, precision, *compiled = name.split()
         cfg = gpt2_cfg if arch == "tw-gpt2" else llama_cfg
-        model = Transformer(cfg)
-        if compiled:  # "tw-llama bf16 compile": the trainer's train.compile=true path
-            from trainwise.train.parallelize import apply_compile
-
-            apply_compile(model)
-        opt = build_optimizer(model, TrainConfig())
-        variants.append(Variant(name, model, opt, lambda p=precision: autocast(cpu, p), cfg, precision))
+        # "tw-llama bf16 compile": the trainer's train.compile=true path (runtime.step's builder)
+        step = build_step(build_model(cfg), TrainConfig(), cpu, precision, compile=bool(compiled))
+        variants.append(Variant(name, step.model, step.optimizer, lambda p=precision: autocast(cpu, p), cfg, precision))
     return variants
 
 
@@ -208,17 +203,14 @@ def matmul_bound(model_cfg, B: int, T: int, precision: str) -> dict:
     """Seconds of a step's matmuls alone (see the module docstring): one eager trainwise step recorded,
     every distinct matmul timed alone, summed over its calls."""
     from trainwise.config import TrainConfig
-    from trainwise.measure.step import random_batches, train_step
-    from trainwise.model import Transformer
-    from trainwise.train.optim import build_optimizer
+    from trainwise.runtime.step import build_model, build_step, random_batches
 
     cpu = torch.device("cpu")
     torch.manual_seed(0)
-    model = Transformer(model_cfg)
-    opt = build_optimizer(model, TrainConfig())
+    step = build_step(build_model(model_cfg), TrainConfig(), cpu, precision)
     rec = _MatmulRecorder()
     with rec:
-        train_step(model, opt, random_batches(model_cfg.vocab_size, B, T, 1, cpu), cpu, precision)
+        step(random_batches(model_cfg.vocab_size, B, T, 1, cpu))
     seconds = sum(n * _time_call(key) for key, n in rec.calls.items())
     return {"matmul_bound_s": seconds, "matmul_calls": sum(rec.calls.values()), "distinct_matmuls": len(rec.calls)}
 
@@ -280,7 +272,7 @@ def run_shape(shape_name: str, shape: dict, nanogpt, steps: int, warmup: int, wh
 
 
 def print_table(results: list[dict], peaks: dict) -> None:
-    from trainwise.measure.calibrate import cpu_model
+    from trainwise.hardware.cache import cpu_model
 
     print(f"\nCPU: {cpu_model()}; torch {torch.__version__}, threads {torch.get_num_threads()}; "
           f"load average at the end {Path('/proc/loadavg').read_text().split()[:3]}")
@@ -330,12 +322,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="also write the results as JSON to PATH ('-' or no PATH: stdout)")
     ap.add_argument("--allocator", choices=["trainwise", "default"], default="trainwise",
                     help="'trainwise' (default): glibc keeps freed memory, as `trainwise train` sets it "
-                         "(trainwise.train.allocator), for EVERY variant of this process, nanoGPT included; "
+                         "(trainwise.runtime.allocator), for EVERY variant of this process, nanoGPT included; "
                          "'default': glibc's own thresholds for all")
     args = ap.parse_args(argv)
 
     if args.allocator == "trainwise":
-        from trainwise.train.allocator import keep_freed_memory
+        from trainwise.runtime.allocator import keep_freed_memory
 
         keep_freed_memory()
     nanogpt = load_nanogpt(args.nanogpt)
@@ -359,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_shape(name, shape, nanogpt, args.steps, args.warmup, which, peaks, log, args.bound))
     print_table(results, peaks)
     if args.json is not None:
-        from trainwise.measure.calibrate import cpu_model
+        from trainwise.hardware.cache import cpu_model
 
         payload = json.dumps({"cpu": cpu_model(), "allocator": args.allocator, "peaks": peaks, "torch": torch.__version__,
                               "threads": torch.get_num_threads(), "loadavg": Path("/proc/loadavg").read_text().split()[:3],

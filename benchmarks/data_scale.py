@@ -35,7 +35,7 @@ FILE_BYTES = 128 * 10**6
 CHILD = """
 import json, resource, sys, time
 from trainwise.config import DataConfig
-from trainwise.data import prepare_data
+from trainwise.data.corpus import prepare_data
 from trainwise.tokenizer import Tokenizer
 paths, tok, workers = json.loads(sys.argv[1]), Tokenizer.load(sys.argv[2]), int(sys.argv[3])
 start = time.perf_counter()
@@ -48,7 +48,7 @@ print(json.dumps({"seconds": time.perf_counter() - start, "tokens": data.stats.t
 
 
 
-from trainwise.measure.calibrate import cpu_model  # noqa: E402
+from trainwise.hardware.cache import cpu_model
 
 def generate(root: Path, total_bytes: int) -> list[Path]:
     root.mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,7 @@ def main() -> None:
           f"{time.perf_counter() - start:.0f} s")
 
     from trainwise.config import DataConfig
-    from trainwise.data import prepare_tokenizer
+    from trainwise.data.corpus import prepare_tokenizer
 
     os.environ["TRAINWISE_CACHE"] = str(root / "tok-cache")
     start = time.perf_counter()
@@ -152,8 +152,8 @@ def main() -> None:
     env_run = subprocess.run([sys.executable, "-c", CHILD, json.dumps([str(p) for p in files]), str(tok_path), "0"],
                              env=env, capture_output=True, text=True, check=True)
     rerun = json.loads(env_run.stdout.strip().splitlines()[-1])
-    from trainwise.sources import sniff
-    from trainwise.tokencache import plan_shards
+    from trainwise.data.sources import sniff
+    from trainwise.data.tokencache import plan_shards
 
     n_shards = len(plan_shards([sniff(p) for p in files]))
     lost = kill_at + rerun["seconds"] - full_s

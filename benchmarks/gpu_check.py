@@ -1,6 +1,6 @@
 """Does the default config train well on this GPU? One look at the real trainer on a CUDA device.
 
-Trains RunConfig() (built-in corpus) for --steps steps through trainwise.train.loop.train and prints
+Trains RunConfig() (built-in corpus) for --steps steps through trainwise.trainer.loop.train and prints
 steady-state tokens/s and MFU (from metrics.jsonl), peak memory, the SDPA backend that runs, the
 precision chosen and the AdamW path; then a short torch.compile run and a short fp16 + GradScaler run.
 The GPU is calibrated first (`trainwise hardware --calibrate`: matmul shapes, bandwidth, attention,
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
+from trainwise import rundir
 from trainwise.config import RunConfig, apply_overrides, load_config
-from trainwise.measure.verify import steady_step_time
-from trainwise.model import Transformer
-from trainwise.train.loop import train
-from trainwise.train.optim import build_optimizer
-from trainwise.train.precision import autocast
+from trainwise.runtime.precision import autocast
+from trainwise.runtime.step import build_model, build_step
+from trainwise.trainer.loop import train
+from trainwise.verify.verify import steady_step_time
 
 
 def run(device: str, steps: int, overrides: list[str], out: Path) -> dict:
@@ -42,7 +42,7 @@ def run(device: str, steps: int, overrides: list[str], out: Path) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     result = train(cfg, out=out, quiet=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    step_time_s, n_rows = steady_step_time(out / "metrics.jsonl")  # rows after the first log interval
+    step_time_s, n_rows = steady_step_time(out)  # rows after the first log interval
     tokens_per_s = rows[0]["tokens_per_s"] * rows[0]["step_time_s"] / step_time_s  # tokens per step / time
     verify = json.loads((out / "verify.json").read_text())
     stats = {"steps": steps, "steady_rows": n_rows, "tokens_per_s": tokens_per_s,
@@ -65,8 +65,8 @@ def run(device: str, steps: int, overrides: list[str], out: Path) -> dict:
 
 def sdpa_backend(run_dir: Path, device: str, precision: str) -> dict:
     """Which attention kernels one forward of the run's model launches (torch.profiler), and the flags."""
-    cfg = load_config(run_dir / "config.toml")
-    model = Transformer(cfg.model).to(device)
+    cfg = load_config(run_dir / rundir.CONFIG)
+    model = build_model(cfg.model, device)
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.train.seq_len), device=device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
@@ -87,9 +87,10 @@ def sdpa_backend(run_dir: Path, device: str, precision: str) -> dict:
 
 
 def optimizer_path(device: str) -> str:
-    """What build_optimizer picks for parameters on this device (the trainer calls the same function)."""
+    """What the trainer's step builder picks for parameters on this device (runtime.optim.build_optimizer)."""
     cfg = RunConfig()
-    d = build_optimizer(Transformer(cfg.model).to(device), cfg.train).defaults
+    dev = torch.device(device)
+    d = build_step(build_model(cfg.model, dev), cfg.train, dev, "fp32").optimizer.defaults
     return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
 
 

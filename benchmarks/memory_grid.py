@@ -2,8 +2,8 @@
 K (grad accumulation) {1, 4} x checkpointing {none, selective, full} x {fp32, bf16, fp16} x compile
 {off, on} x {dense, MoE}. Measured with trainwise.measure.memtrack.StepPeakMeter (the bytes resident
 before the step + the CPU allocator's running total in torch.profiler: it sees compiled code too), on
-the step trainwise runs (trainwise.measure.step.train_step: autocast, loss / K, clip, AdamW; fp16 with
-a GradScaler). Planned: trainwise.cost.memory via cost.plan.plan_run. error = measured / planned - 1.
+the step trainwise runs (trainwise.runtime.step: autocast, loss / K, clip, AdamW; fp16 with a
+GradScaler). Planned: trainwise.cost.memory via planner.plan.plan_run. error = measured / planned - 1.
 
 fp16 runs here on the CPU (autocast float16 + GradScaler("cpu")) although `trainwise train` refuses
 fp16 on a CPU (emulated, slow): the bytes are those of a CUDA fp16 run, which is what the cells check.
@@ -26,12 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from trainwise.config import ModelConfig, TrainConfig  # noqa: E402
-from trainwise.cost.plan import plan_run  # noqa: E402
+from trainwise.hardware.cache import cpu_model  # noqa: E402
 from trainwise.measure.memtrack import StepPeakMeter  # noqa: E402
-from trainwise.measure.step import random_batches, train_step  # noqa: E402
-from trainwise.model import Transformer  # noqa: E402
-from trainwise.train.optim import build_optimizer  # noqa: E402
-from trainwise.train.parallelize import apply_activation_checkpointing  # noqa: E402
+from trainwise.planner.plan import plan_run  # noqa: E402
+from trainwise.runtime.step import build_model, build_step, random_batches  # noqa: E402
 
 CPU = torch.device("cpu")
 SEQ, MICRO_BATCH = 64, 4
@@ -43,28 +41,20 @@ ARCHS = {
 
 
 
-
-from trainwise.measure.calibrate import cpu_model  # noqa: E402
-
-def build(arch: str, checkpointing: str, compiled: bool):
+def build(arch: str, checkpointing: str, compiled: bool, precision: str):
     torch.manual_seed(0)
     cfg = ModelConfig(**ARCHS[arch])
-    model = Transformer(cfg)
-    if checkpointing != "none":
-        apply_activation_checkpointing(model, checkpointing)
-    if compiled:
-        model.compile()
-    return cfg, model, build_optimizer(model, TrainConfig())
+    step = build_step(build_model(cfg), TrainConfig(activation_checkpointing=checkpointing), CPU, precision,
+                      compile=compiled)
+    return cfg, step
 
 
-def cell(cfg, model, opt, precision: str, checkpointing: str, k: int, compiled: bool) -> dict:
+def cell(cfg, step, precision: str, checkpointing: str, k: int, compiled: bool) -> dict:
     batches = random_batches(cfg.vocab_size, MICRO_BATCH, SEQ, k, CPU)
-    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
-    train_step(model, opt, batches, CPU, precision, scaler=scaler)  # states exist; compiled graphs built
+    step(batches)  # states exist; compiled graphs built
     meter = StepPeakMeter(CPU)
     meter.start()
-    train_step(model, opt, batches, CPU, precision, scaler=scaler,
-               hook=lambda phase: meter.resident(p.grad for p in model.parameters()) if phase == "backward" else None)
+    step(batches, hook=lambda phase: meter.resident(p.grad for p in step.params) if phase == "backward" else None)
     measured = meter.stop()
     plan = plan_run(cfg, tokens=1, seq_len=SEQ, micro_batch=MICRO_BATCH, grad_accum=k, peak_flops=1e12,
                     precision="fp32" if precision == "fp32" else "amp", checkpointing=checkpointing,
@@ -87,11 +77,11 @@ def main() -> None:
     archs = list(ARCHS) if args.arch == "both" else [args.arch]
     for arch, compiled, precision, checkpointing in itertools.product(archs, compiles, ("fp32", "bf16", "fp16"),
                                                                       ("none", "selective", "full")):
-        cfg, model, opt = build(arch, checkpointing, compiled)
+        cfg, step = build(arch, checkpointing, compiled, precision)
         for k in (1, 4):
             start = time.perf_counter()
             try:
-                r = cell(cfg, model, opt, precision, checkpointing, k, compiled)
+                r = cell(cfg, step, precision, checkpointing, k, compiled)
             except Exception as e:  # a combination torch cannot run: pruned, with the reason
                 lines = [ln for ln in str(e).splitlines() if "Error" in ln] or str(e).splitlines() or [""]
                 reason = lines[0].strip()[:160]

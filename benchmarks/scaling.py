@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 
 from trainwise.config import RunConfig
-from trainwise.measure.calibrate import cpu_model
-from trainwise.scale.cli import _plot, format_fit
+from trainwise.hardware.cache import cpu_model
+from trainwise.commands.scale import _plot, format_fit
 from trainwise.scale.fitting import fit_runs, optimal, predict
 from trainwise.scale.points import non_embedding_params
 from trainwise.scale.store import save_fit
 from trainwise.scale.sweep import EVALS_PER_RUN, SWEEP_WIDTHS, flops_per_token, ladder_config, run_sweep
 from trainwise.tokenizer import Tokenizer
-from trainwise.train.loop import train
+from trainwise.trainer.loop import train
 
 
 def load() -> str:

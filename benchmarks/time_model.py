@@ -2,7 +2,7 @@
 
 Each configuration is planned with the step-time model (`trainwise plan --gpu cpu`: cost.steptime on
 this machine's calibration) and then run for real: single-process ones in this process, through the
-trainer's own step (trainwise.measure.step.train_step, compiled with train.parallelize.apply_compile
+trainer's own step (trainwise.runtime.step.train_step, compiled with train.parallelize.apply_compile
 where marked), two warm-up steps, then --rounds rounds over all configurations, each keeping its fastest
 round's median step; ddp/fsdp ones through `torchrun --nproc_per_node 2 -m trainwise train` (gloo, one
 thread per rank), the lower quartile of the logged step times after the first two.
@@ -31,13 +31,11 @@ from pathlib import Path
 import torch
 
 from trainwise.config import ModelConfig, RunConfig, TrainConfig, apply_overrides, save_config
-from trainwise.cost.plan import plan_for_run, plan_run
-from trainwise.measure.calibrate import cpu_model, calibrate
-from trainwise.measure.step import random_batches, train_step
-from trainwise.model import Transformer
-from trainwise.train.allocator import keep_freed_memory
-from trainwise.train.optim import build_optimizer
-from trainwise.train.parallelize import apply_activation_checkpointing, apply_compile
+from trainwise.hardware.cache import cpu_model
+from trainwise.measure.calibrate import calibrate
+from trainwise.planner.plan import plan_for_run, plan_run
+from trainwise.runtime.allocator import keep_freed_memory
+from trainwise.runtime.step import build_model, build_step, random_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=704, max_seq_len=512)
@@ -92,21 +90,17 @@ def predict(case: Case) -> float:
 
 class LocalRun:
     """One single-process configuration, built once and measured in several rounds: the trainer's step
-    (compiled with train.parallelize.apply_compile where marked), two warm-up steps (compile happens in
-    the first), then per round the median of the steps of about round_s seconds."""
+    (built by trainwise.runtime.step, compiled where marked), two warm-up steps (compile happens in the
+    first), then per round the median of the steps of about round_s seconds."""
 
     def __init__(self, case: Case):
         cpu = torch.device("cpu")
         torch.manual_seed(0)
         cfg = ModelConfig(**case.model)
-        self.model = Transformer(cfg)
-        if case.checkpointing != "none":
-            apply_activation_checkpointing(self.model, case.checkpointing)
-        if case.compiled:
-            apply_compile(self.model)
-        self.opt = build_optimizer(self.model, TrainConfig())
+        train_step = build_step(build_model(cfg), TrainConfig(activation_checkpointing=case.checkpointing), cpu,
+                                case.precision, compile=case.compiled)
         self.batches = random_batches(cfg.vocab_size, case.micro_batch, case.seq_len, case.grad_accum, cpu)
-        self.step = lambda: train_step(self.model, self.opt, self.batches, cpu, case.precision)
+        self.step = lambda: train_step(self.batches)
         for _ in range(2):
             self.step()
 

@@ -27,7 +27,8 @@ def private_cache(tmp_path_factory):
 def calibrated(private_cache) -> Path:
     """This machine's calibration in the session's cache (measured once, ~25 s), for the tests that
     isolate their token caches (isolated_cache): they need no calibration of their own."""
-    from trainwise.measure.calibrate import cache_root, calibrate
+    from trainwise.hardware.cache import cache_root
+    from trainwise.measure.calibrate import calibrate
 
     calibrate("cpu")
     return cache_root()

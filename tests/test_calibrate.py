@@ -12,8 +12,15 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from trainwise.measure.calibrate import (BUSY_OTHERS, RETRY_BUSY_S, _cpu_busy_jiffies, busy_note, calibrate,
-                                         measure_peak, others_share)
+from trainwise.hardware.cache import busy_note
+from trainwise.measure.calibrate import (
+    BUSY_OTHERS,
+    RETRY_BUSY_S,
+    _cpu_busy_jiffies,
+    calibrate,
+    measure_peak,
+    others_share,
+)
 
 
 @contextmanager

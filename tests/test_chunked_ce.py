@@ -7,14 +7,14 @@ import torch.nn.functional as F
 
 from trainwise.config import ModelConfig, TrainConfig
 from trainwise.cost.flops import flops_per_token_train
-from trainwise.cost.plan import plan_run
 from trainwise.errors import TrainwiseError
 from trainwise.measure.flopcount import count_train_step
 from trainwise.measure.memtrack import track_train_step
-from trainwise.measure.step import random_batches, train_step
 from trainwise.model import Transformer
 from trainwise.model.loss import chunked_cross_entropy
-from trainwise.train.optim import build_optimizer
+from trainwise.planner.plan import plan_run
+from trainwise.runtime.optim import build_optimizer
+from trainwise.runtime.step import TrainingStep, random_batches
 
 CPU = torch.device("cpu")
 
@@ -98,7 +98,7 @@ def test_transformer_step_matches_plain(tie):
         torch.manual_seed(0)
         model = Transformer(small(chunk, tie_embeddings=tie))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        loss = train_step(model, opt, batches, CPU, "fp32")
+        loss = TrainingStep(model, opt, CPU, "fp32")(batches).loss
         after = model(*batches[0]).detach()
         out[chunk] = (loss, after, [p.detach().clone() for p in model.parameters()])
     assert out[24][0].item() == pytest.approx(out[0][0].item(), abs=1e-5)
@@ -114,8 +114,8 @@ def test_tracked_peak_matches_planner(precision):
     model = Transformer(cfg)
     opt = build_optimizer(model, TrainConfig())
     batches = random_batches(cfg.vocab_size, 2, 32, 1, CPU)
-    train_step(model, opt, batches, CPU, precision)
-    tracked = track_train_step(model, opt, batches, CPU, precision)
+    TrainingStep(model, opt, CPU, precision)(batches)
+    tracked = track_train_step(TrainingStep(model, opt, CPU, precision), batches)
     plan = plan_run(cfg, tokens=1, seq_len=32, micro_batch=2, peak_flops=1e12,
                     precision="fp32" if precision == "fp32" else "amp")
     assert tracked.activations == pytest.approx(plan.activations_bytes, rel=0.01)
@@ -133,8 +133,8 @@ def test_large_vocab_peak_matches_planner_and_drops():
         model = Transformer(cfg)
         opt = build_optimizer(model, TrainConfig())
         batches = random_batches(cfg.vocab_size, 64, 32, 1, CPU)
-        train_step(model, opt, batches, CPU, "fp32")
-        tracked = track_train_step(model, opt, batches, CPU, "fp32")
+        TrainingStep(model, opt, CPU, "fp32")(batches)
+        tracked = track_train_step(TrainingStep(model, opt, CPU, "fp32"), batches)
         plan = plan_run(cfg, tokens=1, seq_len=32, micro_batch=64, peak_flops=1e12, precision="fp32")
         assert tracked.peak_bytes == pytest.approx(plan.peak_bytes, rel=0.10)
         peaks[chunk] = tracked.peak_bytes
@@ -144,7 +144,7 @@ def test_large_vocab_peak_matches_planner_and_drops():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_counted_flops_include_the_head_recompute(precision, checkpointing):
-    from trainwise.train.parallelize import apply_activation_checkpointing
+    from trainwise.runtime.parallelize import apply_activation_checkpointing
 
     cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16,
                       loss_chunk_tokens=7)
@@ -153,7 +153,7 @@ def test_counted_flops_include_the_head_recompute(precision, checkpointing):
     if checkpointing != "none":
         apply_activation_checkpointing(model, checkpointing)
     batches = random_batches(cfg.vocab_size, 2, 16, 2, CPU)
-    counted = count_train_step(model, None, batches, CPU, precision)
+    counted = count_train_step(TrainingStep(model, None, CPU, precision), batches)
     tokens = 2 * 16 * 2
     assert counted.total == pytest.approx(flops_per_token_train(cfg, 16, recompute=checkpointing) * tokens, rel=0.01)
     model_flops = flops_per_token_train(cfg, 16) * tokens  # MFU keeps 6HV for the head

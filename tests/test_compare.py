@@ -15,7 +15,7 @@ from chromium import chromium_command, needs_chromium
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides
 from trainwise.errors import TrainwiseError
-from trainwise.train.loop import train
+from trainwise.trainer.loop import train
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
         "train.seq_len=32", "train.micro_batch=4", "tokenizer.vocab_size=300", "train.eval_every=4",

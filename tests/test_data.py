@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from trainwise.config import DataConfig
-from trainwise.data import BatchSampler, prepare_data, prepare_tokenizer, resolve_cache_root, token_dtype, unigram_loss
-from trainwise.formats import rechunk
-from trainwise.sources import BUILTIN_CORPUS_DESCRIPTION, discover, discover_files, iter_texts
+from trainwise.data.batches import BatchSampler
+from trainwise.data.corpus import prepare_data, prepare_tokenizer, unigram_loss
+from trainwise.data.formats import iter_texts, rechunk
+from trainwise.data.sources import BUILTIN_CORPUS_DESCRIPTION, discover, discover_files
+from trainwise.data.tokencache import token_dtype
 from trainwise.errors import TrainwiseError
+from trainwise.hardware.cache import cache_root
 from trainwise.tokenizer import EOT, Tokenizer
 
 
@@ -209,7 +212,7 @@ def test_cache_hit_then_miss_when_a_file_changes(tmp_path, tok):
     path = write(tmp_path / "a.txt", words(2000))
     cfg = DataConfig(paths=[str(path)])
     first = prepare_data(cfg, tok, seq_len=16)
-    assert not first.cache_hit and str(first.path).startswith(str(resolve_cache_root()))
+    assert not first.cache_hit and str(first.path).startswith(str(cache_root()))
     mtime = os.stat(first.path / "tokens.bin").st_mtime_ns
     second = prepare_data(cfg, tok, seq_len=16)
     assert second.cache_hit and second.path == first.path and second.stats == first.stats
@@ -238,13 +241,13 @@ def test_empty_corpus_is_refused_and_leaves_no_cache_entry(tmp_path, tok):
     cfg = DataConfig(paths=[str(tmp_path / "d")])
     with pytest.raises(TrainwiseError, match="contains no text"):
         prepare_data(cfg, tok, seq_len=8)
-    assert list((resolve_cache_root() / "data").iterdir()) == []
+    assert list((cache_root() / "data").iterdir()) == []
 
 
 def test_prepare_tokenizer_is_cached_and_deterministic(tmp_path):
     cfg = DataConfig(paths=[str(write(tmp_path / "a.txt", words(5000)))])
     first = prepare_tokenizer(cfg, 300)
-    cached = list((resolve_cache_root() / "tokenizers").iterdir())
+    cached = list((cache_root() / "tokenizers").iterdir())
     assert len(cached) == 1
     again = prepare_tokenizer(cfg, 300)
     assert again.fingerprint() == first.fingerprint() == Tokenizer.train(iter_texts(cfg), 300).fingerprint()

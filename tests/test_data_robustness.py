@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from trainwise.config import DataConfig
-from trainwise.data import prepare_data
-from trainwise.sources import discover_files
+from trainwise.data.corpus import prepare_data
+from trainwise.data.sources import discover_files
 
 # Peak RSS a 16 MB and a 64 MB single-line file add on top of the imports: ~90-105 MiB each (tokenizer
 # batches of ~1M characters, HF Encoding objects, the id list); 300 MB leaves room for allocator noise.
@@ -58,7 +58,7 @@ def test_many_tiny_files_are_one_document_each(tmp_path, tok, n_files):
 CHILD = """
 import json, sys
 from trainwise.config import DataConfig
-from trainwise.data import prepare_data
+from trainwise.data.corpus import prepare_data
 from trainwise.tokenizer import Tokenizer
 
 def hwm_mib():

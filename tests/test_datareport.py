@@ -6,7 +6,7 @@ import pytest
 
 from trainwise.cli import main
 from trainwise.config import DataConfig
-from trainwise.data import prepare_data
+from trainwise.data.corpus import prepare_data
 from trainwise.tokenizer import Tokenizer
 
 ZH = "训练语言模型需要大量的文本数据。我们先把文本切分成词元，然后用神经网络预测下一个词元。\n" * 20

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import set_args
 
 from trainwise.api import load
 from trainwise.cli import main
-from tiny import set_args
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank: 2 ranks on 2 cores

@@ -12,8 +12,9 @@ import torch
 from trainwise.api import load
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides
-from trainwise.evaluate import evaluate_run, token_byte_lengths
-from trainwise.train.loop import train
+from trainwise.data.bpb import token_byte_lengths
+from trainwise.evaluate import evaluate_run
+from trainwise.trainer.loop import train
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
         "train.seq_len=32", "train.micro_batch=4", "tokenizer.vocab_size=300", "train.eval_every=4",
@@ -78,7 +79,8 @@ def test_token_byte_lengths_add_up_to_the_text(run_dir, corpus):
 
 
 def test_training_logs_val_bpb(run_dir):
-    from trainwise.data import BatchSampler, prepare_data
+    from trainwise.data.batches import BatchSampler
+    from trainwise.data.corpus import prepare_data
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "val_loss" in r]

@@ -6,9 +6,15 @@ import math
 
 import pytest
 
+from trainwise.cli import main as cli_main
 from trainwise.cost.flops import einsum_flops, linear_train_flops
 from trainwise.cost.time import attainable_flops, model_flops_utilization, ridge_point, roofline_seconds
-from trainwise.explain import main, topics
+from trainwise.explain import topics
+
+
+def main(argv: list[str]) -> int:
+    """`trainwise explain ...`."""
+    return cli_main(["explain", *argv])
 
 # Topics that build and run a model: their zh check uses smaller numbers to keep the suite fast.
 SMALL = {"grad-accum": ["--steps", "2", "--seq-len", "4"], "checkpointing": ["--seq-len", "8"]}
@@ -209,7 +215,6 @@ def test_user_errors(capsys):
 
 
 def test_registered_in_cli(capsys):
-    from trainwise.cli import main as cli_main
 
     assert cli_main(["explain", "roofline", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ridge_point"] == 100

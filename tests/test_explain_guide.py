@@ -8,8 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainwise.explain import main, topics
+from trainwise.cli import main as cli_main
+from trainwise.explain import topics
 from trainwise.explain.tokens import DEFAULT_TEXT, merge_counts
+
+
+def main(argv: list[str]) -> int:
+    """`trainwise explain ...`."""
+    return cli_main(["explain", *argv])
 
 
 def run_json(capsys, *argv):

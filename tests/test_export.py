@@ -123,8 +123,8 @@ def test_unrepresentable_configs_are_refused_with_the_reason(overrides, reason):
 
 
 def test_cli_export_and_init_from_keep_the_validation_loss(corpus, tmp_path, capsys):
-    from trainwise import data as data_mod
-    from trainwise.train.loop import evaluate, train
+    from trainwise.data import corpus as data_mod
+    from trainwise.trainer.loop import evaluate, train
 
     cfg = apply_overrides(RunConfig(), TINY + [f"data.paths=['{corpus}']"])
     run = train(cfg, out=tmp_path / "run", quiet=True)
@@ -169,7 +169,8 @@ def test_export_refuses_a_non_empty_out(tokenizer, tmp_path):
 def llama2_style_tokenizer(text: str):
     """Llama 2 / Mistral style: SentencePiece-like BPE (Metaspace, byte fallback) with <unk> <s> </s> and
     no <|endoftext|>, as transformers' LlamaTokenizer builds it from a vocabulary and merges."""
-    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
 
     hf = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
@@ -185,7 +186,8 @@ def llama2_style_tokenizer(text: str):
 
 def llama3_style_tokenizer(text: str):
     """Llama 3 style: byte-level BPE with <|begin_of_text|> and <|end_of_text|> after the learned tokens."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -199,7 +201,7 @@ def llama3_style_tokenizer(text: str):
 
 @pytest.mark.parametrize("style, eos", [("llama2", "</s>"), ("llama3", "<|end_of_text|>")])
 def test_init_from_a_llama_checkpoint_uses_its_eos_and_exports_the_same_tokenizer(style, eos, corpus, tmp_path):
-    from trainwise import data as data_mod
+    from trainwise.data import corpus as data_mod
 
     text = corpus.read_text(encoding="utf-8")
     hf_tok = (llama2_style_tokenizer if style == "llama2" else llama3_style_tokenizer)(text)
@@ -248,7 +250,8 @@ def test_init_from_a_llama_checkpoint_uses_its_eos_and_exports_the_same_tokenize
 
 
 def test_the_document_separator_is_the_declared_eos_else_a_known_one_else_a_clear_error(tmp_path):
-    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
 
     def save(special: list[str], declared: str | None) -> Path:
         hf = HFTokenizer(models.BPE())

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import set_args
 
+from trainwise import rundir
 from trainwise.api import load
 from trainwise.cli import main
 from trainwise.errors import TrainwiseError
-from trainwise.train import checkpoint as ckpt
-from tiny import set_args
+from trainwise.runtime import checkpoint as ckpt
 
 FAULTS = ["train.micro_batch=4", "train.eval_every=0", "model.dropout=0.1"]
 
@@ -83,7 +84,7 @@ def test_half_written_checkpoint_is_ignored_with_a_warning(finished_run, tmp_pat
     half.mkdir()
     (half / "model.safetensors").write_bytes(b"\x00" * 10)
     with pytest.warns(UserWarning, match="half-written"):
-        assert ckpt.latest_checkpoint(run).name == "step_00000006"
+        assert rundir.latest_checkpoint(run).name == "step_00000006"
     load(run)  # still loadable
 
 
@@ -204,7 +205,7 @@ def test_keep_best_spares_the_checkpoint_with_the_lowest_validation_loss(corpus,
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
     best_step = min(evals, key=evals.get)
-    best = ckpt.best_checkpoint(out)
+    best = rundir.best_checkpoint(out)
     assert best["step"] == best_step and best["val_loss"] == evals[best_step]
     kept = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     assert f"step_{best_step:08d}" in kept and "step_00000012" in kept

@@ -6,9 +6,9 @@ import torch
 from trainwise.config import ModelConfig
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.measure.flopcount import count_train_step, uncounted_ops
-from trainwise.measure.step import random_batches
 from trainwise.model import Transformer
-from trainwise.train.parallelize import apply_activation_checkpointing
+from trainwise.runtime.parallelize import apply_activation_checkpointing
+from trainwise.runtime.step import TrainingStep, random_batches
 
 CPU = torch.device("cpu")
 OPTIONS = [("swiglu", "rmsnorm", "rope", False), ("gelu_tanh", "layernorm", "learned", True),
@@ -31,7 +31,7 @@ def test_counted_step_matches_planner(activation, norm, position, bias, checkpoi
     if checkpointing != "none":
         apply_activation_checkpointing(model, checkpointing)
     batches = random_batches(cfg.vocab_size, 2, 16, 2, CPU)  # grad accumulation K = 2
-    counted = count_train_step(model, torch.optim.AdamW(model.parameters(), foreach=True), batches, CPU, "fp32")
+    counted = count_train_step(TrainingStep(model, torch.optim.AdamW(model.parameters(), foreach=True), CPU, "fp32"), batches)
     predicted = flops_per_token_train(cfg, 16, recompute=checkpointing) * 2 * 16 * 2
     assert counted.total == pytest.approx(predicted, rel=0.01)
     assert counted.by_op["aten._scaled_dot_product_flash_attention_for_cpu"] > 0  # torch alone counts 0
@@ -42,11 +42,11 @@ def test_bf16_autocast_and_mha_count_the_same():
     torch.manual_seed(0)
     model = Transformer(cfg)
     batches = random_batches(cfg.vocab_size, 2, 16, 1, CPU)
-    counted = count_train_step(model, None, batches, CPU, "bf16")
+    counted = count_train_step(TrainingStep(model, None, CPU, "bf16"), batches)
     assert counted.total == pytest.approx(flops_per_token_train(cfg, 16) * 32, rel=0.01)
 
 
 def test_no_heavy_op_without_a_formula():
     cfg = tiny(qk_norm=True)
     torch.manual_seed(0)
-    assert uncounted_ops(Transformer(cfg), random_batches(300, 1, 16, 1, CPU), CPU, "fp32") == []
+    assert uncounted_ops(TrainingStep(Transformer(cfg), None, CPU, "fp32"), random_batches(300, 1, 16, 1, CPU)) == []

@@ -3,8 +3,13 @@
 import pytest
 
 from trainwise.config import ModelConfig
-from trainwise.cost.flops import (attention_core_flops, flops_per_token_train, forward_flops_per_token,
-                                  matmul_flops, six_nd)
+from trainwise.cost.flops import (
+    attention_core_flops,
+    flops_per_token_train,
+    forward_flops_per_token,
+    matmul_flops,
+    six_nd,
+)
 from trainwise.cost.params import params
 from trainwise.presets import get_preset
 

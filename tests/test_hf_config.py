@@ -119,7 +119,7 @@ def test_saved_by_transformers_4_and_5_plan_alike(family, tmp_path):
 def test_published_config_resaved_by_transformers_5_plans_like_the_hub_file(name, tmp_path):
     """The Hub's config.json of each preset, saved again by the installed transformers: the same plan
     (parameters, FLOPs, memory), not only the same total. No model is built, so the big ones run too."""
-    from trainwise.cost.plan import plan_run
+    from trainwise.planner.plan import plan_run
     from trainwise.presets import get_preset
 
     transformers.AutoConfig.for_model(**PUBLISHED[name]).save_pretrained(tmp_path / name)

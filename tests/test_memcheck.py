@@ -4,11 +4,12 @@ anything, proposing settings that fit; the proposed settings then train."""
 import re
 
 import pytest
+from tiny import TINY, set_args
 
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides
-from trainwise.train.memcheck import ENV, available_bytes, planned_peak
-from tiny import TINY, set_args
+from trainwise.hardware.memory import ENV, available_bytes
+from trainwise.trainer.memcheck import planned_peak
 
 BIG = ("train.max_steps=2", "train.eval_every=0", "train.micro_batch=16", "train.grad_accum_steps=1")
 
@@ -37,8 +38,8 @@ def test_run_that_does_not_fit_stops_with_a_proposal_that_trains(corpus, tmp_pat
 def test_warn_and_off_let_the_run_go(monkeypatch):
     import torch
 
-    from trainwise.train.distributed import Dist
-    from trainwise.train.memcheck import check_memory
+    from trainwise.runtime.distributed import Dist
+    from trainwise.trainer.memcheck import check_memory
 
     monkeypatch.setenv(ENV, "1KiB")
     cfg = apply_overrides(RunConfig(), [*TINY, "model.vocab_size=300", "train.memory_check=warn"])

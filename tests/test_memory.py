@@ -3,9 +3,15 @@
 import pytest
 
 from trainwise.config import ModelConfig
-from trainwise.cost.memory import (activation_bytes, activation_bytes_per_token_layer, get_recipe, parse_bytes,
-                                   state_bytes, tensor_bytes)
+from trainwise.cost.memory import (
+    activation_bytes,
+    activation_bytes_per_token_layer,
+    get_recipe,
+    state_bytes,
+    tensor_bytes,
+)
 from trainwise.errors import TrainwiseError
+from trainwise.units import parse_bytes
 
 
 def test_fp32_adamw_16_bytes():

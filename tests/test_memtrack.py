@@ -4,12 +4,9 @@ import pytest
 import torch
 
 from trainwise.config import ModelConfig, TrainConfig
-from trainwise.cost.plan import plan_run
 from trainwise.measure.memtrack import track_train_step
-from trainwise.measure.step import random_batches, train_step
-from trainwise.model import Transformer
-from trainwise.train.optim import build_optimizer
-from trainwise.train.parallelize import apply_activation_checkpointing
+from trainwise.planner.plan import plan_run
+from trainwise.runtime.step import build_model, build_step, random_batches
 
 CPU = torch.device("cpu")
 SIZES = {"xs": dict(d_model=32, n_layers=1), "s": dict(d_model=64, n_layers=2), "m": dict(d_model=96, n_layers=3)}
@@ -24,13 +21,10 @@ def track_vs_plan(cfg: ModelConfig, precision: str, checkpointing: str, micro_ba
     """(plan, tracked memory) of one real CPU training step of `cfg` (after a step that creates the
     optimizer states)."""
     torch.manual_seed(0)
-    model = Transformer(cfg)
-    if checkpointing != "none":
-        apply_activation_checkpointing(model, checkpointing)
-    opt = build_optimizer(model, TrainConfig())
+    step = build_step(build_model(cfg), TrainConfig(activation_checkpointing=checkpointing), CPU, precision)
     batches = random_batches(cfg.vocab_size, micro_batch, seq_len, 1, CPU)
-    train_step(model, opt, batches, CPU, precision)  # optimizer states exist from here on
-    tracked = track_train_step(model, opt, batches, CPU, precision)
+    step(batches)  # optimizer states exist from here on
+    tracked = track_train_step(step, batches)
     plan = plan_run(cfg, tokens=1, seq_len=seq_len, micro_batch=micro_batch, peak_flops=1e12,
                     precision="fp32" if precision == "fp32" else "amp", checkpointing=checkpointing)
     return plan, tracked
@@ -63,15 +57,14 @@ def test_accumulation_with_full_checkpointing_measures_its_plan():
     tracker shared one step (FlopCounterMode kept each micro-batch's activations alive). verify's
     measure_step now counts them on separate steps."""
     from trainwise.config import RunConfig
-    from trainwise.measure.verify import measure_step
+    from trainwise.verify.verify import measure_step
 
     cfg = RunConfig()
     cfg.model = ModelConfig(vocab_size=512, n_heads=4, n_kv_heads=2, max_seq_len=32, **SIZES["s"])
     cfg.train.micro_batch, cfg.train.seq_len, cfg.train.grad_accum_steps = 4, 32, 4
     cfg.train.activation_checkpointing = "full"
-    model = Transformer(cfg.model)
-    apply_activation_checkpointing(model, "full")
-    measured = measure_step(cfg, model, build_optimizer(model, cfg.train), CPU, "bf16")
+    model = build_model(cfg.model)
+    measured = measure_step(cfg, model, None, CPU, "bf16")  # a fresh optimizer
     plan = plan_run(cfg.model, tokens=1, seq_len=32, micro_batch=4, grad_accum=4, peak_flops=1e12,
                     precision="amp", checkpointing="full")
     assert measured.memory.peak_bytes == pytest.approx(plan.peak_bytes, rel=0.10)
@@ -86,20 +79,18 @@ def test_step_peak_meter_agrees_with_memtracker(precision, checkpointing, k):
 
     cfg = ModelConfig(vocab_size=512, n_heads=4, n_kv_heads=2, max_seq_len=32, **SIZES["s"])
     torch.manual_seed(0)
-    model = Transformer(cfg)
-    if checkpointing != "none":
-        apply_activation_checkpointing(model, checkpointing)
-    opt = build_optimizer(model, TrainConfig())
+    step = build_step(build_model(cfg), TrainConfig(activation_checkpointing=checkpointing), CPU, precision)
+    model, opt = step.model, step.optimizer
     batches = random_batches(cfg.vocab_size, 2, 32, k, CPU)
-    train_step(model, opt, batches, CPU, precision)
+    step(batches)
     # the meter counts every tensor this process holds (other tests' leftovers too); MemTracker this model's
     own = [*model.parameters(), *model.buffers(), *(v for st in opt.state.values() for v in st.values())]
     meter = StepPeakMeter(CPU)
     meter.start()
     others = sum(meter._base.values()) - sum(_storages(own, CPU).values())
-    train_step(model, opt, batches, CPU, precision)
+    step(batches)
     metered = meter.stop() - others
-    tracked = track_train_step(model, opt, batches, CPU, precision)
+    tracked = track_train_step(step, batches)
     assert metered == pytest.approx(tracked.peak_bytes, rel=0.02)
     plan = plan_run(cfg, tokens=1, seq_len=32, micro_batch=2, grad_accum=k, peak_flops=1e12,
                     precision="fp32" if precision == "fp32" else "amp", checkpointing=checkpointing)
@@ -113,13 +104,13 @@ def test_evaluation_and_sampling_peaks():
     from trainwise.config import RunConfig
     from trainwise.cost import memory as M
     from trainwise.measure.memtrack import StepPeakMeter, _storages, live_tensors
-    from trainwise.train.loop import evaluate
+    from trainwise.trainer.loop import evaluate
 
     cfg = RunConfig()
     cfg.model = ModelConfig(vocab_size=2048, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
     cfg.train.micro_batch, cfg.train.seq_len, cfg.train.eval_steps = 4, 64, 2
     torch.manual_seed(0)
-    model = Transformer(cfg.model)
+    model = build_model(cfg.model)
     tokens = np.random.default_rng(0).integers(0, 2048, 20_000).astype(np.uint16)
     for precision in ("fp32", "bf16"):
         meter = StepPeakMeter(CPU)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from trainwise.config import DataConfig, RunConfig, apply_overrides, load_config
-from trainwise.data import BatchSampler, Mixture, prepare_data, unigram_loss
+from trainwise.data.batches import BatchSampler, Mixture
+from trainwise.data.corpus import prepare_data, unigram_loss
 from trainwise.errors import TrainwiseError
 
 EN = "The model learns to predict the next token, one step of gradient descent at a time. " * 60
@@ -36,7 +37,7 @@ def test_sampler_draws_sources_in_proportion_and_resumes():
 
 
 def test_mixture_trains_logs_per_source_tokens_and_round_trips_its_config(tmp_path, tok):
-    from trainwise.train.loop import train
+    from trainwise.trainer.loop import train
 
     (tmp_path / "en").mkdir()
     (tmp_path / "en" / "a.txt").write_text(EN, encoding="utf-8")

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from trainwise.config import ModelConfig, TrainConfig
 from trainwise.model import Transformer
-from trainwise.train.optim import build_optimizer, lr_at
-from trainwise.train.parallelize import apply_activation_checkpointing
+from trainwise.runtime.optim import build_optimizer, lr_at
+from trainwise.runtime.parallelize import apply_activation_checkpointing
 
 
 def tiny(**kw) -> ModelConfig:
@@ -145,7 +145,7 @@ def test_adamw_is_fused_on_cpu_and_cuda():
 def test_step_is_skipped_when_the_gradient_is_not_finite(optimizer, kernel):
     """Both paths of step_if_finite: the host check (foreach, e.g. parameters on other devices) and the
     on-device found_inf flag of the fused kernels (trainwise's optimizer on CPU and CUDA)."""
-    from trainwise.train.optim import param_groups, step_if_finite
+    from trainwise.runtime.optim import param_groups, step_if_finite
 
     torch.manual_seed(0)
     cfg = tiny()
@@ -238,7 +238,7 @@ def test_top_k_and_top_p_filter():
 
 @pytest.mark.parametrize("per_block", [False, True], ids=["whole", "per_block"])
 def test_compiled_model_keeps_keys_and_matches_eager(per_block):
-    from trainwise.train.parallelize import apply_compile, remove_compile
+    from trainwise.runtime.parallelize import apply_compile, remove_compile
 
     eager, compiled, x = wrapped_copy_has_the_same_gradients(lambda m: apply_compile(m, per_block=per_block),
                                                              rtol=1e-4, atol=1e-5)
@@ -264,7 +264,7 @@ def test_explicit_attention_equals_sdpa(dtype, kv_heads):
 def test_rotary_equals_the_reference_rope_forward_and_backward(dtype):
     """Rotary (one autograd node, half tables, (B, T, heads, hd) layout) is apply_rope, gradient included:
     fp32 to float rounding, bf16 (tables and arithmetic in bf16) to bf16 rounding."""
-    from trainwise.model.transformer import Rotary, apply_rope, rope_tables
+    from trainwise.model.layers import Rotary, apply_rope, rope_tables
 
     g = torch.Generator().manual_seed(0)
     B, T, heads, hd = 2, 12, 3, 8
@@ -286,8 +286,8 @@ def test_compiled_bf16_step_at_the_default_width_has_finite_gradients_equal_to_e
     """Regression: with the old RoPE form (cat of -x2, x1) a whole-model compile of the default block at
     T = 256 in bf16 gave NaN gradients on an AMX Xeon, so every step of the default run was skipped.
     One layer of the default model, B 2: the compiled gradients are finite and match eager's."""
-    from trainwise.train.parallelize import apply_compile
-    from trainwise.train.precision import autocast
+    from trainwise.runtime.parallelize import apply_compile
+    from trainwise.runtime.precision import autocast
 
     torch.manual_seed(0)
     cfg = ModelConfig(n_layers=1)

@@ -7,12 +7,11 @@ import dataclasses
 
 import pytest
 import torch
+from test_memtrack import check, track_vs_plan  # tests/ is on sys.path (rootdir conftest), as for `tiny`
 
 from trainwise.cost.memory import get_recipe, moe_saved_bytes
 from trainwise.model.moe import MoE
 from trainwise.presets import get_preset
-
-from test_memtrack import check, track_vs_plan  # tests/ is on sys.path (rootdir conftest), as for `tiny`
 
 CPU = torch.device("cpu")
 

@@ -1,13 +1,14 @@
-"""The Plan, its JSON contract (DESIGN.md), --fit, and the CLI through trainwise.cost.cli.main."""
+"""The Plan, its JSON contract (DESIGN.md), --fit, and the CLI (`trainwise plan`, `mem`, `hardware`)."""
 
 import json
 
 import pytest
 
-from trainwise.cost.cli import main
-from trainwise.cost.plan import fit, plan_run
+from trainwise.cli import main
 from trainwise.cost.time import training_seconds
 from trainwise.errors import TrainwiseError
+from trainwise.planner.fit import fit
+from trainwise.planner.plan import plan_run
 from trainwise.presets import get_preset
 
 KEYS = {"model": {"name", "params_total", "params_active", "params_embedding", "params_non_embedding"},
@@ -148,7 +149,7 @@ def test_plan_without_hardware_prints_everything_but_time(capsys, tmp_path):
 @pytest.mark.parametrize("kw, want", [(dict(tokens=4e6), 488), (dict(tokens=4 * 8192), 4), (dict(tokens=100), 1),
                                       (dict(sequences=10, dp=4), 12), (dict(sequences=12, dp=4), 12)])
 def test_global_batch_rounds_to_whole_sequences(kw, want):
-    from trainwise.cost.plan import global_batch_sequences
+    from trainwise.planner.fit import global_batch_sequences
 
     dp = kw.pop("dp", 1)
     sequences, note = global_batch_sequences(8192, dp, **kw)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from trainwise.cost.params import params
-from trainwise.cost.plan import plan_run
 from trainwise.errors import TrainwiseError
 from trainwise.hf_config import PUBLISHED
+from trainwise.planner.plan import plan_run
 from trainwise.presets import PRESETS, get_preset
 
 transformers = pytest.importorskip("transformers")

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import set_args
 
 from trainwise.cli import main
 from trainwise.config import save_config
-from tiny import set_args
 
 STEPS = 12
 RUN = ("train.micro_batch=4", "train.eval_every=0", "model.dropout=0.1", f"train.max_steps={STEPS}")
@@ -87,12 +87,13 @@ def test_sigkilled_runs_relaunched_with_the_same_command_end_bitwise_equal(corpu
 def test_another_config_is_refused_naming_the_keys_and_policies_hold(corpus, tmp_path, capsys):
     """Only DIR/config.toml decides (nothing else is read before the refusal), so a saved config is the
     whole fixture: a run of it, as `train` resolves and writes it."""
-    from trainwise.cli import build_config, build_parser
+    from trainwise.cli import build_parser
+    from trainwise.commands.train import build_config
 
     run = tmp_path / "run"
     run.mkdir()
     args = command(corpus, run)[3:] + ["--quiet"]
-    save_config(build_config(build_parser().parse_args(args)), run / "config.toml")
+    save_config(build_config(build_parser(args).parse_args(args)), run / "config.toml")
     assert main(args + ["--set", "train.lr=0.01", "--set", "model.n_layers=3", "--set", "train.max_steps=99"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "different config" in err and "2 key(s) differ" in err  # max_steps may change, as with --resume

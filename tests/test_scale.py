@@ -75,7 +75,7 @@ TINY = ["model.n_layers=1", "model.max_seq_len=32", "train.seq_len=32", "train.m
 
 
 def tiny_run(corpus, out, d_model: int, steps: int, constant: bool = True, extra=()):
-    from trainwise.train.loop import train
+    from trainwise.trainer.loop import train
 
     sets = TINY + [f"data.paths=['{corpus}']", f"model.d_model={d_model}", f"model.n_heads={d_model // 8}",
                    f"model.n_kv_heads={d_model // 8}", f"train.max_steps={steps}", "train.eval_every=2", *extra]

@@ -3,8 +3,8 @@
 import pytest
 
 from trainwise.config import ModelConfig
-from trainwise.cost.plan import plan_run
-from trainwise.measure.simulate import simulate_report, simulate_step
+from trainwise.planner.plan import plan_run
+from trainwise.verify.simulate import simulate_report, simulate_step
 
 
 def test_simulated_step_matches_plan():

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from trainwise.config import DataConfig, RunConfig, apply_overrides
-from trainwise.data import prepare_data, summary_lines
+from trainwise.data.corpus import prepare_data, summary_lines
+from trainwise.data.formats import iter_texts
+from trainwise.data.sources import discover, sniff
 from trainwise.errors import TrainwiseError
-from trainwise.sources import discover, iter_texts, sniff
 from trainwise.tokenizer import Tokenizer
 
 ZH = "训练语言模型需要大量的文本数据。我们先把文本切分成词元，然后用神经网络预测下一个词元。梯度下降会慢慢降低损失。\n"
@@ -80,7 +81,7 @@ def test_legacy_encodings_are_detected_and_decode_exactly(tmp_path):
 
 def train_and_decode(corpus, tmp_path, *extra):
     """Train a tiny run on `corpus`; the run's tokenized documents, decoded with its tokenizer."""
-    from trainwise.train.loop import train
+    from trainwise.trainer.loop import train
 
     cfg = apply_overrides(RunConfig(), [
         f"data.paths=['{corpus}']", "data.val_fraction=0.2", "tokenizer.vocab_size=300",

@@ -6,12 +6,14 @@ import math
 import pytest
 
 from trainwise.config import ModelConfig
+from trainwise.cost.comm import comm_seconds, exposed_comm, ring_seconds
 from trainwise.cost.flops import flops_per_token_train
-from trainwise.cost.ops import Op, for_cuda, step_ops
-from trainwise.cost.plan import plan_run
-from trainwise.cost.steptime import (Profile, comm_seconds, exposed_comm, predict_step, ring_seconds, scale_batch,
-                                     table_profile)
+from trainwise.cost.ops import Op, for_cuda
+from trainwise.cost.steptime import predict_step, scale_batch
 from trainwise.cost.time import fit_linear
+from trainwise.hardware.profile import Profile, table_profile
+from trainwise.measure.record import step_ops
+from trainwise.planner.plan import plan_run
 
 TINY = ModelConfig(vocab_size=256, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32)
 
@@ -133,8 +135,8 @@ def test_collectives_are_calibrated_under_torchrun_and_used_by_the_plan(tmp_path
     import sys
     from pathlib import Path
 
-    from trainwise.cost.plan import _use_measured_link
-    from trainwise.measure.calibrate import cached_link
+    from trainwise.hardware.cache import cached_link
+    from trainwise.planner.hardware import _use_measured_link
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRAINWISE_CACHE": str(tmp_path), "PYTHONPATH": str(root)}
@@ -197,7 +199,7 @@ def test_kernels_timed_at_their_shape_override_the_fit_and_in_step_scales_all():
 def test_a_new_calibration_starts_a_new_kernel_table():
     """The in-step factor is fitted against the table's kernel times: both must come from one state of the
     machine, whose speed moves by up to 2x between hours. Other machines' kernels stay."""
-    from trainwise.measure.calibrate import drop_kernel_table, kernel_table, save_kernel_table
+    from trainwise.hardware.cache import drop_kernel_table, kernel_table, save_kernel_table
 
     save_kernel_table("cpu|this", {"matmul|bf16|1x8x8x8|NN": 1e-6})
     save_kernel_table("cpu|other", {"matmul|bf16|1x8x8x8|NN": 2e-6})
@@ -237,7 +239,7 @@ def test_the_host_allocator_keeps_freed_memory():
     import subprocess
     import sys
 
-    code = ("import resource\nfrom trainwise.train.allocator import keep_freed_memory\nimport torch\n"
+    code = ("import resource\nfrom trainwise.runtime.allocator import keep_freed_memory\nimport torch\n"
             "assert keep_freed_memory() and keep_freed_memory()\n"
             "for _ in range(10):\n    x = torch.ones(1 << 23); del x\n"
             "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"

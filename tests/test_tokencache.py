@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 
-from trainwise import tokencache
 from trainwise.config import DataConfig
-from trainwise.data import prepare_data
-from trainwise.formats import Part, split_points
-from trainwise.sources import sniff
+from trainwise.data import tokencache
+from trainwise.data.corpus import prepare_data
+from trainwise.data.formats import Part, split_points
+from trainwise.data.sources import sniff
 
 WORDS = "the model reads text and learns to predict what comes next in every line of it".split()
 
@@ -65,7 +65,7 @@ def test_shards_and_processes_give_the_tokens_of_one_pass(tmp_path, tok, monkeyp
 CHILD = """
 import sys
 from trainwise.config import DataConfig
-from trainwise.data import prepare_data
+from trainwise.data.corpus import prepare_data
 from trainwise.tokenizer import Tokenizer
 prepare_data(DataConfig(paths=[sys.argv[1]], workers=1), Tokenizer.load(sys.argv[2]), seq_len=8, shard_bytes=2048)
 """
@@ -101,7 +101,7 @@ def test_a_killed_tokenization_resumes_with_the_unfinished_shards_only(tmp_path,
 
 
 def test_a_part_reads_only_its_byte_range(tmp_path):
-    from trainwise.formats import Reading, iter_pieces
+    from trainwise.data.formats import Reading, iter_pieces
 
     path = tmp_path / "a.txt"
     path.write_text("one two\nthree four\nfive\n", encoding="utf-8")

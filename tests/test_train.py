@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import TINY, set_args
 
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides, load_config
-from trainwise.train.loop import train
-from tiny import TINY, set_args
+from trainwise.trainer.loop import train
 
 TRAIN = [*TINY, "train.micro_batch=4", "train.eval_every=5", "train.eval_steps=2", "train.checkpoint_every=4"]
 METRIC_KEYS = {"step", "tokens", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "flops_per_s", "mfu"}
@@ -155,7 +155,7 @@ def test_cli_error_has_no_traceback_and_existing_run_is_untouched(corpus, tmp_pa
 
 def test_compile_setting_auto_compiles_only_long_dense_single_process_or_ddp_runs():
     from trainwise.config import ModelConfig
-    from trainwise.train.parallelize import COMPILE_MIN_STEPS, resolve_compile
+    from trainwise.runtime.parallelize import COMPILE_MIN_STEPS, resolve_compile
 
     dense, moe = ModelConfig(), ModelConfig(n_experts=4, top_k=2)
     assert resolve_compile("auto", dense, COMPILE_MIN_STEPS, "none")[0]

@@ -6,7 +6,7 @@ import pytest
 
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides
-from trainwise.train.loop import train
+from trainwise.trainer.loop import train
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
         "train.seq_len=32", "train.micro_batch=4", "tokenizer.vocab_size=300", "train.eval_every=0",
@@ -22,7 +22,7 @@ def cache(isolated_cache):
 def test_train_writes_verify_json(tmp_path, capsys, monkeypatch):
     from pydoc_data.topics import topics
 
-    from trainwise.train import report
+    from trainwise.trainer import report
 
     monkeypatch.setattr(report, "PROBE_MIN_RUN_S", 0.0)  # the speed probe runs after runs of 30 s; this one too
 

@@ -1,4 +1,4 @@
-"""`trainwise eval RUN --data PATH...`: how well a trained run predicts a text, in units that compare
+"""How well a trained run predicts a text (`trainwise eval RUN --data PATH...`), in units that compare
 across tokenizers.
 
     loss (nats/token)   = N / tokens,  N = sum over predicted tokens of -ln p(token | context)
@@ -21,8 +21,6 @@ documents end, per byte of text. Deterministic: the same run and text give the s
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 from collections.abc import Iterator
@@ -34,10 +32,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from trainwise.config import DataConfig
+from trainwise.data.bpb import bits_per_byte
+from trainwise.data.formats import iter_documents, mark_last, rechunk
 from trainwise.errors import TrainwiseError
+from trainwise.inference import load_run
+from trainwise.runtime.precision import autocast, resolve_precision
 from trainwise.tokenizer import Tokenizer, sanitize
 
-ENCODE_CHARS = 16_384  # text is encoded in parts of about this size (see trainwise.formats.rechunk)
+ENCODE_CHARS = 16_384  # text is encoded in parts of about this size (see trainwise.data.formats.rechunk)
 LOGIT_ROWS = 1024  # LM-head rows computed at once: never the whole (B*T, V) logits
 BATCH_TOKENS = 8192  # windows per forward: at least micro_batch, else about this many tokens (no gradients kept)
 
@@ -61,65 +64,10 @@ class EvalResult:
         return asdict(self)
 
 
-def bits_per_byte(nats: float, n_bytes: int) -> float:
-    """Summed nats -> bits per byte of text: nats / ln 2 / bytes."""
-    return nats / math.log(2) / n_bytes
-
-
-def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray | None:
-    """(V,) int64: the UTF-8 bytes each token id stands for, 0 for special tokens such as end-of-text;
-    None when the tokenizer is not byte-level (then a token's bytes depend on its neighbours).
-
-    In a byte-level BPE (GPT-2's) every vocabulary entry is a string over a 256-character alphabet,
-    one character per byte, so its byte count is its length in characters."""
-    spec = json.loads(tokenizer.to_json())
-    if (spec.get("decoder") or {}).get("type") != "ByteLevel":
-        return None
-    from tokenizers import pre_tokenizers
-
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    lengths = np.zeros(tokenizer.vocab_size, dtype=np.int64)
-    for token, i in tokenizer._hf.get_vocab(with_added_tokens=False).items():
-        if not set(token) <= alphabet:
-            return None
-        lengths[i] = len(token)
-    for i, added in tokenizer._hf.get_added_tokens_decoder().items():
-        lengths[i] = 0 if added.special else len(added.content.encode("utf-8"))
-    return lengths
-
-
-def window_bytes(tokens: np.ndarray, micro_batch: int, seq_len: int, seed: int, batches: int,
-                 lengths: np.ndarray) -> tuple[int, int]:
-    """(targets, bytes) of the batches the training loop's evaluation draws (trainwise.train.loop.evaluate:
-    BatchSampler(val, micro_batch, seq_len, seed) for `batches` batches): summed nats / ln 2 / bytes is
-    the run's val_bpb."""
-    from trainwise.data import BatchSampler
-
-    sampler = BatchSampler(tokens, micro_batch, seq_len, seed=seed)
-    total = 0
-    for _ in range(batches):
-        _, y = sampler.next_batch()
-        total += int(lengths[y.numpy()].sum())
-    return batches * micro_batch * seq_len, total
-
-
-def val_window_bytes(tokenizer: Tokenizer, val_tokens: np.ndarray, cfg) -> tuple[int, int] | None:
-    """(targets, bytes) of the validation batches of a training run (None for a tokenizer that is not
-    byte-level), so that the loop logs val_bpb = val_loss x targets / ln 2 / bytes."""
-    lengths = token_byte_lengths(tokenizer)
-    if lengths is None:
-        return None
-    t = cfg.train
-    targets, n_bytes = window_bytes(val_tokens, t.micro_batch, t.seq_len, t.seed + 1, t.eval_steps, lengths)
-    return (targets, n_bytes) if n_bytes else None
-
-
 def token_stream(pieces: Iterator[tuple[str, bool]], tokenizer: Tokenizer, counts: dict) -> Iterator[np.ndarray]:
     """End-of-text, then each document's tokens followed by end-of-text, in arrays of a few thousand
-    tokens, from (piece, ends_a_document) pairs (trainwise.formats.iter_documents); counts["bytes"]
+    tokens, from (piece, ends_a_document) pairs (trainwise.data.formats.iter_documents); counts["bytes"]
     and counts["documents"] grow as the text is read."""
-    from trainwise.formats import mark_last, rechunk
-
     yield np.array([tokenizer.eot_id], dtype=np.int64)
     for text, ends in pieces:
         text = sanitize(text)
@@ -146,8 +94,6 @@ def evaluate_texts(model: torch.nn.Module, tokenizer: Tokenizer, texts: Iterator
                    micro_batch: int, device: torch.device, precision: str, quiet: bool = True) -> dict:
     """nats, tokens, bytes, documents and windows of `model` over `texts`, (piece, ends_a_document) pairs
     (see the module docstring)."""
-    from trainwise.train.precision import autocast
-
     counts = {"nats": 0.0, "tokens": 0, "bytes": 0, "documents": 0, "windows": 0}
     was_training = model.training
     model.eval()
@@ -184,14 +130,10 @@ def evaluate_texts(model: torch.nn.Module, tokenizer: Tokenizer, texts: Iterator
 def evaluate_run(run_dir: str | Path, paths: list[str], text_field: str = "text", device: str = "auto",
                  precision: str = "auto", quiet: bool = True) -> EvalResult:
     """Load the latest checkpoint of `run_dir` and evaluate it on the text at `paths`."""
-    from trainwise.api import load
-    from trainwise.config import DataConfig
-    from trainwise.formats import iter_documents
-    from trainwise.train.precision import resolve_precision
 
     if not paths:
         raise TrainwiseError("eval needs the text to evaluate on: --data PATH... (files, directories or globs).")
-    run = load(run_dir, device=device)
+    run = load_run(run_dir, device=device)
     precision, _ = resolve_precision(run.config.train.precision if precision == "auto" else precision, run.device)
     t = run.config.train
     texts = iter_documents(DataConfig(paths=list(paths), text_field=text_field))
@@ -232,32 +174,3 @@ def explain_result(r: EvalResult) -> str:
     ])
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    result = evaluate_run(args.run_dir, args.data, text_field=args.text_field, device=args.device,
-                          precision=args.precision, quiet=args.json)
-    if args.json:
-        print(json.dumps(result.to_json()))
-    else:
-        print(explain_result(result) if args.explain else format_result(result))
-    return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser(
-        "eval", help="loss, perplexity and bits per byte of a trained run on any text",
-        epilog="examples:\n  trainwise eval runs/run-1 --data held_out.txt\n"
-               "  trainwise eval runs/run-1 --data 'books/**/*.txt' notes.jsonl --json\n\n"
-               "bits per byte (summed nats / ln 2 / UTF-8 bytes) compare runs with different tokenizers;\n"
-               "loss in nats/token does not.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN", help="a run directory (its latest checkpoint is evaluated)")
-    p.add_argument("--data", nargs="+", metavar="PATH", required=True,
-                   help="text files, directories or globs (.txt .md .jsonl .parquet), as for train")
-    p.add_argument("--text-field", default="text", help="the field of .jsonl/.parquet records that holds the text")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="auto = the run's train.precision")
-    p.add_argument("--json", action="store_true",
-                   help="print the numbers as JSON: loss, perplexity, bpb, nats, tokens, bytes, ...")
-    p.add_argument("--explain", action="store_true", help="show the formulas with the numbers substituted")
-    p.set_defaults(func=cmd_eval)

@@ -11,6 +11,7 @@ import difflib
 
 from trainwise.config import ModelConfig
 from trainwise.errors import TrainwiseError
+from trainwise.hf_config import published_presets
 
 DEFAULT_MODEL = "trainwise-small"
 
@@ -43,13 +44,7 @@ def get_preset(name: str) -> ModelConfig:
     return ModelConfig(name=name, **PRESETS[name])
 
 
-def _add_published() -> None:
-    # The published models (GPT-2, Llama, Mistral, Qwen, DeepSeek) are kept as config.json dicts in
-    # trainwise/hf_config.py and converted once here.
-    from trainwise.hf_config import published_presets
-
-    for name, kw in published_presets().items():
-        PRESETS.setdefault(name, kw)
-
-
-_add_published()
+# The published models (GPT-2, Llama, Mistral, Qwen, DeepSeek) are kept as config.json dicts in
+# trainwise/hf_config.py and converted once here.
+for _name, _kw in published_presets().items():
+    PRESETS.setdefault(_name, _kw)

@@ -1,8 +1,2 @@
-"""The analytic planner: parameters, FLOPs, memory and time of a training run, without tensors."""
-
-from trainwise.cost.flops import flops_per_token_train, forward_flops_per_token, six_nd
-from trainwise.cost.params import ParamCount, params
-from trainwise.cost.plan import Plan, fit, plan_run
-
-__all__ = ["ParamCount", "Plan", "fit", "flops_per_token_train", "forward_flops_per_token", "params",
-           "plan_run", "six_nd"]
+"""The cost model, pure functions of a config, an operator list, a device Profile and a layout:
+parameters, FLOPs, memory, communication and step time. Nothing here times, allocates or builds a model."""

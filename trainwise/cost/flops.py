@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainwise.config import ModelConfig
-from trainwise.cost.params import mla_params, mha_params, mlp_params
+from trainwise.cost.params import mha_params, mla_params, mlp_params
 
 RECOMPUTE = ("none", "selective", "full")
 

@@ -9,10 +9,11 @@ parallelism split the model first (Megatron-LM; Narayanan et al. 2021).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
+from trainwise.cost.params import attention_params, mlp_params
+from trainwise.cost.params import params as count_params
 from trainwise.errors import TrainwiseError
 
 DTYPE_BYTES = {"fp64": 8, "float64": 8, "fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2,
@@ -208,8 +209,6 @@ def matmul_weight_params(cfg: ModelConfig, layer: int) -> int:
     """Matmul weights of one block that autocast casts to the compute dtype: attention + the MLP, or for
     a MoE layer every routed expert's weights (torch._grouped_mm takes the stacked weights whole, the
     loop casts each expert's slice) + the shared experts; the router runs in fp32 (no copy)."""
-    from trainwise.cost.params import attention_params, mlp_params
-
     if not cfg.is_moe_layer(layer):
         return attention_params(cfg) + mlp_params(cfg.d_model, cfg.ffn_hidden, cfg.gated, bias=False)
     F = cfg.expert_ffn_hidden
@@ -337,7 +336,7 @@ def peak_bytes(cfg: ModelConfig, states: StateBytes, activations: int, optimizer
         hold the earlier micro-batches; with K = 1 they are None, zero_grad(set_to_none=True));
       optimizer step: all states + one moment's worth of scratch for AdamW (sharded like the moments):
         a foreach AdamW builds sqrt(v) for every parameter at once. trainwise's AdamW is fused on CPU
-        and CUDA (trainwise.train.optim) and needs no scratch, so there the term is a margin of one moment."""
+        and CUDA (trainwise.runtime.optim) and needs no scratch, so there the term is a margin of one moment."""
     logits_grads = loss_backward_bytes(cfg, recipe or RECIPES["fp32"], micro_batch * seq_len, tp)
     if compiled and not cfg.loss_chunk_tokens:
         logits_grads = compiled_loss_backward_bytes(cfg, recipe or RECIPES["fp32"], micro_batch * seq_len,
@@ -355,7 +354,7 @@ def rank_peak_bytes(cfg: ModelConfig, recipe: Recipe, optimizer: str, strategy: 
                     seq_len: int, grad_accum: int = 1, checkpointing: str = "none", optimizer_share: float | None = None,
                     compiled: bool = False) -> int:
     """Peak bytes of one training step on one rank, as trainwise runs each parallel.strategy (PyTorch's
-    DDP and FSDP2; see trainwise.train.distributed), micro_batch per rank:
+    DDP and FSDP2; see trainwise.runtime.distributed), micro_batch per rank:
       none: peak_bytes (compiled: a whole-model torch.compile; FSDP2 compiles per block, planned eager).
       ddp / zero1 (ZeRO-0 / ZeRO-1): DDP's all-reduce buckets hold the gradients (gradient_as_bucket_view)
         for the whole run, so the gradients count at the start of backward even with K = 1, twice with
@@ -371,8 +370,6 @@ def rank_peak_bytes(cfg: ModelConfig, recipe: Recipe, optimizer: str, strategy: 
         work and the one prefetched). Under accumulation (K > 1) the micro-batches before the last keep
         the unsharded gradients, accumulated in fp32 (4N) until the last one reduce-scatters them.
       The optimizer step: the rank's states + one moment of its share as foreach scratch."""
-    from trainwise.cost.params import params as count_params
-
     n = count_params(cfg).total
     tokens = micro_batch * seq_len
     if strategy in ("none", "ddp", "zero1"):
@@ -470,24 +467,3 @@ def tensor_bytes(shape: tuple[int, ...] | list[int], dtype: str) -> TensorSize:
     if not shape or any(d <= 0 for d in shape):
         raise TrainwiseError(f"shape {shape} must be one or more positive sizes, e.g. 8,1024,4096.")
     return TensorSize(shape, dtype, math.prod(shape) * DTYPE_BYTES[dtype])
-
-
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int | float) -> int:
-    """'80GiB' -> 85899345920, '80GB' -> 8e10, '1e9' -> 1e9 bytes."""
-    if isinstance(text, (int, float)):
-        value = float(text)
-    else:
-        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(text))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise TrainwiseError(f"memory size '{text}' is not understood; write bytes or e.g. 80GiB, 80GB, 512MiB.")
-        try:
-            value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        except ValueError:
-            raise TrainwiseError(f"memory size '{text}' is not a number followed by a unit (e.g. 80GiB).") from None
-    if value <= 0:
-        raise TrainwiseError(f"memory size '{text}' must be positive.")
-    return int(value)

@@ -22,102 +22,25 @@ uncalibrated").
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
-from trainwise.cost.ops import Op
+from trainwise.cost.comm import comm_seconds, exposed_comm, strategy_for
+from trainwise.cost.ops import Op, for_cuda
+from trainwise.hardware.profile import Profile
 
 # A compiled CPU step runs the eager step's matmuls (timed as in eager) and inductor's generated kernels
-# for the rest. Those fuse chains of element-wise ops, but on the 2-core Xeon (AMX) they took about as
-# long as the eager ops they replace, more in bf16 (conversions in every loop) and with the explicit
+# for the rest. Those fuse chains of element-wise ops, but on the CPUs of benchmarks/RESULTS.md they took
+# about as long as the eager ops they replace, more in bf16 (conversions in every loop) and with the explicit
 # attention's T x T scores in memory: the fused work costs COMPILED_ELEMENTWISE x the eager element-wise
 # time, fitted on two compiled configurations unlike those benchmarks/time_model.py checks
 # (`python benchmarks/time_model.py --fit-compiled`, per compute precision of the step; RESULTS.md).
 COMPILED_ELEMENTWISE = {"fp32": 1.02, "bf16": 1.29, "fp16": 1.29}
 
-# Uncalibrated accelerators: fractions of the datasheet figure a well-fed kernel reaches, round figures
-# of the commonly reported range (not measured by trainwise): large bf16 GEMMs 70-80% of an A100/H100's
-# dense peak, flash attention 50-70% forward and less backward, element-wise kernels 70-90% of HBM
-# bandwidth; a PyTorch eager op costs ~5-10 us of launch and Python. `benchmarks/gpu_check.py` measures.
-DEFAULT_EFFICIENCY = {"matmul": 0.7, "attention_forward": 0.5, "attention_backward": 0.35, "bandwidth": 0.7}
-DEFAULT_OVERHEAD = [1e-3, 6e-6]  # [seconds per step, seconds per eager op] on a GPU host
-ADAMW_BYTES_PER_PARAM = 28  # fused AdamW, fp32: read+write param, m, v (24) + read grad (4)
-
-
-PROFILE_VERSION = 7  # a cached calibration of another version is measured again
-
-
-@dataclass
-class Profile:
-    """What a device does per unit of work; see the module docstring. Rates in FLOP/s and bytes/s."""
-
-    matmul: dict[str, list[float]]  # dtype -> [c s, P FLOP/s, BW bytes/s]
-    elementwise: dict[str, dict[str, list[list[float]]]]  # dtype -> class -> [[bytes per call, bytes/s], ...]
-    attention: dict[str, dict[str, list[float]]]  # dtype -> "forward"/"backward" -> [c s, FLOP/s]
-    optimizer: list[float]  # [s per parameter tensor, s per parameter] of clip + AdamW step
-    overhead: list[float]  # [s per step, s per eager op call]
-    source: str  # "calibrated" | "table defaults"
-    link: list[float] = field(default_factory=lambda: [5e-5, 1e9])  # collectives: [latency s, bytes/s]
-    link_source: str = "default"
-    in_step: float = 1.0  # a real step's kernels take this times their time alone (calibrated: step_fit)
-    # seconds per call of matmuls and attention at given shapes (kernel_key); with `device` set, the
-    # calls a plan needs and the table lacks are measured on this device (`threads` torch threads)
-    kernels: dict[str, float] = field(default_factory=dict)
-    device: str | None = None
-    threads: int | None = None
-    machine: str = ""
-    new_kernels: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, d: dict) -> Profile:
-        return cls(**{k: d[k] for k in ("matmul", "elementwise", "attention", "optimizer", "overhead", "source")},
-                   link=d.get("link", [5e-5, 1e9]), link_source=d.get("link_source", "default"),
-                   in_step=d.get("in_step", 1.0))
-
-    def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("kernels", "device", "threads", "new_kernels")}
-
-    def on_device(self, device: str, machine: str, threads: int | None) -> Profile:
-        """This profile measured here: kernels at new shapes may be timed on `device`, and the ones timed
-        before on this machine (calibrate.kernel_table) are used."""
-        from trainwise.measure.calibrate import kernel_table
-
-        self.device, self.machine, self.threads = device, machine, threads
-        self.kernels = {**kernel_table(machine), **self.kernels}
-        return self
-
-    def save_kernels(self) -> None:
-        """Cache the kernels timed since the last save (calibrate.save_kernel_table)."""
-        if self.new_kernels and self.machine:
-            from trainwise.measure.calibrate import save_kernel_table
-
-            save_kernel_table(self.machine, self.new_kernels)
-            self.new_kernels = {}
-
-
-def table_profile(peak_flops: dict[str, float], bandwidth: float) -> Profile:
-    """A datasheet's peaks and bandwidth at DEFAULT_EFFICIENCY: the model of an uncalibrated GPU."""
-    e = DEFAULT_EFFICIENCY
-    bw = e["bandwidth"] * bandwidth
-    classes = ("elementwise/other", "activation", "norm", "softmax/cross-entropy")
-    dtypes = {"fp32": peak_flops.get("tf32", peak_flops.get("fp32"))}
-    for name in ("bf16", "fp16"):
-        dtypes[name] = peak_flops.get(name, peak_flops.get({"bf16": "fp16", "fp16": "bf16"}[name]))
-    dtypes = {k: v for k, v in dtypes.items() if v}
-    return Profile(
-        matmul={d: [0.0, e["matmul"] * p, bw] for d, p in dtypes.items()},
-        elementwise={d: {c: [[1.0, bw]] for c in classes} for d in dtypes},
-        attention={d: {"forward": [0.0, e["attention_forward"] * p], "backward": [0.0, e["attention_backward"] * p]}
-                   for d, p in dtypes.items()},
-        optimizer=[0.0, ADAMW_BYTES_PER_PARAM / bw], overhead=list(DEFAULT_OVERHEAD), source="table defaults",
-        link=[1e-5, 100e9], link_source="default (100 GB/s, 10 us; interconnect not in the table)")
-
-
 def elementwise_rate(grid: list[list[float]], nbytes: float) -> float:
     """Bytes/s of an element-wise call moving nbytes, from a class's calibrated [[bytes, bytes/s], ...]:
     seconds per byte interpolated linearly in log(bytes) between the calibrated sizes, held at the ends."""
-    import math
-
     pts = sorted(grid)
     if nbytes <= pts[0][0] or len(pts) == 1:
         return pts[0][1]
@@ -131,7 +54,7 @@ def elementwise_rate(grid: list[list[float]], nbytes: float) -> float:
 
 
 # The largest matmul or attention call timed on demand (larger ones take the fit, which large shapes
-# follow): a few hundred ms on a 2-core CPU, and at most MAX_KERNEL_BYTES of operands.
+# follow): a few hundred ms on a small CPU, and at most MAX_KERNEL_BYTES of operands.
 MAX_KERNEL_FLOPS = 1e11
 MAX_KERNEL_BYTES = 1 << 30
 
@@ -140,13 +63,6 @@ def kernel_key(op: Op) -> str:
     """The kernel table's name of a matmul or attention call: kind, dtype, shape, layout."""
     kind = "attention" if op.cls == "attention" else "grouped_mm" if "grouped_mm" in op.name else "matmul"
     return f"{kind}|{op.dtype}|{'x'.join(map(str, op.shape))}|{op.layout}"
-
-
-# New kernels are timed in this many passes over all of a plan's new kernels, each keeping its fastest:
-# the passes span a second or more, so one slow spell of this machine (its speed drifts 20-30% over
-# seconds) does not get written into the table for good (a table timed in one pass put a whole benchmark
-# run 20% high).
-KERNEL_PASSES = 3
 
 
 def _kernel_entry(op: Op) -> tuple[str, bool]:
@@ -171,67 +87,12 @@ def kernels_to_time(ops: list[Op], known: dict[str, float]) -> dict[str, Op]:
     return todo
 
 
-def time_kernel_pass(todo: dict[str, Op], device: str, timed: dict[str, float], budget_s: float | None = None) -> None:
-    """Time each kernel of `todo` (kernels_to_time) once more on `device` with the current torch threads,
-    keeping each one's fastest in `timed` (seconds per call; attention as "...|forward" and "...|backward")."""
-    import torch
-
-    from trainwise.measure import kernels as K
-    from trainwise.train.precision import DTYPES
-
-    budget = K.KERNEL_BUDGET_S if budget_s is None else budget_s
-
-    def keep(key: str, seconds: float) -> None:
-        timed[key] = min(seconds, timed.get(key, seconds))
-
-    with torch.random.fork_rng(devices=[]):
-        for key, op in todo.items():
-            dtype, dev = DTYPES[op.dtype], torch.device(device)
-            if op.cls == "attention":
-                fwd, bwd = K.attention_call_seconds(op.shape, dtype, dev, budget)
-                keep(f"{key}|forward", fwd)
-                keep(f"{key}|backward", bwd)
-            else:
-                keep(key, K.matmul_call_seconds(op.shape, op.layout, dtype, dev, grouped="grouped_mm" in op.name,
-                                                budget_s=budget))
-
-
-def time_new_kernels(ops: list[Op], p: Profile) -> None:
-    """Time, on this device, the matmul and attention calls of `ops` the kernel table lacks (when the
-    profile is this device's: Profile.on_device), in KERNEL_PASSES passes keeping each one's fastest.
-    (Tried: scaling each pass by how much slower a few of the calibration's own matmuls ran beside it.
-    In this VM's slow state ~3 ms matmuls ran 1.5x slow and 20 ms ones were not slowed, so the default
-    step was planned 40% short; not kept.)"""
-    todo = kernels_to_time(ops, p.kernels)
-    if p.device is None or not todo:
-        return
-    import torch
-
-    from trainwise.train.allocator import keep_freed_memory
-
-    keep_freed_memory()
-    before = torch.get_num_threads()
-    if p.threads:
-        torch.set_num_threads(p.threads)
-    timed: dict[str, float] = {}
-    try:
-        for _ in range(KERNEL_PASSES):
-            time_kernel_pass(todo, p.device, timed)
-    finally:
-        torch.set_num_threads(before)
-    p.new_kernels.update(timed)
-    p.kernels.update(timed)
-
-
 def kernel_seconds(op: Op, p: Profile) -> float | None:
-    """Seconds per call of a matmul or attention op from the profile's kernel table (time_new_kernels
-    fills it), or None (too large to time, or no table entry and no device to time it on)."""
-    key, small = _kernel_entry(op)
-    if not key:
-        return None
-    if key not in p.kernels and small:
-        time_new_kernels([op], p)
-    return p.kernels.get(key)
+    """Seconds per call of a matmul or attention op from the profile's kernel table, or None (too large
+    to time, or not timed: the planner times a step's new kernels before it prices them,
+    trainwise.measure.kernels.time_new_kernels)."""
+    key, _ = _kernel_entry(op)
+    return p.kernels.get(key) if key else None
 
 
 @dataclass
@@ -292,8 +153,8 @@ def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int,
                  comm_s: float = 0.0, optimizer: str = "adamw", async_launch: bool = False,
                  precision: str = "fp32") -> StepTime:
     """Predicted seconds of one optimizer step whose operators are `ops` (cost.ops.step_ops), run in
-    compute precision `precision`."""
-    time_new_kernels(ops, p)  # all of the step's new kernels together, in passes
+    compute precision `precision`. Matmul and attention calls are priced from the profile's kernel
+    table where it has them (time them first to use their own times), else from its fits."""
     timed = []
     opt_ops = [o for o in ops if o.phase == "optimizer"]
     opt_bytes = sum(o.bytes for o in opt_ops) or 1.0
@@ -312,72 +173,7 @@ def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int,
     overhead = p.overhead[0] + p.overhead[1] * eager_calls
     # A GPU runs its kernels while the host queues the next ones: the step takes the longer of the two.
     busy = max(compute, overhead) if async_launch else compute + overhead
-    p.save_kernels()
     return StepTime(busy + comm_s, compute, overhead, comm_s, timed, p.source, compiled)
-
-
-# --- communication --------------------------------------------------------------------------------
-
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
-
-
-def ring_seconds(kind: str, nbytes: float, world: int, link: list[float], messages: int = 1) -> float:
-    """Ring collective over `world` ranks of a buffer of nbytes (full size): all-reduce moves
-    2(n-1)/n x bytes per rank in 2(n-1) hops; all-gather and reduce-scatter (n-1)/n x bytes in n-1 hops
-    (Thakur et al. 2005). latency x hops x messages + moved / bandwidth."""
-    if world <= 1:
-        return 0.0
-    latency, bw = link
-    factor, hops = {"all_reduce": (2, 2), "all_gather": (1, 1), "reduce_scatter": (1, 1),
-                    "broadcast": (1, 1)}[kind]
-    return latency * hops * (world - 1) * messages + factor * (world - 1) / world * nbytes / bw
-
-
-def comm_seconds(strategy: str, world: int, grad_bytes: float, param_bytes: float, n_blocks: int,
-                 grad_accum: int, link: list[float], gather_bytes: float | None = None) -> dict[str, float]:
-    """{collective: seconds} one step issues. ddp/zero1: one all-reduce of the gradients in 25 MiB
-    buckets on the last micro-batch (zero1 then broadcasts the updated parameters); zero2: one
-    all-gather of the parameters per micro-batch (kept until backward) + one reduce-scatter of the
-    gradients; fsdp: all-gathers before forward and again before backward, per micro-batch. Sharded
-    strategies gather per block (n_blocks + 1 messages). gather_bytes: gathered parameter bytes when
-    the mixed-precision policy gathers in bf16 (default: param_bytes)."""
-    gather = param_bytes if gather_bytes is None else gather_bytes
-    if world <= 1 or strategy in ("none", ""):
-        return {}
-    if strategy in ("ddp", "zero1"):
-        buckets = max(1, -(-int(grad_bytes) // DDP_BUCKET_BYTES))
-        out = {"all_reduce": ring_seconds("all_reduce", grad_bytes, world, link, buckets)}
-        if strategy == "zero1":
-            out["broadcast"] = ring_seconds("broadcast", param_bytes, world, link, n_blocks + 1)
-        return out
-    gathers = grad_accum * (2 if strategy == "fsdp" else 1)
-    return {"all_gather": gathers * ring_seconds("all_gather", gather, world, link, n_blocks + 1),
-            "reduce_scatter": ring_seconds("reduce_scatter", grad_bytes, world, link, n_blocks + 1)}
-
-
-def exposed_comm(comm: dict[str, float], compute_s: float, overlaps: bool) -> float:
-    """Seconds of communication the step waits for. On a GPU, NCCL runs beside the kernels (DDP's
-    buckets during backward, FSDP's prefetched gathers during forward and backward), so only what
-    outlasts the forward+backward compute shows; on a CPU, gloo needs the same cores as the compute,
-    so all of it shows."""
-    total = sum(comm.values())
-    return max(0.0, total - compute_s) if overlaps else total
-
-
-# --- the planner's entry point ----------------------------------------------------------------------
-
-_OPS_CACHE: dict[str, list[Op]] = {}
-
-
-def cached_step_ops(model, micro_batch: int, seq_len: int, precision: str, checkpointing: str, compiled: bool,
-                    optimizer: str) -> list[Op]:
-    """cost.ops.step_ops of one micro-batch, memoised: a run asks for its plan several times."""
-    from trainwise.cost.ops import step_ops
-
-    key = repr((model, micro_batch, seq_len, precision, checkpointing, compiled, optimizer))
-    if key not in _OPS_CACHE:
-        _OPS_CACHE[key] = step_ops(model, micro_batch, seq_len, precision, checkpointing, 1, compiled, optimizer)
-    return _OPS_CACHE[key]
 
 
 def scale_batch(ops: list[Op], factor: int, seq_len: int) -> list[Op]:
@@ -407,34 +203,24 @@ def scale_batch(ops: list[Op], factor: int, seq_len: int) -> list[Op]:
     return out
 
 
-def strategy_for(zero: int, dp: int) -> str:
-    """The trainer's strategy that a plan's ZeRO stage stands for (train.distributed)."""
-    if dp <= 1:
-        return "none"
-    return {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}[zero]
-
-
-def plan_step(model, profile: Profile, *, micro_batch: int, seq_len: int, grad_accum: int, compute_dtype: str,
-              checkpointing: str, optimizer: str, zero: int, dp: int, n_params: int, grad_bytes: int,
-              param_bytes: int, compiled: bool = False, cuda: bool = False, ops: list[Op] | None = None) -> StepTime:
-    """Predicted time of one optimizer step of `model` as the trainer runs it on the profiled device:
-    its operator list (bf16 autocast when compute_dtype is bf16/fp16; CUDA kernels on a GPU), priced by
-    the profile, K micro-batches, plus the exposed communication of the strategy ZeRO-`zero` over dp."""
+def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors: int, n_params: int,
+              grad_accum: int, compute_dtype: str, optimizer: str, zero: int, dp: int, grad_bytes: int,
+              param_bytes: int, compiled: bool = False, cuda: bool = False) -> StepTime:
+    """Predicted time of one optimizer step as the trainer runs it on the profiled device: the operators
+    of one micro-batch's step (`ops`, recorded with bf16 autocast when compute_dtype is bf16/fp16; CUDA
+    kernels on a GPU), priced by the profile, K micro-batches, plus the exposed communication of the
+    strategy ZeRO-`zero` over dp."""
     precision = "fp32" if compute_dtype == "fp32" else compute_dtype
-    if ops is None:
-        ops = cached_step_ops(model, micro_batch, seq_len, precision, checkpointing, compiled and not cuda, optimizer)
     if cuda:
-        from trainwise.cost.ops import for_cuda
-
         ops = for_cuda(ops)
     ops = [o.scaled(grad_accum) if o.phase != "optimizer" else o for o in ops]
-    tensors = n_param_tensors(model)
+    tensors = n_param_tensors
     if zero >= 1 and dp > 1:  # each rank updates only its 1/dp shard of the parameters
         ops = [o if o.phase != "optimizer" else replace(o, flops=o.flops / dp, bytes=o.bytes / dp) for o in ops]
         n_params = n_params // dp
     base = predict_step(ops, profile, tensors, n_params, compiled, 0.0, optimizer, async_launch=cuda,
                         precision=precision)
-    comm = comm_seconds(strategy_for(zero, dp), dp, grad_bytes, param_bytes, model.n_layers, grad_accum, profile.link,
+    comm = comm_seconds(strategy_for(zero, dp), dp, grad_bytes, param_bytes, n_layers, grad_accum, profile.link,
                         param_bytes // 2 if precision != "fp32" and zero >= 2 else None)
     phases = base.by_phase()
     exposed = exposed_comm(comm, phases.get("backward", 0.0) + phases.get("forward", 0.0), overlaps=cuda)
@@ -443,11 +229,3 @@ def plan_step(model, profile: Profile, *, micro_batch: int, seq_len: int, grad_a
     return base
 
 
-def n_param_tensors(model) -> int:
-    """Parameter tensors of the built model (the optimizer's per-tensor cost), counted on the meta device."""
-    import torch
-
-    from trainwise.model import Transformer
-
-    with torch.device("meta"):
-        return len(list(Transformer(model).parameters()))

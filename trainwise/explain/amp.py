@@ -11,7 +11,7 @@ from trainwise.cost.memory import RECIPES, activation_bytes, state_bytes
 from trainwise.errors import TrainwiseError
 from trainwise.explain.render import Doc, num
 from trainwise.explain.topic import Arg, Topic
-from trainwise.train.precision import autocast, resolve_device, resolve_precision
+from trainwise.runtime.precision import autocast, resolve_device, resolve_precision
 
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 ACT_BATCH, ACT_SEQ = 8, 256  # the activation column: trainwise-small at micro-batch 8, T = 256

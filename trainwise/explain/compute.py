@@ -14,12 +14,11 @@ from trainwise.cost.time import attainable_flops, model_flops_utilization, ridge
 from trainwise.errors import TrainwiseError
 from trainwise.explain.render import Doc, num
 from trainwise.explain.topic import Arg, Topic, ints, positive
+from trainwise.measure.flopcount import flop_counter
 
 
 def _counted(fn) -> int:
     """FLOPs of fn() by the one FLOP counter the trainer's measurements use (trainwise.measure.flopcount)."""
-    from trainwise.measure.flopcount import flop_counter
-
     with flop_counter() as counter:
         fn()
     return int(counter.get_total_flops())

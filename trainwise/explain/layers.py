@@ -10,8 +10,10 @@ from trainwise.config import ModelConfig, default_ffn_hidden
 from trainwise.cost.flops import mlp_flops
 from trainwise.cost.params import mlp_params
 from trainwise.errors import TrainwiseError
+from trainwise.explain.compute import _counted
 from trainwise.explain.render import Doc, num
 from trainwise.explain.topic import Arg, Topic, floats, ints
+from trainwise.model.layers import ACTIVATION_FNS, MLP
 
 # ---------------------------------------------------------------------------------------------------
 ACT = {
@@ -56,8 +58,6 @@ def _sigmoid(x: float) -> float:
 
 def _curves(inputs: list[float]) -> dict[str, dict[str, list[float]]]:
     """Values and autograd derivatives of the model's own activation functions at the inputs."""
-    from trainwise.model.transformer import ACTIVATION_FNS
-
     out = {}
     for name in CURVES:
         x = torch.tensor(inputs, dtype=torch.float64, requires_grad=True)
@@ -71,9 +71,6 @@ def _mlp_counts(d_model: int, activation: str) -> tuple[int, int, int, int, floa
     """(F, parameters, forward FLOPs, training FLOPs) of one token through trainwise.model.MLP, counted on
     the meta device (shapes only, so any width is instant) by the trainer's FLOP counter; and the
     planner's forward FLOPs for the same layer."""
-    from trainwise.explain.compute import _counted
-    from trainwise.model.transformer import MLP
-
     # only the MLP is built: one head and learned positions put no constraint of their own on H
     cfg = ModelConfig(d_model=d_model, n_heads=1, n_kv_heads=1, position="learned", activation=activation)
     with torch.device("meta"):
@@ -97,8 +94,6 @@ def _curve_tables(d: Doc, t: dict, inputs: list[float]) -> dict:
 
 def _by_hand(d: Doc, t: dict, gate: float, up: float) -> dict:
     """The formulas by hand at x = 1 beside what torch computes there; SwiGLU and its two derivatives."""
-    from trainwise.model.transformer import ACTIVATION_FNS
-
     at1 = {n: c["values"][0] for n, c in _curves([1.0]).items()}
     k = math.sqrt(2 / math.pi)
     gelu_tanh = 0.5 * (1 + math.tanh(k * (1 + 0.044715)))

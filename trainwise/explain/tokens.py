@@ -6,6 +6,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from trainwise import rundir
 from trainwise.errors import TrainwiseError
 from trainwise.explain.render import Doc
 from trainwise.explain.topic import Arg, Topic
@@ -103,7 +104,7 @@ def _hf(tok: Tokenizer):
 def load_or_train(text: str, vocab_size: int, run: str | None) -> tuple[Tokenizer, Path | None]:
     """The run's tokenizer.json with --run, else a tokenizer trained on the text: (tokenizer, its path)."""
     if run is not None:
-        path = Path(run) / "tokenizer.json"
+        path = Path(run) / rundir.TOKENIZER
         if not path.is_file():
             raise TrainwiseError(f"--run '{run}' has no tokenizer.json; pass a run directory that `trainwise train` "
                                  "wrote, or leave --run out to train a tiny tokenizer on the text.")

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from trainwise.config import ModelConfig
+from trainwise.config import ModelConfig, TrainConfig
 from trainwise.cost import flops as F
 from trainwise.cost import memory as M
 from trainwise.cost.params import mlp_params, params
-from trainwise.cost.plan import fmt_bytes, plan_run
 from trainwise.cost.time import DEFAULT_MFU, SECONDS_PER_DAY
 from trainwise.errors import TrainwiseError
 from trainwise.explain.render import Doc, num
 from trainwise.explain.topic import Arg, Topic
+from trainwise.measure.flopcount import flop_counter
+from trainwise.planner.plan import plan_run
+from trainwise.presets import get_preset
+from trainwise.runtime.step import build_model, build_step, random_batches
+from trainwise.units import fmt_bytes
 
 CPU = torch.device("cpu")
 
@@ -24,8 +28,6 @@ def tiny_config(d_model: int = 64, n_layers: int = 2, vocab_size: int = 256, max
 
 
 def _batches(cfg: ModelConfig, micro_batch: int, seq_len: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    from trainwise.measure.step import random_batches
-
     return random_batches(cfg.vocab_size, micro_batch, seq_len, k, CPU, seed=0)
 
 
@@ -38,7 +40,7 @@ GA = {
                    "the sum equal the gradient of the mean loss over all B_micro x K sequences, so the update is the "
                    "big batch's (up to float rounding) with the memory of one micro-batch.",
                run=["train.micro_batch x train.grad_accum_steps is your batch per step; the trainer's step "
-                    "(trainwise.measure.step.train_step, used here) divides each loss by K before backward.",
+                    "(trainwise.runtime.step, used here) divides each loss by K before backward.",
                     "`trainwise plan --fit` trades micro-batch against accumulation steps to fit memory."]),
     "zh": dict(title="梯度累积：用小的微批次凑出大批次", beff="等效批大小", tokens="每次优化器更新的 token 数",
                big="大批次", acc="梯度累积", diff="最大绝对差", loss="损失",
@@ -46,27 +48,25 @@ GA = {
                why="多次 backward 时梯度在 .grad 中累加。每个微批次的平均损失除以 K，累加结果就等于全部 "
                    "B_micro x K 条序列平均损失的梯度；参数更新与大批次相同（只差浮点舍入），显存只需一个微批次。",
                run=["train.micro_batch x train.grad_accum_steps 就是每步的批大小；训练器的一步 "
-                    "(trainwise.measure.step.train_step，这里直接调用) 在 backward 前把损失除以 K。",
+                    "(trainwise.runtime.step，这里直接调用) 在 backward 前把损失除以 K。",
                     "`trainwise plan --fit` 在微批次大小与累积步数之间权衡以放进显存。"]),
 }
 
 
 def grad_accum(micro_batch: int = 2, steps: int = 4, seq_len: int = 16, lang: str = "en") -> Doc:
-    from trainwise.measure.step import train_step
-    from trainwise.model import Transformer
-
     t = GA[lang]
     if micro_batch < 1 or steps < 1 or not 1 <= seq_len <= 64:
         raise TrainwiseError("--micro-batch and --steps must be >= 1 and --seq-len between 1 and 64.")
     cfg = tiny_config()
     torch.manual_seed(0)
-    model = Transformer(cfg)
+    step = build_step(build_model(cfg), TrainConfig(), CPU, "fp32", optimizer=False)
+    model = step.model
     micro = _batches(cfg, micro_batch, seq_len, steps)
     big = [(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))]
 
     def grads(batches) -> tuple[list[torch.Tensor], float]:
         model.zero_grad(set_to_none=True)
-        loss = train_step(model, None, batches, CPU, "fp32")  # no optimizer: the gradients stay in .grad
+        loss = step(batches).loss  # no optimizer: the gradients stay in .grad
         return [p.grad.clone() for p in model.parameters()], loss.item()
 
     g_big, loss_big = grads(big)
@@ -100,7 +100,7 @@ CK = {
                    "and runs the block's forward again during backward; selective recomputes only the attention core. "
                    "Memory falls, FLOPs rise: recompute counts in hardware FLOPs (HFU), not in MFU.",
                run=["train.activation_checkpointing = none | selective | full; trainwise applies it from outside the "
-                    "model (trainwise.train.parallelize.apply_activation_checkpointing, used here).",
+                    "model (trainwise.runtime.parallelize.apply_activation_checkpointing, used here).",
                     "`trainwise plan --checkpointing full` predicts the same two numbers for your model; "
                     "`trainwise plan --fit` turns it on only when the run does not fit otherwise."]),
     "zh": dict(title="激活检查点：用重计算换显存", model="模型",
@@ -110,7 +110,7 @@ CK = {
                why="反向传播需要前向算出的张量。全量激活检查点只保存每个块的输入，在反向时重新执行该块的前向；"
                    "选择性检查点只重计算注意力核心。显存下降、计算量上升：重计算计入硬件算力利用率 (HFU)，不计入 MFU。",
                run=["train.activation_checkpointing = none | selective | full；trainwise 从模型外部施加它"
-                    "（trainwise.train.parallelize.apply_activation_checkpointing，这里直接调用）。",
+                    "（trainwise.runtime.parallelize.apply_activation_checkpointing，这里直接调用）。",
                     "`trainwise plan --checkpointing full` 对你的模型预测同样的两个数；"
                     "`trainwise plan --fit` 只在放不下时才打开它。"]),
 }
@@ -119,14 +119,9 @@ CK = {
 def measure_checkpointing(cfg: ModelConfig, micro_batch: int, seq_len: int, mode: str) -> tuple[int, int]:
     """(bytes of the unique storages autograd saves for backward, parameters excluded; FLOPs of forward +
     backward counted by the one FLOP counter) of a real trainwise Transformer under `mode`."""
-    from trainwise.measure.flopcount import flop_counter
-    from trainwise.model import Transformer
-    from trainwise.train.parallelize import apply_activation_checkpointing
-
     torch.manual_seed(0)
-    model = Transformer(cfg)
-    if mode != "none":
-        apply_activation_checkpointing(model, mode)
+    model = build_step(build_model(cfg), TrainConfig(activation_checkpointing=mode), CPU, "fp32",
+                       optimizer=False).model
     (x, y), = _batches(cfg, micro_batch, seq_len, 1)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -211,8 +206,6 @@ MOE = {
 
 
 def moe(model: str = "mixtral-8x7b", tokens: float = 1e12, lang: str = "en") -> Doc:
-    from trainwise.presets import get_preset
-
     t = MOE[lang]
     cfg = get_preset(model)
     if not cfg.n_experts:

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from trainwise.config import ModelConfig
 from trainwise.errors import TrainwiseError
+from trainwise.inference import load_run
 from trainwise.tokenizer import EOT, Tokenizer
 
 FAMILIES = ("llama", "qwen3", "gpt2", "mixtral")
@@ -374,9 +375,7 @@ def _gpt2_from_hf(cfg: ModelConfig, t: dict) -> dict:
 
 def export_hf(run_dir: str | Path, out: str | Path) -> dict:
     """Write the latest checkpoint of `run_dir` as a Hugging Face model directory `out`. Returns a summary."""
-    from trainwise.api import load
-
-    run = load(run_dir, device="cpu")
+    run = load_run(run_dir, device="cpu")
     return save_hf(run.model, run.tokenizer, out)
 
 

@@ -3,11 +3,10 @@ step-time model predicts from (trainwise.measure.kernels).
 
 MFU on a CPU is only meaningful against what this CPU can really do, so trainwise measures it (once,
 then caches it) instead of guessing from a spec sheet. The peak is the 90% quantile of ~40 repeated square
-matmuls large enough to keep every thread busy (2048-4096 on a CPU; on an AMX Xeon a 1024 matmul runs on
-one thread), in three rounds: at the start, half-way and at the end of the calibration (PEAK_QUANTILE:
-with two rounds five calibrations in a row agreed within 5-12% on an AMX Xeon and 11-15% on an AMD EPYC;
-with three, 2.9% (bf16) and 5.5% (fp32) on the EPYC; the best of a few timings had swung 567 -> 2,206
-GFLOP/s); bandwidth is a large tensor copy (bytes read + bytes written per second).
+matmuls large enough to keep every thread busy (2048-4096 on a CPU), in three rounds: at the start,
+half-way and at the end of the calibration (PEAK_QUANTILE; how far calibrations in a row agree on each
+CPU kind: benchmarks/RESULTS.md); bandwidth is a large tensor copy (bytes read + bytes written per
+second).
 
 A peak measured while other work holds the CPU is too low, and every MFU computed from it then reads
 too high. So /proc/stat tells how much of the cores OTHER processes used during the peak timings
@@ -17,45 +16,25 @@ per core ~50%. Above BUSY_OTHERS the result says so (busy_note), wherever it is 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from trainwise.cost.steptime import PROFILE_VERSION
-from trainwise.train.precision import DTYPES
+from trainwise.hardware import cache
+from trainwise.hardware.cache import PROFILE_VERSION, machine_key
+from trainwise.hardware.profile import Profile
+from trainwise.measure import kernels as K
+from trainwise.measure.reference import ReferenceSteps
+from trainwise.runtime.allocator import keep_freed_memory
+from trainwise.runtime.precision import DTYPES
 
 BUSY_SHARE = 0.8  # kept for callers: the matmul threads' share of wall time on a quiet machine
 BUSY_OTHERS = 0.2  # share of the cores other processes used during the peak timings above which it was busy
 RETRY_BUSY_S = 3600  # a busy measurement is measured again after this long
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TRAINWISE_CACHE", Path.home() / ".cache" / "trainwise"))
-
-
-def machine_key(device: torch.device) -> str:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = cpu_model()
-    return f"{device.type}|{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _sync(device: torch.device) -> None:
@@ -64,7 +43,7 @@ def _sync(device: torch.device) -> None:
 
 
 # Square sizes per dtype that keep every thread busy: fp32 sustains its rate from 2048 on; AMX bf16 needs
-# 2048-4096 (measured ~1,750 GFLOP/s with both threads of this Xeon), and 1024 ran on one thread only.
+# 2048-4096, where a 1024 matmul ran on one thread only (benchmarks/RESULTS.md).
 PEAK_SIZES = {"cpu": {"fp32": (2048,), "bf16": (2048, 3072, 4096)},
               "cuda": {"fp32": (4096, 8192), "bf16": (4096, 8192), "fp16": (4096, 8192)}}
 
@@ -92,8 +71,8 @@ def matmul_rates(device: torch.device, dtype: torch.dtype, size: int, seconds: f
 
 
 # The peak is an upper quantile of every timed repetition, over rounds spread across the calibration:
-# this machine's speed drifts by 20-30% over seconds (one 2048 fp32 matmul after another: 255-402
-# GFLOP/s), and interference only ever slows a matmul down, so the fast end is what the device does
+# a VM's speed can drift by 20-30% over seconds (benchmarks/RESULTS.md), and interference only ever
+# slows a matmul down, so the fast end is what the device does
 # and the part of the distribution that stays put from one calibration to the next.
 PEAK_QUANTILE = 0.9
 
@@ -161,14 +140,12 @@ def device_profile(device: torch.device, bandwidth: float | None = None, peak_ro
     reference steps are sampled after every part (the machine's state drifts over seconds: their
     fastest sample is what in_step is fitted on), and a round of peak timings is added to peak_rounds
     half-way through."""
-    from trainwise.measure import kernels as K
-
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     took, clock = {}, time.perf_counter()
-    refs = K.ReferenceSteps(device)  # real steps, sampled between the other parts
+    refs = ReferenceSteps(device)  # real steps, sampled between the other parts
     refs.sample()
 
-    def lap(part: str) -> None:  # seconds each part took (the whole must stay under a minute on 2 cores)
+    def lap(part: str) -> None:  # seconds each part took (the whole must stay under a minute on a small CPU)
         nonlocal clock
         took[part] = took.get(part, 0.0) + time.perf_counter() - clock
         refs.sample()
@@ -193,8 +170,6 @@ def device_profile(device: torch.device, bandwidth: float | None = None, peak_ro
     attention = per_dtype("attention", K.attention_fits)
     optimizer = K.optimizer_fit(device)
     lap("optimizer")
-    from trainwise.cost.steptime import Profile
-
     partial = Profile(matmul=matmul, elementwise=elementwise, attention=attention, optimizer=optimizer,
                       overhead=[0.0, 0.0], source="calibrated")
     steps = refs.fit(partial.on_device(device.type, machine_key(device), torch.get_num_threads()))
@@ -252,39 +227,21 @@ def _calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dic
     measurement every run) but measured again after RETRY_BUSY_S, and it never replaces a quiet one.
     An entry of an older trainwise (no "profile") is measured again."""
     device = torch.device(device)
-    path = cache_root() / "calibration.json"
+    path = cache.calibration_path()
     key = machine_key(device)
-    cached = _read(path)
+    cached = cache.read_json(path)
     old = cached.get(key)
     if old and old.get("profile", {}).get("version") != PROFILE_VERSION:  # an older trainwise's: measure again
         old = None
     if old and not refresh and not (old.get("busy") and time.time() - old.get("measured_unix", 0) > RETRY_BUSY_S):
         return old
-    with _measuring_lock(path):
-        fresh = _read(path).get(key)  # another process (a torchrun rank) may have measured meanwhile
+    with cache.file_lock(path):
+        fresh = cache.read_json(path).get(key)  # another process (a torchrun rank) may have measured meanwhile
         if fresh and fresh.get("profile", {}).get("version") == PROFILE_VERSION \
                 and fresh.get("measured_unix", 0) > (old or {}).get("measured_unix", 0) \
                 and not refresh:
             return fresh
         return _measure_and_cache(device, path, key, old)
-
-
-@contextlib.contextmanager
-def _measuring_lock(path: Path):
-    """One calibration per machine at a time: concurrent ones (the ranks of a torchrun job starting
-    together) would measure each other's load, and the waiting one then reads the result."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path.with_suffix(".lock"), "w")
-    except OSError:
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _measure_and_cache(device: torch.device, path: Path, key: str, old: dict | None) -> dict:
@@ -295,8 +252,6 @@ def _measure_and_cache(device: torch.device, path: Path, key: str, old: dict | N
 
 
 def _measure_and_cache_unseeded(device: torch.device, path: Path, key: str, old: dict | None) -> dict:
-    from trainwise.train.allocator import keep_freed_memory
-
     keep_freed_memory()  # measure under the allocator the trainer runs with
     began = time.perf_counter()
     first = peak_round(device)
@@ -304,112 +259,31 @@ def _measure_and_cache_unseeded(device: torch.device, path: Path, key: str, old:
     if result.get("busy") and old and not old.get("busy"):
         # the quiet measurement stays in the cache, and its profile serves (a busy one is too slow)
         return {**result, "profile": old["profile"], "profile_from": old["measured_at"]}
-    drop_kernel_table(key)  # the profile and the kernels it is fitted with: one state of the machine
+    cache.drop_kernel_table(key)  # the profile and the kernels it is fitted with: one state of the machine
     rounds = [first]  # peak timings at the start, half-way and at the end: the peak spans the drift
     profile = device_profile(device, result["bandwidth_bytes_per_s"], rounds)
     rounds.append(peak_round(device))
     result = {"machine": key, **measure_peak(device, rounds, result["bandwidth_bytes_per_s"]), "profile": profile}
     result["calibration_s"] = time.perf_counter() - began
-    cached = _read(path)
+    cached = cache.read_json(path)
     cached[key] = result
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, cached)
+        cache.write_json_atomic(path, cached)
     except OSError:
         pass  # a read-only home still gets a measured peak, just not a cached one
     return result
-
-
-def _write_atomic(path: Path, data: dict) -> None:
-    """Write JSON through a temporary file and a rename: a reader never sees half a file."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
-def _update_json(path: Path, change) -> None:
-    """Apply change(entries) to the JSON file under its lock (concurrent writers take turns) and write it
-    back atomically; nothing happens on a read-only home."""
-    try:
-        with _measuring_lock(path):
-            entries = _read(path)
-            change(entries)
-            _write_atomic(path, entries)
-    except OSError:
-        pass
-
-
-def link_key(backend: str, world: int) -> str:
-    """The collectives' cache key: the machine and torch, not the torch threads (a rank runs with one)."""
-    return f"link|{backend}|world={world}|{cpu_model()}|torch={torch.__version__}"
 
 
 def calibrate_link() -> dict:
     """Under torchrun (every rank calls it, process group initialised): measure the collectives
     (kernels.collective_fit) and cache them; rank 0 writes. `trainwise hardware --calibrate` under
     torchrun does this."""
-    import torch.distributed as dist
-
-    from trainwise.measure.kernels import collective_fit
-
-    result = {**collective_fit(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    result = {**K.collective_fit(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if result["rank"] == 0:
-        _update_json(cache_root() / "calibration.json",
-                     lambda entries: entries.update({link_key(result["backend"], result["world"]): result}))
+        cache.update_json(cache.calibration_path(),
+                          lambda entries: entries.update({cache.link_key(result["backend"], result["world"]): result}))
     dist.barrier()
     return result
 
 
-def cached_link(backend: str, world: int) -> list[float] | None:
-    """[latency s, bytes/s] of this machine's collectives over `world` ranks, if calibrate_link ran."""
-    entry = _read(cache_root() / "calibration.json").get(link_key(backend, world))
-    return entry["link"] if entry else None
-
-
-def cached(device: torch.device | str) -> dict | None:
-    """This device's cached calibration with a profile, or None; measures nothing (a GPU run must not
-    spend half a minute calibrating: without `trainwise hardware --calibrate` it uses table defaults)."""
-    entry = _read(cache_root() / "calibration.json").get(machine_key(torch.device(device)))
-    return entry if entry and entry.get("profile", {}).get("version") == PROFILE_VERSION else None
-
-
-def kernel_table(machine: str) -> dict[str, float]:
-    """{kernel: seconds per call} of the matmul and attention calls timed on this machine (cost.steptime
-    .kernel_seconds), keyed by calibrate.machine_key (device, threads, torch) and the profile's version
-    (a new timing protocol times them again)."""
-    return _read(cache_root() / "kernels.json").get(f"{machine}|v{PROFILE_VERSION}", {})
-
-
-def drop_kernel_table(machine: str) -> None:
-    """Forget the kernels timed on this machine before a new calibration: their times are taken with the
-    in-step factor fitted against them, and this machine's speed moves by up to 2x between hours (bf16
-    matmul peak 1,702 GFLOP/s at 04:32, 677 at 05:41 on 2026-12-01; the 04:32 profile, still cached,
-    then predicted every step ~40% short). Kernels are timed again on demand, a few ms each."""
-    def drop(table: dict) -> None:
-        for k in [k for k in table if k.startswith(f"{machine}|v")]:
-            del table[k]
-
-    _update_json(cache_root() / "kernels.json", drop)
-
-
-def save_kernel_table(machine: str, new: dict[str, float]) -> None:
-    """Add kernels timed on this machine to the table (atomically; concurrent writers take turns)."""
-    _update_json(cache_root() / "kernels.json",  # a read-only home times them again next time
-                 lambda table: table.setdefault(f"{machine}|v{PROFILE_VERSION}", {}).update(new))
-
-
-def busy_note(result: dict) -> str:
-    """'' for a trustworthy measurement; else a sentence saying why the peak is too low and what to do."""
-    if not result.get("busy"):
-        return ""
-    held = (f"other processes kept {result['others_share']:.0%} of the cores busy" if "others_share" in result
-            else f"its matmul threads got {result['cpu_share']:.0%} of the wall time")
-    return (f"measured while other work held the CPU ({held}), so this peak is too low and MFU reads too high: run `trainwise hardware --calibrate` "
-            f"on a quiet machine (a run an hour later measures again on its own)")
-
-
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}

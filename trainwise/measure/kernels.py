@@ -4,14 +4,14 @@ Each figure is the fast end (fast_seconds: 10th percentile) of repeated timings 
 trainer really runs, with every torch thread, after a warm-up; fits are cost.time.fit_linear (least
 squares in relative error, coefficients >= 0):
 - matmuls and attention at the exact shapes (and operand layouts) of a planned step, on demand
-  (matmul_call_seconds, attention_call_seconds; cached in cost.steptime's kernel table); for matmuls
-  too large to time, the best throughput over a grid of 1024/4096 shapes per dtype;
+  (time_new_kernels; cached in the kernel table, trainwise.hardware.cache); for matmuls too large to
+  time, the best throughput over a grid of 1024/4096 shapes per dtype;
 - element-wise work per class (plain, activation, norm, softmax/cross-entropy) and dtype, at sizes from
   a core's cache to far past the shared cache: bytes/s per size;
 - attention without a timed shape: the SDPA CPU kernel forward and backward, t = F/R;
 - the optimizer step (fused AdamW + gradient clipping): t = a x tensors + b x elements;
-- real eager steps of reference models (ReferenceSteps): the per-operator overhead (dispatch + autograd) the
-  kernel timings leave out, and the factor by which kernels run slower inside a step than alone;
+- (trainwise.measure.reference: real eager steps of reference models, for the per-operator overhead
+  the kernel timings leave out and the factor by which kernels run slower inside a step than alone);
 - under torchrun, the collectives (collective_fit).
 FLOPs and bytes are counted as the trainwise operator list (cost.ops) counts them, so the fits and the
 model that uses them count alike.
@@ -19,13 +19,19 @@ model that uses them count alike.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from trainwise.cost.ops import Op
+from trainwise.cost.steptime import kernels_to_time
 from trainwise.cost.time import fit_linear
+from trainwise.hardware.profile import Profile
+from trainwise.measure.flopcount import flop_counter
+from trainwise.runtime.allocator import keep_freed_memory
+from trainwise.runtime.precision import DTYPES
 
 # M, K, N from this set: the matmuls too large to time at their own shape (cost.steptime.MAX_KERNEL_FLOPS)
 # run at about this throughput; smaller ones are timed at their shape (kernel table), so no fit over
@@ -40,11 +46,11 @@ def _rate(seconds_per_unit: float) -> float:
 
 def fast_seconds(fn, budget_s: float = 0.06, min_reps: int = 5, max_reps: int = 200) -> float:
     """Undisturbed wall time of fn(): the 10th percentile of repeated calls after one warm-up, repeated
-    for about budget_s (at least min_reps). This machine's speed drifts by 20-30% over seconds and
+    for about budget_s (at least min_reps). A VM's speed can drift by 20-30% over seconds and
     interference only adds time, so the fast end is the figure that repeats from one calibration to the
     next (the median moved with the drift). Kernels are timed hot; in_step carries what a step adds.
-    (Tried: overwriting the core's cache before each call. One benchmark run gave a median error of
-    11.8% against 6.6% the hour before with hot timings: inconclusive on this drifting machine, not kept.)"""
+    (Tried: overwriting the core's cache before each call: inconclusive on a drifting machine, not kept;
+    benchmarks/RESULTS.md.)"""
     sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
     fn()
     sync()
@@ -121,7 +127,8 @@ def matmul_call_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype,
                         grouped: bool = False, budget_s: float = KERNEL_BUDGET_S) -> float:
     """Seconds of one (batch, M, K, N) matmul with operands laid out as `layout` (e.g. "NT": x @ W.t()),
     the fast end of repeated calls (fast_seconds): the same FLOPs run 2-5x apart with the shape and the
-    layout on a CPU (a 4096x256x4096 bf16 mm reached 440 GFLOP/s, a 4096x256x704 one 2,700 here)."""
+    layout on a CPU (a bf16 4096x256x4096 mm ran at a sixth of the rate of a 4096x256x704 one,
+    benchmarks/RESULTS.md)."""
     batch, m, k, n = shape
     gen = torch.Generator(device=device).manual_seed(0)
     la, lb = (layout or "NN")[:2]
@@ -183,10 +190,60 @@ def attention_call_seconds(shape: tuple[int, ...], dtype: torch.dtype, device: t
     return t_fwd, max(t_both - t_fwd, 1e-7)
 
 
+# New kernels are timed in this many passes over all of a plan's new kernels, each keeping its fastest:
+# the passes span a second or more, so one slow spell of the machine (a VM's speed can drift 20-30% over
+# seconds) does not get written into the table for good (a table timed in one pass put a whole benchmark
+# run 20% high, benchmarks/RESULTS.md).
+KERNEL_PASSES = 3
+
+
+def time_kernel_pass(todo: dict[str, Op], device: str, timed: dict[str, float], budget_s: float | None = None) -> None:
+    """Time each kernel of `todo` (kernels_to_time) once more on `device` with the current torch threads,
+    keeping each one's fastest in `timed` (seconds per call; attention as "...|forward" and "...|backward")."""
+    budget = KERNEL_BUDGET_S if budget_s is None else budget_s
+
+    def keep(key: str, seconds: float) -> None:
+        timed[key] = min(seconds, timed.get(key, seconds))
+
+    with torch.random.fork_rng(devices=[]):
+        for key, op in todo.items():
+            dtype, dev = DTYPES[op.dtype], torch.device(device)
+            if op.cls == "attention":
+                fwd, bwd = attention_call_seconds(op.shape, dtype, dev, budget)
+                keep(f"{key}|forward", fwd)
+                keep(f"{key}|backward", bwd)
+            else:
+                keep(key, matmul_call_seconds(op.shape, op.layout, dtype, dev, grouped="grouped_mm" in op.name,
+                                                budget_s=budget))
+
+
+def time_new_kernels(ops: list[Op], p: Profile) -> None:
+    """Time, on this device, the matmul and attention calls of `ops` the kernel table lacks (when the
+    profile is this device's: Profile.on_device), in KERNEL_PASSES passes keeping each one's fastest,
+    and cache them (Profile.save_kernels).
+    (Tried: scaling each pass by how much slower a few of the calibration's own matmuls ran beside it.
+    In a VM's slow state the small anchor matmuls slowed more than a step's larger ones, and the default
+    step was planned 40% short: benchmarks/RESULTS.md; not kept.)"""
+    todo = kernels_to_time(ops, p.kernels)
+    if p.device is None or not todo:
+        return
+    keep_freed_memory()
+    before = torch.get_num_threads()
+    if p.threads:
+        torch.set_num_threads(p.threads)
+    timed: dict[str, float] = {}
+    try:
+        for _ in range(KERNEL_PASSES):
+            time_kernel_pass(todo, p.device, timed)
+    finally:
+        torch.set_num_threads(before)
+    p.new_kernels.update(timed)
+    p.kernels.update(timed)
+    p.save_kernels()
+
+
 def attention_fits(dtype: torch.dtype, device: torch.device) -> dict[str, list[float]]:
     """{"forward"|"backward": [0, FLOP/s]} of causal SDPA at (B*nh, T, hd) shapes of small LLMs: t = F/R."""
-    from trainwise.measure.flopcount import flop_counter
-
     fwd_rows, bwd_rows = [], []
     for bh, t_len, hd in ((8, 128, 64), (32, 256, 64), (16, 512, 64), (8, 1024, 32)):
         q, k, v = (torch.randn(1, bh, t_len, hd, device=device).to(dtype).requires_grad_() for _ in range(3))
@@ -229,132 +286,12 @@ def optimizer_fit(device: torch.device) -> list[float]:
     return [a, b]
 
 
-# Reference steps the step fit runs: unlike the configurations benchmarks/time_model.py checks, and from
-# overhead-bound (d_model 16) to kernel-bound (d_model 192), fp32 and bf16: (model, micro-batch, T, precision)
-REFERENCE_STEPS = (
-    (dict(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=32), 1, 8, "fp32"),
-    (dict(vocab_size=64, d_model=16, n_layers=6, n_heads=2, n_kv_heads=2, ffn_hidden=32), 1, 8, "fp32"),
-    (dict(vocab_size=1024, d_model=128, n_layers=3, n_heads=2, n_kv_heads=2, ffn_hidden=384), 16, 64, "bf16"),
-    (dict(vocab_size=2048, d_model=192, n_layers=2, n_heads=3, n_kv_heads=1, ffn_hidden=512), 8, 192, "bf16"),
-    (dict(vocab_size=2048, d_model=192, n_layers=2, n_heads=3, n_kv_heads=1, ffn_hidden=512), 4, 192, "fp32"),
-)
-
-
-OVERHEAD_REFERENCES = 2  # the first two: kernels ~10% of their step, the rest Python, dispatch, autograd
-SAMPLE_S = 0.01  # seconds of calls per reference step and sample (at least one call)
-
-
-class ReferenceSteps:
-    """Real eager steps of REFERENCE_STEPS with the trainer's own step, sampled again and again over the
-    whole calibration (sample() after each of its parts), each keeping its fastest, and their matmul and
-    attention calls timed alone in the same samples; then fit(profile) says what a real eager step adds to its
-    kernels timed one by one: t = per step + per op x calls + in_step x (its operators' times from
-    `profile`, a cost.steptime.Profile) + its optimizer update.
-
-    Why samples spread so widely: these VMs switch between a fast and a slow state for seconds to tens
-    of seconds at a time (AMD EPYC, 2026-12-01: the d192 reference step 57-59 ms for ~10 s, then 69-72 ms
-    for ~15 s, in one process with nothing else running, while a 1024 bf16 matmul moved 5%), and small
-    kernels lose most in the slow state. Four rounds at four points gave in_step 1.05-1.38 over eight
-    calibrations; a step fitted in a slow spell predicted the default model's step 15-20% long."""
-
-    def __init__(self, device: torch.device, time_kernels: bool = True):
-        from trainwise.config import ModelConfig, TrainConfig
-        from trainwise.cost.ops import step_ops
-        from trainwise.measure.step import random_batches, train_step
-        from trainwise.model import Transformer
-        from trainwise.train.optim import build_optimizer
-
-        self.refs, self.times, self.device = [], [], device
-        self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        self.kernels: dict[str, float] = {}  # the references' matmuls and attention calls: fastest seconds
-        self.time_kernels, self.todo = time_kernels, {}
-        for model, batch, seq, precision in REFERENCE_STEPS:
-            cfg = ModelConfig(**model, max_seq_len=seq)
-            ops = [op for op in step_ops(cfg, batch, seq, precision) if op.phase != "optimizer"]
-            with torch.random.fork_rng():
-                torch.manual_seed(0)
-                net = Transformer(cfg).to(device)
-                opt = build_optimizer(net, TrainConfig())
-            batches = random_batches(cfg.vocab_size, batch, seq, 1, device)
-            step = (lambda net=net, opt=opt, batches=batches, precision=precision:
-                    train_step(net, opt, batches, device, precision))
-            step()
-            tensors = list(net.parameters())
-            self.refs.append((f"d{cfg.d_model} L{cfg.n_layers} B{batch} T{seq} {precision}", ops, step,
-                              len(tensors), sum(p.numel() for p in tensors)))
-
-    def sample(self) -> None:
-        """Time each reference step once more (the overhead-bound ones for SAMPLE_S, a few calls), and
-        (time_kernels) each of their matmul and attention calls alone once more: ~0.3 s on 2 cores. The
-        steps and their kernels are timed side by side, so in_step compares one state of the machine."""
-        from trainwise.cost.steptime import kernels_to_time, time_kernel_pass
-
-        if self.time_kernels:
-            self.todo = self.todo or kernels_to_time([op for ref in self.refs for op in ref[1]], {})
-            time_kernel_pass(self.todo, self.device.type, self.kernels, budget_s=0.0)  # 4 calls each, the fastest
-        row = []
-        for _, _, step, _, _ in self.refs:
-            best, end = float("inf"), time.perf_counter() + SAMPLE_S
-            while best == float("inf") or time.perf_counter() < end:
-                start = time.perf_counter()
-                step()
-                self.sync()  # a GPU step is timed to its end, not to its launch
-                best = min(best, time.perf_counter() - start)
-            row.append(best)
-        self.times.append(row)
-
-    def fastest(self) -> list[float]:
-        """Each reference step's fastest sample, seconds."""
-        return list(map(min, zip(*self.times)))
-
-    def fit(self, profile) -> dict:
-        """{"overhead": [s per step, s per op], "in_step": x, "rows": [[name, s, kernels s, calls], ...],
-        "fastest": [s, ...]} (rows: without the optimizer update; fastest: whole steps), in two
-        stages, each well determined (one fit of the three traded its terms off, in_step 0.9-1.7 between
-        calibrations): the overhead-bound references (d_model 16, the first OVERHEAD_REFERENCES) give the
-        per-step and per-op costs (Python, dispatch, autograd); the others, in_step: what their kernels
-        lose inside a step (operands evicted by the step's other work, allocation), their median."""
-        from trainwise.cost.steptime import op_seconds
-
-        profile.kernels.update(self.kernels)
-        profile.new_kernels.update(self.kernels)
-        table = []
-        fastest = self.fastest()
-        for (name, ops, _, tensors, params), t in zip(self.refs, fastest):
-            t_opt = profile.optimizer[0] * tensors + profile.optimizer[1] * params
-            table.append([name, t - t_opt, sum(op_seconds(op, profile)[0] for op in ops), sum(op.calls for op in ops)])
-        profile.save_kernels()
-        per_step, per_op = fit_linear([([1.0, calls], max(t - kernels, 1e-6))
-                                       for _, t, kernels, calls in table[:OVERHEAD_REFERENCES]])
-        ratios = [(t - per_step - per_op * calls) / kernels for _, t, kernels, calls in table[OVERHEAD_REFERENCES:]]
-        in_step = statistics.median(ratios) if ratios else 1.0
-        return {"overhead": [per_step, per_op], "in_step": max(in_step, 0.5), "rows": table, "fastest": fastest}
-
-
-PROBE_S = 0.6  # seconds of reference-step samples in a speed probe (at least one sample)
-
-
-def reference_speed(device: torch.device, seconds: float = PROBE_S) -> list[float]:
-    """The calibration's reference steps timed again now: each one's fastest over `seconds` of samples
-    (seconds per step), to hold against the calibration's own (profile "reference_fastest_s"): what a
-    step-time error owes to this machine's speed having moved rather than to the model. The global RNG
-    is left as it was."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        refs = ReferenceSteps(device, time_kernels=False)
-        end = time.perf_counter() + seconds
-        while not refs.times or time.perf_counter() < end:
-            refs.sample()
-    return refs.fastest()
-
-
 def collective_fit(sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23)) -> dict:
     """Latency and bandwidth of the collectives the strategies issue, on the initialised process group
     (run by every rank of a torchrun job): all-reduce, all-gather and reduce-scatter of fp32 buffers of
     `sizes` bytes, the fast end of 8 timings each, fitted together to the ring model of cost.steptime.ring_seconds:
     t = latency x hops x (n-1) + factor x (n-1)/n x bytes / bandwidth. Returns {"link": [s, bytes/s],
     "backend", "world", "points": [[kind, bytes, seconds], ...]}."""
-    import torch.distributed as dist
-
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     rows, points = [], []

@@ -28,6 +28,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
+from trainwise.runtime.step import TrainingStep
+
 CATEGORIES = {
     _MemRefType.PARAM: "params", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "grads",
     _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
@@ -62,12 +64,10 @@ def _split(snapshot: dict) -> dict[str, int]:
     return out
 
 
-def track_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batches: list,
-                     device: torch.device, precision: str, grad_clip: float = 1.0) -> MemoryBreakdown:
-    """Run one training step (`trainwise.measure.step.train_step`) under MemTracker and read it.
-    The optimizer should already hold its states (one step taken before) for a steady-state figure."""
-    from trainwise.measure.step import train_step
-
+def track_train_step(step: TrainingStep, batches: list) -> MemoryBreakdown:
+    """Run one training step under MemTracker and read it. The optimizer should already hold its states
+    (one step taken before) for a steady-state figure."""
+    model, optimizer, device = step.model, step.optimizer, step.device
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -82,7 +82,7 @@ def track_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
             tracker.reset_mod_stats()  # the next micro-batch calls the modules again (grad accumulation)
 
     with tracker:
-        train_step(model, optimizer, batches, device, precision, grad_clip, hook=hook)
+        step(batches, hook=hook)
     peak = _split(tracker.get_tracker_snapshot("peak"))
     after = seen.get("step", seen["backward"])
     return MemoryBreakdown(

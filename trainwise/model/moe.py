@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainwise.config import ModelConfig
-from trainwise.model.transformer import ACTIVATION_FNS, MLP
+from trainwise.model.layers import ACTIVATION_FNS, MLP
 
 
 class ExpertLinear(nn.Module):
@@ -178,7 +178,7 @@ class MoE(nn.Module):
         return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
-        """The middle of trainwise.model.transformer.MLP: act(gate) * up for gated MLPs, else act(h)."""
+        """The middle of trainwise.model.layers.MLP: act(gate) * up for gated MLPs, else act(h)."""
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             return self.act(gate) * up
@@ -207,23 +207,3 @@ def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE (Zoph et al. 2022) eq. 5: mean over tokens of logsumexp(logits)^2, keeps logits small."""
     return torch.logsumexp(logits, dim=-1).square().mean()
-
-
-def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    """FLOPs of torch._grouped_mm for FlopCounterMode, which has no formula for it: 2 x rows x K x N.
-    (S, K) x (E, K, N) and (K, S) x (S, N) with groups along S (its backward) are 2SKN; (E, M, K) x
-    (E, K, N) is a batched matmul."""
-    if len(a_shape) == 3:
-        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[-1]
-    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
-
-
-def _register_grouped_mm_flops() -> None:
-    from torch.utils.flop_counter import flop_registry, register_flop_formula
-
-    op = getattr(torch.ops.aten, "_grouped_mm", None)
-    if op is not None and op not in flop_registry:
-        register_flop_formula(op)(_grouped_mm_flops)
-
-
-_register_grouped_mm_flops()

@@ -2,7 +2,7 @@
 
 Shapes in comments: B batch, T tokens, H d_model, V vocab, L layers, nh query heads, nkv key/value
 heads, hd head dimension, F MLP width. The model is plain PyTorch: activation checkpointing,
-mixed precision and compilation are applied from outside (trainwise.train.loop).
+mixed precision, compilation and sharding are applied from outside (trainwise.runtime).
 """
 
 from __future__ import annotations
@@ -16,57 +16,9 @@ from torch import nn
 
 from trainwise.config import ModelConfig
 from trainwise.errors import TrainwiseError
+from trainwise.model.layers import MLP, Rotary, make_norm, rope_tables
 from trainwise.model.loss import chunked_cross_entropy
-
-
-def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
-    if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(dim, eps=cfg.norm_eps)
-    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
-
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (max_seq_len, hd), in the rotate-half layout Llama uses (RoFormer, eq. 34)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The reference form (fp32 arithmetic): x (B, heads, T, hd); cos, sin (T, hd)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Each pair (x1, x2) = (x[..., i], x[..., i + hd/2]) turned by its angle: (x1 cos - x2 sin,
-    x2 cos + x1 sin). cos, sin are the half tables (hd/2 columns), broadcastable to x's halves.
-    Written into one output with four in-place ops: no concatenation, no negated copy."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x)
-    out1, out2 = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)
-    torch.mul(x2, cos, out=out2).addcmul_(x1, sin)
-    return out
-
-
-class Rotary(torch.autograd.Function):
-    """RoPE as one autograd node: a rotation's gradient is the rotation by minus the angle, so backward
-    is the same four ops with -sin and saves nothing but the tables. Equals apply_rope (up to rounding
-    in x's dtype) on x (B, T, heads, hd) with cos, sin (T, 1, hd/2)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        return rotate(x, cos, sin)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        return rotate(grad, cos, -sin), None, None
+from trainwise.model.moe import MoE
 
 
 class KVCache:
@@ -120,11 +72,9 @@ class Attention(nn.Module):
         return self.out(rearrange(y, "b h t d -> b t (h d)"))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd)) v through SDPA (flash / memory-efficient kernels where available);
-        on CPU under torch.compile, the same product written as two matmuls (see explicit_attention)."""
-        if q.device.type == "cpu" and causal and torch.compiler.is_compiling() and not (
-                self.training and self.dropout):
-            return explicit_attention(q, k, v)
+        """softmax(q k^T / sqrt(hd)) v through SDPA (flash / memory-efficient kernels where available).
+        Replaceable from outside: selective checkpointing wraps it, and a compiled CPU step swaps in
+        explicit_attention (trainwise.runtime.parallelize)."""
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_heads != self.n_heads,
@@ -134,11 +84,11 @@ class Attention(nn.Module):
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(hd)) v as two batched matmuls and a masked fp32 softmax.
 
-    Used on CPU under torch.compile only: there inductor fuses the scale, mask and softmax into one
-    kernel around two bf16 matmuls, which beat PyTorch's CPU flash kernel (on the default model's step,
-    whole-model compile: 398 vs 460 ms on this 2-core CPU, benchmarks/RESULTS.md). It computes the full
-    T x T scores (twice the causal FLOPs) and saves the T x T probabilities, so eager runs and GPUs keep
-    SDPA's flash kernels. q (B, nh, T, hd); k, v (B, nkv, T, hd)."""
+    The attention of a compiled CPU step (trainwise.runtime.parallelize.apply_compile): there inductor
+    fuses the scale, mask and softmax into one kernel around two bf16 matmuls, which beat PyTorch's CPU
+    flash kernel (benchmarks/RESULTS.md). It computes the full T x T scores (twice the causal FLOPs) and
+    saves the T x T probabilities, so eager runs and GPUs keep SDPA's flash kernels.
+    q (B, nh, T, hd); k, v (B, nkv, T, hd)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -149,36 +99,6 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     return probs.to(v.dtype) @ v
 
 
-ACTIVATION_FNS = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-    "swiglu": F.silu,  # gate activation of the gated variants (Shazeer 2020, "GLU Variants")
-    "geglu": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
-class MLP(nn.Module):
-    """Two matrices (H->F->H), or three for gated activations: down(act(gate(x)) * up(x))."""
-
-    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
-        super().__init__()
-        hidden = hidden or cfg.ffn_hidden
-        self.gated = cfg.gated
-        self.act = ACTIVATION_FNS[cfg.activation]
-        # For gated MLPs gate and up are one (H) -> (2F) matmul; same parameters as two.
-        self.fc = nn.Linear(cfg.d_model, 2 * hidden if self.gated else hidden, bias=cfg.bias)
-        self.proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            return self.proj(self.act(gate) * up)
-        return self.proj(self.act(h))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -186,12 +106,7 @@ class Block(nn.Module):
         self.norm1 = make_norm(cfg, cfg.d_model)
         self.attn = Attention(cfg)
         self.norm2 = make_norm(cfg, cfg.d_model)
-        if cfg.is_moe_layer(layer):
-            from trainwise.model.moe import MoE
-
-            self.mlp = MoE(cfg)
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple | None = None, cache: KVCache | None = None) -> torch.Tensor:

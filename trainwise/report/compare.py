@@ -9,7 +9,6 @@ config keys whose values differ between the runs, highlighted. It reads each run
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import os
@@ -18,10 +17,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainwise import rundir
 from trainwise.config import config_to_dict, load_config
 from trainwise.errors import TrainwiseError
 from trainwise.report import plots
-from trainwise.report.html import CSS, _error_cell, _img, _json, _si, fmt_value, read_metrics
+from trainwise.report.html import CSS, _error_cell, _img, _json, _si, fmt_value
 
 VERIFY_KEYS = ("flops_per_step", "peak_memory_bytes", "step_time_s", "mfu")
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
@@ -70,18 +70,18 @@ def load_runs(run_dirs: list[str]) -> list[RunData]:
     runs = []
     for raw in run_dirs:
         path = Path(raw)
-        if not (path / "config.toml").is_file():
+        if not (path / rundir.CONFIG).is_file():
             raise TrainwiseError(f"'{raw}' is not a trainwise run directory (no config.toml); pass directories "
                                  "that `trainwise train --out DIR` wrote.")
-        plan = _json(path / "plan.json")
+        plan = _json(path / rundir.PLAN)
         flops_per_token = ((plan or {}).get("flops", {}).get("model_flops_per_token")
                            or (plan or {}).get("flops", {}).get("per_token_train"))
-        rows = [r for r in read_metrics(path) if "loss" in r]
+        rows = [r for r in rundir.read_metrics(path) if "loss" in r]
         for r in rows:  # model FLOPs spent so far: tokens x FLOPs per token (the planner's count)
             r["flops"] = r["tokens"] * flops_per_token if flops_per_token else None
-        sections = config_to_dict(load_config(path / "config.toml"))
+        sections = config_to_dict(load_config(path / rundir.CONFIG))
         config = {f"{section}.{key}": value for section, values in sections.items() for key, value in values.items()}
-        runs.append(RunData(_unique_name(path, runs), path, config, rows, plan, _json(path / "verify.json")))
+        runs.append(RunData(_unique_name(path, runs), path, config, rows, plan, _json(path / rundir.VERIFY)))
     return runs
 
 
@@ -267,26 +267,3 @@ def format_table(runs: list[RunData]) -> str:
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in table]
     return "\n".join(line.rstrip() for line in lines) + ("\n(* differs from the first run)" if diffs else "")
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    path, runs = write_compare(args.run_dirs, args.out)
-    if args.json:
-        print(json.dumps({"page": str(path), "runs": [r.summary() for r in runs],
-                          "config_differs": {k: [r.config.get(k) for r in runs] for k in differing_keys(runs)}}))
-    else:
-        print(format_table(runs))
-        print(f"\ncompare page written to {path} ({path.stat().st_size / 1e6:.2f} MB); open it in a browser")
-    return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser(
-        "compare", help="runs side by side: loss vs tokens and FLOPs, throughput, memory, plan vs measured, config",
-        epilog="examples:\n  trainwise compare runs/fp32 runs/bf16\n"
-               "  trainwise compare runs/dense runs/moe runs/moe-ckpt --out moe.html --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dirs", nargs="+", metavar="RUN", help="two or more run directories")
-    p.add_argument("--out", default="compare.html", help="the HTML page to write (default compare.html)")
-    p.add_argument("--json", action="store_true", help="print each run's numbers and the differing keys as JSON")
-    p.set_defaults(func=cmd_compare)

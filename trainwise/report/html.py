@@ -14,8 +14,12 @@ import os
 import time
 from pathlib import Path
 
+from trainwise import rundir
+from trainwise.config import load_config
 from trainwise.errors import TrainwiseError
+from trainwise.planner.hardware import resolve_hardware
 from trainwise.report import plots
+from trainwise.verify.roofline import roofline_ops
 
 CSS = """
 body{font-family:-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif;color:#1f2937;background:#f3f4f6;
@@ -41,18 +45,6 @@ max-height:460px;white-space:pre-wrap}
 """
 
 UNITS = {"flops_per_step": "FLOPs", "peak_memory_bytes": "bytes", "step_time_s": "s", "mfu": ""}
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    rows = []
-    path = run_dir / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a torn last line of a run that is still writing
-    return rows
 
 
 def _json(path: Path) -> dict | None:
@@ -153,15 +145,10 @@ def summary_cards(rows: list[dict], plan: dict | None, verify: dict | None) -> s
 def roofline_section(run_dir: Path, plan: dict | None, verify: dict | None) -> str:
     """The roofline of one training step of this run's model, on the run's device, or a note why not."""
     try:
-        from trainwise.config import load_config
-        from trainwise.measure.roofline import roofline_ops
-    except ImportError:
-        return '<p class="note">Roofline: not available in this version of trainwise.</p>'
-    try:
-        cfg = load_config(run_dir / "config.toml")
+        cfg = load_config(run_dir / rundir.CONFIG)
         hw = (plan or {}).get("hardware", {})
         peak = (verify or {}).get("run", {}).get("peak_flops") or hw.get("peak_flops")
-        bw = hw.get("bandwidth_bytes_per_s") or _bandwidth((verify or {}).get("device", "cpu"))
+        bw = hw.get("bandwidth_bytes_per_s") or resolve_hardware((verify or {}).get("device", "cpu")).bandwidth_bytes_per_s
         if not peak or not bw:
             return '<p class="note">Roofline: the peak FLOP/s or memory bandwidth of the device is unknown.</p>'
         precision = (verify or {}).get("run", {}).get("precision", "fp32")
@@ -173,17 +160,6 @@ def roofline_section(run_dir: Path, plan: dict | None, verify: dict | None) -> s
             "type at its arithmetic intensity, placed on the roof it can reach at best.</p>")
     except Exception as err:  # the report must not fail for want of one chart  # noqa: BLE001
         return f'<p class="note">Roofline could not be drawn: {html.escape(str(err))}</p>'
-
-
-def _bandwidth(device: str) -> float | None:
-    if device == "cpu":
-        from trainwise.measure.calibrate import calibrate
-
-        return calibrate("cpu").get("bandwidth_bytes_per_s")
-    from trainwise.cost.hardware import lookup_cuda_device
-
-    found = lookup_cuda_device(device)
-    return found.bandwidth_bytes_per_s if found else None
 
 
 def memory_section(plan: dict | None, verify: dict | None) -> str:
@@ -203,10 +179,10 @@ def memory_section(plan: dict | None, verify: dict | None) -> str:
 def build_report(run_dir: str | Path) -> str:
     """The HTML text of the report of `run_dir`."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file():
+    if not (run_dir / rundir.CONFIG).is_file():
         raise TrainwiseError(f"'{run_dir}' is not a trainwise run directory (no config.toml).")
-    rows = [r for r in read_metrics(run_dir) if "loss" in r]
-    plan, verify = _json(run_dir / "plan.json"), _json(run_dir / "verify.json")
+    rows = [r for r in rundir.read_metrics(run_dir) if "loss" in r]
+    plan, verify = _json(run_dir / rundir.PLAN), _json(run_dir / rundir.VERIFY)
     name = (plan or {}).get("model", {}).get("name", "run")
     parts = [f"<h1>trainwise report: {html.escape(run_dir.resolve().name)}</h1>",
              f'<p class="sub">model {html.escape(name)} · generated {time.strftime("%Y-%m-%d %H:%M")} '
@@ -225,9 +201,9 @@ def build_report(run_dir: str | Path) -> str:
     table = verify_table(verify) if verify else '<p class="note">No verify.json yet: run <code>trainwise verify DIR</code>.</p>'
     parts.append(f"<section><h2>Plan vs measured</h2>{table}</section>")
     parts.append(f'<section class="roof"><h2>Roofline</h2>{roofline_section(run_dir, plan, verify)}</section>')
-    config = (run_dir / "config.toml").read_text(encoding="utf-8")
+    config = (run_dir / rundir.CONFIG).read_text(encoding="utf-8")
     parts.append(f"<section><h2>Config</h2><pre>{html.escape(config)}</pre></section>")
-    sample_path = run_dir / "sample.txt"
+    sample_path = run_dir / rundir.SAMPLE
     sample = (f"<pre>{html.escape(sample_path.read_text(encoding='utf-8'))}</pre>" if sample_path.is_file()
               else '<p class="note">No sample.txt in the run directory.</p>')
     parts.append(f"<section><h2>Final sample</h2>{sample}</section>")
@@ -240,7 +216,7 @@ def build_report(run_dir: str | Path) -> str:
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the report (default DIR/report.html) atomically and return its path."""
     run_dir = Path(run_dir)
-    out = Path(out) if out else run_dir / "report.html"
+    out = Path(out) if out else run_dir / rundir.REPORT
     text = build_report(run_dir)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import matplotlib
 
+from trainwise.verify.roofline import plot_roofline
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import EngFormatter, PercentFormatter  # noqa: E402
@@ -98,9 +100,7 @@ def memory_chart(predicted: dict[str, float], measured: dict[str, float] | None)
 
 
 def roofline_chart(points, peak_flops: float, bandwidth: float, title: str) -> bytes:
-    """trainwise.measure.roofline's chart, read back as PNG bytes."""
-    from trainwise.measure.roofline import plot_roofline
-
+    """trainwise.verify.roofline's chart, read back as PNG bytes."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "roofline.png"
         plot_roofline(points, peak_flops, bandwidth, str(path), title)

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from trainwise.config import RunConfig
+from trainwise.config import DataConfig, RunConfig
 from trainwise.errors import TrainwiseError
 from trainwise.scale.law import HUBER_DELTA, PARAM_NAMES, Bootstrap, Law, bootstrap, fit_law
 from trainwise.scale.points import REPEAT_EPOCHS, non_embedding_params, read_runs
+from trainwise.scale.store import find_fit
+from trainwise.scale.sweep import flops_per_token, ladder
 
 N_CONVENTION = "non-embedding parameters (cost/params.py; active parameters for MoE)"
 OPTIMAL_WIDTHS = tuple(range(64, 4097, 32))  # the shape family `optimal` searches (sweep.shape)
@@ -109,8 +111,6 @@ def optimal(record: dict, flops: float, base: RunConfig | None = None, widths=OP
     the LM head and attention included, which 6N leaves out and which dominate small models), among
     those whose D stays within REPEAT_EPOCHS passes over the fit's corpus (the data-constrained
     optimum: past them the law overrates repeated tokens); when none does, the best of all, with a note."""
-    from trainwise.scale.sweep import flops_per_token, ladder
-
     if flops <= 0:
         raise TrainwiseError(f"--flops {flops} must be positive (e.g. 1e15).")
     law = law_of(record)
@@ -150,9 +150,6 @@ def optimal(record: dict, flops: float, base: RunConfig | None = None, widths=OP
 def plan_prediction(model, tokens: float, data_cfg=None) -> dict | None:
     """For `trainwise plan`: the stored fit's predicted loss for this model and D on its corpus (the
     built-in one unless data_cfg says otherwise), or None when no fit is stored for that corpus and vocab."""
-    from trainwise.config import DataConfig
-    from trainwise.scale.store import find_fit
-
     found = find_fit(data_cfg or DataConfig(), model.vocab_size)
     if found is None:
         return None

@@ -102,8 +102,8 @@ def _lbfgs(x0: np.ndarray, data: tuple) -> tuple[np.ndarray, float]:
 
 
 def _one_blas_thread():
-    """L-BFGS-B calls BLAS on 5-vectors; threaded OpenBLAS then spends its time waking threads (measured
-    on 2 busy cores: 45 ms per iteration threaded, 1 ms single-threaded)."""
+    """L-BFGS-B calls BLAS on 5-vectors; threaded OpenBLAS then spends its time waking threads (an
+    iteration ran ~45x slower threaded than on one thread on a busy 2-core CPU)."""
     from threadpoolctl import threadpool_limits
 
     return threadpool_limits(limits=1, user_api="blas")

@@ -27,9 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from trainwise import rundir
 from trainwise.config import RunConfig, load_config
 from trainwise.cost.params import params as count_params
+from trainwise.data.corpus import prepare_data
 from trainwise.errors import TrainwiseError
+from trainwise.scale.store import fit_key
+from trainwise.tokenizer import Tokenizer
 
 # Curve rows before this fraction of the run's tokens are left out: the very first steps are the
 # transient from a random model (loss ~ ln V), which no power law in D describes.
@@ -66,7 +70,7 @@ class RunPoints:
 
 
 def val_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / rundir.METRICS
     if not path.is_file():
         raise TrainwiseError(f"'{run_dir}' has no metrics.jsonl: pass run directories written by `trainwise train`.")
     rows = []
@@ -86,9 +90,9 @@ def read_run(run_dir: str | Path, points: str = "auto") -> RunPoints:
     whatever the schedule: the user says they know what the rows mean). Under each, rows past
     REPEAT_EPOCHS passes over the corpus are left out (a run may be left with none)."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file():
+    if not (run_dir / rundir.CONFIG).is_file():
         raise TrainwiseError(f"'{run_dir}' is not a trainwise run directory (no config.toml).")
-    cfg = load_config(run_dir / "config.toml")
+    cfg = load_config(run_dir / rundir.CONFIG)
     rows = val_rows(run_dir)
     if not rows:
         raise TrainwiseError(f"run '{run_dir}' logged no validation loss; train with train.eval_every > 0.")
@@ -107,9 +111,8 @@ def read_run(run_dir: str | Path, points: str = "auto") -> RunPoints:
         rows = rows[-1:]
         used = ("final row (the LR decays: earlier rows are not losses of shorter runs)"
                 if schedule == "decaying" and points == "auto" else "final row")
-    from trainwise.tokenizer import Tokenizer
 
-    unique = train_tokens(cfg, Tokenizer.load(run_dir / "tokenizer.json"))
+    unique = train_tokens(cfg, Tokenizer.load(run_dir / rundir.TOKENIZER))
     kept = [r for r in rows if r["tokens"] <= REPEAT_EPOCHS * unique]
     if len(kept) < len(rows):
         used += (f"; {len(rows) - len(kept)} of them left out: past {REPEAT_EPOCHS} passes over the corpus's "
@@ -120,8 +123,6 @@ def read_run(run_dir: str | Path, points: str = "auto") -> RunPoints:
 
 def train_tokens(cfg: RunConfig, tokenizer) -> int:
     """Tokens in the training split of cfg's corpus with `tokenizer` (the token cache, as a run builds it)."""
-    from trainwise.data import prepare_data
-
     return int(len(prepare_data(cfg.data, tokenizer, cfg.train.seq_len).train))
 
 
@@ -136,7 +137,4 @@ def read_runs(run_dirs: list[str | Path], points: str = "auto") -> list[RunPoint
 
 
 def corpus_of(cfg: RunConfig, run_dir: Path) -> str:
-    from trainwise.scale.store import fit_key
-    from trainwise.tokenizer import Tokenizer
-
-    return fit_key(cfg.data, Tokenizer.load(run_dir / "tokenizer.json"))
+    return fit_key(cfg.data, Tokenizer.load(run_dir / rundir.TOKENIZER))

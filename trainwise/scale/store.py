@@ -1,6 +1,6 @@
-"""Fitted laws on disk, one per corpus + tokenizer: `resolve_cache_root()/scaling/<key>.json`.
+"""Fitted laws on disk, one per corpus + tokenizer: `$TRAINWISE_CACHE/scaling/<key>.json`.
 
-A loss in nats per token belongs to one text and one tokenizer, so a fit is keyed the way trainwise.data
+A loss in nats per token belongs to one text and one tokenizer, so a fit is keyed the way trainwise.data.corpus
 keys its token cache: a hash of the corpus (its files' path, size and mtime, or the built-in corpus's
 text), the text field, the chunk size and the tokenizer.json. The file also records the corpus key alone
 and the vocab size, so that `trainwise plan` can find a fit without training a tokenizer.
@@ -13,18 +13,19 @@ import json
 from pathlib import Path
 
 from trainwise.config import DataConfig
-from trainwise.data import corpus_key, describe, resolve_cache_root
+from trainwise.data.corpus import corpus_key, describe
 from trainwise.errors import TrainwiseError
+from trainwise.hardware import cache
 from trainwise.tokenizer import Tokenizer
 
 
 def fit_key(data_cfg: DataConfig, tokenizer: Tokenizer) -> str:
-    """Same composition as trainwise.data.prepare_data's cache key."""
+    """Same composition as trainwise.data.corpus.prepare_data's cache key."""
     return hashlib.sha256(f"{corpus_key(data_cfg)} {tokenizer.fingerprint()}".encode()).hexdigest()[:32]
 
 
 def fits_dir(cache_root: str | Path | None = None) -> Path:
-    return resolve_cache_root(cache_root) / "scaling"
+    return cache.cache_root(cache_root) / "scaling"
 
 
 def save_fit(record: dict, data_cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | Path | None = None) -> Path:

@@ -20,7 +20,7 @@ Design (and why):
 - Repeated data: no run passes over the corpus more than REPEAT_EPOCHS times (the law has no term for
   repeated tokens; points.py leaves such rows out of any fit). On a small corpus that, not the time
   budget, bounds C: the largest C at which the grid's smallest model stays within those passes. The
-  sweep says so (the built-in corpus, 106k training tokens, is spent in a few minutes on 2 cores): more
+  sweep says so (the built-in corpus, 106k training tokens, is spent in a few minutes on a small CPU): more
   text is what buys a bigger sweep, and the time left buys the grid again with other seeds.
 """
 
@@ -37,9 +37,14 @@ import torch
 
 from trainwise.config import RunConfig, apply_overrides
 from trainwise.cost.flops import flops_per_token_train
-from trainwise.cost.plan import plan_run, train_settings
+from trainwise.data.corpus import prepare_tokenizer
 from trainwise.errors import TrainwiseError
-from trainwise.scale.points import REPEAT_EPOCHS, train_tokens
+from trainwise.planner.hardware import device_hardware
+from trainwise.planner.plan import plan_run, train_settings
+from trainwise.runtime.precision import resolve_device, resolve_precision
+from trainwise.runtime.step import build_model, build_step, random_batches
+from trainwise.scale.points import REPEAT_EPOCHS, non_embedding_params, train_tokens
+from trainwise.trainer.loop import train
 
 SWEEP_WIDTHS = (64, 96, 128, 160, 192, 256, 320, 384, 512)
 SWEEP_MODELS = 5
@@ -81,21 +86,15 @@ def flops_per_token(cfg: RunConfig) -> float:
 def measure_mfu(cfg: RunConfig, peak_flops: float, steps: int = 3) -> float:
     """Model FLOPs per second / peak over `steps` real training steps (after one warm-up step) of this
     model on random tokens: the MFU this machine gives this size right now."""
-    from trainwise.measure.step import random_batches, train_step
-    from trainwise.model import Transformer
-    from trainwise.train.optim import build_optimizer
-    from trainwise.train.precision import resolve_device, resolve_precision
-
     device = resolve_device("cpu")
     precision, _ = resolve_precision(cfg.train.precision, device)
     torch.manual_seed(0)
-    model = Transformer(cfg.model)
-    optimizer = build_optimizer(model, cfg.train)
+    step = build_step(build_model(cfg.model), cfg.train, device, precision)
     batches = random_batches(cfg.model.vocab_size, cfg.train.micro_batch, cfg.train.seq_len, 1, device)
-    train_step(model, optimizer, batches, device, precision)
+    step(batches)
     start = time.perf_counter()
     for _ in range(steps):
-        train_step(model, optimizer, batches, device, precision).item()
+        step(batches).loss.item()
     seconds = (time.perf_counter() - start) / steps
     return flops_per_token(cfg) * cfg.train.tokens_per_step / seconds / peak_flops
 
@@ -120,8 +119,6 @@ def predict_seconds(cfg: RunConfig, tokens: float, peak_flops: float, mfu: float
 
 def choose_models(base: RunConfig, flops: float) -> list[RunConfig]:
     """SWEEP_MODELS consecutive ladder sizes centred on the one closest to TOKENS_PER_PARAM at `flops`."""
-    from trainwise.scale.points import non_embedding_params
-
     configs = ladder(base)
     ratio = [abs(math.log(flops / flops_per_token(c) / non_embedding_params(c) / TOKENS_PER_PARAM)) for c in configs]
     centre = min(range(len(configs)), key=ratio.__getitem__)
@@ -172,9 +169,6 @@ def _tokens(cfg: RunConfig, flops: float) -> int:
 
 def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, say=print) -> list[SweepRun]:
     """Train the grid inside `minutes` (sizing included); returns the runs with their directories."""
-    from trainwise.train.loop import train
-    from trainwise.train.report import device_peak_flops
-
     if minutes <= 0:
         raise TrainwiseError(f"--minutes {minutes} must be positive (e.g. 20).")
     out = Path(out)
@@ -182,12 +176,12 @@ def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, sa
         raise TrainwiseError(f"sweep directory '{out}' exists and is not empty; choose a new --out.")
     base = base or RunConfig()
     start = time.perf_counter()
-    from trainwise.data import prepare_tokenizer
 
     unique = train_tokens(ladder_config(base, *shape(SWEEP_WIDTHS[0])),  # the sweep's seq_len
                           prepare_tokenizer(base.data, base.tokenizer.vocab_size))
     cap = REPEAT_EPOCHS * unique
-    peak, source = device_peak_flops(torch.device("cpu"), "bf16")
+    hw = device_hardware(torch.device("cpu"), "bf16")
+    peak, source = hw.peak_flops, hw.peak_source
     say(f"sizing the sweep for {minutes:g} minutes: peak {peak / 1e9:,.1f} GFLOP/s ({source}); the corpus has "
         f"{unique:,} training tokens, so no run gets more than {REPEAT_EPOCHS} passes: {cap:,} tokens")
     runs = size_compute(base, minutes * 60 - (time.perf_counter() - start), peak, say, cap)
@@ -234,8 +228,6 @@ def _repeat_with_seeds(runs: list[SweepRun], out: Path, left_s: float, say) -> l
     other seeds (1, 2, ... up to SWEEP_SEEDS in all), each while its first run's measured time still
     fits: one run's final loss moves by several percent with the seed at these sizes (d_model 192 after
     592 steps: 4.75, 5.24, 4.78), and the fit through every seed's curve describes their mean."""
-    from trainwise.train.loop import train
-
     start, extra = time.perf_counter(), []
     for seed in range(1, SWEEP_SEEDS):
         for run in runs:

@@ -1,0 +1,197 @@
+"""`trainwise plan`: parameters, FLOPs, memory and time of a run before it runs (trainwise.planner)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from trainwise.commands.args import number, whole_number
+from trainwise.config import load_config
+from trainwise.cost.memory import OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES
+from trainwise.cost.time import DEFAULT_MFU
+from trainwise.errors import TrainwiseError
+from trainwise.hardware.memory import cpu_available_bytes
+from trainwise.hardware.table import get_accelerator
+from trainwise.planner.explain import plan_table
+from trainwise.planner.fit import fit, global_batch_sequences
+from trainwise.planner.plan import plan_run
+from trainwise.planner.spec import load_model
+from trainwise.scale.fitting import plan_prediction
+from trainwise.units import fmt_bytes, parse_bytes
+from trainwise.verify.simulate import simulate_report, simulate_step
+
+PLAN_EXAMPLES = """examples:
+  trainwise plan --model llama-3-8b --tokens 15e12 --gpu h100 --gpus 1024 --zero 3 --seq-len 8192
+  trainwise plan --params 1e9 --tokens 1e10 --peak-flops 100e12 --precision fp32 --json
+  trainwise plan --model config.json --tokens 1e11 --gpu a100-80gb --fit --global-batch 512
+  trainwise plan --model config.json --tokens 1e11          (no hardware: everything but time)
+  trainwise plan --model llama-3-8b --fit --memory-budget 80GiB --global-batch-tokens 4e6 --seq-len 8192
+"""
+
+
+def register(sub, help_text: str) -> None:
+    p = sub.add_parser("plan", help=help_text, epilog=PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="preset name, trainwise TOML, or Hugging Face config.json")
+    p.add_argument("--params", type=number, help="parameter count N alone (6ND rule; activations unknown)")
+    p.add_argument("--tokens", type=number, default=None, help="training tokens D")
+    p.add_argument("--seq-len", type=whole_number, help="sequence length T")
+    p.add_argument("--micro-batch", type=whole_number, help="sequences per micro-batch B")
+    p.add_argument("--grad-accum", type=whole_number, help="gradient accumulation steps K")
+    p.add_argument("--precision", help=f"recipe: {', '.join(list(RECIPES) + list(RECIPE_ALIASES))}")
+    p.add_argument("--optimizer", choices=list(OPTIMIZER_MOMENTS), help="adamw, sgd, sgd-momentum")
+    p.add_argument("--checkpointing", choices=["none", "selective", "full"])
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (FSDP = 3)")
+    p.add_argument("--tp", type=whole_number, default=1)
+    p.add_argument("--pp", type=whole_number, default=1)
+    p.add_argument("--gpus", type=whole_number, default=1)
+    p.add_argument("--gpu", help="accelerator name (see `trainwise hardware`)")
+    p.add_argument("--peak-flops", type=number, help="peak FLOP/s per device (overrides --gpu)")
+    p.add_argument("--bandwidth", type=number, help="memory bandwidth, bytes/s")
+    p.add_argument("--memory", help="device memory capacity (bytes or 80GiB)")
+    p.add_argument("--memory-budget", help="per-device budget for `fits` (bytes, 80GiB or 80GB)")
+    p.add_argument("--mfu", type=number, default=None,
+                   help="what-if: time at this model FLOP utilisation instead of the step-time model (which "
+                        f"prices each operator on --gpu cpu or a table GPU; else {DEFAULT_MFU} is assumed)")
+    p.add_argument("--price", type=number, help="$ per device-hour")
+    p.add_argument("--causal-halving", action="store_true", help="halve attention score/value FLOPs (causal)")
+    p.add_argument("--fit", action="store_true", help="search micro-batch, grad-accum, checkpointing, ZeRO")
+    p.add_argument("--global-batch", type=whole_number, help="--fit target, in sequences")
+    p.add_argument("--global-batch-tokens", type=number,
+                   help="--fit target, in tokens (rounded to whole sequences, and said so)")
+    p.add_argument("--json", action="store_true", help="print JSON only (SI units)")
+    p.add_argument("--explain", action="store_true", help="print each formula with the numbers substituted")
+    p.add_argument("--simulate", action="store_true",
+                   help="also run one training step on fake tensors and print tracked vs analytic memory")
+    p.set_defaults(func=cmd_plan)
+
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    model, train = (load_model(args.model) if args.model else (None, {}))
+    run_tokens = train.pop("tokens", None)  # a trainwise TOML knows its run length
+    if args.tokens is None and run_tokens and not args.simulate:
+        args.tokens = run_tokens
+    if model is None and args.params is None:
+        raise TrainwiseError("give --model PRESET|FILE or --params N.")
+    if args.tokens is None and args.simulate:
+        args.tokens = 1.0  # --simulate is about one step; time figures then cover one token
+        if not args.gpu and not args.peak_flops:
+            args.peak_flops = 1e12  # no time figures are shown; any peak will do
+    if args.tokens is None and not args.fit:
+        raise TrainwiseError("give --tokens D, the number of training tokens.")
+    run = dict(seq_len=2048 if model is None else min(2048, model.max_seq_len), micro_batch=1, grad_accum=1,
+               precision="bf16", optimizer="adamw", checkpointing="none")
+    run.update(train)
+    for key in run:
+        if getattr(args, key, None) is not None:
+            run[key] = getattr(args, key)
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    hw = dict(gpu=args.gpu, peak_flops=args.peak_flops, tp=args.tp, pp=args.pp, gpus=args.gpus, mfu=args.mfu,
+              causal_halving=args.causal_halving)
+    if args.fit:
+        return _cmd_fit(args, model, run, budget, hw)
+    plan = plan_run(model, params_count=args.params if model is None else None, tokens=args.tokens, zero=args.zero,
+                    bandwidth=args.bandwidth, memory=parse_bytes(args.memory) if args.memory else None,
+                    memory_budget=budget, price=args.price, **run, **hw)
+    if args.simulate:
+        return _cmd_simulate(args, model, run, plan)
+    scaling = _scaling_prediction(args.model, model, args.tokens)
+    if args.json:
+        print(json.dumps({**plan.to_json(), **({"predicted_loss": scaling} if scaling else {})}, indent=2))
+    elif args.explain:
+        print(plan.explain())
+    else:
+        print(plan_table(plan))
+    if scaling and not args.json:
+        lo, hi = scaling["loss_p5_p95"]
+        recipe = f"{scaling['recipe']['schedule']}-LR " if scaling["recipe"] else ""
+        print(f"{'predicted val loss':<22} {scaling['loss']:.4f} nats/token (5-95%: {lo:.4f}-{hi:.4f}; `trainwise scale` "
+              f"fit of this corpus, for a {recipe}run like the fitted ones{'; extrapolated' if scaling['extrapolates'] else ''})")
+        if scaling["repetition_note"]:
+            print(f"{'':<22} warning: {scaling['repetition_note']}")
+    return 0
+
+
+def _scaling_prediction(spec: str | None, model, tokens: float) -> dict | None:
+    """The stored `trainwise scale` fit's loss for this model on its corpus (a TOML's [data], else the
+    built-in corpus), or None where no fit exists."""
+    if model is None:
+        return None
+    return plan_prediction(model, tokens, load_config(spec).data if spec.endswith(".toml") else None)
+
+
+def _cmd_fit(args, model, run, budget, hw) -> int:
+    if model is None:
+        raise TrainwiseError("--fit needs a model config (--model), not only --params.")
+    if budget is None:
+        if not args.gpu:
+            raise TrainwiseError("--fit needs --memory-budget or a --gpu whose capacity is known.")
+        budget = _gpu_capacity(args.gpu)
+    seq = run["seq_len"]
+    if not args.global_batch and not args.global_batch_tokens:
+        raise TrainwiseError("--fit needs a target: --global-batch SEQUENCES or --global-batch-tokens TOKENS.")
+    dp = hw["gpus"] // (hw["tp"] * hw["pp"]) or 1
+    gb, note = global_batch_sequences(seq, dp, sequences=args.global_batch, tokens=args.global_batch_tokens)
+    good, bad = fit(model, global_batch=gb, memory_budget=budget, seq_len=seq, precision=run["precision"],
+                    optimizer=run["optimizer"], **hw)
+    if args.json:
+        print(json.dumps({"global_batch": {"sequences": gb, "tokens": gb * seq, "seq_len": seq, "note": note},
+                          "best": [c.__dict__ for c in good[:3]], "rejected": [c.__dict__ for c in bad]}, indent=2))
+        return 0 if good else 1
+    if note:
+        print(f"note: {note}")
+    print(f"fit: {gb} sequences x {seq} tokens per step, budget {fmt_bytes(budget)} per device; "
+          "step FLOPs = one optimizer step on all devices, recompute included")
+    timed = bool(good) and good[0].step_seconds is not None
+    print(f"{'micro_batch':>11} {'grad_accum':>10} {'checkpointing':>13} {'zero':>4} {'memory/device':>28} "
+          f"{'step FLOPs':>10}" + (f" {'step time':>10} {'tokens/s':>10}" if timed else ""))
+    for c in good[:3]:
+        print(f"{c.micro_batch:>11} {c.grad_accum:>10} {c.checkpointing:>13} {c.zero:>4} "
+              f"{fmt_bytes(c.per_device_bytes):>28} {c.step_flops:>10.3g}"
+              + (f" {c.step_seconds:>9.3g}s {c.tokens_per_s:>10,.0f}" if timed else ""))
+    if good and not timed:
+        print("(no hardware given: ranked by step FLOPs; add --gpu NAME or --peak-flops P for step times)")
+    elif good:
+        b = good[0]
+        print(f"fastest: micro-batch {b.micro_batch} x {b.grad_accum} accumulation steps, {b.checkpointing} "
+              f"checkpointing, ZeRO-{b.zero}: {b.tokens_per_s:,.0f} tokens/s predicted "
+              f"({'step-time model' if args.mfu is None and args.gpu and not args.peak_flops else 'assumed MFU'})")
+    if not good:
+        print("no candidate fits; raise --gpus, --tp/--pp or the budget.")
+    print(f"rejected ({len(bad)}):")
+    for c in bad[:20]:
+        print(f"  B={c.micro_batch} K={c.grad_accum} {c.checkpointing} ZeRO-{c.zero}: {c.reason}")
+    if len(bad) > 20:
+        print(f"  ... and {len(bad) - 20} more (use --json for all)")
+    return 0 if good else 1
+
+
+def _gpu_capacity(name: str) -> int:
+    if name.lower() == "cpu":  # this machine: the memory available now (cgroup limit or MemAvailable)
+        return cpu_available_bytes()[0]
+    acc = get_accelerator(name)
+    if acc.memory_bytes is None:
+        raise TrainwiseError(f"{acc.name} has no known capacity; pass --memory-budget.")
+    return acc.memory_bytes
+
+
+def _cmd_simulate(args, model, run, plan) -> int:
+    """Planner vs one fake-tensor training step of the trainer's recipe (fp32, or bf16 autocast = amp)."""
+    if model is None:
+        raise TrainwiseError("--simulate needs a model config (--model), not only --params.")
+    precision = "fp32" if run["precision"] == "fp32" else "bf16"
+    if run["precision"] not in ("fp32", "amp"):
+        run = {**run, "precision": "amp"}  # what trainwise's trainer runs for bf16: autocast over fp32
+        plan = plan_run(model, tokens=args.tokens or 1, zero=args.zero, **run, gpu=args.gpu,
+                        peak_flops=args.peak_flops or (None if args.gpu else 1e12), mfu=args.mfu)
+    mem = simulate_step(model, run["micro_batch"], run["seq_len"], precision, run["checkpointing"],
+                        "adamw" if run["optimizer"] == "adamw" else "sgd", run["grad_accum"])
+    if args.json:
+        print(json.dumps({"plan": plan.to_json(), "simulated": mem.to_json()}, indent=2, default=str))
+        return 0
+    print(f"{model.name}: B={run['micro_batch']} T={run['seq_len']} K={run['grad_accum']}, recipe {plan.recipe.name}, "
+          f"{run['checkpointing']} checkpointing; one step simulated on fake tensors (nothing allocated)")
+    print(simulate_report(plan, mem))
+    return 0
+
+

@@ -1,0 +1,151 @@
+"""[model]: a decoder-only Transformer, dense or Mixture-of-Experts. Zero in a derived field means "the
+usual value", resolved once so that the planner and the trainer read the same number."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainwise.config.checks import choice, divisors
+from trainwise.errors import TrainwiseError
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("rope", "learned")
+ATTENTIONS = ("mha", "mla")  # mha covers MHA/GQA/MQA through n_kv_heads; mla = DeepSeek latent attention
+GATINGS = ("softmax", "sigmoid")
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only Transformer. Zero in a derived field (ffn_hidden, n_kv_heads, head_dim) means
+    "the usual value", resolved by `__post_init__` so that every reader sees the same number."""
+
+    name: str = "trainwise-small"
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2  # 0 = n_heads (MHA); 1 = MQA; in between = GQA
+    head_dim: int = 0  # 0 = d_model // n_heads
+    ffn_hidden: int = 0  # 0 = 4*d_model, or 8/3*d_model rounded up to 64 for gated activations
+    activation: str = "swiglu"
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    position: str = "rope"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    bias: bool = False  # biases in every linear layer (GPT-2 style)
+    qkv_bias: bool = False  # biases on the q/k/v projections only (Qwen2 style)
+    qk_norm: bool = False  # RMSNorm on each head's q and k (Qwen3 style)
+    dropout: float = 0.0
+    max_seq_len: int = 256
+    init_std: float = 0.02
+    # > 0: the loss computes the LM head's logits this many tokens at a time and recomputes them in
+    # backward (trainwise.model.loss), so the fp32 B x T x V logits never exist whole. Changes memory
+    # and adds one head matmul (2HV FLOPs/token); the loss and gradients stay the same. 0 = plain.
+    loss_chunk_tokens: int = 0
+    # Mixture-of-Experts (n_experts = 0: every layer dense)
+    n_experts: int = 0
+    top_k: int = 0
+    expert_ffn_hidden: int = 0  # 0 = ffn_hidden
+    n_shared_experts: int = 0
+    first_dense_layers: int = 0
+    moe_every: int = 1  # MoE on every n-th layer after first_dense_layers (1 = all)
+    router_gating: str = "softmax"
+    router_bias: bool = False  # learned router bias (e.g. DeepSeek's e_score_correction_bias)
+    renormalize_top_k: bool = True
+    dropless: bool = True  # every token reaches its top_k experts; false = capacity_factor applies
+    capacity_factor: float = 1.25  # expert capacity = factor * tokens * top_k / n_experts (dropless=false)
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    # Attention variant; the "mla" fields follow DeepSeek-V2/V3's config.json names
+    attention: str = "mha"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+        if self.n_kv_heads == 0:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim == 0:
+            self.head_dim = self.d_model // self.n_heads
+        if self.ffn_hidden == 0:
+            self.ffn_hidden = default_ffn_hidden(self.d_model, self.activation)
+        if self.n_experts and self.expert_ffn_hidden == 0:
+            self.expert_ffn_hidden = self.ffn_hidden
+
+    @property
+    def gated(self) -> bool:
+        """SwiGLU/GeGLU MLPs have three matrices (gate, up, down) instead of two."""
+        return self.activation in ("swiglu", "geglu")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layers before first_dense_layers stay dense; after that every moe_every-th layer is MoE."""
+        if not self.is_moe or layer < self.first_dense_layers:
+            return False
+        return (layer - self.first_dense_layers) % self.moe_every == 0
+
+    def validate(self) -> None:
+        positive = ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
+        for key in positive:
+            if getattr(self, key) <= 0:
+                raise TrainwiseError(
+                    f"model.{key} = {getattr(self, key)} must be a positive integer; set it with "
+                    f"--set model.{key}=N (for example the default {getattr(ModelConfig, key)})."
+                )
+        for key in ("n_kv_heads", "head_dim", "ffn_hidden", "n_experts", "top_k", "expert_ffn_hidden",
+                    "n_shared_experts", "first_dense_layers", "loss_chunk_tokens"):
+            if getattr(self, key) < 0:
+                raise TrainwiseError(f"model.{key} = {getattr(self, key)} must not be negative.")
+        choice("model.activation", self.activation, ACTIVATIONS)
+        choice("model.norm", self.norm, NORMS)
+        choice("model.position", self.position, POSITIONS)
+        choice("model.attention", self.attention, ATTENTIONS)
+        choice("model.router_gating", self.router_gating, GATINGS)
+        if self.head_dim == 0 and self.attention == "mha" and self.d_model % self.n_heads:
+            raise TrainwiseError(
+                f"model.n_heads = {self.n_heads} does not divide model.d_model = {self.d_model}: each head "
+                f"gets d_model / n_heads dimensions. Pick n_heads from {divisors(self.d_model)} or set "
+                "model.head_dim explicitly."
+            )
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise TrainwiseError(
+                f"model.n_kv_heads = {kv} does not divide model.n_heads = {self.n_heads}: grouped-query "
+                f"attention shares each k/v head among n_heads / n_kv_heads query heads. Pick one of "
+                f"{divisors(self.n_heads)}."
+            )
+        if self.position == "rope" and (self.head_dim or self.d_model // self.n_heads) % 2:
+            raise TrainwiseError("RoPE rotates pairs of dimensions, so the head dimension must be even.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise TrainwiseError(f"model.dropout = {self.dropout} must be in [0, 1).")
+        if self.top_k and not self.n_experts:
+            raise TrainwiseError("model.top_k is set but model.n_experts = 0: set n_experts too for MoE.")
+        if self.n_experts:
+            if not 1 <= self.top_k <= self.n_experts:
+                raise TrainwiseError(
+                    f"model.top_k = {self.top_k} must be between 1 and model.n_experts = {self.n_experts}: "
+                    "each token is sent to top_k of the n_experts routed experts."
+                )
+            if self.capacity_factor <= 0:
+                raise TrainwiseError(
+                    f"model.capacity_factor = {self.capacity_factor} must be > 0 (e.g. 1.25); for routing "
+                    "without a capacity limit set model.dropless=true instead."
+                )
+            if self.moe_every < 1:
+                raise TrainwiseError("model.moe_every must be >= 1.")
+
+
+def default_ffn_hidden(d_model: int, activation: str) -> int:
+    """4H for plain MLPs; for gated ones 2/3 of 4H (same parameter count), rounded up to 64 (Llama)."""
+    if activation in ("swiglu", "geglu"):
+        return 64 * math.ceil(8 * d_model / 3 / 64)
+    return 4 * d_model

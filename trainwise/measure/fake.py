@@ -1,0 +1,40 @@
+"""Running a training step on fake tensors: every tensor has a shape, dtype and device but no storage,
+so an 8B-parameter model "trains" one step in a few hundred MB (the operator recorder and
+`plan --simulate` run the trainer's step this way).
+
+Two things a fake tensor cannot answer are given values that change nothing of what the step runs:
+Adam's step count read as a number (its bias correction), and MoE routing, whose counts depend on the
+data: every expert gets an equal share of the tokens (the planner's uniform-routing assumption).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from unittest import mock
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+
+def _balanced_bincount(x: torch.Tensor, weights=None, minlength: int = 0) -> torch.Tensor:
+    """MoE routing counts on fake tensors: the tokens' choices are unknown, so every expert gets an equal
+    share (the planner's uniform-routing assumption). A real tensor: the step's .tolist() can read it."""
+    with unset_fake_temporarily():
+        n = x.numel()
+        counts = torch.full((minlength,), n // minlength, dtype=torch.int64)
+        counts[: n % minlength] += 1
+    return counts
+
+
+def _one(x) -> float:
+    return 1.0
+
+
+@contextlib.contextmanager
+def fake_step_mode():
+    """FakeTensorMode (real inputs allowed) with Adam's step count read as 1 and balanced MoE routing."""
+    adam = importlib.import_module("torch.optim.adam")
+    with FakeTensorMode(allow_non_fake_inputs=True), mock.patch.object(adam, "_get_value", _one), \
+            mock.patch.object(torch, "bincount", _balanced_bincount):
+        yield

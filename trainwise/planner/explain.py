@@ -1,0 +1,160 @@
+"""`trainwise plan --explain`: the plan's worked derivation, each formula with the numbers substituted
+and the result, like a worked example in a textbook; section 4, when the step-time model priced the
+step, has the per-operator table, the phases, the largest contributors and the communication terms."""
+
+from __future__ import annotations
+
+from trainwise.cost import memory as M
+from trainwise.cost.steptime import COMPILED_ELEMENTWISE
+from trainwise.units import fmt_bytes
+
+NO_HARDWARE = ("no hardware given, so no time: add --gpu NAME (see `trainwise hardware`), --gpu cpu (this "
+               "machine, measured) or --peak-flops P (FLOP/s per device)")
+
+
+SOURCES = {"calibrated": "calibrated on this machine (`trainwise hardware --calibrate`)",
+           "table defaults": "from table, uncalibrated: datasheet peaks x default efficiencies "
+                             "(cost.steptime.DEFAULT_EFFICIENCY)"}
+
+
+def explain_step(p) -> str:
+    st, out = p.step, []
+    add = out.append
+    add(f"4. Time per step = sum over the step's operators + eager overhead + exposed communication "
+        f"({SOURCES.get(st.source, st.source)})")
+    add("   matmul and attention: timed at their shape and layout on this device (else F/P + Q/BW, F/R); other "
+        "ops: Q/BW(q) of their class at their bytes per call q" + (f"; x{p.hardware.profile.in_step:.3g}, what "
+        "kernels lose inside a real step" if p.hardware.profile and p.hardware.profile.in_step != 1 else "")
+        + (f"; compiled: fused element-wise work at {COMPILED_ELEMENTWISE.get(p.recipe.compute_dtype, 1.0)} x its "
+           "eager time" if st.compiled else ""))
+    add("   (a matmul's shape: M x K x N, or batch x M x K x N, and its operands' layout, N row-major or T "
+        "transposed; attention: batch x heads x kv heads x T x head dim)")
+    add(f"   {'operator':<56} {'phase':<9} {'dtype':<5} {'calls':>6} {'FLOPs':>10} {'bytes':>10} {'time s':>10}  rule")
+    rows = sorted(st.ops, key=lambda t: -t.seconds)
+    for t in rows[:25]:
+        o = t.op
+        shape = (f" {'x'.join(map(str, o.shape[1:] if o.cls == 'matmul' and o.shape[0] == 1 else o.shape))} {o.layout}"
+                 if o.shape else "")
+        add(f"   {(o.name.removeprefix('aten.') + shape)[:56]:<56} {o.phase:<9} {o.dtype:<5} {o.calls:>6} "
+            f"{o.flops:>10.3g} {o.bytes:>10.3g} {t.seconds:>10.4g}  {t.how}")
+    if len(rows) > 25:
+        add(f"   ... {len(rows) - 25} more operators, {sum(t.seconds for t in rows[25:]):.4g} s together")
+    phases = st.by_phase()
+    add("   per phase: " + ", ".join(f"{k} {v:.4g} s" for k, v in phases.items())
+        + (" (backward includes the recompute of checkpointing)" if p.checkpointing != "none" else ""))
+    top = st.top(3)
+    share = ", ".join(f"{t.op.name.removeprefix('aten.')} ({t.op.phase}) {t.seconds / st.seconds:.0%}" for t in top)
+    add(f"   largest contributors: {share}")
+    add(f"   operators {st.compute_s:.4g} s + eager overhead {st.overhead_s:.4g} s + communication "
+        f"{st.comm_s:.4g} s exposed" + (f" (of {sum(st.comm.values()):.4g} s: "
+                                        + ", ".join(f"{k} {v:.4g} s" for k, v in st.comm.items()) + ")" if st.comm else "")
+        + f" = {st.seconds:.4g} s per step")
+    tps = p.tokens_per_step / st.seconds
+    add(f"   tokens/s = {p.tokens_per_step:,} tokens per step / {st.seconds:.4g} s = {tps:,.0f}; "
+        f"MFU = {p.model_flops_per_token:.4g} x {tps:,.0f} / ({p.gpus} x {p.hardware.peak_flops:.4g}) = {p.mfu:.2%}")
+    add(f"   time = D / tokens/s = {p.tokens:.4g} / {tps:,.0f} = {p.time.seconds:.4g} s = {p.time.days:.2f} days "
+        f"= {p.time.device_hours:,.1f} device-hours")
+    return "\n".join(out)
+
+
+def explain_plan(p) -> str:
+    """The derivation of a plan (trainwise.planner.plan.Plan), section by section."""
+    c, r, out = p.counts, p.recipe, []
+    add = out.append
+    add(f"Plan for {p.name}: {p.tokens:.4g} tokens, seq_len T={p.seq_len}, micro-batch B={p.micro_batch}, "
+        f"grad-accum K={p.grad_accum}, {p.gpus} device(s) (tp={p.tp}, pp={p.pp}, dp={p.dp})")
+    add("")
+    add("1. Parameters")
+    if p.model is not None:
+        m = p.model
+        add(f"   embedding = V*H{' + max_seq_len*H' if m.position == 'learned' else ''} = {c.embedding:,}")
+        add(f"   total = embedding + L blocks + final norm + LM head{' (tied: 0)' if m.tie_embeddings else ''}"
+            f" = {c.total:,}")
+        if c.active != c.total:
+            add(f"   active (top_k={m.top_k} of n_experts={m.n_experts} routed experts) = {c.active:,}")
+    else:
+        add(f"   N = {c.total:,} (given with --params)")
+    add("")
+    add("2. FLOPs (matmul (M,K)x(K,N) = 2MNK; backward = 2 x forward)")
+    N, D = c.active, p.tokens
+    if p.forward is not None:
+        f = p.forward
+        add(f"   forward per token: attention projections {f.attention_proj:.4g} + attention core "
+            f"4*T*nh*hd*L = {f.attention_core:.4g}{' (halved, causal)' if p.causal_halving else ''}")
+        add(f"                      + MLP {f.mlp:.4g} + router/experts {f.router_and_experts:.4g} "
+            f"+ LM head 2HV = {f.lm_head:.4g} + embedding 0 = {f.total:.4g}")
+        add(f"   train per token = 3 x forward = 3 x {f.total:.4g} = {p.model_flops_per_token:.4g}")
+        if p.flops_per_token != p.model_flops_per_token:
+            what = p.checkpointing if p.checkpointing != "none" else "chunked loss, LM head 2HV"
+            add(f"   + recompute ({what}) = {p.flops_per_token - p.model_flops_per_token:.4g}"
+                f" -> {p.flops_per_token:.4g}")
+        add(f"   (6N rule for comparison: 6 x {N:,} = {6 * N:.4g})")
+    else:
+        add(f"   per token = 6N = 6 x {N:,} = {p.model_flops_per_token:.4g}"
+            + (" (+2N recompute, full checkpointing)" if p.checkpointing == "full" else ""))
+    add(f"   total C = per token x D = {p.flops_per_token:.4g} x {D:.4g} = {p.total_flops:.4g} FLOPs")
+    add("")
+    s = p.states
+    mp = p.tp * p.pp
+    add(f"3. Memory per device ({r.name}: {r.description}; optimizer {p.optimizer}; ZeRO-{p.zero} over dp={p.dp}"
+        f"{'' if mp == 1 else f'; model split over tp*pp={mp}'})")
+    add(f"   params     = N x {r.param_bytes} B{' / dp' if p.zero >= 3 else ''} = {fmt_bytes(s.params)}")
+    add(f"   grads      = N x {r.grad_bytes} B{' / dp' if p.zero >= 2 else ''} = {fmt_bytes(s.grads)}")
+    add(f"   optimizer  = N x {M.optimizer_moments(p.optimizer)} x {r.moment_bytes} B{' / dp' if p.zero >= 1 else ''}"
+        f" = {fmt_bytes(s.optimizer)}")
+    add(f"   master     = N x {r.master_bytes} B{' / dp' if p.zero >= 1 else ''} = {fmt_bytes(s.master)}")
+    add(f"   states     = {fmt_bytes(s.total)}")
+    add(f"   activations ({p.checkpointing} checkpointing, B x T = {p.micro_batch * p.seq_len:,} tokens, "
+        f"incl. fp32 logits B*T*V) = {fmt_bytes(p.activations_bytes)}")
+    add(f"   per device = {fmt_bytes(p.per_device_bytes)}; budget {fmt_bytes(p.budget)} -> fits: {p.fits}")
+    add("")
+    if p.time is None:
+        add("4. Time")
+        add(f"   {NO_HARDWARE}")
+        out += [f"note: {n}" for n in p.notes]
+        return "\n".join(out)
+    if p.step is not None:
+        add(explain_step(p))
+    else:
+        add("4. Time = C / (G x peak x MFU)   (assumed MFU: a what-if, not a prediction)")
+        add(f"   = {p.total_flops:.4g} / ({p.gpus} x {p.hardware.peak_flops:.4g} x {p.mfu}) = {p.time.seconds:.4g} s"
+            f" = {p.time.days:.2f} days = {p.time.device_hours:,.1f} device-hours")
+    if p.price is not None:
+        add(f"   cost = {p.time.device_hours:,.1f} device-hours x ${p.price}/h = ${p.cost:,.0f}")
+    for n in p.notes:
+        add(f"note: {n}")
+    return "\n".join(out)
+
+
+def plan_table(plan) -> str:
+    """The plan as a two-column table, as `trainwise plan` prints it."""
+    j, rows = plan.to_json(), []
+    mdl, fl, mem, t = j["model"], j["flops"], j["memory"], j["time"]
+    rows += [("model", mdl["name"]), ("params total", f"{mdl['params_total']:,}"),
+             ("params active", f"{mdl['params_active']:,}"), ("params embedding", f"{mdl['params_embedding']:,}"),
+             ("params non-embedding", f"{mdl['params_non_embedding']:,}"), ("tokens", f"{j['tokens']:.4g}"),
+             ("FLOPs / token (train)", f"{fl['per_token_train']:.4g} FLOPs ({fl['convention']})"),
+             ("FLOPs total", f"{fl['total']:.4g} FLOPs")]
+    for key in ("params", "grads", "optimizer", "master", "states", "activations"):
+        rows.append((f"{key} / device", fmt_bytes(mem[f"{key}_bytes"])))
+    rows += [("total / device", fmt_bytes(mem["per_device_bytes"])), ("budget / device", fmt_bytes(mem["budget_bytes"])),
+             ("fits", {True: "yes", False: "NO", None: "unknown"}[mem["fits"]])]
+    if plan.hardware is None:
+        rows.append(("time", t["note"]))
+    else:
+        hw = plan.hardware
+        rows += [("hardware", f"{plan.gpus} x {hw.name} @ {hw.peak_flops:.4g} FLOP/s"),
+                 ("step time", f"{t['step_seconds']:.4g} s per step of {plan.tokens_per_step:,} tokens, "
+                               f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} ({time_source(t['source'])})"),
+                 ("time", f"{t['seconds']:.4g} s = {t['days']:.2f} days = {t['device_hours']:,.1f} device-hours")]
+    if "cost_usd" in t:
+        rows.append(("cost", f"${t['cost_usd']:,.0f}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows + [("note", n) for n in plan.notes])
+
+
+def time_source(source: str) -> str:
+    """How a plan's time was obtained, as a person reads it (plan.json keeps the DESIGN.md word)."""
+    return {"calibrated": "step-time model, calibrated on this machine",
+            "table defaults": "step-time model from table, uncalibrated: datasheet x default efficiencies"}.get(
+        source, "assumed MFU: a what-if, not a prediction")

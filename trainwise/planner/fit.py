@@ -1,0 +1,135 @@
+"""`trainwise plan --fit`: the micro-batch, accumulation, checkpointing and ZeRO stage that fit a memory
+budget for a global batch, ranked by predicted step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from trainwise.config import ModelConfig
+from trainwise.cost import flops as F
+from trainwise.cost import memory as M
+from trainwise.cost.params import params
+from trainwise.cost.steptime import scale_batch
+from trainwise.cost.time import DEFAULT_MFU
+from trainwise.errors import TrainwiseError
+from trainwise.planner.hardware import Hardware, resolve_hardware
+from trainwise.planner.plan import plan_run, positive
+from trainwise.planner.step import cached_step_ops, predict_step_time
+
+
+@dataclass(frozen=True)
+class Candidate:
+    micro_batch: int
+    grad_accum: int
+    checkpointing: str
+    zero: int
+    per_device_bytes: int
+    step_seconds: float | None  # None without hardware
+    fits: bool
+    reason: str = ""
+    step_flops: float = 0.0  # per step, all devices, recompute included
+    tokens_per_s: float | None = None  # predicted; None without hardware
+
+
+def global_batch_sequences(seq_len: int, dp: int = 1, *, sequences: int | None = None,
+                           tokens: float | None = None) -> tuple[int, str | None]:
+    """A global batch in whole sequences that split evenly over the dp data-parallel ranks: the requested
+    sequences or tokens rounded to the nearest multiple of dp sequences (at least dp), and a note saying so
+    when it had to round. 4e6 tokens at seq_len 8192 -> 488 sequences = 3,997,696 tokens (-0.06%)."""
+    if (sequences is None) == (tokens is None):
+        raise TrainwiseError("give the global batch once: --global-batch SEQUENCES or --global-batch-tokens TOKENS.")
+    positive("--global-batch" if tokens is None else "--global-batch-tokens", sequences or tokens)
+    wanted = sequences if tokens is None else tokens / seq_len
+    rounded = max(dp, dp * int(wanted / dp + 0.5))  # half up, not Python's half-to-even
+    if rounded == wanted:
+        return rounded, None
+    asked = f"{sequences:,} sequences" if tokens is None else f"{tokens:,.0f} tokens"
+    why = f"seq_len {seq_len}" + (f" x {dp} data-parallel ranks" if dp > 1 else "")
+    got = rounded * seq_len
+    change = got / (wanted * seq_len) - 1
+    return rounded, (f"the global batch of {asked} is not a whole number of sequences of {why}; rounded to "
+                     f"{rounded:,} sequences = {got:,} tokens ({change:+.2%})")
+
+
+def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: int, precision: str = "bf16",
+        optimizer: str = "adamw", tp: int = 1, pp: int = 1, gpus: int = 1, gpu: str | None = None,
+        peak_flops: float | None = None, mfu: float | None = None, causal_halving: bool = False,
+        max_micro_batch: int = 1024) -> tuple[list[Candidate], list[Candidate]]:
+    """Search micro_batch x checkpointing x ZeRO stage for a global batch of `global_batch` sequences.
+
+    Each candidate is the plan of one step (plan_run), so it fits exactly when `trainwise plan` with those
+    settings says it fits: one memory model. grad_accum = global_batch / (micro_batch x dp) must be a
+    whole number. Candidates that fit are ranked by predicted step time: on a profiled device (--gpu
+    cpu, a table GPU) the step-time model prices each one (recompute, small matmuls, communication all
+    cost time; one recorded step per checkpointing mode, scaled to each micro-batch); else step FLOPs
+    including recompute / (G x peak x MFU); without hardware by step FLOPs, which ranks the same. Ties
+    go to the lower ZeRO stage (less communication), then to fewer accumulation steps.
+    Returns (fitting candidates best first, rejected candidates with the reason)."""
+    positive("global batch", global_batch)
+    dp = gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0
+    if dp == 0:
+        raise TrainwiseError(f"--gpus {gpus} must be a multiple of --tp x --pp = {tp * pp}.")
+    if global_batch % dp:
+        raise TrainwiseError(f"global batch {global_batch} sequences does not split over {dp} data-parallel ranks.")
+    per_rank = global_batch // dp
+    micro_batches = [b for b in range(1, min(per_rank, max_micro_batch) + 1) if per_rank % b == 0]
+    recipe, counts = M.get_recipe(precision), params(model)
+    hw = None
+    if gpu is not None or peak_flops is not None:  # resolved once (--gpu cpu reads the calibration)
+        hw = resolve_hardware(gpu, peak_flops, None, None, recipe.compute_dtype)
+        peak_flops = hw.peak_flops
+    good, bad = [], []
+    modelled = mfu is None and hw is not None and hw.profile is not None and tp == pp == 1
+    mfu = DEFAULT_MFU if mfu is None else mfu
+    for zero in (0, 1, 2, 3):
+        if zero and dp == 1:
+            continue  # nothing to shard over
+        for ckpt in F.RECOMPUTE:
+            for b in micro_batches:
+                p = plan_run(model, tokens=global_batch * seq_len, seq_len=seq_len, micro_batch=b,
+                             grad_accum=per_rank // b, precision=precision, optimizer=optimizer, checkpointing=ckpt,
+                             zero=zero, tp=tp, pp=pp, gpus=gpus, peak_flops=peak_flops, mfu=mfu,
+                             causal_halving=causal_halving, memory_budget=memory_budget)
+                total, ok = p.per_device_bytes, bool(p.fits)
+                reason = "" if ok else (f"needs {total / 2**30:.1f} GiB > budget {memory_budget / 2**30:.1f} GiB"
+                                        + (" (the model states alone exceed it)" if p.states.total > memory_budget
+                                           else ""))
+                step_s = None if p.time is None else p.time.seconds
+                if ok and modelled:
+                    step_s = _modelled_step(model, hw, recipe, optimizer, ckpt, zero, dp, b, per_rank // b, seq_len,
+                                            counts.total)
+                (good if ok else bad).append(Candidate(b, per_rank // b, ckpt, zero, total, step_s, ok, reason,
+                                                       p.total_flops, step_s and global_batch * seq_len / step_s))
+    good.sort(key=lambda c: (c.step_seconds if c.step_seconds is not None else c.step_flops, c.zero, c.grad_accum))
+    for c in good[3:]:
+        bad.append(dataclasses.replace(c, reason=_why_worse(c, good[0])))
+    return good, bad
+
+
+def _modelled_step(model, hw: Hardware, recipe, optimizer: str, ckpt: str, zero: int, dp: int, micro_batch: int,
+                   grad_accum: int, seq_len: int, n_params: int) -> float:
+    """Step-time model of one --fit candidate, from the checkpointing mode's recorded micro-batch of 1."""
+    precision = "fp32" if recipe.compute_dtype == "fp32" else recipe.compute_dtype
+    ops = scale_batch(cached_step_ops(model, 1, seq_len, precision, ckpt, False, optimizer), micro_batch, seq_len)
+    return predict_step_time(model, hw.profile, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
+                     compute_dtype=recipe.compute_dtype, checkpointing=ckpt, optimizer=optimizer, zero=zero, dp=dp,
+                     n_params=n_params, grad_bytes=4 * n_params, param_bytes=4 * n_params, cuda=hw.cuda,
+                     ops=ops).seconds
+
+
+def _why_worse(c: Candidate, best: Candidate) -> str:
+    if c.step_seconds is not None and best.step_seconds is not None:
+        if c.step_seconds > best.step_seconds * (1 + 1e-9):
+            why = (f"recompute ({c.checkpointing})" if c.checkpointing != best.checkpointing else
+                   f"ZeRO-{c.zero} communication" if c.zero != best.zero else
+                   f"micro-batch {c.micro_batch} x {c.grad_accum} accumulation steps")
+            return f"fits, but {why}: predicted step {c.step_seconds / best.step_seconds - 1:.1%} slower"
+    elif c.step_flops > best.step_flops * (1 + 1e-9):
+        return f"fits, but recompute ({c.checkpointing}) makes the step {c.step_flops / best.step_flops - 1:.1%} slower"
+    if c.zero > best.zero:
+        return f"fits, same FLOPs, but ZeRO-{c.zero} communicates more than ZeRO-{best.zero}"
+    return f"fits, same FLOPs, but {c.grad_accum} accumulation steps of micro-batch {c.micro_batch} use smaller matmuls"
+
+

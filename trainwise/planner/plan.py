@@ -1,0 +1,255 @@
+"""The Plan: parameters, FLOPs, memory and time of one training run, and its JSON (DESIGN.md). Its
+worked derivation is trainwise.planner.explain, the `--fit` search trainwise.planner.fit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainwise.config import ZERO_STAGE, ModelConfig, RunConfig, TrainConfig
+from trainwise.cost import flops as F
+from trainwise.cost import memory as M
+from trainwise.cost.params import ParamCount, params
+from trainwise.cost.steptime import StepTime
+from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time
+from trainwise.errors import TrainwiseError
+from trainwise.planner.explain import NO_HARDWARE, explain_plan
+from trainwise.planner.hardware import Hardware, resolve_hardware
+from trainwise.planner.step import predict_step_time
+from trainwise.runtime.parallelize import resolve_compile
+
+
+@dataclass
+class Plan:
+    name: str
+    model: ModelConfig | None
+    counts: ParamCount
+    tokens: float
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    recipe: M.Recipe
+    optimizer: str
+    checkpointing: str
+    zero: int
+    tp: int
+    pp: int
+    gpus: int
+    hardware: Hardware | None  # None: no --gpu/--peak-flops given; everything but time is known
+    mfu: float
+    causal_halving: bool
+    forward: F.ForwardFlops | None
+    model_flops_per_token: float  # fwd + bwd, no recompute (for MFU)
+    flops_per_token: float  # + recompute (what the devices execute)
+    convention: str
+    states: M.StateBytes
+    activations_bytes: int | None
+    memory_budget: int | None
+    time: TimeEstimate | None  # None without hardware
+    price: float | None = None
+    notes: list[str] = field(default_factory=list)
+    compiled: bool = False  # torch.compile: what autograd saves changes (memory.compiled_block_bytes_per_token)
+    step: StepTime | None = None  # the step-time model's prediction; None: time from the assumed MFU
+    time_source: str = "assumed MFU (--mfu)"  # DESIGN.md: "calibrated" | "table defaults" | "assumed MFU (--mfu)"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Predicted seconds of one optimizer step (all devices together); None without hardware."""
+        if self.step is not None:
+            return self.step.seconds
+        if self.hardware is None:
+            return None
+        return self.flops_per_token * self.tokens_per_step / (self.gpus * self.hardware.peak_flops * self.mfu)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def total_flops(self) -> float:
+        return self.flops_per_token * self.tokens
+
+    @property
+    def per_device_bytes(self) -> int:
+        return self.states.total + (self.activations_bytes or 0)
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Peak of one step (memory.peak_bytes): what `trainwise verify` compares with tracked memory."""
+        if self.activations_bytes is None or self.model is None:
+            return None
+        return M.peak_bytes(self.model, self.states, self.activations_bytes, self.optimizer, self.micro_batch,
+                            self.seq_len, self.grad_accum, self.tp, self.recipe, self.checkpointing,
+                            compiled=self.compiled)
+
+    @property
+    def budget(self) -> int | None:
+        return self.memory_budget or (self.hardware.memory_bytes if self.hardware else None)
+
+    @property
+    def fits(self) -> bool | None:
+        if self.budget is None:
+            return None
+        if self.per_device_bytes > self.budget:
+            return False
+        return None if self.activations_bytes is None else True
+
+    @property
+    def cost(self) -> float | None:
+        return None if self.price is None or self.time is None else cost_usd(self.time.device_hours, self.price)
+
+    def to_json(self) -> dict[str, Any]:
+        c, hw = self.counts, self.hardware
+        return {
+            "model": {"name": self.name, "params_total": c.total, "params_active": c.active,
+                      "params_embedding": c.embedding, "params_non_embedding": c.non_embedding},
+            "tokens": float(self.tokens),
+            "flops": {"per_token_train": self.flops_per_token, "total": self.total_flops,
+                      "convention": self.convention, "model_flops_per_token": self.model_flops_per_token,
+                      "causal_halving": self.causal_halving},
+            "memory": {"params_bytes": self.states.params, "grads_bytes": self.states.grads,
+                       "optimizer_bytes": self.states.optimizer, "master_bytes": self.states.master,
+                       "states_bytes": self.states.total, "activations_bytes": self.activations_bytes,
+                       "total_bytes": self.per_device_bytes * self.gpus, "per_device_bytes": self.per_device_bytes,
+                       "peak_bytes": self.peak_bytes,
+                       "fits": self.fits, "budget_bytes": self.budget, "precision": self.recipe.name,
+                       "optimizer": self.optimizer, "checkpointing": self.checkpointing, "zero": self.zero,
+                       "compiled": self.compiled,
+                       "scope": "per device except total_bytes (all devices)"},
+            "time": self._time_json(),
+            # name, peak and bandwidth are null without hardware
+            "hardware": {"name": hw and hw.name, "peak_flops": hw and hw.peak_flops,
+                         "bandwidth_bytes_per_s": hw and hw.bandwidth_bytes_per_s, "devices": self.gpus,
+                         "mfu": self.mfu, "tp": self.tp, "pp": self.pp, "dp": self.dp},
+            "run": {"seq_len": self.seq_len, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+                    "global_batch_tokens": self.seq_len * self.micro_batch * self.grad_accum * self.dp},
+        }
+
+    def explain(self) -> str:
+        """The worked derivation: each formula, the numbers substituted, the result."""
+        return explain_plan(self)
+
+    def _time_json(self) -> dict[str, Any]:
+        """Without hardware the keys stay, null, with a note saying what to give (JSON contract: same keys)."""
+        if self.time is None:
+            return {"seconds": None, "days": None, "device_hours": None, "step_seconds": None, "tokens_per_s": None,
+                    "mfu": None, "source": self.time_source, "note": NO_HARDWARE}
+        return {"seconds": self.time.seconds, "days": self.time.days, "device_hours": self.time.device_hours,
+                "step_seconds": self.step_seconds, "tokens_per_s": self.tokens_per_step / self.step_seconds,
+                "mfu": self.mfu, "source": self.time_source,
+                **({"cost_usd": self.cost} if self.price is not None else {})}
+
+
+
+def positive(name: str, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise TrainwiseError(f"{name} = {value} must be positive.")
+
+
+def train_settings(train: TrainConfig, precision: str | None = None) -> dict:
+    """The planner's view of a trainer's [train] section. The trainer's bf16/fp16 are autocast over fp32
+    weights, which is the planner's "amp" recipe; SGD with momentum keeps one moment per parameter."""
+    precision = precision or train.precision
+    optimizer = train.optimizer if train.optimizer != "sgd" or train.momentum == 0 else "sgd-momentum"
+    return dict(seq_len=train.seq_len, micro_batch=train.micro_batch, grad_accum=train.grad_accum_steps,
+                precision="fp32" if precision == "fp32" else "amp", optimizer=optimizer,
+                checkpointing=train.activation_checkpointing)
+
+
+def plan_for_run(cfg: RunConfig, precision: str, peak_flops: float, device: str | None = None,
+                 compiled: bool | None = None, world_size: int = 1) -> Plan:
+    """The plan of a trainwise run as the trainer will execute it. device "cpu" (or "cuda"): this
+    machine's calibration prices the step (a GPU without one: its table entry at default efficiencies),
+    compiled or eager, per torchrun rank when world_size > 1; otherwise one device of `peak_flops` at
+    the assumed MFU. compiled None: decided as the trainer decides (train.compile)."""
+    t = cfg.train
+    if compiled is None:
+        compiled, _ = resolve_compile(t.compile, cfg.model, t.max_steps, cfg.parallel.strategy)
+    if device in ("cpu", "cuda"):
+        zero = ZERO_STAGE[cfg.parallel.strategy] if world_size > 1 else 0
+        return plan_run(cfg.model, tokens=t.max_steps * t.tokens_per_step * world_size, gpu=device, gpus=world_size,
+                        zero=zero, compiled=compiled, **train_settings(t, precision))
+    tokens = t.max_steps * t.tokens_per_step
+    return plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, mfu=DEFAULT_MFU, compiled=compiled,
+                    **train_settings(t, precision))
+
+
+def plan_run(model: ModelConfig | None = None, *, params_count: float | None = None, tokens: float,
+             seq_len: int = 2048, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16",
+             optimizer: str = "adamw", checkpointing: str = "none", zero: int = 0, tp: int = 1, pp: int = 1,
+             gpus: int = 1, gpu: str | None = None, peak_flops: float | None = None,
+             bandwidth: float | None = None, memory: int | None = None, mfu: float | None = None,
+             causal_halving: bool = False, memory_budget: int | None = None, price: float | None = None,
+             compiled: bool = False) -> Plan:
+    """Everything the planner knows about one run. Pass a ModelConfig, or only `params_count` (6ND rule).
+    Time: with a model on a profiled device (--gpu cpu, a table GPU) and no `mfu`, the step-time model
+    (cost.steptime); else total FLOPs / (G x peak x MFU), MFU = `mfu` or DEFAULT_MFU (a what-if)."""
+    for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--micro-batch", micro_batch),
+                        ("--grad-accum", grad_accum), ("--tp", tp), ("--pp", pp), ("--gpus", gpus),
+                        ("--params", params_count), ("--price", price)):
+        positive(name, value)
+    if gpus % (tp * pp):
+        raise TrainwiseError(f"--gpus {gpus} must be a multiple of --tp x --pp = {tp * pp}; data parallel = gpus / (tp x pp).")
+    if model is None and params_count is None:
+        raise TrainwiseError("give a model (--model PRESET|FILE) or a parameter count (--params N).")
+    if checkpointing not in F.RECOMPUTE:
+        raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective or full.")
+    recipe = M.get_recipe(precision)
+    has_hw = gpu is not None or peak_flops is not None
+    threads = max(1, (os.cpu_count() or 1) // gpus) if gpu and gpu.lower() == "cpu" and gpus > 1 else None
+    hw = resolve_hardware(gpu, peak_flops, bandwidth, memory, recipe.compute_dtype, threads) if has_hw else None
+    if hw is None and memory:
+        memory_budget = memory_budget or int(memory)  # --memory without a device: still the capacity to fit
+    dp = gpus // (tp * pp)
+    notes = []
+    if model is not None:
+        counts = params(model)
+        if seq_len > model.max_seq_len:
+            notes.append(f"seq_len {seq_len} > model.max_seq_len {model.max_seq_len}")
+        fwd = F.forward_flops_per_token(model, seq_len, causal_halving)
+        model_fpt = 3.0 * fwd.total
+        fpt = model_fpt + F.recompute_flops_per_token(fwd, checkpointing, model)
+        convention = "exact" if fpt == model_fpt else "exact+recompute"
+        acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled)
+        name = model.name
+    else:
+        n = int(params_count)
+        counts = ParamCount(total=n, active=n, embedding=0, non_embedding=n)
+        fwd, acts, name = None, None, f"{n:.3g} params"
+        model_fpt = 6.0 * n
+        fpt = model_fpt + (2.0 * n if checkpointing == "full" else 0.0)
+        convention = "8ND" if checkpointing == "full" else "6ND"
+        notes.append("activations unknown without a model config (--params only)")
+    states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp)
+    step, source, t = None, "assumed MFU (--mfu)", None
+    if hw is None:
+        source = "no hardware"
+    elif mfu is None and model is not None and hw.profile is not None and tp == pp == 1:
+        step = predict_step_time(model, hw.profile, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
+                         compute_dtype=recipe.compute_dtype, checkpointing=checkpointing, optimizer=optimizer,
+                         zero=zero, dp=dp, n_params=counts.total, grad_bytes=4 * counts.total,
+                         param_bytes=4 * counts.total, compiled=compiled, cuda=hw.cuda)
+        source = hw.profile.source
+        tokens_per_s = seq_len * micro_batch * grad_accum * dp / step.seconds
+        mfu = model_fpt * tokens_per_s / (gpus * hw.peak_flops)
+        t = TimeEstimate(tokens / tokens_per_s, gpus)
+    else:
+        if mfu is None and model is not None and hw.profile is not None:
+            notes.append("tensor/pipeline parallel steps are not modelled per operator: time from the assumed MFU")
+        mfu = DEFAULT_MFU if mfu is None else mfu
+        t = estimate_time(fpt * tokens, gpus, hw.peak_flops, mfu)
+    mfu = DEFAULT_MFU if mfu is None else mfu
+    return Plan(name=name, model=model, counts=counts, tokens=float(tokens), seq_len=seq_len,
+                micro_batch=micro_batch, grad_accum=grad_accum, recipe=recipe, optimizer=optimizer,
+                checkpointing=checkpointing, zero=zero, tp=tp, pp=pp, gpus=gpus, hardware=hw, mfu=mfu,
+                causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
+                convention=convention, states=states, activations_bytes=acts, memory_budget=memory_budget,
+                time=t, price=price, notes=notes, compiled=compiled, step=step, time_source=source)
+
+

@@ -1,0 +1,40 @@
+"""The planner's step time: record the step's operators (trainwise.measure.record), time the matmul and
+attention calls this device has not timed yet (trainwise.measure.kernels), price the step
+(trainwise.cost.steptime). The cost layer only prices; measuring happens here, before it.
+"""
+
+from __future__ import annotations
+
+from trainwise.config import ModelConfig
+from trainwise.cost.ops import Op
+from trainwise.cost.steptime import StepTime, step_time
+from trainwise.hardware.profile import Profile
+from trainwise.measure.kernels import time_new_kernels
+from trainwise.measure.record import param_tensors, step_ops
+
+_OPS_CACHE: dict[str, list[Op]] = {}
+
+
+def cached_step_ops(model: ModelConfig, micro_batch: int, seq_len: int, precision: str, checkpointing: str,
+                    compiled: bool, optimizer: str) -> list[Op]:
+    """measure.record.step_ops of one micro-batch, memoised: a run asks for its plan several times."""
+    key = repr((model, micro_batch, seq_len, precision, checkpointing, compiled, optimizer))
+    if key not in _OPS_CACHE:
+        _OPS_CACHE[key] = step_ops(model, micro_batch, seq_len, precision, checkpointing, 1, compiled, optimizer)
+    return _OPS_CACHE[key]
+
+
+def predict_step_time(model: ModelConfig, profile: Profile, *, micro_batch: int, seq_len: int, grad_accum: int,
+                      compute_dtype: str, checkpointing: str, optimizer: str, zero: int, dp: int, n_params: int,
+                      grad_bytes: int, param_bytes: int, compiled: bool = False, cuda: bool = False,
+                      ops: list[Op] | None = None) -> StepTime:
+    """Predicted time of one optimizer step of `model` as the trainer runs it on the profiled device
+    (cost.steptime.step_time), from its recorded operators (or `ops`: one micro-batch's, e.g. scaled by
+    `plan --fit`); kernels this device's table lacks are timed first when the profile is this machine's."""
+    precision = "fp32" if compute_dtype == "fp32" else compute_dtype
+    if ops is None:
+        ops = cached_step_ops(model, micro_batch, seq_len, precision, checkpointing, compiled and not cuda, optimizer)
+    time_new_kernels(ops, profile)  # all of the step's new kernels together, in passes
+    return step_time(ops, profile, n_layers=model.n_layers, n_param_tensors=param_tensors(model), n_params=n_params,
+                     grad_accum=grad_accum, compute_dtype=compute_dtype, optimizer=optimizer, zero=zero, dp=dp,
+                     grad_bytes=grad_bytes, param_bytes=param_bytes, compiled=compiled, cuda=cuda)

@@ -1,0 +1,100 @@
+"""Wrappers applied to a built model from outside (torchtitan's "parallelize" step): activation
+checkpointing, the attention of a compiled CPU step, and torch.compile. Sharding is
+trainwise.runtime.distributed.
+
+The model does not know about them: its state dict keys stay the same, so checkpoints load with or
+without them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from trainwise.config import FSDP_STRATEGIES, ModelConfig
+from trainwise.model.transformer import explicit_attention
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        # use_reentrant=False: works with keyword arguments, and with inputs that need no grad.
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """full: keep only each block's input and recompute the block in backward.
+    selective: recompute only the attention core (softmax(q k^T) v), as in Korthikanti et al. 2022."""
+    for block in model.blocks:
+        if mode == "full":
+            block.forward = _checkpointed(block.forward)
+        else:
+            block.attn.core = _checkpointed(block.attn.core)
+
+
+def _explicit_core(attn: nn.Module, sdpa_core, when_compiling: bool):
+    """attn.core written as explicit_attention for causal attention without dropout: always, or only
+    while torch.compile traces it (`when_compiling`: the eager forward keeps SDPA)."""
+
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        if causal and not (attn.training and attn.dropout) and (
+                not when_compiling or torch.compiler.is_compiling()):
+            return explicit_attention(q, k, v)
+        return sdpa_core(q, k, v, causal)
+
+    return core
+
+
+def use_compiled_attention(model: nn.Module, only_when_compiling: bool = True) -> None:
+    """A compiled CPU step's attention: inductor fuses explicit_attention's scale, mask and softmax
+    around two bf16 matmuls, faster than the CPU flash kernel it would otherwise call (RESULTS.md).
+    Installed before checkpointing, which then wraps it. only_when_compiling=False: explicit attention
+    in every forward (how the operator recorder describes a compiled step without compiling one)."""
+    for block in model.blocks:
+        block.attn.core = _explicit_core(block.attn, block.attn.core, only_when_compiling)
+
+
+COMPILE_MIN_STEPS = 300  # below this many steps the one-off compile time is not repaid (see resolve_compile)
+
+
+def resolve_compile(requested: str, model: ModelConfig, steps_left: int, strategy: str) -> tuple[bool, str]:
+    """(compile?, reason) for train.compile. auto compiles a dense model's run of COMPILE_MIN_STEPS or
+    more steps: the default model compiles in tens of seconds with a cold cache and then steps ~1.4x
+    faster on a CPU (benchmarks/RESULTS.md), so it pays off after about a hundred steps."""
+    if requested != "auto":
+        return requested == "true", "set in the config"
+    if model.is_moe:
+        return False, "auto: MoE routing has data-dependent shapes, which compile poorly"
+    if strategy in FSDP_STRATEGIES:
+        return False, "auto: FSDP2 compiles per block, which gains nothing measurable here"
+    if steps_left < COMPILE_MIN_STEPS:
+        return False, f"auto: {steps_left} steps are too few to repay the compile time"
+    return True, f"auto: {steps_left} steps repay the one-off compile time"
+
+
+def apply_compile(model: nn.Module, per_block: bool = False) -> None:
+    """torch.compile the model in place (nn.Module.compile: the state dict keys stay the same).
+
+    Whole model by default, so inductor fuses the loss's log-softmax and, on CPU, the attention softmax
+    (use_compiled_attention) with the norm/RoPE/activation work; compiling each block alone gained
+    nothing on a CPU (benchmarks/RESULTS.md). per_block=True (torchtitan's scheme) is for FSDP2, whose
+    per-block hooks must stay outside the compiled graphs (fsdp, zero2). The first steps pay the
+    compile time.
+
+    Dynamo's caches are cleared first: code compiled earlier in this process for another model or
+    dtype (a second run from the Python API, a test) made inductor fail on the Rotary node ("mul
+    expected 2 arguments, got 3") when the same code was compiled again in bf16."""
+    torch._dynamo.reset()
+    if per_block:
+        for block in model.blocks:
+            block.compile()
+    else:
+        model.compile()
+
+
+def remove_compile(model: nn.Module) -> None:
+    """Back to eager, e.g. before KV-cache generation, whose growing cache would recompile."""
+    for module in (model, *model.blocks):
+        module._compiled_call_impl = None

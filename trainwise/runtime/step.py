@@ -1,0 +1,159 @@
+"""How one training step runs, built in one place: the trainer, verify, the operator recorder, the
+calibration, the roofline, the simulator and the scaling sweep all take their model and step from here.
+
+    model = build_model(cfg.model)                 # the one constructor of the Transformer
+    step = build_step(model, cfg.train, device, precision)   # + compiled attention, checkpointing,
+                                                   #   compile, sharding, optimizer, loss scaler
+    step(batches)                                  # one optimizer step over K micro-batches:
+
+    for each of K micro-batches:  loss = model(x, y) under autocast;  (loss / K).backward()
+        (under DDP/FSDP the gradients are reduced on the last micro-batch only)
+    clip the gradient norm (computed even without clipping: it is logged)
+    optimizer step, skipped on the device if the norm is NaN/inf (train.on_nonfinite = skip), or
+        NonFiniteGradient raised (stop); fp16: the GradScaler unscales, steps and updates
+    zero the gradients (set to None)
+
+A hook sees the step between its phases ("forward" and "backward" after each micro-batch, "step" after
+the update, before the gradients are freed): memory tracking, operator recording and the trainer's
+per-rank accounting watch the very step that trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from trainwise.config import ModelConfig, TrainConfig
+from trainwise.model import Transformer
+from trainwise.runtime import distributed
+from trainwise.runtime.optim import build_optimizer, step_if_finite
+from trainwise.runtime.parallelize import apply_activation_checkpointing, apply_compile, use_compiled_attention
+from trainwise.runtime.precision import autocast
+
+Hook = Callable[[str], None]
+
+
+def _no_hook(phase: str) -> None:
+    pass
+
+
+class NonFiniteGradient(Exception):
+    """The gradient norm of a step is NaN or inf and train.on_nonfinite = stop: nothing was updated."""
+
+    def __init__(self, loss: torch.Tensor):
+        super().__init__("non-finite gradient norm")
+        self.loss = loss
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean over the micro-batches (detached, on the device)
+    grad_norm: torch.Tensor | None  # before clipping; None without an optimizer
+    skipped: torch.Tensor | None  # 1.0 when a non-finite step was skipped (on the device)
+
+
+@dataclass
+class TrainingStep:
+    """A model ready to train (checkpointed, compiled and sharded as configured), its optimizer and
+    loss scaler; calling it runs one optimizer step (module docstring)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    device: torch.device
+    precision: str  # "fp32" | "bf16" | "fp16": the autocast recipe
+    grad_clip: float = 1.0  # 0 = no clipping
+    on_nonfinite: str = "skip"
+    dist: distributed.Dist = field(default_factory=lambda: distributed.Dist("none"))
+    compiled: bool = False
+    eval_forward: Callable | None = None  # a whole-model compile's eager forward (evaluation calls it)
+    scaler: torch.amp.GradScaler | None = None
+
+    def __post_init__(self) -> None:
+        if self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], hook: Hook = _no_hook,
+                 loss_sum: torch.Tensor | None = None) -> StepResult:
+        """One step over `batches` (the K micro-batches). loss_sum: a device tensor each micro-batch's
+        loss is added to in place (the trainer's running sum between log rows)."""
+        k = len(batches)
+        total = None
+        for i, (x, y) in enumerate(batches):
+            with distributed.gradient_sync(self.model, self.dist, i == k - 1):
+                with autocast(self.device, self.precision):
+                    loss = self.model(x, y)
+                hook("forward")
+                self.scaler.scale(loss / k).backward()
+            if loss_sum is not None:
+                loss_sum += loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
+            hook("backward")
+        if self.optimizer is None:
+            return StepResult(total / k, None, None)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = distributed.local_value(
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf")))
+        skipped = None
+        if self.scaler.is_enabled():  # fp16: the scaler skips a step with inf/NaN and lowers the scale
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif self.on_nonfinite == "stop" and not bool(torch.isfinite(grad_norm)):
+            raise NonFiniteGradient(loss)
+        else:
+            skipped = step_if_finite(self.optimizer, grad_norm)
+        hook("step")
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(total / k, grad_norm, skipped)
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> Transformer:
+    """The model of `cfg`, initialised from the global RNG (seed it first), on `device` (default: the
+    CPU it is built on). device "meta" builds the shapes only: nothing is allocated."""
+    if device is not None and torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return Transformer(cfg)
+    model = Transformer(cfg)
+    return model if device is None else model.to(device)
+
+
+def build_step(model: nn.Module, train: TrainConfig, device: torch.device, precision: str, *,
+               dist: distributed.Dist | None = None, compile: bool = False, optimizer: bool = True,
+               optimizer_state: dict | None = None) -> TrainingStep:
+    """Make `model` (built by build_model, weights loaded, on `device`) ready to train as `train` says,
+    from outside: a compiled CPU step's attention, activation checkpointing, torch.compile (whole model,
+    or per block under FSDP2), DDP/FSDP2 for `dist`'s strategy; then its optimizer (ZeRO-1's sharded one
+    under zero1; `optimizer_state` loaded into it) and loss scaler."""
+    dist = dist or distributed.Dist("none")
+    if compile and device.type == "cpu":
+        use_compiled_attention(model)
+    if train.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, train.activation_checkpointing)
+    if compile:
+        apply_compile(model, per_block=dist.fsdp)
+    # A whole-model compile traced the training graph; under no_grad it would compile a second one
+    # (tens of seconds with a cold cache) to save about a second per evaluation: evaluation runs eager.
+    eval_forward = model.forward if compile and not dist.fsdp else None
+    model = distributed.wrap(model, dist, device, precision)
+    model.train()
+    opt = None
+    if optimizer:
+        opt = build_optimizer(model, train, shard_states=dist.active and dist.strategy == "zero1")
+        if optimizer_state is not None:
+            opt.load_state_dict(optimizer_state)  # copies the state tensors
+    return TrainingStep(model, opt, device, precision, train.grad_clip, train.on_nonfinite, dist, compile,
+                        eval_forward)
+
+
+def random_batches(vocab_size: int, micro_batch: int, seq_len: int, grad_accum: int, device: torch.device,
+                   seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K seeded (x, y) batches of token ids; FLOPs and memory depend only on their shapes."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(grad_accum):
+        ids = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), generator=g)
+        out.append((ids[:, :-1].to(device), ids[:, 1:].to(device)))
+    return out

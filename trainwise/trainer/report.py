@@ -1,0 +1,120 @@
+"""What a run says about itself while it trains: the plan up front, metrics rows, the progress bar.
+
+Throughput numbers follow DESIGN.md's conventions: model FLOPs per token come from the planner
+(`cost.flops.flops_per_token_train`, no recompute, attention not halved); MFU = model FLOP/s /
+(devices x peak FLOP/s of the dtype in use); HFU adds the recompute of activation checkpointing and of
+the chunked loss (model.loss_chunk_tokens).
+On a CPU the peak is this machine's measured matmul peak (`trainwise hardware --calibrate`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from trainwise import rundir
+from trainwise.config import RunConfig
+from trainwise.cost.flops import flops_per_token_train
+from trainwise.cost.params import params as count_params
+from trainwise.hardware.cache import cached
+from trainwise.measure.reference import reference_speed
+from trainwise.planner.hardware import device_hardware
+from trainwise.planner.plan import Plan, plan_for_run
+from trainwise.units import fmt_bytes
+from trainwise.verify.verify import (
+    build_verify,
+    entry,
+    format_table,
+    measure_step,
+    measured_from_step,
+    steady_step_time,
+)
+
+# The speed probe after a run (RunReporter.machine_speed) costs ~1 s: only runs whose steps took this long
+PROBE_MIN_RUN_S = 30.0
+
+
+class RunReporter:
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, device: torch.device, precision: str, compiled: bool,
+                 say):
+        self.cfg, self.device, self.precision, self.say = cfg, device, precision, say
+        t = cfg.train
+        self.counts = count_params(cfg.model)
+        self.model_flops_per_token = flops_per_token_train(cfg.model, t.seq_len)
+        self.hardware_flops_per_token = flops_per_token_train(cfg.model, t.seq_len,
+                                                               recompute=t.activation_checkpointing)
+        hw = device_hardware(device, precision)
+        self.peak_flops, self.peak_source = hw.peak_flops, hw.peak_source
+        self.compiled = compiled  # how the step runs, for the step-time model: compiled, and on how many ranks
+        self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        built = sum(p.numel() for p in model.parameters())
+        say(f"model {cfg.model.name}: {built:,} parameters ({self.counts.active:,} active per token), "
+            f"{cfg.model.n_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}")
+        say(f"compute: {self.model_flops_per_token:,.0f} model FLOPs per token (fwd+bwd, exact, attention "
+            f"not halved); MFU against {self.peak_flops / 1e9:,.1f} GFLOP/s ({self.peak_source})")
+        plan = self.plan().to_json()
+        mem, when = plan["memory"], plan["time"]
+        say(f"plan: peak memory {fmt_bytes(mem['peak_bytes'])} (states {fmt_bytes(mem['states_bytes'])}, "
+            f"activations {fmt_bytes(mem['activations_bytes'])}); {plan['flops']['total']:.3g} FLOPs in all, "
+            f"{when['step_seconds']:.3g} s per step, {when['seconds']:,.0f} s in all at {when['mfu']:.1%} MFU "
+            f"({when['source']})")
+        say("      (plan.json; `trainwise plan --model RUN/config.toml --gpu cpu --explain` derives it)")
+
+    def plan(self) -> Plan:
+        return plan_for_run(self.cfg, precision=self.precision, peak_flops=self.peak_flops, device=self.device.type,
+                            compiled=self.compiled, world_size=self.world_size)
+
+    def machine_speed(self) -> dict | None:
+        """After the run: the calibration's reference steps timed again (measure.reference.reference_speed),
+        as a verify.json entry {"predicted": their calibrated seconds (summed), "measured": now, "error"}: how much
+        of the step-time error is this machine's speed having moved since it was calibrated. None where
+        there is no such calibration (a table GPU, torchrun ranks of one thread each)."""
+        if self.world_size > 1:
+            return None
+        calibrated = ((cached(self.device) or {}).get("profile") or {}).get("reference_fastest_s")
+        if not calibrated:
+            return None
+        now = reference_speed(self.device)
+        return {**entry(sum(calibrated), sum(now)), "per_reference_s": now}
+
+    def metrics_row(self, step: int, tokens: int, loss: float, lr: float, grad_norm: float,
+                    step_time_s: float, tokens_per_step: int) -> dict:
+        tokens_per_s = tokens_per_step / step_time_s
+        flops_per_s = self.model_flops_per_token * tokens_per_s
+        row = {
+            "step": step, "tokens": tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "step_time_s": step_time_s, "tokens_per_s": tokens_per_s, "flops_per_s": flops_per_s,
+            "mfu": flops_per_s / self.peak_flops,
+        }
+        if self.hardware_flops_per_token != self.model_flops_per_token:
+            row["hfu"] = self.hardware_flops_per_token * tokens_per_s / self.peak_flops
+        return row
+
+    @staticmethod
+    def postfix(row: dict) -> str:
+        text = f"loss {row['loss']:.3f} lr {row['lr']:.1e} {row['tokens_per_s']:,.0f} tok/s MFU {row['mfu']:.0%}"
+        if "val_loss" in row:
+            text += f" val {row['val_loss']:.3f}"
+        return text
+
+    def finish(self, out: Path, tokens_seen: int, step: int, model: torch.nn.Module | None = None,
+               optimizer_state: dict | None = None, step_peak_bytes: int | None = None) -> dict | None:
+        """Write verify.json and print the predicted-vs-measured table. One extra training step runs on a
+        copy of the model and optimizer (trainwise.verify.verify.measure_step): the run's weights,
+        optimizer, sampler and RNG are left as they were."""
+        if model is None:
+            return None
+        measured = measured_from_step(measure_step(self.cfg, model, optimizer_state, self.device, self.precision),
+                                      step_peak_bytes)
+        step_time, _ = steady_step_time(out)
+        device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else f"{self.device.type}")
+        result = build_verify(self.cfg, self.plan(), measured, step_time, device, self.peak_source)
+        result["run"] = {"precision": self.precision, "peak_flops": self.peak_flops, "peak_source": self.peak_source,
+                         "step": step, "tokens": tokens_seen, "compiled": self.compiled, "world_size": self.world_size}
+        if step_time and step_time * step >= PROBE_MIN_RUN_S and (speed := self.machine_speed()) is not None:
+            result["machine_speed"] = speed
+        (out / rundir.VERIFY).write_text(json.dumps(result, indent=1), encoding="utf-8")
+        self.say("\npredicted vs measured (verify.json):\n" + format_table(result))
+        return result
