@@ -10,14 +10,14 @@ zero_grad(set_to_none=True). Variants, all at the same model shape and the same 
   nanogpt bf16 compile
                    the same plus `model = torch.compile(model)`, as its train.py does with compile=True
   tw-gpt2 bf16     trainwise Transformer with nanoGPT's architecture (gelu, layernorm, learned
-                   positions, bias, tied embeddings, MHA), the trainer's own path: bf16 autocast from
-                   trainwise.runtime.precision.autocast, AdamW from build_optimizer(model, TrainConfig())
+                   positions, bias, tied embeddings, MHA), the trainer's own path: model and AdamW from
+                   trainwise.runtime.step.build_step, bf16 autocast from trainwise.runtime.precision
   tw-gpt2 fp32     the same model and optimizer without autocast
   tw-llama bf16    trainwise's default Llama-style block (swiglu, rmsnorm, rope, no bias, GQA with
                    n_kv_heads = n_heads // 2) at the same vocab / d_model / layers / heads, bf16
 
-`tw-* compile` variants call the trainer's own apply_compile (what `trainwise train` runs when it
-compiles). Ratios are reported against every nanoGPT variant in the run (per round, median).
+`tw-* compile` variants are built as `trainwise train` compiles (build_step(..., compile=True): the
+compiled CPU attention, then torch.compile of the whole model). Ratios are reported against every nanoGPT variant in the run (per round, median).
 
 The matmul-only bound of a trainwise variant (--bound): the matmuls one step runs, recorded with their
 shapes, strides and dtypes by a dispatch mode on one eager step, each shape then timed alone on this

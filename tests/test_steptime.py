@@ -234,7 +234,7 @@ def test_an_moe_steps_grouped_matmuls_are_recorded_with_their_expert_shapes():
 
 
 def test_the_host_allocator_keeps_freed_memory():
-    """glibc's thresholds are raised once per process (train.allocator); a subprocess shows that a large
+    """glibc's thresholds are raised once per process (runtime.allocator); a subprocess shows that a large
     block freed and allocated again, step after step, is served from the heap (no new page faults)."""
     import subprocess
     import sys

@@ -102,8 +102,8 @@ def _plot(record: dict, out: str) -> None:
 
 def format_fit(record: dict) -> str:
     law, boot = record["law"], record["bootstrap"]
-    lines = [f"L(N, D) = E + A / N^alpha + B / D^beta   (Hoffmann et al. 2022 approach 3: Huber(delta=1e-3) on log L,"
-             f" L-BFGS from a grid of starts)",
+    lines = ["L(N, D) = E + A / N^alpha + B / D^beta   (Hoffmann et al. 2022 approach 3: Huber(delta=1e-3) on log L,"
+             " L-BFGS from a grid of starts)",
              f"  N = {record['conventions']['N']}; D = tokens; L = validation loss in nats/token",
              f"  {'':<6} {'fit':>12} {'5%':>12} {'95%':>12}   (bootstrap over {boot['unit']}, {boot['samples']} refits)"]
     for k in ("E", "A", "B", "alpha", "beta"):

@@ -10,14 +10,14 @@ communication per strategy, plus a fixed per-step cost.
     in a step         the eager operators' times x in_step (what kernels lose in a real step; ibid.)
 
 A device's calibration (`trainwise hardware --calibrate`, source "calibrated") holds the fits; the kernel
-table holds matmuls and attention calls timed at the shapes of the steps planned on it (measured when a
-plan first needs them, a few ms each, and cached): on a CPU the same FLOPs run 2-5x apart with shape and
+table holds matmuls and attention calls timed at the shapes of the steps planned on it (the planner
+times them when a plan first needs them, a few ms each, and caches them; here they are only read): on a CPU the same FLOPs run 2-5x apart with shape and
 layout, which no two-parameter fit follows. The fits' intercepts are left out: the per-call cost is the
 eager overhead term, measured in real steps (with the factor by which kernels run slower inside a step
 than alone). A compiled step (torch.compile, CPU) runs the same matmuls; inductor fuses the rest into
 kernels that take COMPILED_ELEMENTWISE x the eager element-wise time and pay no per-op overhead. A table
-GPU gets DEFAULT_EFFICIENCY applied to its datasheet (source "table defaults": "from table,
-uncalibrated").
+GPU gets hardware.profile.DEFAULT_EFFICIENCY applied to its datasheet (source "table defaults": "from
+table, uncalibrated").
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def op_seconds(op: Op, p: Profile, compiled: bool = False, precision: str = "fp3
 def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int, compiled: bool = False,
                  comm_s: float = 0.0, optimizer: str = "adamw", async_launch: bool = False,
                  precision: str = "fp32") -> StepTime:
-    """Predicted seconds of one optimizer step whose operators are `ops` (cost.ops.step_ops), run in
+    """Predicted seconds of one optimizer step whose operators are `ops` (measure.record.step_ops), run in
     compute precision `precision`. Matmul and attention calls are priced from the profile's kernel
     table where it has them (time them first to use their own times), else from its fits."""
     timed = []

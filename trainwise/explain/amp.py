@@ -11,9 +11,8 @@ from trainwise.cost.memory import RECIPES, activation_bytes, state_bytes
 from trainwise.errors import TrainwiseError
 from trainwise.explain.render import Doc, num
 from trainwise.explain.topic import Arg, Topic
-from trainwise.runtime.precision import autocast, resolve_device, resolve_precision
+from trainwise.runtime.precision import DTYPE_NAMES, autocast, resolve_device, resolve_precision
 
-SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 ACT_BATCH, ACT_SEQ = 8, 256  # the activation column: trainwise-small at micro-batch 8, T = 256
 
 AMP = {
@@ -75,7 +74,7 @@ def _measured_dtypes(device: torch.device, dt: str) -> dict[str, tuple[str, str]
         p = torch.softmax(h, dim=-1)
         loss = F.cross_entropy(h, y)
     loss.backward()
-    s = lambda t: SHORT.get(t.dtype, str(t.dtype))  # noqa: E731
+    s = lambda t: DTYPE_NAMES.get(t.dtype, str(t.dtype))  # noqa: E731
     return {"linear": (s(x), s(h)), "softmax": (s(h), s(p)), "cross_entropy": (s(h), s(loss)),
             "weight": (s(lin.weight), s(lin.weight)), "weight_grad": (s(loss), s(lin.weight.grad))}
 

@@ -15,6 +15,7 @@ from trainwise.errors import TrainwiseError
 from trainwise.explain.render import Doc, num
 from trainwise.explain.topic import Arg, Topic, ints, positive
 from trainwise.measure.flopcount import flop_counter
+from trainwise.runtime.precision import DTYPES
 
 
 def _counted(fn) -> int:
@@ -147,7 +148,7 @@ DT = {
 
 
 def _formats() -> dict[str, torch.dtype]:
-    out = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    out = {name: DTYPES[name] for name in ("fp32", "fp16", "bf16")}
     for name, attr in (("fp8-e4m3", "float8_e4m3fn"), ("fp8-e5m2", "float8_e5m2")):
         if hasattr(torch, attr):
             out[name] = getattr(torch, attr)

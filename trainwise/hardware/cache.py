@@ -126,7 +126,7 @@ def cached(device: torch.device | str) -> dict | None:
 
 def kernel_table(machine: str) -> dict[str, float]:
     """{kernel: seconds per call} of the matmul and attention calls timed on this machine (measure.kernels
-    .time_new_kernels), keyed by calibrate.machine_key (device, threads, torch) and the profile's version
+    .time_new_kernels), keyed by machine_key (device, threads, torch) and the profile's version
     (a new timing protocol times them again)."""
     return read_json(kernels_path()).get(f"{machine}|v{PROFILE_VERSION}", {})
 

@@ -20,7 +20,8 @@ ADAMW_BYTES_PER_PARAM = 28  # fused AdamW, fp32: read+write param, m, v (24) + r
 
 @dataclass
 class Profile:
-    """What a device does per unit of work; see the module docstring. Rates in FLOP/s and bytes/s."""
+    """What a device does per unit of work (how cost.steptime uses each figure: its module docstring).
+    Rates in FLOP/s and bytes/s."""
 
     matmul: dict[str, list[float]]  # dtype -> [c s, P FLOP/s, BW bytes/s]
     elementwise: dict[str, dict[str, list[list[float]]]]  # dtype -> class -> [[bytes per call, bytes/s], ...]

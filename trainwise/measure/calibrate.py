@@ -140,7 +140,7 @@ def device_profile(device: torch.device, bandwidth: float | None = None, peak_ro
     reference steps are sampled after every part (the machine's state drifts over seconds: their
     fastest sample is what in_step is fitted on), and a round of peak timings is added to peak_rounds
     half-way through."""
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    dtypes = {name: DTYPES[name] for name in ("fp32", "bf16")}
     took, clock = {}, time.perf_counter()
     refs = ReferenceSteps(device)  # real steps, sampled between the other parts
     refs.sample()

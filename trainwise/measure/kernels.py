@@ -267,7 +267,7 @@ def attention_fits(dtype: torch.dtype, device: torch.device) -> dict[str, list[f
 
 def optimizer_fit(device: torch.device) -> list[float]:
     """[seconds per tensor, seconds per element] of clip_grad_norm_ + AdamW(fused).step() + zero_grad,
-    the trainer's CPU update (train.optim.build_optimizer), from two parameter sets."""
+    the trainer's CPU update (runtime.optim.build_optimizer), from two parameter sets."""
     rows = []
     for n_tensors, numel in ((8, 1 << 20), (128, 1 << 14), (32, 1 << 17)):
         params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(n_tensors)]

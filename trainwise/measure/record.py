@@ -26,10 +26,8 @@ from trainwise.cost.ops import Op, op_class
 from trainwise.measure.fake import fake_step_mode
 from trainwise.measure.flopcount import flop_counter
 from trainwise.runtime.parallelize import use_compiled_attention
+from trainwise.runtime.precision import DTYPE_NAMES
 from trainwise.runtime.step import build_model, build_step
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
 
 # Ops that move memory but compute nothing: casts (autocast's copies of weights and activations), copies
 # and fills. They cost time like any element-wise op (a bf16 step spends ~10% of its time casting), so
@@ -107,7 +105,7 @@ class _Recorder(TorchDispatchMode):
             flops = sum(o.numel() for o in outs)
         if short in ("copy_", "fill_", "zero_"):  # in place: the output is the input, written once
             outs = []
-        dtype = next((_DTYPE_NAMES.get(x.dtype, "other") for x in ins + outs if x.is_floating_point()), "other")
+        dtype = next((DTYPE_NAMES.get(x.dtype, "other") for x in ins + outs if x.is_floating_point()), "other")
         nbytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))
         shape, layout = _shape(name, ins)
         rec = self.ops[(name, self.phase, dtype, shape, layout, nbytes if shape is None else 0)]

@@ -37,7 +37,7 @@ class ReferenceSteps:
     whole calibration (sample() after each of its parts), each keeping its fastest, and their matmul and
     attention calls timed alone in the same samples; then fit(profile) says what a real eager step adds to its
     kernels timed one by one: t = per step + per op x calls + in_step x (its operators' times from
-    `profile`, a cost.steptime.Profile) + its optimizer update.
+    `profile`, a hardware.profile.Profile) + its optimizer update.
 
     Why samples spread so widely: a VM can switch between a fast and a slow state for seconds to tens
     of seconds at a time, in one process with nothing else running, and small kernels lose most in the

@@ -9,6 +9,7 @@ import torch
 from trainwise.errors import TrainwiseError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def resolve_device(requested: str) -> torch.device:

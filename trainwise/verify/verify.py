@@ -78,7 +78,7 @@ def entry(predicted: float | None, measured: float | None) -> dict:
 
 def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None, device: str,
                  peak_source: str) -> dict:
-    """verify.json from a plan (plan.plan.Plan of this run) and the measured numbers:
+    """verify.json from a plan (planner.plan.Plan of this run) and the measured numbers:
     measured = {"flops_per_step", "model_flops_per_step", "peak_memory_bytes", "memory_bytes": {...}}."""
     t = cfg.train
     tokens_per_step = t.tokens_per_step
