@@ -1,4 +1,4 @@
-"""Predicted vs measured steady-state step time on this CPU, over 26 training configurations.
+"""Predicted vs measured steady-state step time on this CPU, over 38 training configurations.
 
 Each configuration is planned with the step-time model (`trainwise plan --gpu cpu`: cost.steptime on
 this machine's calibration) and then run for real: single-process ones in this process, through the
@@ -6,7 +6,10 @@ trainer's own step (trainwise.runtime.step.train_step, compiled with train.paral
 where marked), two warm-up steps, then --rounds rounds over all configurations, each keeping its fastest
 round's median step; ddp/fsdp ones through `torchrun --nproc_per_node 2 -m trainwise train` (gloo, one
 thread per rank), the lower quartile of the logged step times after the first two.
-error = measured / predicted - 1.
+error = measured / predicted - 1, against the prediction as calibrated and against the prediction for
+the machine as probed (cost.steptime.probed_seconds: a speed probe of the calibration's reference steps
+at the start of each round; a local configuration takes the probe of the round that gave its figure;
+torchrun ones, whose ranks run one thread each, the calibrated prediction).
 
     python benchmarks/time_model.py                 # all configurations (~5-10 min on a quiet 2-core CPU)
     python benchmarks/time_model.py --only 1,19     # a few, by number
@@ -31,8 +34,10 @@ from pathlib import Path
 import torch
 
 from trainwise.config import ModelConfig, RunConfig, TrainConfig, apply_overrides, save_config
+from trainwise.cost.steptime import probed_seconds
 from trainwise.hardware.cache import cpu_model
 from trainwise.measure.calibrate import calibrate
+from trainwise.measure.reference import probe_speed
 from trainwise.planner.plan import plan_for_run, plan_run
 from trainwise.runtime.allocator import keep_freed_memory
 from trainwise.runtime.step import build_model, build_step, random_batches
@@ -45,6 +50,10 @@ WIDE = dict(vocab_size=4096, d_model=512, n_layers=2, n_heads=8, n_kv_heads=8, f
 GPT2ISH = dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=1024, max_seq_len=512,
                activation="gelu", norm="layernorm", position="learned", bias=True)
 MOE = dict(SMALL, n_experts=4, top_k=2, expert_ffn_hidden=352)
+MOE8 = dict(SMALL, n_experts=8, top_k=2, expert_ffn_hidden=352, max_seq_len=1024)
+LONG = dict(SMALL, max_seq_len=1024)
+SHALLOW_WIDE = dict(vocab_size=4096, d_model=768, n_layers=1, n_heads=12, n_kv_heads=4, ffn_hidden=2048, max_seq_len=512)
+DEEP_NARROW = dict(vocab_size=4096, d_model=128, n_layers=12, n_heads=4, n_kv_heads=2, ffn_hidden=384, max_seq_len=512)
 
 
 @dataclass
@@ -76,22 +85,33 @@ CASES = [
     Case("tiny compiled", TINY, 8, 128, compiled=True), Case("medium K4", MEDIUM, 4, 256, grad_accum=4),
     Case("gpt2-style", GPT2ISH, 8, 256), Case("small ddp", SMALL, 8, 256, strategy="ddp"),
     Case("small fsdp", SMALL, 8, 256, strategy="fsdp"), Case("tiny ddp fp32", TINY, 8, 128, precision="fp32", strategy="ddp"),
+    # settings beyond the defaults: MoE (top-1 and top-2, 4-8 experts, T 128-1024), fp32 shapes, checkpointing
+    # x accumulation, long sequences
+    Case("moe E8 top1 T128", dict(MOE8, top_k=1), 16, 128), Case("moe E8 T1024", MOE8, 2, 1024),
+    Case("moe E4 top1 T1024", dict(MOE, top_k=1, max_seq_len=1024), 2, 1024),
+    Case("moe E8 fp32", MOE8, 4, 256, precision="fp32"),
+    Case("shallow-wide fp32", SHALLOW_WIDE, 8, 128, precision="fp32"),
+    Case("deep-narrow fp32", DEEP_NARROW, 8, 256, precision="fp32"),
+    Case("small selective K4", SMALL, 4, 256, 4, "selective"), Case("medium full K2", MEDIUM, 4, 256, 2, "full"),
+    Case("small full K4", SMALL, 4, 256, 4, "full"), Case("deep-narrow selective K2", DEEP_NARROW, 8, 256, 2, "selective"),
+    Case("small T1024", LONG, 2, 1024), Case("small T1024 full", LONG, 2, 1024, checkpointing="full"),
 ]
 
 
-def predict(case: Case) -> float:
+def predict(case: Case):
+    """The plan of the configuration: its step_seconds as calibrated and its StepTime (plan.step)."""
     if case.strategy != "none":
-        return plan_for_run(run_config(case, 10), case.precision, 0.0, device="cpu", world_size=2).step_seconds
-    plan = plan_run(ModelConfig(**case.model), tokens=1, gpu="cpu", seq_len=case.seq_len, micro_batch=case.micro_batch,
+        return plan_for_run(run_config(case, 10), case.precision, 0.0, device="cpu", world_size=2)
+    return plan_run(ModelConfig(**case.model), tokens=1, gpu="cpu", seq_len=case.seq_len, micro_batch=case.micro_batch,
                     grad_accum=case.grad_accum, precision="fp32" if case.precision == "fp32" else "amp",
                     checkpointing=case.checkpointing, compiled=case.compiled)
-    return plan.step_seconds
 
 
 class LocalRun:
     """One single-process configuration, built once and measured in several rounds: the trainer's step
     (built by trainwise.runtime.step, compiled where marked), two warm-up steps (compile happens in the
-    first), then per round the median of the steps of about round_s seconds."""
+    first), then per round the median of the steps of about round_s seconds. Each step gets new token
+    ids, as training does (an MoE layer then routes anew every step)."""
 
     def __init__(self, case: Case):
         cpu = torch.device("cpu")
@@ -99,8 +119,9 @@ class LocalRun:
         cfg = ModelConfig(**case.model)
         train_step = build_step(build_model(cfg), TrainConfig(activation_checkpointing=case.checkpointing), cpu,
                                 case.precision, compile=case.compiled)
-        self.batches = random_batches(cfg.vocab_size, case.micro_batch, case.seq_len, case.grad_accum, cpu)
-        self.step = lambda: train_step(self.batches)
+        seeds = iter(range(1 << 30))
+        self.step = lambda: train_step(random_batches(cfg.vocab_size, case.micro_batch, case.seq_len,
+                                                      case.grad_accum, cpu, seed=next(seeds)))
         for _ in range(2):
             self.step()
 
@@ -234,45 +255,68 @@ def main() -> int:
         calibrate("cpu", threads=1)  # what each of the 2 torchrun ranks runs with (OMP_NUM_THREADS=1)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}; load average at start "
           f"{load0[0]:.2f} (1 min); calibration ready after {time.time() - t0:.0f} s")
-    print(f"{'#':>2} {'config':<22} {'B':>3} {'T':>4} {'K':>2} {'ckpt':<9} {'prec':<4} {'comp':<4} {'strategy':<8} "
-          f"{'predicted s':>11} {'measured s':>10} {'error':>7} {'load':>5}")
+    references = calibrate("cpu")["profile"]["probe_baseline_s"]
+    print(f"{'#':>2} {'config':<24} {'B':>3} {'T':>4} {'K':>2} {'ckpt':<9} {'prec':<4} {'comp':<4} {'strategy':<8} "
+          f"{'calibrated s':>12} {'probed s':>9} {'measured s':>10} {'err cal':>7} {'err probed':>10} {'load':>5}")
     # Rounds: every local configuration is measured ROUNDS times, one after the other, and keeps its
     # fastest round's median. This machine's speed drifts by up to 30% over seconds (the same step, run
     # again in the same process: 0.37-0.50 s); interference only ever adds time, so the fastest round is
     # the steady state, as the calibration's lower quartiles are.
     # (A compiled configuration is measured in its rounds right after it is built: building the next one
     # resets dynamo, which would recompile it inside a round.)
-    rounds: dict[int, list[float]] = {}
+    # Each round starts with a speed probe; a configuration's figure is paired with its round's probe.
+    rounds: dict[int, list[tuple[float, dict]]] = {}
     for case in cases:
         if case.strategy == "none" and case.compiled:
             run = LocalRun(case)
-            rounds[id(case)] = [run.round() for _ in range(args.rounds)]
+            rounds[id(case)] = []
+            for _ in range(args.rounds):
+                probe = probe_speed(torch.device("cpu"), references)
+                rounds[id(case)].append((run.round(), probe))
             del run
             torch._dynamo.reset()
     runs = {id(c): LocalRun(c) for c in cases if c.strategy == "none" and not c.compiled}
     rounds.update({i: [] for i in runs})
+    probes = []
     for _ in range(args.rounds):
+        probes.append(probe_speed(torch.device("cpu"), references))
         for case in cases:
             if id(case) in runs:
-                rounds[id(case)].append(runs[id(case)].round())
+                rounds[id(case)].append((runs[id(case)].round(), probes[-1]))
     runs.clear()
-    errors = []
+    errors, probed_errors, moe_errors = [], [], []
     for case in cases:
         i = CASES.index(case) + 1
-        predicted = predict(case)
+        plan = predict(case)
+        predicted = plan.step_seconds
         load = os.getloadavg()[0]
-        measured = measure_torchrun(case) if case.strategy != "none" else min(rounds[id(case)])
-        err = measured / predicted - 1
+        if case.strategy != "none":
+            measured, probe, probed = measure_torchrun(case), None, predicted
+        else:
+            measured, probe = min(rounds[id(case)], key=lambda r: r[0])
+            probed = probed_seconds(plan.step, probe)
+        err, err_probed = measured / predicted - 1, measured / probed - 1
         errors.append(abs(err))
-        case.results = {"predicted_s": predicted, "measured_s": measured, "error": err, "load_1min": load,
-                        "rounds_s": rounds.get(id(case), [])}
-        print(f"{i:>2} {case.name:<22} {case.micro_batch:>3} {case.seq_len:>4} {case.grad_accum:>2} "
+        probed_errors.append(abs(err_probed))
+        if case.model.get("n_experts"):
+            moe_errors.append(abs(err_probed))
+        case.results = {"predicted_s": predicted, "probed_s": probed, "measured_s": measured, "error": err,
+                        "error_probed": err_probed, "probe_ratio": probe and probe["ratio"], "load_1min": load,
+                        "rounds_s": [r for r, _ in rounds.get(id(case), [])]}
+        print(f"{i:>2} {case.name:<24} {case.micro_batch:>3} {case.seq_len:>4} {case.grad_accum:>2} "
               f"{case.checkpointing:<9} {case.precision:<4} {'yes' if case.compiled else 'no':<4} {case.strategy:<8} "
-              f"{predicted:>11.4f} {measured:>10.4f} {err:>+7.1%} {load:>5.2f}", flush=True)
-    print(f"|error|: median {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(errors)} configs; "
+              f"{predicted:>12.4f} {probed:>9.4f} {measured:>10.4f} {err:>+7.1%} {err_probed:>+10.1%} {load:>5.2f}",
+              flush=True)
+    print("speed probes at the rounds' starts (reference steps now / at calibration): "
+          + ", ".join(f"{p['ratio']:.3f}" for p in probes))
+    print(f"|error| against the probed prediction: median {statistics.median(probed_errors):.1%}, worst "
+          f"{max(probed_errors):.1%} over {len(probed_errors)} configs"
+          + (f"; MoE median {statistics.median(moe_errors):.1%} over {len(moe_errors)}" if moe_errors else ""))
+    print(f"|error| against the calibrated prediction: median {statistics.median(errors):.1%}, worst {max(errors):.1%}; "
           f"load average at end {os.getloadavg()[0]:.2f}; {time.time() - t0:.0f} s in all")
     if args.json:
-        Path(args.json).write_text(json.dumps([{"name": c.name, **c.results} for c in cases], indent=1))
+        Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "probes": probes,
+                                               "cases": [{"name": c.name, **c.results} for c in cases]}, indent=1))
     return 0
 
 

@@ -12,10 +12,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from trainwise.hardware.cache import busy_note
+from trainwise.cli import main
+from trainwise.hardware.cache import busy_note, calibration_note
+from trainwise.measure import calibrate as calibrate_module
 from trainwise.measure.calibrate import (
     BUSY_OTHERS,
-    RETRY_BUSY_S,
     _cpu_busy_jiffies,
     calibrate,
     measure_peak,
@@ -80,16 +81,17 @@ def test_the_busy_test_stays_quiet_on_a_quiet_machine_even_with_one_thread():
 
 
 @pytest.mark.slow
-def test_a_busy_calibration_is_cached_measured_again_later_and_never_replaces_a_quiet_one(cache):
+def test_a_busy_calibration_is_cached_measured_again_when_quiet_and_never_replaces_a_quiet_one(cache, monkeypatch):
+    monkeypatch.setattr(calibrate_module, "_found_busy", {})
     with busy_cpu():
         busy = calibrate("cpu")
-    assert busy["busy"] and "profile" in busy
-    assert calibrate("cpu") == busy  # cached: a never-quiet machine does not pay the measurement every run
-    entries = json.loads(cache.read_text())
-    for entry in entries.values():
-        entry["measured_unix"] -= RETRY_BUSY_S + 1
-    cache.write_text(json.dumps(entries))
-    again = calibrate("cpu")  # an hour on, the busy entry is measured again
+        assert busy["busy"] and "profile" in busy
+        assert calibrate("cpu") == busy  # cached: a never-quiet machine does not pay the measurement every run
+    assert "too low" in calibration_note(busy)
+    calibrate_module._found_busy.clear()
+    if machine_is_busy():
+        pytest.skip("this machine is busy now: the quiet refresh cannot be shown")
+    again = calibrate("cpu")  # the machine is quiet now: the busy entry is measured again at once
     assert again["measured_unix"] > busy["measured_unix"]
     if again.get("busy"):
         pytest.skip("this machine is busy now: no quiet measurement to protect")
@@ -97,3 +99,27 @@ def test_a_busy_calibration_is_cached_measured_again_later_and_never_replaces_a_
         refreshed = calibrate("cpu", refresh=True)  # `trainwise hardware --calibrate` on a busy machine
     assert refreshed["busy"] and refreshed["profile"] == again["profile"]
     assert calibrate("cpu") == again
+
+
+def test_a_day_old_calibration_is_flagged_while_busy_and_measured_again_when_quiet(cache, monkeypatch, capsys):
+    """Over a day old: every line that uses it says so while the machine is busy (`plan --gpu cpu` among
+    them, with when it was taken); on a quiet machine it is measured anew."""
+    monkeypatch.setattr(calibrate_module, "_found_busy", {})
+    if machine_is_busy():
+        pytest.skip("this machine is busy now")
+    first = calibrate("cpu")
+    entries = json.loads(cache.read_text())
+    for entry in entries.values():
+        entry["measured_unix"] -= 2 * 86400
+    cache.write_text(json.dumps(entries))
+    with busy_cpu():
+        old = calibrate("cpu")
+        assert old["measured_unix"] < first["measured_unix"] and "days ago" in calibration_note(old)
+        assert main(["plan", "--model", "trainwise-small", "--tokens", "1e6", "--gpu", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated" in out and first["measured_at"] in out and "2.0 days ago" in out
+    assert "last speed probe" in out
+    calibrate_module._found_busy.clear()
+    if machine_is_busy():
+        pytest.skip("this machine is busy now: the quiet refresh cannot be shown")
+    assert calibrate("cpu")["measured_unix"] > first["measured_unix"]

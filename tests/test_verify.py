@@ -48,3 +48,39 @@ def test_train_writes_verify_json(tmp_path, capsys, monkeypatch):
     table = capsys.readouterr().out
     assert "FLOPs / step" in table and "MiB" in table and "%" in table
     assert "machine speed: the calibration's reference steps" in table  # kept by `trainwise verify`
+    # the speed probe at the start: the prediction for the machine as probed, an entry of the same form
+    probed = v["step_time_probed_s"]
+    assert probed["measured"] == v["step_time_s"]["measured"] and len(probed["probe"]["now_s"]) == 5
+    assert probed["error"] == pytest.approx(probed["measured"] / probed["predicted"] - 1)
+    assert "as probed" in table and "speed probe at" in table
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["time"]["probe"]["step_seconds"] == pytest.approx(probed["predicted"])
+
+
+def test_a_machine_far_from_its_calibration_is_said_so_with_both_predictions(tmp_path, capsys, cache):
+    """The calibration's reference steps recorded twice as fast as this machine runs them: the speed probe
+    finds the machine 2x slower, and the plan before the run and the closing table give the prediction for
+    the machine as probed beside the calibrated one, with both errors."""
+    from pydoc_data.topics import topics
+
+    entries = json.loads((cache / "calibration.json").read_text())
+    for entry in entries.values():
+        if "profile" in entry:
+            entry["profile"]["probe_baseline_s"] = [t / 2 for t in entry["profile"]["probe_baseline_s"]]
+    (cache / "calibration.json").write_text(json.dumps(entries))
+    corpus = tmp_path / "docs.txt"
+    corpus.write_text("\n\n".join(topics[k] for k in sorted(topics))[:30_000], encoding="utf-8")
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), *[a for kv in TINY + [f"data.paths=['{corpus}']"] for a in ("--set", kv)]]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    v = json.loads((out / "verify.json").read_text())
+    probe = v["step_time_probed_s"]["probe"]
+    assert probe["ratio"] > 1.5  # this machine against a calibration twice its speed
+    assert v["step_time_probed_s"]["predicted"] > 1.3 * v["step_time_s"]["predicted"]
+    warning = "more than 15% away from its calibration"
+    assert text.count(warning) == 2  # the plan before the run and the closing table
+    assert "as probed" in text
+    assert json.loads((cache / "calibration.json").read_text())  # the probe is kept with the calibration
+    last = [e["last_probe"] for e in json.loads((cache / "calibration.json").read_text()).values() if "last_probe" in e]
+    assert last and last[0]["ratio"] == pytest.approx(probe["ratio"])

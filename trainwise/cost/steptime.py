@@ -176,6 +176,16 @@ def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int,
     return StepTime(busy + comm_s, compute, overhead, comm_s, timed, p.source, compiled)
 
 
+PROBE_WARN = 0.15  # a machine running more than this far from its calibration is said so, with both predictions
+
+
+def probed_seconds(step: StepTime, probe: dict) -> float:
+    """The predicted step on the machine as a speed probe found it (measure.reference.probe_speed): the
+    eager overhead scaled as the overhead-bound reference steps moved since the calibration, the
+    operators as the kernel-bound ones moved; communication as predicted."""
+    return step.overhead_s * probe["overhead_ratio"] + step.compute_s * probe["kernel_ratio"] + step.comm_s
+
+
 def scale_batch(ops: list[Op], factor: int, seq_len: int) -> list[Op]:
     """The operators of micro-batch B x factor from those of micro-batch B (for `plan --fit`, which
     prices many micro-batches from one recorded step): forward and backward work grows with the tokens;

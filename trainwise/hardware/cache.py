@@ -18,13 +18,14 @@ import fcntl
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
 
 CALIBRATION = "calibration.json"
 KERNELS = "kernels.json"
-PROFILE_VERSION = 7  # the calibration's format: a cached calibration of another version is measured again
+PROFILE_VERSION = 8  # the calibration's format: a cached calibration of another version is measured again
 
 
 def cache_root(root: str | Path | None = None) -> Path:
@@ -147,6 +148,39 @@ def save_kernel_table(machine: str, new: dict[str, float]) -> None:
     """Add kernels timed on this machine to the table (atomically; concurrent writers take turns)."""
     update_json(kernels_path(),  # a read-only home times them again next time
                  lambda table: table.setdefault(f"{machine}|v{PROFILE_VERSION}", {}).update(new))
+
+
+STALE_S = 24 * 3600  # a calibration older than this is measured again when the machine is quiet
+
+
+def age_s(entry: dict) -> float:
+    return time.time() - entry.get("measured_unix", 0.0)
+
+
+def stale(entry: dict) -> bool:
+    """A calibration to measure again when the machine is quiet: taken on a busy machine, or over a day old."""
+    return bool(entry.get("busy")) or age_s(entry) > STALE_S
+
+
+def calibration_note(entry: dict) -> str:
+    """'' for a fresh, quiet calibration; else what is wrong with it, for every line that uses it."""
+    notes = [note] if (note := busy_note(entry)) else []
+    if age_s(entry) > STALE_S:
+        notes.append(f"calibrated {age_s(entry) / 86400:.1f} days ago ({entry.get('measured_at', '?')}): this "
+                     "machine may run differently now; it is measured again when the machine is quiet, or run "
+                     "`trainwise hardware --calibrate`")
+    return "; ".join(notes)
+
+
+def save_probe(device: torch.device, reading: dict) -> None:
+    """Keep a speed probe's reading with this device's calibration ("last_probe")."""
+    key = machine_key(device)
+
+    def store(entries: dict) -> None:
+        if key in entries:
+            entries[key]["last_probe"] = reading
+
+    update_json(calibration_path(), store)
 
 
 def busy_note(result: dict) -> str:

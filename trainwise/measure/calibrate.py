@@ -28,13 +28,15 @@ from trainwise.hardware import cache
 from trainwise.hardware.cache import PROFILE_VERSION, machine_key
 from trainwise.hardware.profile import Profile
 from trainwise.measure import kernels as K
-from trainwise.measure.reference import ReferenceSteps
+from trainwise.measure.reference import ReferenceSteps, reference_speed
 from trainwise.runtime.allocator import keep_freed_memory
 from trainwise.runtime.precision import DTYPES
 
 BUSY_SHARE = 0.8  # kept for callers: the matmul threads' share of wall time on a quiet machine
 BUSY_OTHERS = 0.2  # share of the cores other processes used during the peak timings above which it was busy
-RETRY_BUSY_S = 3600  # a busy measurement is measured again after this long
+QUIET_CHECK_S = 0.3  # how long a stale calibration's user watches /proc/stat before measuring again
+RECHECK_S = 300.0  # a machine found busy is not watched again in this process for this long
+_found_busy: dict[str, float] = {}  # machine key -> when a quiet check last found it busy
 
 
 def _sync(device: torch.device) -> None:
@@ -177,6 +179,9 @@ def device_profile(device: torch.device, bandwidth: float | None = None, peak_ro
     return {"matmul": matmul, "matmul_grid": grids, "elementwise": elementwise, "attention": attention,
             "optimizer": optimizer, "overhead": steps["overhead"], "in_step": steps["in_step"],
             "reference_steps": steps["rows"], "reference_fastest_s": steps["fastest"],
+            # the speed probe's own reading at calibration (the same protocol as every later probe: a
+            # fastest over many samples is faster than one over a probe's few, so only like compares)
+            "probe_baseline_s": reference_speed(device),
             "reference_samples": len(refs.times), "source": "calibrated",
             "seconds": took, "version": PROFILE_VERSION}
 
@@ -220,12 +225,31 @@ def calibrate(device: torch.device | str = "cpu", refresh: bool = False, threads
         torch.set_num_threads(before)
 
 
+def quiet_now(seconds: float = QUIET_CHECK_S) -> bool:
+    """Other processes keep at most BUSY_OTHERS of the cores busy over the next `seconds` (True off Linux)."""
+    before, start = _cpu_busy_jiffies(), time.perf_counter()
+    time.sleep(seconds)
+    share = others_share(before, _cpu_busy_jiffies(), time.perf_counter() - start)
+    return share is None or share <= BUSY_OTHERS
+
+
+def _measure_again(key: str, entry: dict) -> bool:
+    """A stale calibration (busy, or over a day old: hardware.cache.stale) is measured again once the
+    machine is quiet; until then it serves, and says so wherever it is used (cache.calibration_note)."""
+    if not cache.stale(entry) or time.time() - _found_busy.get(key, -RECHECK_S) < RECHECK_S:
+        return False
+    if quiet_now():
+        return True
+    _found_busy[key] = time.time()
+    return False
+
+
 def _calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dict:
     """Return (and cache) {"peak_flops": {dtype: FLOP/s}, "bandwidth_bytes_per_s": B/s, "profile": {...}};
     on a CPU also "others_share" (the cores other processes used meanwhile) and, above BUSY_OTHERS,
     "busy": True. A busy measurement is cached (so that a machine that is never quiet does not pay the
-    measurement every run) but measured again after RETRY_BUSY_S, and it never replaces a quiet one.
-    An entry of an older trainwise (no "profile") is measured again."""
+    measurement every run), measured again as soon as the machine is quiet, and it never replaces a quiet
+    one; so is one over a day old. An entry of an older trainwise (no "profile") is measured again."""
     device = torch.device(device)
     path = cache.calibration_path()
     key = machine_key(device)
@@ -233,7 +257,7 @@ def _calibrate(device: torch.device | str = "cpu", refresh: bool = False) -> dic
     old = cached.get(key)
     if old and old.get("profile", {}).get("version") != PROFILE_VERSION:  # an older trainwise's: measure again
         old = None
-    if old and not refresh and not (old.get("busy") and time.time() - old.get("measured_unix", 0) > RETRY_BUSY_S):
+    if old and not refresh and not _measure_again(key, old):
         return old
     with cache.file_lock(path):
         fresh = cache.read_json(path).get(key)  # another process (a torchrun rank) may have measured meanwhile

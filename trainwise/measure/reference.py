@@ -45,13 +45,14 @@ class ReferenceSteps:
     (benchmarks/RESULTS.md, "On an AMD EPYC")."""
 
     def __init__(self, device: torch.device, time_kernels: bool = True):
+        """time_kernels=False: the steps only (a speed probe), without their operator lists."""
         self.refs, self.times, self.device = [], [], device
         self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         self.kernels: dict[str, float] = {}  # the references' matmuls and attention calls: fastest seconds
         self.time_kernels, self.todo = time_kernels, {}
         for model, batch, seq, precision in REFERENCE_STEPS:
             cfg = ModelConfig(**model, max_seq_len=seq)
-            ops = [op for op in step_ops(cfg, batch, seq, precision) if op.phase != "optimizer"]
+            ops = [op for op in step_ops(cfg, batch, seq, precision) if op.phase != "optimizer"] if time_kernels else []
             with torch.random.fork_rng():
                 torch.manual_seed(0)
                 train_step = build_step(build_model(cfg, device), TrainConfig(), device, precision)
@@ -111,7 +112,7 @@ PROBE_S = 0.6  # seconds of reference-step samples in a speed probe (at least on
 
 def reference_speed(device: torch.device, seconds: float = PROBE_S) -> list[float]:
     """The calibration's reference steps timed again now: each one's fastest over `seconds` of samples
-    (seconds per step), to hold against the calibration's own (profile "reference_fastest_s"): what a
+    (seconds per step), to hold against the same reading at calibration (profile "probe_baseline_s"): what a
     step-time error owes to this machine's speed having moved rather than to the model. The global RNG
     is left as it was."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -120,3 +121,14 @@ def reference_speed(device: torch.device, seconds: float = PROBE_S) -> list[floa
         while not refs.times or time.perf_counter() < end:
             refs.sample()
     return refs.fastest()
+
+
+def probe_speed(device: torch.device, calibrated_s: list[float], seconds: float = PROBE_S) -> dict:
+    """A speed probe (about a second): the reference steps now against their calibrated fastest, as
+    ratios (now / then) for the overhead-bound references, the kernel-bound ones and all of them
+    (cost.steptime.probed_seconds scales a prediction by them)."""
+    now = reference_speed(device, seconds)
+    split = OVERHEAD_REFERENCES
+    return {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "unix": time.time(), "now_s": now, "calibrated_s": calibrated_s,
+            "overhead_ratio": sum(now[:split]) / sum(calibrated_s[:split]),
+            "kernel_ratio": sum(now[split:]) / sum(calibrated_s[split:]), "ratio": sum(now) / sum(calibrated_s)}

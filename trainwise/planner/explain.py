@@ -147,6 +147,8 @@ def plan_table(plan) -> str:
                  ("step time", f"{t['step_seconds']:.4g} s per step of {plan.tokens_per_step:,} tokens, "
                                f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} ({time_source(t['source'])})"),
                  ("time", f"{t['seconds']:.4g} s = {t['days']:.2f} days = {t['device_hours']:,.1f} device-hours")]
+        if hw.calibration:
+            rows += calibration_rows(j["hardware"])
     if "cost_usd" in t:
         rows.append(("cost", f"${t['cost_usd']:,.0f}"))
     width = max(len(k) for k, _ in rows)
@@ -158,3 +160,14 @@ def time_source(source: str) -> str:
     return {"calibrated": "step-time model, calibrated on this machine",
             "table defaults": "step-time model from table, uncalibrated: datasheet x default efficiencies"}.get(
         source, "assumed MFU: a what-if, not a prediction")
+
+
+def calibration_rows(hardware: dict) -> list[tuple[str, str]]:
+    """When this machine's calibration was taken, what may be wrong with it, and the last speed probe."""
+    rows = [("calibrated", hardware["calibrated_at"] + (f"; {hardware['calibration_note']}"
+                                                        if hardware["calibration_note"] else ""))]
+    probe = hardware.get("last_probe")
+    rows.append(("last speed probe", "none yet (each training run probes at its start)" if not probe else
+                 f"{probe['at']}: the calibration's reference steps ran {probe['ratio'] - 1:+.1%} against the "
+                 f"calibration (eager overhead {probe['overhead_ratio'] - 1:+.1%}, kernels {probe['kernel_ratio'] - 1:+.1%})"))
+    return rows

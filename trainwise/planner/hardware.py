@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from trainwise.errors import TrainwiseError
-from trainwise.hardware.cache import busy_note, cached, cached_link
+from trainwise.hardware.cache import cached, cached_link, calibration_note
 from trainwise.hardware.profile import Profile, table_profile
 from trainwise.hardware.table import get_accelerator, lookup_cuda_device
 from trainwise.measure.calibrate import calibrate
@@ -26,6 +26,12 @@ class Hardware:
     profile: Profile | None = None  # what the step-time model prices operators with (cost.steptime)
     cuda: bool = False  # a GPU: CUDA kernels, communication overlapped with backward
     peak_source: str = ""  # where peak_flops comes from, as a person reads it (MFU is against it)
+    calibration: dict | None = None  # this machine's calibration (hardware.cache), where it is one
+
+    @property
+    def calibration_note(self) -> str:
+        """'' or why the calibration may not describe the machine now (busy, old): on every line using it."""
+        return calibration_note(self.calibration) if self.calibration else ""
 
 
 def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth: float | None = None,
@@ -40,10 +46,11 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
         measured = calibrate("cpu", threads=threads)
         peak = measured["peak_flops"].get(dtype, measured["peak_flops"]["fp32"])
         busy = " while busy: too low, see `trainwise hardware --calibrate`" if measured.get("busy") else ""
-        note = busy_note(measured)
+        note = calibration_note(measured)
         hw = Hardware(f"this CPU (measured{busy})", peak, measured["bandwidth_bytes_per_s"], None,
                       Profile.from_json(measured["profile"]).on_device("cpu", measured["machine"], threads),
-                      peak_source=f"measured {dtype} matmul peak of this cpu" + (f"; {note}" if note else ""))
+                      peak_source=f"measured {dtype} matmul peak of this cpu" + (f"; {note}" if note else ""),
+                      calibration=measured)
         _use_measured_link(hw.profile, "gloo", threads and (os.cpu_count() or 1) // threads)
     elif gpu and gpu.lower() == "cuda":  # this machine's GPU
         hw = _this_gpu(dtype)
@@ -58,7 +65,7 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
         raise TrainwiseError("give the hardware: --gpu NAME (see `trainwise hardware`), --gpu cpu (this machine's "
                              "measured peak) or --peak-flops P (FLOP/s).")
     if peak_flops is not None:
-        hw.peak_flops, hw.profile, hw.peak_source = float(peak_flops), None, "given (--peak-flops)"
+        hw.peak_flops, hw.profile, hw.peak_source, hw.calibration = float(peak_flops), None, "given (--peak-flops)", None
     if bandwidth:
         hw.bandwidth_bytes_per_s = float(bandwidth)
     if memory:
@@ -82,7 +89,7 @@ def _this_gpu(dtype: str) -> Hardware:
     else:
         peak, source = entry["peak_flops"].get(dtype, 0.0), f"measured {dtype} matmul peak of this cuda"
     hw = Hardware(name, peak, acc.bandwidth_bytes_per_s if acc else entry["bandwidth_bytes_per_s"],
-                  acc.memory_bytes if acc else None, profile, cuda=True, peak_source=source)
+                  acc.memory_bytes if acc else None, profile, cuda=True, peak_source=source, calibration=entry)
     _use_measured_link(profile, "nccl", torch.cuda.device_count())
     return hw
 

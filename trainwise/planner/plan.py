@@ -126,10 +126,19 @@ class Plan:
             # name, peak and bandwidth are null without hardware
             "hardware": {"name": hw and hw.name, "peak_flops": hw and hw.peak_flops,
                          "bandwidth_bytes_per_s": hw and hw.bandwidth_bytes_per_s, "devices": self.gpus,
-                         "mfu": self.mfu, "tp": self.tp, "pp": self.pp, "dp": self.dp},
+                         "mfu": self.mfu, "tp": self.tp, "pp": self.pp, "dp": self.dp,
+                         **(self._calibration_json() if hw and hw.calibration else {})},
             "run": {"seq_len": self.seq_len, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
                     "global_batch_tokens": self.seq_len * self.micro_batch * self.grad_accum * self.dp},
         }
+
+    def _calibration_json(self) -> dict:
+        """When this machine's calibration prices the plan: when it was taken, what is wrong with it, and
+        the last speed probe's reading (reference steps now / at calibration)."""
+        cal = self.hardware.calibration
+        probe = cal.get("last_probe")
+        return {"calibrated_at": cal.get("measured_at"), "calibration_note": self.hardware.calibration_note,
+                "last_probe": probe and {k: probe[k] for k in ("at", "ratio", "overhead_ratio", "kernel_ratio")}}
 
     def explain(self) -> str:
         """The worked derivation: each formula, the numbers substituted, the result."""

@@ -296,7 +296,7 @@ def _restore_or_create(run: _Run, state: ckpt.Checkpoint | None, reporter: RunRe
             rundir.truncate_metrics(out, step)
             rundir.remove_unfinished(out)
     elif d.is_main:
-        rundir.create_run_dir(out, run.cfg, tokenizer, reporter.plan().to_json())
+        rundir.create_run_dir(out, run.cfg, tokenizer, reporter.plan_json())
     distributed.barrier(d)
     return step, tokens_seen
 

@@ -18,8 +18,9 @@ from trainwise import rundir
 from trainwise.config import RunConfig
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.params import params as count_params
-from trainwise.hardware.cache import cached
-from trainwise.measure.reference import reference_speed
+from trainwise.cost.steptime import probed_seconds
+from trainwise.hardware.cache import cached, save_probe
+from trainwise.measure.reference import probe_speed, reference_speed
 from trainwise.planner.hardware import device_hardware
 from trainwise.planner.plan import Plan, plan_for_run
 from trainwise.units import fmt_bytes
@@ -29,6 +30,7 @@ from trainwise.verify.verify import (
     format_table,
     measure_step,
     measured_from_step,
+    probe_line,
     steady_step_time,
 )
 
@@ -45,26 +47,50 @@ class RunReporter:
         self.model_flops_per_token = flops_per_token_train(cfg.model, t.seq_len)
         self.hardware_flops_per_token = flops_per_token_train(cfg.model, t.seq_len,
                                                                recompute=t.activation_checkpointing)
-        hw = device_hardware(device, precision)
+        self.hardware = hw = device_hardware(device, precision)
         self.peak_flops, self.peak_source = hw.peak_flops, hw.peak_source
         self.compiled = compiled  # how the step runs, for the step-time model: compiled, and on how many ranks
         self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.probe = self._probe()  # the machine's speed now against its calibration (about a second)
         built = sum(p.numel() for p in model.parameters())
         say(f"model {cfg.model.name}: {built:,} parameters ({self.counts.active:,} active per token), "
             f"{cfg.model.n_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}")
         say(f"compute: {self.model_flops_per_token:,.0f} model FLOPs per token (fwd+bwd, exact, attention "
             f"not halved); MFU against {self.peak_flops / 1e9:,.1f} GFLOP/s ({self.peak_source})")
-        plan = self.plan().to_json()
+        plan = self.plan_json()
         mem, when = plan["memory"], plan["time"]
         say(f"plan: peak memory {fmt_bytes(mem['peak_bytes'])} (states {fmt_bytes(mem['states_bytes'])}, "
             f"activations {fmt_bytes(mem['activations_bytes'])}); {plan['flops']['total']:.3g} FLOPs in all, "
             f"{when['step_seconds']:.3g} s per step, {when['seconds']:,.0f} s in all at {when['mfu']:.1%} MFU "
             f"({when['source']})")
+        if note := hw.calibration_note:
+            say(f"      calibration: {note}")
+        if probed := when.get("probe"):
+            say(f"      {probe_line(probed, when['step_seconds'])}")
         say("      (plan.json; `trainwise plan --model RUN/config.toml --gpu cpu --explain` derives it)")
 
     def plan(self) -> Plan:
         return plan_for_run(self.cfg, precision=self.precision, peak_flops=self.peak_flops, device=self.device.type,
                             compiled=self.compiled, world_size=self.world_size)
+
+    def plan_json(self) -> dict:
+        """plan.json: the plan, and under time.probe the step predicted for the machine as probed."""
+        plan = self.plan()
+        out = plan.to_json()
+        if self.probe is not None and plan.step is not None:
+            out["time"]["probe"] = {**{k: self.probe[k] for k in ("at", "ratio", "overhead_ratio", "kernel_ratio")},
+                                    "step_seconds": probed_seconds(plan.step, self.probe)}
+        return out
+
+    def _probe(self) -> dict | None:
+        """A speed probe of this machine (measure.reference.probe_speed), kept with its calibration; None where
+        the device has no calibrated reference steps (a table GPU, torchrun ranks of one thread each)."""
+        calibrated = ((self.hardware.calibration or {}).get("profile") or {}).get("probe_baseline_s")
+        if self.world_size > 1 or not calibrated:
+            return None
+        reading = probe_speed(self.device, calibrated)
+        save_probe(self.device, reading)
+        return reading
 
     def machine_speed(self) -> dict | None:
         """After the run: the calibration's reference steps timed again (measure.reference.reference_speed),
@@ -73,7 +99,7 @@ class RunReporter:
         there is no such calibration (a table GPU, torchrun ranks of one thread each)."""
         if self.world_size > 1:
             return None
-        calibrated = ((cached(self.device) or {}).get("profile") or {}).get("reference_fastest_s")
+        calibrated = ((cached(self.device) or {}).get("profile") or {}).get("probe_baseline_s")
         if not calibrated:
             return None
         now = reference_speed(self.device)
@@ -110,7 +136,7 @@ class RunReporter:
                                       step_peak_bytes)
         step_time, _ = steady_step_time(out)
         device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else f"{self.device.type}")
-        result = build_verify(self.cfg, self.plan(), measured, step_time, device, self.peak_source)
+        result = build_verify(self.cfg, self.plan(), measured, step_time, device, self.peak_source, self.probe)
         result["run"] = {"precision": self.precision, "peak_flops": self.peak_flops, "peak_source": self.peak_source,
                          "step": step, "tokens": tokens_seen, "compiled": self.compiled, "world_size": self.world_size}
         if step_time and step_time * step >= PROBE_MIN_RUN_S and (speed := self.machine_speed()) is not None:

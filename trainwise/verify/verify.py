@@ -18,6 +18,7 @@ import torch
 
 from trainwise import rundir
 from trainwise.config import RunConfig, load_config
+from trainwise.cost.steptime import PROBE_WARN, probed_seconds
 from trainwise.errors import TrainwiseError
 from trainwise.measure.flopcount import FlopCount, count_train_step
 from trainwise.measure.memtrack import MemoryBreakdown, track_train_step
@@ -77,7 +78,7 @@ def entry(predicted: float | None, measured: float | None) -> dict:
 
 
 def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None, device: str,
-                 peak_source: str) -> dict:
+                 peak_source: str, probe: dict | None = None) -> dict:
     """verify.json from a plan (planner.plan.Plan of this run) and the measured numbers:
     measured = {"flops_per_step", "model_flops_per_step", "peak_memory_bytes", "memory_bytes": {...}}."""
     t = cfg.train
@@ -122,6 +123,8 @@ def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None
     }
     out["peak_memory"] = {"source": measured.get("peak_source", "copy"),
                           "tracker_copy_bytes": measured.get("tracker_peak_bytes")}
+    if probe is not None and plan.step is not None:  # the machine as the speed probe found it at the start
+        out["step_time_probed_s"] = {**entry(probed_seconds(plan.step, probe), step_time_s), "probe": probe}
     if t.activation_checkpointing != "none":
         hfu = flops_pred / step_time_s / peak if step_time_s else None
         out["hfu"] = entry(plan.mfu * flops_pred / model_flops_pred, hfu)
@@ -157,10 +160,25 @@ def _fmt(value: float | None, unit: str) -> str:
     return f"{value:.2%}"
 
 
+def probe_line(probed: dict, calibrated_s: float) -> str:
+    """What the speed probe at the start of a run found (probed: the probe's ratios and its prediction)."""
+    text = (f"speed probe at {probed['at']}: the calibration's reference steps ran {probed['ratio'] - 1:+.1%} against "
+            f"the calibration (eager overhead {probed['overhead_ratio'] - 1:+.1%}, kernels "
+            f"{probed['kernel_ratio'] - 1:+.1%}): {probed['step_seconds']:.4g} s per step predicted for the machine "
+            f"as probed, {calibrated_s:.4g} s as calibrated")
+    if abs(probed["step_seconds"] / calibrated_s - 1) > PROBE_WARN:
+        text += (f"; this machine runs more than {PROBE_WARN:.0%} away from its calibration now: read the probed "
+                 "prediction (`trainwise hardware --calibrate` measures it anew)")
+    return text
+
+
 def format_table(v: dict) -> str:
     rows = [("FLOPs / step", v["flops_per_step"], "FLOPs"), ("peak memory", v["peak_memory_bytes"], "bytes")]
     rows += [(f"  {k}", e, "bytes") for k, e in v["memory_bytes"].items()]
-    rows += [("step time", v["step_time_s"], "s"), ("MFU", v["mfu"], "%")]
+    rows += [("step time", v["step_time_s"], "s")]
+    if "step_time_probed_s" in v:
+        rows.append(("  as probed", v["step_time_probed_s"], "s"))
+    rows.append(("MFU", v["mfu"], "%"))
     if "hfu" in v:
         rows.append(("HFU", v["hfu"], "%"))
     cells = [(name, _fmt(e["predicted"], u), _fmt(e["measured"], u),
@@ -174,6 +192,8 @@ def format_table(v: dict) -> str:
     if source := v.get("time_source"):
         lines.append(f"step time and MFU predicted from: {source}"
                      + (" (step-time model, `trainwise plan --explain` itemises it)" if source != "assumed MFU (--mfu)" else ""))
+    if probed := v.get("step_time_probed_s"):
+        lines.append(probe_line({**probed["probe"], "step_seconds": probed["predicted"]}, v["step_time_s"]["predicted"]))
     if speed := v.get("machine_speed"):
         lines.append(f"machine speed: the calibration's reference steps (small models) took {speed['measured']:.4g} s "
                      f"after the run against {speed['predicted']:.4g} s when it was calibrated ({speed['error']:+.1%}): "
@@ -205,7 +225,8 @@ def verify_run(run_dir: str | Path) -> dict:
                 "cuda_max_allocated_bytes": old.get("cuda", {}).get("max_allocated_bytes"),
                 "cuda_max_reserved_bytes": old.get("cuda", {}).get("max_reserved_bytes")}
     step_time, _ = steady_step_time(run_dir)
-    new = build_verify(cfg, plan, measured, step_time, old["device"], info.get("peak_source", "stored"))
+    new = build_verify(cfg, plan, measured, step_time, old["device"], info.get("peak_source", "stored"),
+                       old.get("step_time_probed_s", {}).get("probe"))
     new["run"] = info
     for key in ("per_rank", "machine_speed"):  # measured when the run ended; kept as the run recorded them
         if key in old:
