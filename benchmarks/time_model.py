@@ -7,9 +7,10 @@ where marked), two warm-up steps, then --rounds rounds over all configurations, 
 round's median step; ddp/fsdp ones through `torchrun --nproc_per_node 2 -m trainwise train` (gloo, one
 thread per rank), the lower quartile of the logged step times after the first two.
 error = measured / predicted - 1, against the prediction as calibrated and against the prediction for
-the machine as probed (cost.steptime.probed_seconds: a speed probe of the calibration's reference steps
-at the start of each round; a local configuration takes the probe of the round that gave its figure;
-torchrun ones, whose ranks run one thread each, the calibrated prediction).
+the machine as probed (cost.steptime.probed_seconds: the trainer's speed probe of the calibration's
+reference steps, taken right before each round of each configuration, as a run takes it right before
+its steps; a figure is paired with the probe before its round; torchrun ones, whose ranks run one thread
+each, the calibrated prediction).
 
     python benchmarks/time_model.py                 # all configurations (~5-10 min on a quiet 2-core CPU)
     python benchmarks/time_model.py --only 1,19     # a few, by number
@@ -264,7 +265,10 @@ def main() -> int:
     # the steady state, as the calibration's lower quartiles are.
     # (A compiled configuration is measured in its rounds right after it is built: building the next one
     # resets dynamo, which would recompile it inside a round.)
-    # Each round starts with a speed probe; a configuration's figure is paired with its round's probe.
+    # Each configuration's round comes right after a speed probe (~1 s), which its figure is paired
+    # with: the machine's fast and slow states last seconds to tens of seconds, so only a probe next to
+    # the steps describes them (one probe per round, a minute before some of its configurations, read
+    # 1.16 when they ran in the fast state).
     rounds: dict[int, list[tuple[float, dict]]] = {}
     for case in cases:
         if case.strategy == "none" and case.compiled:
@@ -277,12 +281,12 @@ def main() -> int:
             torch._dynamo.reset()
     runs = {id(c): LocalRun(c) for c in cases if c.strategy == "none" and not c.compiled}
     rounds.update({i: [] for i in runs})
-    probes = []
     for _ in range(args.rounds):
-        probes.append(probe_speed(torch.device("cpu"), references))
         for case in cases:
             if id(case) in runs:
-                rounds[id(case)].append((runs[id(case)].round(), probes[-1]))
+                probe = probe_speed(torch.device("cpu"), references)
+                rounds[id(case)].append((runs[id(case)].round(), probe))
+    probes = [p for r in rounds.values() for _, p in r]
     runs.clear()
     errors, probed_errors, moe_errors = [], [], []
     for case in cases:
@@ -307,8 +311,9 @@ def main() -> int:
               f"{case.checkpointing:<9} {case.precision:<4} {'yes' if case.compiled else 'no':<4} {case.strategy:<8} "
               f"{predicted:>12.4f} {probed:>9.4f} {measured:>10.4f} {err:>+7.1%} {err_probed:>+10.1%} {load:>5.2f}",
               flush=True)
-    print("speed probes at the rounds' starts (reference steps now / at calibration): "
-          + ", ".join(f"{p['ratio']:.3f}" for p in probes))
+    ratios = sorted(p["ratio"] for p in probes)
+    print(f"speed probes before the rounds (reference steps now / at calibration): {len(ratios)}, "
+          f"min {ratios[0]:.3f}, median {statistics.median(ratios):.3f}, max {ratios[-1]:.3f}")
     print(f"|error| against the probed prediction: median {statistics.median(probed_errors):.1%}, worst "
           f"{max(probed_errors):.1%} over {len(probed_errors)} configs"
           + (f"; MoE median {statistics.median(moe_errors):.1%} over {len(moe_errors)}" if moe_errors else ""))
