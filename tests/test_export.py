@@ -23,6 +23,12 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_h
         "train.precision=fp32", "train.checkpoint_every=100", "train.max_steps=10"]
 PROMPT = "The for statement is used to iterate over the elements of a sequence"
 
+# DeepSeek-V3's latent attention and MoE, shrunk (tests/test_mla.py)
+MLA = dict(attention="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=8)
+V3_MOE = dict(n_experts=8, top_k=2, expert_ffn_hidden=16, n_shared_experts=1, first_dense_layers=1,
+              router_gating="sigmoid", router_bias=True, routed_scaling_factor=2.5, router_groups=4,
+              router_group_top_k=2)
+
 # name -> (ModelConfig overrides, expected HF class)
 CASES = {
     "llama": (dict(n_kv_heads=2), "LlamaForCausalLM"),
@@ -34,6 +40,8 @@ CASES = {
     "gpt2-nobias-relu-untied": (dict(n_kv_heads=4, norm="layernorm", position="learned", activation="relu",
                                      tie_embeddings=False), "GPT2LMHeadModel"),
     "mixtral": (dict(n_kv_heads=2, n_experts=4, top_k=2), "MixtralForCausalLM"),
+    "deepseek_v3": (dict(**MLA, **V3_MOE, tie_embeddings=False), "DeepseekV3ForCausalLM"),
+    "deepseek_v3-dense-no-q-lora": (dict(MLA, q_lora_rank=0), "DeepseekV3ForCausalLM"),
 }
 
 
@@ -58,6 +66,9 @@ def random_model(tokenizer: Tokenizer, **overrides) -> Transformer:
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):  # DeepSeek-V3's choice bias: it changes which experts are chosen
+                b.normal_(0.0, 0.1)
     return model
 
 
@@ -115,6 +126,9 @@ def test_export_round_trip(name, tokenizer, tmp_path):
     (dict(n_experts=4, top_k=2, router_gating="sigmoid"), "softmax"),
     (dict(n_experts=4, top_k=2, first_dense_layers=1), "every Mixtral layer"),
     (dict(n_experts=4, top_k=2, dropless=False), "dropless"),
+    (dict(MLA, n_experts=4, top_k=2, n_shared_experts=1), "sigmoid gating"),
+    (dict(MLA, n_experts=4, top_k=2, router_gating="sigmoid"), "shared experts"),
+    (dict(MLA, qk_norm=True), "no qk_norm"),
 ])
 def test_unrepresentable_configs_are_refused_with_the_reason(overrides, reason):
     cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, **{"n_kv_heads": 2, **overrides})
@@ -271,3 +285,46 @@ def test_the_document_separator_is_the_declared_eos_else_a_known_one_else_a_clea
     assert Tokenizer.load(save(["<unk>", "<eos>"], None)).eot_token == "<eos>"  # Gemma's name, undeclared
     with pytest.raises(TrainwiseError, match="no end-of-sequence token"):
         Tokenizer.load(save(["<pad>"], None))
+
+
+def test_init_from_a_deepseek_v3_saved_by_transformers_trains_and_exports_back(corpus, tokenizer, tmp_path):
+    """A small DeepSeek-V3 as transformers saves it (interleaved rotary rows, its own expert layout):
+    --init-from reads it with transformers' logits, trains, and exports a directory transformers loads
+    with the trained model's logits."""
+    from trainwise.api import load
+    from trainwise.export.hf import write_hf_tokenizer
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=64, initializer_range=0.2,
+        bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id)
+    assert config.rope_interleave  # transformers' default, as in the Hub's DeepSeek-V3 files
+    hf = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, t in [*hf.named_parameters(), *hf.named_buffers()]:
+            if t.dim() == 1 and "rotary" not in name:
+                t.add_(0.1 * torch.randn_like(t))
+    source = tmp_path / "hf"
+    hf.save_pretrained(source)
+    write_hf_tokenizer(tokenizer, source, 64)
+
+    cfg, state, _ = load_hf_dir(source)
+    model = Transformer(cfg).eval()
+    load_into(model, state)
+    ids = torch.tensor([tokenizer.encode(PROMPT)[:16]])
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max() < 1e-4
+
+    run = tmp_path / "run"
+    train_sets = [a for s in TINY if not s.startswith(("model.", "tokenizer.")) for a in ("--set", s)]
+    assert main(["train", "--init-from", str(source), "--data", str(corpus), "--out", str(run), "--quiet",
+                 "--max-steps", "3", *train_sets]) == 0
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    trained = load(run, device="cpu")
+    assert compare_with_hf(trained.model, trained.tokenizer, out, new_tokens=8) < 1e-4
+    back = json.loads((out / "config.json").read_text())
+    assert back["architectures"] == ["DeepseekV3ForCausalLM"] and back["rope_interleave"] is False

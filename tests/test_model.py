@@ -250,7 +250,7 @@ def test_compiled_model_keeps_keys_and_matches_eager(per_block):
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_explicit_attention_equals_sdpa(dtype, kv_heads):
     """The two-matmul causal attention used under compile on CPU is SDPA's causal attention."""
-    from trainwise.model.transformer import explicit_attention
+    from trainwise.model.attention import explicit_attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 9, 8, generator=g, dtype=dtype)

@@ -48,7 +48,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(_GATED, max_position_embeddings=32768, num_key_value_heads=4, decoder_sparse_step=1,
                       mlp_only_layers=[], norm_topk_prob=False),
     "deepseek_v3": dict(_GATED, max_position_embeddings=4096, n_shared_experts=1, first_k_dense_replace=3,
-                        q_lora_rank=1536, norm_topk_prob=True),
+                        q_lora_rank=1536, norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4,
+                        rope_interleave=True),
     "gpt2": dict(n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True,
                  add_cross_attention=False),
 }
@@ -165,10 +166,12 @@ def from_hf_dict(d: dict[str, Any], name: str = "hf-model") -> ModelConfig:
                   n_experts=_need(d, "n_routed_experts", family), top_k=_need(d, "num_experts_per_tok", family),
                   expert_ffn_hidden=_need(d, "moe_intermediate_size", family),
                   n_shared_experts=d["n_shared_experts"] or 0, router_gating="sigmoid",
-                  # e_score_correction_bias is a buffer in HF (updated by a rule, not by gradients):
-                  # not a parameter, so router_bias stays False. The multi-token-prediction module
-                  # (num_nextn_predict_layers) is not built by transformers, so not counted here either.
-                  router_bias=False, renormalize_top_k=bool(d["norm_topk_prob"]), **_moe_layout(sparse, family))
+                  # e_score_correction_bias: the choice bias (a buffer in both, set by a rule, not by
+                  # gradients). The multi-token-prediction module (num_nextn_predict_layers) is not built
+                  # by transformers, so not counted here either.
+                  router_bias=True, renormalize_top_k=bool(d["norm_topk_prob"]),
+                  routed_scaling_factor=float(d["routed_scaling_factor"]), router_groups=d["n_group"],
+                  router_group_top_k=d["topk_group"], **_moe_layout(sparse, family))
     return ModelConfig(**kw)
 
 

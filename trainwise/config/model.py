@@ -53,12 +53,16 @@ class ModelConfig:
     first_dense_layers: int = 0
     moe_every: int = 1  # MoE on every n-th layer after first_dense_layers (1 = all)
     router_gating: str = "softmax"
-    router_bias: bool = False  # learned router bias (e.g. DeepSeek's e_score_correction_bias)
+    router_bias: bool = False  # a choice bias per expert, set by load after each step (DeepSeek-V3's
+    router_bias_rate: float = 1e-3  # e_score_correction_bias; its update speed gamma, V3 paper section 4.2)
     renormalize_top_k: bool = True
     dropless: bool = True  # every token reaches its top_k experts; false = capacity_factor applies
     capacity_factor: float = 1.25  # expert capacity = factor * tokens * top_k / n_experts (dropless=false)
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
+    routed_scaling_factor: float = 1.0  # the routed experts' combine weights x this (DeepSeek-V3: 2.5)
+    router_groups: int = 1  # experts in this many groups; a token picks among router_group_top_k groups first
+    router_group_top_k: int = 1  # (DeepSeek-V3's n_group = 8, topk_group = 4: group-limited routing)
     # Attention variant; the "mla" fields follow DeepSeek-V2/V3's config.json names
     attention: str = "mha"
     q_lora_rank: int = 0
@@ -71,12 +75,33 @@ class ModelConfig:
         self.validate()
         if self.n_kv_heads == 0:
             self.n_kv_heads = self.n_heads
-        if self.head_dim == 0:
-            self.head_dim = self.d_model // self.n_heads
+        if self.head_dim == 0:  # MLA: RoPE turns the decoupled qk_rope_head_dim part of each head
+            self.head_dim = self.qk_rope_head_dim if self.attention == "mla" else self.d_model // self.n_heads
         if self.ffn_hidden == 0:
             self.ffn_hidden = default_ffn_hidden(self.d_model, self.activation)
         if self.n_experts and self.expert_ffn_hidden == 0:
             self.expert_ffn_hidden = self.ffn_hidden
+
+    def _validate_mla(self) -> None:
+        for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, key) <= 0:
+                raise TrainwiseError(
+                    f"model.attention = 'mla' needs model.{key} > 0 (DeepSeek-V3: kv_lora_rank 512, qk_rope_head_dim "
+                    "64, v_head_dim 128; a small one: 32, 16, 32).")
+        if self.qk_nope_head_dim < 0 or self.q_lora_rank < 0:
+            raise TrainwiseError("model.qk_nope_head_dim and model.q_lora_rank must not be negative.")
+        if self.v_head_dim > self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise TrainwiseError(
+                f"model.v_head_dim = {self.v_head_dim} exceeds qk_nope_head_dim + qk_rope_head_dim = "
+                f"{self.qk_nope_head_dim + self.qk_rope_head_dim}: trainwise pads v to the query's head dim for "
+                "the flash kernels (DeepSeek-V2/V3: 128 <= 192); lower v_head_dim.")
+        if self.qk_rope_head_dim % 2 or self.position != "rope":
+            raise TrainwiseError("model.attention = 'mla' turns qk_rope_head_dim dimensions by RoPE: it needs "
+                                 "model.position = 'rope' and an even qk_rope_head_dim.")
+        if self.head_dim not in (0, self.qk_rope_head_dim):
+            raise TrainwiseError(
+                f"model.head_dim = {self.head_dim} must equal model.qk_rope_head_dim = {self.qk_rope_head_dim} under "
+                "model.attention = 'mla' (RoPE's tables have the rotated part's width); leave it 0.")
 
     @property
     def gated(self) -> bool:
@@ -110,6 +135,14 @@ class ModelConfig:
         choice("model.position", self.position, POSITIONS)
         choice("model.attention", self.attention, ATTENTIONS)
         choice("model.router_gating", self.router_gating, GATINGS)
+        if self.attention == "mla":
+            self._validate_mla()
+        if self.n_experts and (self.router_groups < 1 or self.n_experts % self.router_groups
+                               or not 1 <= self.router_group_top_k <= self.router_groups):
+            raise TrainwiseError(
+                f"model.router_groups = {self.router_groups} must divide model.n_experts = {self.n_experts}, and "
+                f"model.router_group_top_k = {self.router_group_top_k} must be between 1 and router_groups (1 and 1: "
+                "plain top-k routing).")
         if self.head_dim == 0 and self.attention == "mha" and self.d_model % self.n_heads:
             raise TrainwiseError(
                 f"model.n_heads = {self.n_heads} does not divide model.d_model = {self.d_model}: each head "
@@ -142,6 +175,9 @@ class ModelConfig:
                 )
             if self.moe_every < 1:
                 raise TrainwiseError("model.moe_every must be >= 1.")
+            if self.router_bias_rate < 0:
+                raise TrainwiseError(f"model.router_bias_rate = {self.router_bias_rate} must be >= 0 (DeepSeek-V3: "
+                                     "0.001; 0 keeps the choice bias fixed).")
 
 
 def default_ffn_hidden(d_model: int, activation: str) -> int:

@@ -96,7 +96,7 @@ def _explicit_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     m = cfg.model
     if m.n_kv_heads == m.n_heads:
         data["model"]["n_kv_heads"] = 0
-    if m.head_dim == m.d_model // m.n_heads:
+    if m.head_dim == (m.qk_rope_head_dim if m.attention == "mla" else m.d_model // m.n_heads):
         data["model"]["head_dim"] = 0
     if m.ffn_hidden == default_ffn_hidden(m.d_model, m.activation):
         data["model"]["ffn_hidden"] = 0

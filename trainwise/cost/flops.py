@@ -111,10 +111,25 @@ def loss_recompute_flops_per_token(cfg: ModelConfig) -> float:
     return lm_head_flops(cfg) if cfg.loss_chunk_tokens else 0.0
 
 
+def mla_padding_flops_per_token(fwd: ForwardFlops, cfg: ModelConfig, checkpointing: str = "none") -> float:
+    """Per token, training: what trainwise.model.attention.LatentAttention runs beyond MLA's model FLOPs.
+    It pads v with zeros from v_head_dim to the query's head dim d_qk = qk_nope + qk_rope (the flash kernels
+    take one head dim), so each value matmul is 2 T nh d_qk instead of 2 T nh dv: the attention core
+    (scores d_qk + values dv) grows by (d_qk - dv) / (d_qk + dv), in the forward, the backward (2x) and a
+    recomputed forward (selective or full checkpointing). Hardware work (HFU), not model FLOPs (MFU); 0
+    for MHA or dv = d_qk."""
+    if cfg.attention != "mla":
+        return 0.0
+    qk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    passes = 3 + (checkpointing in ("selective", "full"))
+    return passes * fwd.attention_core * (qk - dv) / (qk + dv)
+
+
 def recompute_flops_per_token(fwd: ForwardFlops, checkpointing: str, cfg: ModelConfig | None = None) -> float:
     """Extra forward work in backward: full = every block's forward again (not the LM head);
     selective = the attention core only (Korthikanti et al. 2022, section 5). With `cfg`, plus the
-    chunked loss's LM-head recompute (loss_recompute_flops_per_token).
+    chunked loss's LM-head recompute (loss_recompute_flops_per_token) and MLA's padded value matmuls
+    (mla_padding_flops_per_token): every FLOP the step runs beyond the model's.
 
     With `cfg`, full recompute describes what PyTorch's non-reentrant checkpoint really runs: it stops
     recomputing once every tensor backward needs is back (`torch.utils.checkpoint`, early stop, on by
@@ -123,11 +138,11 @@ def recompute_flops_per_token(fwd: ForwardFlops, checkpointing: str, cfg: ModelC
     combine, which needs the experts' outputs, so they recompute in full.)"""
     if cfg is None:
         return {"none": 0.0, "selective": fwd.attention_core, "full": fwd.blocks}[checkpointing]
-    loss = loss_recompute_flops_per_token(cfg)
+    extra = loss_recompute_flops_per_token(cfg) + mla_padding_flops_per_token(fwd, cfg, checkpointing)
     if checkpointing == "full":
         n_dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-        return fwd.blocks - n_dense * 2.0 * cfg.ffn_hidden * cfg.d_model + loss
-    return {"none": 0.0, "selective": fwd.attention_core}[checkpointing] + loss
+        return fwd.blocks - n_dense * 2.0 * cfg.ffn_hidden * cfg.d_model + extra
+    return {"none": 0.0, "selective": fwd.attention_core}[checkpointing] + extra
 
 
 def _as_checkpointing(recompute: bool | str) -> str:
@@ -146,8 +161,8 @@ def flops_per_token_train(cfg: ModelConfig, seq_len: int, causal_halving: bool =
 
     Model FLOPs (for MFU): recompute=False (the default), no recomputation of any kind. Hardware FLOPs
     (HFU): recompute = the run's activation checkpointing, "none", "selective" or "full" (True = "full"),
-    which also adds the chunked loss's LM-head recompute when model.loss_chunk_tokens > 0; without
-    chunking "none" equals False."""
+    which also adds the chunked loss's LM-head recompute when model.loss_chunk_tokens > 0 and MLA's
+    padded value matmuls; without them "none" equals False."""
     fwd = forward_flops_per_token(cfg, seq_len, causal_halving)
     if recompute is False or recompute is None:
         return 3.0 * fwd.total

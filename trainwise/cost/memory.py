@@ -134,7 +134,8 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: in
         its one cast under autocast); the qkv output c(q + 2kv), kept whole because v is a view of it;
         RoPE'd q and k c(q + kv) (none with learned positions: q, k are views of the qkv output too);
         SDPA out cq (also the o_proj input: a view) and logsumexp 4nh (flash kernel, no T^2 term);
-        qk_norm inputs c(q + kv); dropout masks 1 byte/elem on the two residual branches.
+        qk_norm inputs c(q + kv); dropout masks 1 byte/elem on the two residual branches. MLA: norm1 +
+        mla_saved_bytes.
       MLP: norm2; fc input cH; gated: the fused gate|up output 2cF (gate and up are views of it),
         act(gate) cF, the product (proj input) cF = 4cF; plain: act input and output 2cF (ReLU saves
         only its output, which is also the proj input: cF). MoE: see moe_saved_bytes (router, routing
@@ -143,16 +144,11 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: in
     Selective checkpointing recomputes the attention core, dropping its out and logsumexp.
     Autocast's bf16 copies of the weights are per parameter, not per token: see autocast_weight_bytes."""
     c, s, H = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model
-    autocast = c != s
     nh = cfg.n_heads
     norm = norm_saved_bytes(cfg, s)
     if cfg.attention == "mla":
-        q = nh * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-        vdim = nh * cfg.v_head_dim
-        lora = cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        attn = s * H + (2 if autocast else 1) * c * H + 2 * c * lora  # inputs to down and up projections
-        core_inputs, core_out = c * (2 * q + vdim), c * vdim + 4 * nh
-        attn += core_inputs + core_out + c * vdim
+        attn = norm + mla_saved_bytes(cfg, recipe, checkpointing)
+        core_out = 0  # mla_saved_bytes leaves it out under selective checkpointing
     else:
         q, kv = nh * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         attn = norm + c * H + c * (q + 2 * kv)
@@ -181,6 +177,32 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: in
     else:
         ffn = norm + up_inputs + mlp(cfg.ffn_hidden)
     return attn + ffn
+
+
+def mla_saved_bytes(cfg: ModelConfig, recipe: Recipe, checkpointing: str = "none") -> float:
+    """Bytes per token trainwise.model.attention.LatentAttention saves for backward (training mode, the
+    block's norm1 not included), read off torch.autograd.graph.saved_tensors_hooks, with c = compute
+    bytes, H = d_model, Q = q_lora_rank, C = kv_lora_rank, r = qk_rope_head_dim, d = the query's head dim
+    (qk_nope + r), dv = v_head_dim, nh heads:
+      the input of the two down projections cH (under autocast cast once for each: 2cH);
+      each latent RMSNorm (in fp32, also under autocast): its input 4Q (4C; without autocast the kv input
+        is a view of the whole down projection's output, 4(C + r)), x*rsqrt 4Q, rsqrt 4, and its output
+        as the up projection's input cQ (cC); without q_lora_rank no query norm: q_proj shares the input;
+      under autocast the RoPE tables cast to c: rc;
+      SDPA (flash): q, k and v padded to d (each c nh d), logsumexp 4 nh and its output c nh d (both
+        recomputed under selective checkpointing); the output's first dv columns copied as o_proj's input
+        c nh dv."""
+    c, H, nh = recipe.compute_bytes, cfg.d_model, cfg.n_heads
+    Q, C, r, dv = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+    d = cfg.qk_nope_head_dim + r
+    autocast = c != recipe.residual_bytes
+    inputs = (2 if autocast else 1) * c * H
+    q_norm = (4 * Q + 4 * Q + 4 + c * Q) if Q else 0
+    kv_norm = (4 * C if autocast else 4 * (C + r)) + 4 * C + 4 + c * C
+    rope = r * c if autocast else 0
+    core_out = c * nh * d + 4 * nh
+    return (inputs + q_norm + kv_norm + rope + 3 * c * nh * d + (core_out if checkpointing != "selective" else 0)
+            + c * nh * dv)
 
 
 def moe_saved_bytes(cfg: ModelConfig, recipe: Recipe, expert_mlp: float) -> float:
@@ -422,9 +444,13 @@ def eval_peak_bytes(cfg: ModelConfig, recipe: Recipe, resident: int, micro_batch
 
 
 def kv_cache_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int) -> int:
-    """trainwise.model.KVCache: keys and values of every layer for max_seq_len positions, allocated
-    whole up front: 2 x L x B x n_kv_heads x max_seq_len x head_dim x bytes (MLA caches the same way)."""
-    return 2 * cfg.n_layers * batch * cfg.n_kv_heads * cfg.max_seq_len * cfg.head_dim * dtype_bytes
+    """trainwise.model.KVCache of every layer for max_seq_len positions, allocated whole on first use:
+    keys and values, 2 x L x B x n_kv_heads x max_seq_len x head_dim x bytes; MLA keeps the compressed
+    latent and the one rotated key head instead, L x B x max_seq_len x (kv_lora_rank + qk_rope_head_dim)
+    x bytes (DeepSeek-V2 section 2.1.2: 576 numbers per token and layer for DeepSeek-V3)."""
+    per_position = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
+                    else 2 * cfg.n_kv_heads * cfg.head_dim)
+    return cfg.n_layers * batch * cfg.max_seq_len * per_position * dtype_bytes
 
 
 def sample_peak_bytes(cfg: ModelConfig, resident: int, batch: int, prompt_tokens: int, dtype_bytes: int = 4) -> int:

@@ -66,12 +66,13 @@ def mlp_params(d_model: int, hidden: int, gated: bool, bias: bool) -> int:
 
 
 def moe_params(cfg: ModelConfig, experts_used: int) -> int:
-    """Router (H -> E, no bias; + E choice biases iff router_bias) + `experts_used` routed experts, each
-    an MLP of width expert_ffn_hidden, + the n_shared_experts always-on experts, built as one MLP of
-    width n_shared_experts * expert_ffn_hidden (the same count as separate experts without biases)."""
+    """Router (H -> E, no bias; router_bias's E choice biases are a buffer, set by a rule, not a parameter)
+    + `experts_used` routed experts, each an MLP of width expert_ffn_hidden, + the n_shared_experts
+    always-on experts, built as one MLP of width n_shared_experts * expert_ffn_hidden (the same count as
+    separate experts without biases)."""
     expert = mlp_params(cfg.d_model, cfg.expert_ffn_hidden, cfg.gated, cfg.bias)
     shared = mlp_params(cfg.d_model, cfg.n_shared_experts * cfg.expert_ffn_hidden, cfg.gated, cfg.bias)
-    router = cfg.d_model * cfg.n_experts + (cfg.n_experts if cfg.router_bias else 0)
+    router = cfg.d_model * cfg.n_experts
     return router + experts_used * expert + (shared if cfg.n_shared_experts else 0)
 
 

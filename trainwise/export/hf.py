@@ -14,6 +14,8 @@ Families, and what each can represent exactly (anything else is refused with the
              GPT-2 always has biases, so a bias-free trainwise model exports them as zeros (exact)
     mixtral  the llama layout with every layer a softmax top-k MoE (renormalised, dropless, no shared
              experts, no biases, no router bias)
+    deepseek_v3  multi-head latent attention, dense layers then sigmoid-routed MoE layers with shared
+             experts (trainwise.export.deepseek, which holds its layout)
 
 Weight layouts (trainwise -> HF): the fused `attn.qkv` (out = [q nh*hd | k nkv*hd | v nkv*hd]) is split
 into q_proj/k_proj/v_proj; the fused gated `mlp.fc` (out = [gate F | up F]) into gate_proj/up_proj;
@@ -34,12 +36,13 @@ from safetensors.torch import save_file
 
 from trainwise.config import ModelConfig
 from trainwise.errors import TrainwiseError
+from trainwise.export import deepseek
 from trainwise.inference import load_run
 from trainwise.tokenizer import EOT, Tokenizer
 
-FAMILIES = ("llama", "qwen3", "gpt2", "mixtral")
+FAMILIES = ("llama", "qwen3", "gpt2", "mixtral", "deepseek_v3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel",
-                 "mixtral": "MixtralForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 GATED_ACTS = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}  # trainwise activation -> HF hidden_act
 GATED_ACTS_IN = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
 PLAIN_ACTS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new", "silu": "silu"}  # GPT-2 activation_function
@@ -53,8 +56,8 @@ PLAIN_ACTS_IN = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_
 
 def choose_family(cfg: ModelConfig) -> str:
     """The HF family that represents `cfg` exactly, or TrainwiseError naming every reason it can't."""
-    if cfg.attention != "mha":
-        raise TrainwiseError(f"model.attention = '{cfg.attention}' has no Hugging Face export yet (only mha).")
+    if cfg.attention == "mla":
+        return _check("deepseek_v3", deepseek.problems(cfg))
     if cfg.is_moe:
         return _check("mixtral", _mixtral_problems(cfg))
     if cfg.position == "learned" or cfg.norm == "layernorm":
@@ -138,6 +141,8 @@ def hf_config(cfg: ModelConfig, family: str, eos_id: int, bos_id: int | None = N
     common = {"architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": cfg.vocab_size,
               "bos_token_id": bos_id, "eos_token_id": eos_id, "tie_word_embeddings": cfg.tie_embeddings,
               "torch_dtype": "float32", "initializer_range": cfg.init_std}
+    if family == "deepseek_v3":
+        return deepseek.hf_config(cfg, common)
     if family == "gpt2":
         return {**common, "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
                 "n_inner": cfg.ffn_hidden, "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len,
@@ -166,6 +171,8 @@ def model_config_from_hf(d: dict, name: str) -> tuple[ModelConfig, str]:
     family = d.get("model_type")
     if family not in FAMILIES:
         raise TrainwiseError(f"model_type '{family}' cannot be loaded for training; supported: {', '.join(FAMILIES)}.")
+    if family == "deepseek_v3":
+        return deepseek.model_config(d, name), family
 
     def need(key: str):
         if d.get(key) is None:
@@ -217,7 +224,10 @@ def model_config_from_hf(d: dict, name: str) -> tuple[ModelConfig, str]:
 
 def to_hf_state(cfg: ModelConfig, family: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """trainwise state dict (tied lm_head may be absent) -> HF Hub-layout tensors."""
-    out = _gpt2_to_hf(cfg, state) if family == "gpt2" else _llama_to_hf(cfg, family, state)
+    if family == "deepseek_v3":
+        out = deepseek.to_hf(cfg, state)
+    else:
+        out = _gpt2_to_hf(cfg, state) if family == "gpt2" else _llama_to_hf(cfg, family, state)
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
 
 
@@ -287,10 +297,15 @@ def _gpt2_to_hf(cfg: ModelConfig, s: dict) -> dict:
     return out
 
 
-def from_hf_state(cfg: ModelConfig, family: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensors (Hub layout, or transformers 5's stacked MoE layout) -> trainwise state dict."""
+def from_hf_state(cfg: ModelConfig, family: str, t: dict[str, torch.Tensor],
+                  rope_interleave: bool = False) -> dict[str, torch.Tensor]:
+    """HF tensors (Hub layout, or transformers 5's stacked MoE layout) -> trainwise state dict.
+    rope_interleave: a deepseek_v3 config.json's flag (its rotary rows interleaved)."""
     t = {re.sub(r"\.block_sparse_moe\.", ".mlp.", k): v for k, v in t.items()}
-    out = _gpt2_from_hf(cfg, t) if family == "gpt2" else _llama_from_hf(cfg, t)
+    if family == "deepseek_v3":
+        out = deepseek.from_hf(cfg, t, _take, rope_interleave)
+    else:
+        out = _gpt2_from_hf(cfg, t) if family == "gpt2" else _llama_from_hf(cfg, t)
     if cfg.tie_embeddings:
         out.pop("lm_head.weight", None)
     return {k: v.to(torch.float32).contiguous() for k, v in out.items()}
@@ -423,22 +438,26 @@ def write_hf_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
 
 def read_hf_model_config(path: Path) -> tuple[ModelConfig, str]:
     """(ModelConfig, family) from a Hugging Face model directory's config.json, without its weights."""
+    return model_config_from_hf(_read_config(path), name=path.name)
+
+
+def _read_config(path: Path) -> dict:
     if not (path / "config.json").is_file():
         raise TrainwiseError(f"'{path}' is not a Hugging Face model directory (no config.json).")
     try:
-        d = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        return json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise TrainwiseError(f"{path / 'config.json'} is not valid JSON ({err}).") from None
-    return model_config_from_hf(d, name=path.name)
 
 
 def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """A local Hugging Face checkpoint of a supported family -> (ModelConfig, trainwise state dict, Tokenizer).
     Reads config.json, model.safetensors (or its index of shards) and tokenizer.json; no `transformers` needed."""
     path = Path(path)
-    cfg, family = read_hf_model_config(path)
+    d = _read_config(path)
+    cfg, family = model_config_from_hf(d, name=path.name)
     tensors = _read_safetensors(path)
-    state = from_hf_state(cfg, family, tensors)
+    state = from_hf_state(cfg, family, tensors, rope_interleave=bool(d.get("rope_interleave", True)))
     if not (path / "tokenizer.json").is_file():
         raise TrainwiseError(f"'{path}' has no tokenizer.json; --init-from needs the model's fast tokenizer file.")
     tokenizer = Tokenizer.load(path / "tokenizer.json")

@@ -1,3 +1,4 @@
-from trainwise.model.transformer import KVCache, Transformer
+from trainwise.model.attention import KVCache
+from trainwise.model.transformer import Transformer
 
 __all__ = ["Transformer", "KVCache"]

@@ -55,12 +55,15 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.gated = E, cfg.top_k, cfg.gated
         self.act = ACTIVATION_FNS[cfg.activation]
         self.gating, self.renormalize = cfg.router_gating, cfg.renormalize_top_k
+        self.scale, self.groups, self.group_top_k = cfg.routed_scaling_factor, cfg.router_groups, cfg.router_group_top_k
+        self.bias_rate = cfg.router_bias_rate
         self.dropless, self.capacity_factor = cfg.dropless, cfg.capacity_factor
         self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
         self.router = nn.Linear(H, E, bias=False)
         # DeepSeek-V3's e_score_correction_bias: added to the scores for choosing experts only, never to
-        # the weights; not trained by gradients (see balance_expert_bias).
-        self.expert_bias = nn.Parameter(torch.zeros(E), requires_grad=False) if cfg.router_bias else None
+        # the weights; set by a rule after each step (balance_expert_bias), not by gradients: a buffer, saved
+        # with the weights
+        self.register_buffer("expert_bias", torch.zeros(E) if cfg.router_bias else None)
         self.experts_fc = ExpertLinear(E, H, 2 * Fe if self.gated else Fe, cfg.bias)  # gate+up fused
         self.experts_proj = ExpertLinear(E, Fe, H, cfg.bias)
         # n shared experts of width F have the parameters and FLOPs of one MLP of width n*F.
@@ -104,11 +107,23 @@ class MoE(nn.Module):
             scores = logits.sigmoid()
             probs = scores / scores.sum(dim=-1, keepdim=True)
         choice_scores = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.groups > 1:
+            choice_scores = self.group_limited(choice_scores)
         chosen = choice_scores.topk(self.top_k, dim=-1).indices  # (N, k)
         weights = scores.gather(-1, chosen)  # (N, k)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return probs, weights, chosen
+        return probs, weights * self.scale if self.scale != 1.0 else weights, chosen
+
+    def group_limited(self, choice_scores: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's group-limited routing (section 2.1.2): experts in `groups` groups, each group
+        scored by the sum of its two best experts' scores; a token chooses among the experts of its best
+        group_top_k groups only (the others' scores become -inf). (N, E) -> (N, E)."""
+        grouped = choice_scores.unflatten(-1, (self.groups, -1))  # (N, groups, E / groups)
+        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # (N, groups)
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(
+            1, best.topk(self.group_top_k, dim=-1).indices, True)  # (N, groups)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
 
     def dispatch(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
@@ -185,14 +200,14 @@ class MoE(nn.Module):
         return self.act(h)
 
     @torch.no_grad()
-    def balance_expert_bias(self, rate: float = 1e-3) -> None:
+    def balance_expert_bias(self, load: torch.Tensor) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing (section 2.1.2): after a step, raise the choice
-        bias of under-loaded experts and lower it for over-loaded ones by `rate`. Call it outside the
-        forward (it must not change between a forward and its activation-checkpointing recompute)."""
-        if self.expert_bias is None or self.last_expert_counts is None:
-            return
-        load = self.last_expert_counts.float()
-        self.expert_bias += rate * torch.sign(load.mean() - load)
+        bias of the experts that got fewer than the mean assignments `load` (E,) and lower it for the
+        others, by router_bias_rate. trainwise.runtime.step calls it after each optimizer step with the
+        step's load summed over micro-batches (and ranks), never between a forward and its
+        activation-checkpointing recompute."""
+        load = load.float()
+        self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
 
 
 def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -11,92 +11,13 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from trainwise.config import ModelConfig
-from trainwise.errors import TrainwiseError
-from trainwise.model.layers import MLP, Rotary, make_norm, rope_tables
+from trainwise.model.attention import Attention, KVCache, LatentAttention
+from trainwise.model.layers import MLP, make_norm, rope_tables
 from trainwise.model.loss import chunked_cross_entropy
 from trainwise.model.moe import MoE
-
-
-class KVCache:
-    """Keys and values of past positions, so each generated token costs one position of work."""
-
-    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype):
-        shape = (batch, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.length = 0  # positions filled (shared by all layers)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        start, end = self.length, self.length + k.shape[2]
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qkv_bias = cfg.bias or cfg.qkv_bias
-        # One matmul for q, k and v: (H) -> (nh + 2 nkv) hd. Same parameters as three projections.
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=qkv_bias)
-        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.use_rope = cfg.position == "rope"
-        self.dropout = cfg.dropout
-
-    def forward(self, x: torch.Tensor, rope: tuple | None, cache: KVCache | None = None,
-                layer: int = 0) -> torch.Tensor:
-        nh, nkv = self.n_heads, self.n_kv_heads
-        # (B, T, nh + 2 nkv, hd): q and k heads first, so one RoPE call turns both
-        qk, v = self.qkv(x).unflatten(-1, (nh + 2 * nkv, self.head_dim)).split([nh + nkv, nkv], dim=2)
-        if self.q_norm is not None:
-            q, k = qk.split([nh, nkv], dim=2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        if self.use_rope:
-            cos, sin = rope  # (T, hd/2) half tables
-            qk = Rotary.apply(qk, cos[:, None].to(qk.dtype), sin[:, None].to(qk.dtype))
-        q, k = qk.split([nh, nkv], dim=2)
-        # (B, heads, T, hd) views; SDPA and the matmuls take the strides as they are
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        causal = True
-        if cache is not None:
-            causal = cache.length == 0  # prefill is causal; one new token sees every cached position
-            k, v = cache.update(layer, k, v)
-        y = self.core(q, k, v, causal)  # (B, nh, T, hd)
-        return self.out(rearrange(y, "b h t d -> b t (h d)"))
-
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd)) v through SDPA (flash / memory-efficient kernels where available).
-        Replaceable from outside: selective checkpointing wraps it, and a compiled CPU step swaps in
-        explicit_attention (trainwise.runtime.parallelize)."""
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
-
-
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(hd)) v as two batched matmuls and a masked fp32 softmax.
-
-    The attention of a compiled CPU step (trainwise.runtime.parallelize.apply_compile): there inductor
-    fuses the scale, mask and softmax into one kernel around two bf16 matmuls, which beat PyTorch's CPU
-    flash kernel (benchmarks/RESULTS.md). It computes the full T x T scores (twice the causal FLOPs) and
-    saves the T x T probabilities, so eager runs and GPUs keep SDPA's flash kernels.
-    q (B, nh, T, hd); k, v (B, nkv, T, hd)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    T = q.shape[2]
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, nh, T, T)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    probs = scores.float().masked_fill(future, float("-inf")).softmax(dim=-1)
-    return probs.to(v.dtype) @ v
 
 
 class Block(nn.Module):
@@ -104,7 +25,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.norm1 = make_norm(cfg, cfg.d_model)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.norm2 = make_norm(cfg, cfg.d_model)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
@@ -117,11 +38,6 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.attention != "mha":
-            raise TrainwiseError(
-                f"model.attention = '{cfg.attention}' can be planned (`trainwise plan`) but trainwise does "
-                "not build it for training yet; use attention = \"mha\" (with n_kv_heads for GQA/MQA)."
-            )
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainwise.config import FSDP_STRATEGIES, ModelConfig
-from trainwise.model.transformer import explicit_attention
+from trainwise.model.attention import explicit_attention
 
 
 def _checkpointed(forward):
@@ -67,6 +67,8 @@ def resolve_compile(requested: str, model: ModelConfig, steps_left: int, strateg
         return requested == "true", "set in the config"
     if model.is_moe:
         return False, "auto: MoE routing has data-dependent shapes, which compile poorly"
+    if model.attention == "mla":
+        return False, "auto: the memory model describes MLA's eager kernels (train.compile=true compiles it)"
     if strategy in FSDP_STRATEGIES:
         return False, "auto: FSDP2 compiles per block, which gains nothing measurable here"
     if steps_left < COMPILE_MIN_STEPS:

@@ -12,6 +12,8 @@ calibration, the roofline, the simulator and the scaling sweep all take their mo
     optimizer step, skipped on the device if the norm is NaN/inf (train.on_nonfinite = skip), or
         NonFiniteGradient raised (stop); fp16: the GradScaler unscales, steps and updates
     zero the gradients (set to None)
+    MoE layers with a choice bias (model.router_bias): move it by the step's expert load (all micro-batches,
+        averaged over ranks, so every rank holds the same bias)
 
 A hook sees the step between its phases ("forward" and "backward" after each micro-batch, "step" after
 the update, before the gradients are freed): memory tracking, operator recording and the trainer's
@@ -28,6 +30,7 @@ from torch import nn
 
 from trainwise.config import ModelConfig, TrainConfig
 from trainwise.model import Transformer
+from trainwise.model.moe import MoE
 from trainwise.runtime import distributed
 from trainwise.runtime.optim import build_optimizer, step_if_finite
 from trainwise.runtime.parallelize import apply_activation_checkpointing, apply_compile, use_compiled_attention
@@ -75,18 +78,22 @@ class TrainingStep:
         if self.scaler is None:
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.balanced = [m for m in self.model.modules() if isinstance(m, MoE) and m.expert_bias is not None]
 
     def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], hook: Hook = _no_hook,
                  loss_sum: torch.Tensor | None = None) -> StepResult:
         """One step over `batches` (the K micro-batches). loss_sum: a device tensor each micro-batch's
         loss is added to in place (the trainer's running sum between log rows)."""
         k = len(batches)
-        total = None
+        total, load = None, None
         for i, (x, y) in enumerate(batches):
             with distributed.gradient_sync(self.model, self.dist, i == k - 1):
                 with autocast(self.device, self.precision):
                     loss = self.model(x, y)
                 hook("forward")
+                if self.balanced:
+                    counts = torch.stack([m.last_expert_counts for m in self.balanced])
+                    load = counts if load is None else load + counts
                 self.scaler.scale(loss / k).backward()
             if loss_sum is not None:
                 loss_sum += loss.detach()
@@ -107,6 +114,9 @@ class TrainingStep:
             skipped = step_if_finite(self.optimizer, grad_norm)
         hook("step")
         self.optimizer.zero_grad(set_to_none=True)
+        if load is not None:
+            for m, layer_load in zip(self.balanced, distributed.mean_across_ranks(load.float(), self.dist)):
+                m.balance_expert_bias(layer_load)
         return StepResult(total / k, grad_norm, skipped)
 
 

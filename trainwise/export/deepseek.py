@@ -1,0 +1,185 @@
+"""The deepseek_v3 family (DeepseekV3ForCausalLM, transformers >= 4.57; checked with 5.24): multi-head
+latent attention, dense layers first, then sigmoid-routed MoE layers with shared experts, a choice bias
+(e_score_correction_bias), group-limited routing and a routed scaling factor.
+
+Weight layouts (trainwise -> HF): attn.q_down/q_norm/q_up -> self_attn.q_a_proj/q_a_layernorm/q_b_proj
+(or attn.q_proj -> self_attn.q_proj), attn.kv_down/kv_norm/kv_up -> kv_a_proj_with_mqa/kv_a_layernorm/
+kv_b_proj, attn.out -> o_proj; the fused gated MLPs (out = [gate | up]) split into gate_proj/up_proj; the
+stacked experts (E, in, out) into one (out, in) Linear per expert (the Hub files' layout); mlp.expert_bias
+-> mlp.gate.e_score_correction_bias. trainwise turns the rotary half of q and k in the rotate-half layout;
+a checkpoint with rope_interleave (transformers' default, and the Hub's DeepSeek-V3 files) keeps those rows
+in interleaved pairs, so they are permuted on import, and export writes rope_interleave = false.
+Multi-token prediction (num_nextn_predict_layers, transformers 5's num_mtp_layers) is not built, as
+transformers' DeepseekV3ForCausalLM does not build it: its tensors, if a checkpoint has them, stay out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from trainwise.config import ModelConfig
+from trainwise.errors import TrainwiseError
+from trainwise.hf_config import from_hf_dict
+
+
+def problems(cfg: ModelConfig) -> list[str]:
+    """What keeps `cfg` from being a DeepseekV3ForCausalLM exactly."""
+    out = []
+    if cfg.attention != "mla":
+        out.append("it uses multi-head attention; DeepSeek-V3 uses latent attention (model.attention = 'mla')")
+    if cfg.norm != "rmsnorm" or cfg.activation != "swiglu":
+        out.append("DeepSeek-V3 uses RMSNorm and swiglu MLPs")
+    if cfg.bias or cfg.qkv_bias or cfg.qk_norm:
+        out.append("DeepSeek-V3 has no biases and no qk_norm")
+    if cfg.is_moe:
+        if cfg.moe_every != 1:
+            out.append("DeepSeek-V3 makes every layer after first_dense_layers MoE (moe_every = 1)")
+        if cfg.n_shared_experts < 1:
+            out.append("DeepSeek-V3 has shared experts (model.n_shared_experts >= 1)")
+        if cfg.router_gating != "sigmoid" or not cfg.dropless:
+            out.append("DeepSeek-V3 routes with sigmoid gating, dropless")
+    return out
+
+
+def hf_config(cfg: ModelConfig, common: dict) -> dict:
+    """config.json of a DeepseekV3ForCausalLM for `cfg` (common: the keys every family shares)."""
+    moe = cfg.is_moe
+    return {**common, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_heads,
+            "intermediate_size": cfg.ffn_hidden, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_interleave": False,
+            "attention_bias": False, "attention_dropout": cfg.dropout,
+            "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+            "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+            "v_head_dim": cfg.v_head_dim, "head_dim": cfg.qk_rope_head_dim,
+            # a dense model: every layer before first_k_dense_replace, no MoE layer built
+            "first_k_dense_replace": cfg.first_dense_layers if moe else cfg.n_layers,
+            "n_routed_experts": cfg.n_experts if moe else 1, "num_experts_per_tok": cfg.top_k if moe else 1,
+            "moe_intermediate_size": cfg.expert_ffn_hidden if moe else cfg.ffn_hidden,
+            "n_shared_experts": cfg.n_shared_experts if moe else 1, "norm_topk_prob": cfg.renormalize_top_k,
+            "routed_scaling_factor": cfg.routed_scaling_factor, "n_group": cfg.router_groups,
+            "topk_group": cfg.router_group_top_k, "num_nextn_predict_layers": 0}
+
+
+def model_config(d: dict, name: str) -> ModelConfig:
+    """A deepseek_v3 config.json -> the ModelConfig trainwise builds for it (trainwise.hf_config's reading,
+    the one the planner counts with), refusing what it does not build."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise TrainwiseError(f"rope_type '{rope.get('rope_type', rope.get('type'))}' (RoPE scaling, YaRN) is not built "
+                             "by trainwise; only the default RoPE.")
+    cfg = from_hf_dict(d, name)
+    return cfg if cfg.n_layers > cfg.first_dense_layers else _dense(cfg)
+
+
+def _dense(cfg: ModelConfig) -> ModelConfig:
+    return replace(cfg, n_experts=0, top_k=0, expert_ffn_hidden=0, n_shared_experts=0, first_dense_layers=0,
+                   router_bias=False, routed_scaling_factor=1.0, router_groups=1, router_group_top_k=1)
+
+
+def _rope_order(width: int) -> torch.Tensor:
+    """Rows of an interleaved rotary part ((x0, x1), (x2, x3), ...) in the rotate-half order
+    (x0, x2, ..., x1, x3, ...): HF's apply_rotary_pos_emb_interleave reorders them so."""
+    return torch.cat([torch.arange(0, width, 2), torch.arange(1, width, 2)])
+
+
+def _permute_rope(w: torch.Tensor, heads: int, nope: int, rope: int, inverse: bool = False) -> torch.Tensor:
+    """The rotary rows of a (heads x (nope + rope), in) projection, reordered (see _rope_order)."""
+    order = _rope_order(rope)
+    if inverse:
+        order = torch.argsort(order)
+    w = w.unflatten(0, (heads, nope + rope))
+    return torch.cat([w[:, :nope], w[:, nope:][:, order]], dim=1).flatten(0, 1)
+
+
+def _split_fc(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = t.chunk(2, dim=0)
+    return gate, up
+
+
+def to_hf(cfg: ModelConfig, s: dict) -> dict:
+    """trainwise state dict -> DeepseekV3ForCausalLM tensors (Hub layout)."""
+    out = {"model.embed_tokens.weight": s["embed.weight"], "model.norm.weight": s["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = s["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        b, h = f"blocks.{i}.", f"model.layers.{i}."
+        out[h + "input_layernorm.weight"] = s[b + "norm1.weight"]
+        out[h + "post_attention_layernorm.weight"] = s[b + "norm2.weight"]
+        for tw, hf in _ATTENTION.items():
+            if b + tw in s:
+                out[h + hf] = s[b + tw]
+        if cfg.is_moe_layer(i):
+            m = h + "mlp."
+            out[m + "gate.weight"] = s[b + "mlp.router.weight"]
+            out[m + "gate.e_score_correction_bias"] = s.get(b + "mlp.expert_bias", torch.zeros(cfg.n_experts))
+            fc, proj = s[b + "mlp.experts_fc.weight"], s[b + "mlp.experts_proj.weight"]  # (E, H, 2F), (E, F, H)
+            F = cfg.expert_ffn_hidden
+            for e in range(cfg.n_experts):
+                out[m + f"experts.{e}.gate_proj.weight"] = fc[e, :, :F].T
+                out[m + f"experts.{e}.up_proj.weight"] = fc[e, :, F:].T
+                out[m + f"experts.{e}.down_proj.weight"] = proj[e].T
+            mlp, hf_mlp = b + "mlp.shared.", m + "shared_experts."
+        else:
+            mlp, hf_mlp = b + "mlp.", h + "mlp."
+        out[hf_mlp + "gate_proj.weight"], out[hf_mlp + "up_proj.weight"] = _split_fc(s[mlp + "fc.weight"])
+        out[hf_mlp + "down_proj.weight"] = s[mlp + "proj.weight"]
+    return out
+
+
+# trainwise attention parameter -> HF's (the same tensors; the rotary rows are in rotate-half order on both
+# sides once rope_interleave = false)
+_ATTENTION = {"attn.q_down.weight": "self_attn.q_a_proj.weight", "attn.q_norm.weight": "self_attn.q_a_layernorm.weight",
+              "attn.q_up.weight": "self_attn.q_b_proj.weight", "attn.q_proj.weight": "self_attn.q_proj.weight",
+              "attn.kv_down.weight": "self_attn.kv_a_proj_with_mqa.weight",
+              "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+              "attn.kv_up.weight": "self_attn.kv_b_proj.weight",
+              "attn.out.weight": "self_attn.o_proj.weight"}
+
+
+def from_hf(cfg: ModelConfig, t: dict, take, interleaved: bool) -> dict:
+    """DeepseekV3ForCausalLM tensors (Hub layout, or transformers 5's stacked experts) -> trainwise state dict.
+    take(t, key) reads a tensor or says which is missing."""
+    out = {"embed.weight": take(t, "model.embed_tokens.weight"), "norm.weight": take(t, "model.norm.weight")}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = take(t, "lm_head.weight")
+    heads, nope, rope = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    for i in range(cfg.n_layers):
+        b, h = f"blocks.{i}.", f"model.layers.{i}."
+        out[b + "norm1.weight"] = take(t, h + "input_layernorm.weight")
+        out[b + "norm2.weight"] = take(t, h + "post_attention_layernorm.weight")
+        for tw, hf in _ATTENTION.items():
+            if tw.startswith("attn.q_") and (tw == "attn.q_proj.weight") == bool(cfg.q_lora_rank):
+                continue
+            out[b + tw] = take(t, h + hf)
+        if interleaved:
+            q = b + ("attn.q_up.weight" if cfg.q_lora_rank else "attn.q_proj.weight")
+            out[q] = _permute_rope(out[q], heads, nope, rope)
+            kv = out[b + "attn.kv_down.weight"]
+            C = cfg.kv_lora_rank  # kv_down's rows: the latent's C, then the shared rotary key's
+            out[b + "attn.kv_down.weight"] = torch.cat([kv[:C], kv[C:][_rope_order(rope)]])
+        if cfg.is_moe_layer(i):
+            m = h + "mlp."
+            out[b + "mlp.router.weight"] = take(t, m + "gate.weight")
+            out[b + "mlp.expert_bias"] = t.get(m + "gate.e_score_correction_bias", torch.zeros(cfg.n_experts))
+            out.update(_experts_from_hf(cfg, t, m, b + "mlp.", take))
+            mlp, hf_mlp = b + "mlp.shared.", m + "shared_experts."
+        else:
+            mlp, hf_mlp = b + "mlp.", h + "mlp."
+        out[mlp + "fc.weight"] = torch.cat([take(t, hf_mlp + "gate_proj.weight"), take(t, hf_mlp + "up_proj.weight")])
+        out[mlp + "proj.weight"] = take(t, hf_mlp + "down_proj.weight")
+    return out
+
+
+def _experts_from_hf(cfg: ModelConfig, t: dict, m: str, b: str, take) -> dict:
+    if m + "experts.gate_up_proj" in t:  # transformers 5 saves them stacked: (E, 2F, H) and (E, H, F)
+        return {b + "experts_fc.weight": t[m + "experts.gate_up_proj"].transpose(1, 2),
+                b + "experts_proj.weight": take(t, m + "experts.down_proj").transpose(1, 2)}
+    e_range = range(cfg.n_experts)
+    fc = [torch.cat([take(t, m + f"experts.{e}.gate_proj.weight"), take(t, m + f"experts.{e}.up_proj.weight")]).T
+          for e in e_range]
+    return {b + "experts_fc.weight": torch.stack(fc),
+            b + "experts_proj.weight": torch.stack([take(t, m + f"experts.{e}.down_proj.weight").T for e in e_range])}
