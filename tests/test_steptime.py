@@ -9,7 +9,7 @@ from trainwise.config import ModelConfig
 from trainwise.cost.comm import comm_seconds, exposed_comm, ring_seconds
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.ops import Op, for_cuda
-from trainwise.cost.steptime import PROBE_WARN, StepTime, predict_step, probed_seconds, scale_batch
+from trainwise.cost.steptime import PROBE_NOISE, StepTime, predict_step, probed_seconds, scale_batch
 from trainwise.cost.time import fit_linear
 from trainwise.hardware.profile import Profile, table_profile
 from trainwise.measure.record import step_ops
@@ -255,11 +255,13 @@ def test_the_host_allocator_keeps_freed_memory():
 
 
 def test_a_probe_inside_its_own_noise_keeps_the_calibrated_prediction():
-    """probed_seconds: overhead x its ratio + operators x theirs + communication, once any reading is more
-    than PROBE_WARN from the calibration; inside it, the calibrated step unchanged."""
+    """probed_seconds: overhead x its ratio + operators x theirs + communication, once the reading is more
+    than PROBE_NOISE from the calibration; inside it, the calibrated step unchanged."""
     step = StepTime(seconds=1.0, compute_s=0.7, overhead_s=0.2, comm_s=0.1, ops=[], source="calibrated",
                     compiled=False)
-    near = {"ratio": 1 + PROBE_WARN, "overhead_ratio": 0.9, "kernel_ratio": 1.1}
+    near = {"ratio": 1 + PROBE_NOISE, "overhead_ratio": 1.6, "kernel_ratio": 1.2}
     assert probed_seconds(step, near) == 1.0
     far = {"ratio": 1.4, "overhead_ratio": 1.5, "kernel_ratio": 1.4}
     assert probed_seconds(step, far) == pytest.approx(0.2 * 1.5 + 0.7 * 1.4 + 0.1)
+    slow = {"ratio": 0.6, "overhead_ratio": 0.5, "kernel_ratio": 0.62}
+    assert probed_seconds(step, slow) == pytest.approx(0.2 * 0.5 + 0.7 * 0.62 + 0.1)

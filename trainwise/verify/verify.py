@@ -18,7 +18,7 @@ import torch
 
 from trainwise import rundir
 from trainwise.config import RunConfig, load_config
-from trainwise.cost.steptime import PROBE_WARN, probed_seconds
+from trainwise.cost.steptime import PROBE_NOISE, PROBE_WARN, probed_seconds
 from trainwise.errors import TrainwiseError
 from trainwise.measure.flopcount import FlopCount, count_train_step
 from trainwise.measure.memtrack import MemoryBreakdown, track_train_step
@@ -169,6 +169,9 @@ def probe_line(probed: dict, calibrated_s: float) -> str:
     if abs(probed["step_seconds"] / calibrated_s - 1) > PROBE_WARN:
         text += (f"; this machine runs more than {PROBE_WARN:.0%} away from its calibration now: read the probed "
                  "prediction (`trainwise hardware --calibrate` measures it anew)")
+    elif abs(probed["ratio"] - 1) > PROBE_WARN:
+        text += (f"; more than {PROBE_WARN:.0%} away, but inside the probe's own noise (+-{PROBE_NOISE:.0%} on a quiet "
+                 "machine, cost.steptime.PROBE_NOISE): the calibrated prediction stands")
     return text
 
 
