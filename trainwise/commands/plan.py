@@ -14,6 +14,7 @@ from trainwise.hardware.memory import cpu_available_bytes
 from trainwise.hardware.table import get_accelerator
 from trainwise.planner.explain import plan_table
 from trainwise.planner.fit import fit, global_batch_sequences
+from trainwise.planner.layouts import fit_layouts
 from trainwise.planner.plan import plan_run
 from trainwise.planner.spec import load_model
 from trainwise.scale.fitting import plan_prediction
@@ -41,8 +42,21 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--optimizer", choices=list(OPTIMIZER_MOMENTS), help="adamw, sgd, sgd-momentum")
     p.add_argument("--checkpointing", choices=["none", "selective", "full"])
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (FSDP = 3)")
-    p.add_argument("--tp", type=whole_number, default=1)
-    p.add_argument("--pp", type=whole_number, default=1)
+    p.add_argument("--tp", type=whole_number, default=1, help="tensor-parallel ranks (inside a node)")
+    p.add_argument("--pp", type=whole_number, default=1, help="pipeline stages")
+    p.add_argument("--vpp", type=whole_number, default=1, help="virtual stages per pipeline rank (interleaved 1F1B)")
+    p.add_argument("--cp", type=whole_number, default=1, help="context-parallel ranks (the sequence split)")
+    p.add_argument("--ep", type=whole_number, default=1, help="expert-parallel ranks (MoE; out of dp x cp)")
+    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="shard norms/dropout over the sequence with tp (default: on when tp > 1)")
+    p.add_argument("--attention-impl", choices=["flash", "unfused"], default="flash",
+                   help="flash kernels, or unfused (scores in memory: the published 2021-22 runs)")
+    p.add_argument("--no-dp-overlap", action="store_true",
+                   help="reduce gradients after backward instead of under it (Megatron-LM's 'local' DDP)")
+    p.add_argument("--tp-overlap", action="store_true", help="tensor-parallel communication under the matmuls")
+    p.add_argument("--gpus-per-node", type=whole_number, help="override the GPU's node (hardware table)")
+    p.add_argument("--intra-node-bw", type=number, help="NVLink bandwidth, bytes/s per GPU per direction")
+    p.add_argument("--inter-node-bw", type=number, help="network bandwidth, bytes/s per GPU per direction")
     p.add_argument("--gpus", type=whole_number, default=1)
     p.add_argument("--gpu", help="accelerator name (see `trainwise hardware`)")
     p.add_argument("--peak-flops", type=number, help="peak FLOP/s per device (overrides --gpu)")
@@ -88,11 +102,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     hw = dict(gpu=args.gpu, peak_flops=args.peak_flops, tp=args.tp, pp=args.pp, gpus=args.gpus, mfu=args.mfu,
               causal_halving=args.causal_halving)
+    layout = dict(vpp=args.vpp, cp=args.cp, ep=args.ep, sequence_parallel=args.sequence_parallel,
+                  attention_impl=args.attention_impl, dp_overlap=not args.no_dp_overlap, tp_overlap=args.tp_overlap,
+                  gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw)
     if args.fit:
-        return _cmd_fit(args, model, run, budget, hw)
+        return _cmd_fit(args, model, run, budget, hw, layout)
+    if args.global_batch:
+        run["grad_accum"] = accumulation_for(args.global_batch, run["micro_batch"], args.gpus // (args.tp * args.pp * args.cp),
+                                             args.grad_accum)
     plan = plan_run(model, params_count=args.params if model is None else None, tokens=args.tokens, zero=args.zero,
                     bandwidth=args.bandwidth, memory=parse_bytes(args.memory) if args.memory else None,
-                    memory_budget=budget, price=args.price, **run, **hw)
+                    memory_budget=budget, price=args.price, **run, **hw, **layout)
     if args.simulate:
         return _cmd_simulate(args, model, run, plan)
     scaling = _scaling_prediction(args.model, model, args.tokens)
@@ -112,6 +132,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def accumulation_for(global_batch: int, micro_batch: int, dp: int, grad_accum: int | None) -> int:
+    """The accumulation steps K of a global batch (sequences) = micro-batch x K x dp, or a clear error."""
+    dp = max(dp, 1)
+    k, rest = divmod(global_batch, micro_batch * dp)
+    if rest or k == 0:
+        raise TrainwiseError(
+            f"--global-batch {global_batch} sequences is not micro-batch x dp x accumulation = {micro_batch} x {dp} x K "
+            f"for a whole K; use a multiple of {micro_batch * dp}, e.g. {max(1, round(global_batch / (micro_batch * dp))) * micro_batch * dp}.")
+    if grad_accum is not None and grad_accum != k:
+        raise TrainwiseError(
+            f"--global-batch {global_batch} = micro-batch {micro_batch} x dp {dp} x accumulation {k}, but --grad-accum "
+            f"{grad_accum} was given; drop one of them.")
+    return k
+
+
 def _scaling_prediction(spec: str | None, model, tokens: float) -> dict | None:
     """The stored `trainwise scale` fit's loss for this model on its corpus (a TOML's [data], else the
     built-in corpus), or None where no fit exists."""
@@ -120,7 +155,7 @@ def _scaling_prediction(spec: str | None, model, tokens: float) -> dict | None:
     return plan_prediction(model, tokens, load_config(spec).data if spec.endswith(".toml") else None)
 
 
-def _cmd_fit(args, model, run, budget, hw) -> int:
+def _cmd_fit(args, model, run, budget, hw, layout) -> int:
     if model is None:
         raise TrainwiseError("--fit needs a model config (--model), not only --params.")
     if budget is None:
@@ -130,6 +165,8 @@ def _cmd_fit(args, model, run, budget, hw) -> int:
     seq = run["seq_len"]
     if not args.global_batch and not args.global_batch_tokens:
         raise TrainwiseError("--fit needs a target: --global-batch SEQUENCES or --global-batch-tokens TOKENS.")
+    if args.gpu and args.gpu.lower() not in ("cpu", "cuda") and args.peak_flops is None and args.mfu is None:
+        return _cmd_fit_layouts(args, model, run, budget, layout)
     dp = hw["gpus"] // (hw["tp"] * hw["pp"]) or 1
     gb, note = global_batch_sequences(seq, dp, sequences=args.global_batch, tokens=args.global_batch_tokens)
     good, bad = fit(model, global_batch=gb, memory_budget=budget, seq_len=seq, precision=run["precision"],
@@ -163,6 +200,56 @@ def _cmd_fit(args, model, run, budget, hw) -> int:
         print(f"  B={c.micro_batch} K={c.grad_accum} {c.checkpointing} ZeRO-{c.zero}: {c.reason}")
     if len(bad) > 20:
         print(f"  ... and {len(bad) - 20} more (use --json for all)")
+    return 0 if good else 1
+
+
+def _cmd_fit_layouts(args, model, run, budget, layout) -> int:
+    """--fit on a table GPU: every layout of --gpus priced by the cluster model; the five fastest that fit."""
+    seq = run["seq_len"]
+    gb, note = global_batch_sequences(seq, 1, sequences=args.global_batch, tokens=args.global_batch_tokens)
+    good, bad = fit_layouts(model, gpus=args.gpus, gpu=args.gpu, global_batch=gb, seq_len=seq, memory_budget=budget,
+                            precision=run["precision"], optimizer=run["optimizer"],
+                            attention_impl=layout["attention_impl"], gpus_per_node=layout["gpus_per_node"],
+                            intra_node_bw=layout["intra_node_bw"], inter_node_bw=layout["inter_node_bw"],
+                            dp_overlap=layout["dp_overlap"], tokens=args.tokens or gb * seq)
+    if args.json:
+        print(json.dumps({"global_batch": {"sequences": gb, "tokens": gb * seq, "seq_len": seq, "note": note},
+                          "best": [c.to_json() for c in good[:5]], "fitting": len(good),
+                          "rejected": [c.to_json() for c in bad]}, indent=2))
+        return 0 if good else 1
+    print(f"fit: {model.name} on {args.gpus} x {args.gpu}, {gb} sequences x {seq} tokens per step, "
+          f"{fmt_bytes(budget)} per GPU; {len(good) + len(bad)} layouts, {len(good)} fit")
+    head = f"{'dp':>4} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'B':>3} {'K':>4} {'ckpt':>9}"
+    print(f"{head} {'memory/GPU':>12} {'step s':>9} {'MFU':>6}  largest terms (s)")
+    for c in good[:5]:
+        lay, b = c.layout, c.breakdown or {}
+        top = ", ".join(f"{k[:-2]} {v:.3g}" for k, v in sorted(b.items(), key=lambda kv: -kv[1])[:4])
+        print(f"{lay['dp']:>4} {lay['tp']:>3} {lay['pp']:>3} {lay['vpp']:>3} {lay['cp']:>3} {lay['ep']:>3} {lay['zero']:>4} "
+              f"{c.micro_batch:>3} {lay['micro_batches']:>4} {c.checkpointing:>9} {c.per_device_bytes / 2**30:>8.1f} GiB "
+              f"{c.step_seconds:>9.4g} {c.mfu:>6.1%}  {top}")
+    if good:
+        best, shown = good[0], {(c.layout["tp"], c.layout["pp"]) for c in good[:5]}
+        others = {}
+        for c in good[5:]:  # the best of each tensor x pipeline split not shown above, and what makes it slower
+            others.setdefault((c.layout["tp"], c.layout["pp"]), c)
+        for (tp, pp), c in sorted(others.items(), key=lambda kv: kv[1].step_seconds)[:6]:
+            if (tp, pp) in shown:
+                continue
+            grow = sorted(((v - best.breakdown[k], k) for k, v in c.breakdown.items()), reverse=True)[:2]
+            print(f"slower: tp {tp} pp {pp} at best {c.step_seconds:.4g} s ({c.step_seconds / best.step_seconds - 1:+.0%}): "
+                  + ", ".join(f"{k[:-2]} {d:+.3g} s" for d, k in grow if d > 0))
+    else:
+        print("no layout fits; raise --gpus or the budget, or use checkpointing/ZeRO.")
+    reasons: dict[str, list] = {}
+    for c in bad:
+        key = "do not fit in memory" if "GiB per GPU" in c.reason else c.reason[:110]
+        reasons.setdefault(key, []).append(c)
+    print(f"set aside ({len(bad)}):")
+    for reason, cands in sorted(reasons.items(), key=lambda kv: -len(kv[1]))[:8]:
+        c = min(cands, key=lambda c: c.per_device_bytes or float("inf"))
+        example = (f" (the smallest: tp {c.layout['tp']} pp {c.layout['pp']} B {c.micro_batch} {c.checkpointing}: "
+                   f"{c.reason})" if reason.startswith("do not fit") else "")
+        print(f"  {len(cands):>5} {reason}{example}")
     return 0 if good else 1
 
 

@@ -1,6 +1,9 @@
-"""Communication of a step: ring collectives per data-parallel strategy, and how much of it a step waits for."""
+"""Communication of a step: ring collectives per data-parallel strategy, and how much of it a step waits for;
+on a GPU cluster, each collective over the tier (NVLink, network) its group crosses."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from trainwise.config import STRATEGY_OF_STAGE
 
@@ -53,3 +56,59 @@ def exposed_comm(comm: dict[str, float], compute_s: float, overlaps: bool) -> fl
 def strategy_for(zero: int, dp: int) -> str:
     """The trainer's strategy that a plan's ZeRO stage stands for over dp ranks (runtime.distributed)."""
     return "none" if dp <= 1 else STRATEGY_OF_STAGE[zero]
+
+
+# ---------------------------------------------------------------------------------------------------
+# collectives on a GPU cluster: nccl-tests' formulas over the tier a group's ranks cross
+
+# nccl-tests (doc/PERFORMANCE.md): time t of a collective over n ranks of a buffer of S bytes (the full
+# array: the gathered output, the reduced input) moves factor x S per rank at the bus bandwidth.
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0}
+# t = ALPHA + factor x S / (ETA x peak busbw), the least-squares fit (log time, sizes 1 MiB-16 GiB, rms
+# 11%, worst 22% at 16 MiB) to the published 8x A100 NVLink all_reduce_perf sweep (ml-engineering
+# network/README.md l.1216-1241: 101.9 us at 1 MiB ... 127,997 us at 16 GiB, peak busbw 234.9 GB/s):
+# 217 GB/s effective = 0.923 of the peak, 86 us per call. Applied to every tier's published peak.
+ETA_NCCL = 0.923
+ALPHA_NCCL_S = 86e-6
+ALPHA_P2P_S = 10e-6  # a 2-GPU ring all-reduce of 8-128 B on a DGX A100 (nccl-tests issue #123): one hop
+P2P_FRACTION = 0.65  # sendrecv_perf, 8x A100: 195.1 GB/s at 1 GiB of NVLink3's 300 (li-plus/playground cuda/nccl.md)
+
+
+@dataclass(frozen=True)
+class Tier:
+    """The links a group's collectives cross, as bus bandwidths (bytes/s): NVLink inside a node, or the
+    network when the group spans nodes."""
+
+    name: str
+    ring_busbw: float  # all-reduce, all-gather, reduce-scatter
+    alltoall_busbw: float
+    p2p_bytes_per_s: float
+
+
+def group_tier(per_node: int, nodes: int, gpus_per_node: int, intra_bytes_per_s: float, inter_bytes_per_s: float,
+               allreduce_busbw_intra: float, alltoall_busbw_intra: float, allreduce_busbw_inter: float,
+               alltoall_busbw_inter: float) -> Tier:
+    """The tier of a group with `per_node` ranks on each of `nodes` nodes. Inside a node: the node's NCCL
+    bus bandwidths. Across nodes a ring's slowest hop is the network, each rank through its own NIC: the
+    node's measured cross-node busbw x per_node / gpus_per_node; all-to-all reaches one NIC's worth
+    whatever the ranks per node (nccl-tests issue #267); send/recv one NIC."""
+    if nodes <= 1:
+        return Tier("nvlink", allreduce_busbw_intra, alltoall_busbw_intra, P2P_FRACTION * intra_bytes_per_s)
+    return Tier("network", allreduce_busbw_inter * per_node / gpus_per_node, alltoall_busbw_inter,
+                allreduce_busbw_inter / gpus_per_node)
+
+
+def collective_seconds(kind: str, nbytes: float, n: int, tier: Tier) -> float:
+    """Seconds of one collective `kind` of S = nbytes over n ranks on `tier` (see ETA_NCCL)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if kind == "send_recv":
+        return ALPHA_P2P_S + nbytes / (ETA_NCCL * tier.p2p_bytes_per_s)
+    busbw = tier.alltoall_busbw if kind == "all_to_all" else tier.ring_busbw
+    return ALPHA_NCCL_S + BUS_FACTOR[kind](n) * nbytes / (ETA_NCCL * busbw)
+
+
+def bytes_sent(kind: str, nbytes: float, n: int) -> float:
+    """Bytes one rank sends in a collective of S = nbytes over n ranks (ring algorithms): factor x S."""
+    return 0.0 if n <= 1 else BUS_FACTOR[kind](n) * nbytes

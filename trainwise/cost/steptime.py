@@ -15,9 +15,8 @@ times them when a plan first needs them, a few ms each, and caches them; here th
 layout, which no two-parameter fit follows. The fits' intercepts are left out: the per-call cost is the
 eager overhead term, measured in real steps (with the factor by which kernels run slower inside a step
 than alone). A compiled step (torch.compile, CPU) runs the same matmuls; inductor fuses the rest into
-kernels that take COMPILED_ELEMENTWISE x the eager element-wise time and pay no per-op overhead. A table
-GPU gets hardware.profile.DEFAULT_EFFICIENCY applied to its datasheet (source "table defaults": "from
-table, uncalibrated").
+kernels that take COMPILED_ELEMENTWISE x the eager element-wise time and pay no per-op overhead. A GPU
+this machine has not calibrated is priced from published figures instead (trainwise.cost.cluster).
 """
 
 from __future__ import annotations

@@ -120,7 +120,8 @@ def cached_link(backend: str, world: int) -> list[float] | None:
 
 def cached(device: torch.device | str) -> dict | None:
     """This device's cached calibration with a profile, or None; measures nothing (a GPU run must not
-    spend half a minute calibrating: without `trainwise hardware --calibrate` it uses table defaults)."""
+    spend half a minute calibrating: without `trainwise hardware --calibrate` it is priced from published
+    figures, trainwise.cost.cluster)."""
     entry = read_json(calibration_path()).get(machine_key(torch.device(device)))
     return entry if entry and entry.get("profile", {}).get("version") == PROFILE_VERSION else None
 

@@ -1,8 +1,19 @@
-"""The one table of accelerators: dense peak FLOP/s per dtype, memory bandwidth and capacity.
+"""The one table of accelerators: dense peak FLOP/s per dtype, memory bandwidth and capacity; what their
+kernels reach in published microbenchmarks (largest matmuls, memory copies, FlashAttention-2); and the
+nodes they come in (GPUs per node, NVLink and network bandwidth, NCCL bus bandwidth measured).
 
 Figures are dense (no 2:4 sparsity), per device as PyTorch sees it. Each figure carries its source;
 the collected evidence (and where public tables disagree) is in shared/reference/accelerators.md.
 "fp32" is the non-tensor-core FP32 rate; "tf32" the TF32 tensor-core rate where one exists.
+
+Microbenchmark sources, short names used below:
+  MAMF      S. Bekman, ml-engineering, compute/accelerator/README.md "Maximum Achievable Matmul FLOPS"
+            (torch.mm, best shape of a brute-force search, L2 flushed; commit 744d01e, lines 342-392)
+  copy      cuda-samples p2pBandwidthLatencyTest, a GPU's copy to itself (read + write counted), as run in
+            ml-engineering network/README.md lines 1315-1362: A100 1,545-1,594 GB/s, H100 SXM 2,495-2,534,
+            GB200 5,715-5,821
+  NCCL-GTC  NVIDIA GTC 2024 S62129 and GTC 2025 S72583 slides, "NCCL Tests Allreduce / Alltoall Bus
+            Bandwidth" (reproduced in ml-engineering network/)
 """
 
 from __future__ import annotations
@@ -24,6 +35,11 @@ class Accelerator:
     bandwidth_bytes_per_s: float | None
     memory_bytes: int | None
     note: str = ""
+    sms: int | None = None  # streaming multiprocessors: matmul tiles run in waves of this many
+    mamf: float | None = None  # maximum achievable bf16/fp16 matmul FLOP/s (MAMF)
+    copy_fraction: float | None = None  # share of the HBM bandwidth a memory-bound kernel reaches (copy)
+    attention: str | None = None  # key of its published FlashAttention-2 rates (ATTENTION_TFLOPS)
+    node: str | None = None  # the node it usually comes in (NODES)
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; fp16 falls back to bf16 and vice versa."""
@@ -42,27 +58,39 @@ ACCELERATORS: dict[str, Accelerator] = {
     "v100": Accelerator("V100", {"fp16": 125 * T, "fp32": 15.7 * T}, 900 * GB, 32 * GB),
     # A100 SXM 40GB: NVIDIA A100 datasheet via glennklockwood.com/garden/processors/A100:
     # BF16 312, TF32 156, FP32 19.5 TFLOP/s; 1,555 GB/s HBM2 (upb-pc2 wiki); 40 GB.
-    "a100-40gb": Accelerator("A100 40GB", {"bf16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T}, 1555 * GB, 40 * GB),
+    "a100-40gb": Accelerator("A100 40GB", {"bf16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T}, 1555 * GB, 40 * GB,
+                             sms=108, mamf=271.2 * T, copy_fraction=0.79, attention="fa2-a100", node="dgx-a100"),
     # A100 SXM 80GB: same compute (NVIDIA datasheet); 2,039 GB/s HBM2e (glennklockwood), 80 GB.
-    "a100-80gb": Accelerator("A100 80GB", {"bf16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T}, 2039 * GB, 80 * GB),
+    # Kernels (both A100s): 108 SMs (NVIDIA A100 whitepaper); MAMF 271.2 TFLOP/s bf16 (86.9%, shape
+    # 1024x10240x5120); copy 1,545-1,594 GB/s of 2,000: 0.79; FlashAttention-2 on A100 80GB (Dao 2023).
+    "a100-80gb": Accelerator("A100 80GB", {"bf16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T}, 2039 * GB, 80 * GB,
+                             sms=108, mamf=271.2 * T, copy_fraction=0.79, attention="fa2-a100", node="dgx-a100"),
     # H100 SXM: NVIDIA H100 table (hpctech.co.jp copy; "* with sparsity, 1/2 without"): BF16 989.4,
     # TF32 494.7, FP8 1,979, FP32 66.9 TFLOP/s; 3.35 TB/s HBM3; 80 GB.
+    # Kernels: 132 SMs; MAMF 794.5 TFLOP/s bf16 (80.3%, 2048x2048x13312); copy 2,495-2,534 GB/s of 3,350:
+    # 0.75; FlashAttention-2 on H100 80GB SXM5 (Dao 2023 Fig. 7: PyTorch's SDPA flash kernel is FA2).
     "h100-sxm": Accelerator("H100 SXM", {"bf16": 989.4 * T, "tf32": 494.7 * T, "fp8": 1979 * T, "fp32": 66.9 * T},
-                            3.35e12, 80 * GB),
+                            3.35e12, 80 * GB, sms=132, mamf=794.5 * T, copy_fraction=0.75, attention="fa2-h100",
+                            node="dgx-h100"),
     # H100 PCIe: same NVIDIA table: BF16 756, TF32 378, FP8 1,513, FP32 51; 2.0 TB/s HBM2e; 80 GB.
     "h100-pcie": Accelerator("H100 PCIe", {"bf16": 756 * T, "tf32": 378 * T, "fp8": 1513 * T, "fp32": 51 * T},
                              2.0e12, 80 * GB),
     # H200 SXM: NVIDIA H200 spec (lzwjava copy; scaling-book): BF16 989, FP8 1,979 dense; 4.8 TB/s; 141 GB.
+    # Kernels as H100 SXM (MAMF: "H200 is the same"); copy fraction of H100 (no H200 copy figure found).
     "h200": Accelerator("H200", {"bf16": 989 * T, "tf32": 494.7 * T, "fp8": 1979 * T, "fp32": 67 * T},
-                        4.8e12, 141 * GB),
+                        4.8e12, 141 * GB, sms=132, mamf=794.5 * T, copy_fraction=0.75, attention="fa2-h100",
+                        node="hgx-h200"),
     # H800 SXM: same GH100 compute as H100 SXM (secondary sources philisun.com; no NVIDIA datasheet
     # read), NVLink cut to 400 GB/s; 3.35 TB/s HBM3, 80 GB.
     "h800": Accelerator("H800", {"bf16": 989 * T, "tf32": 494.7 * T, "fp8": 1979 * T, "fp32": 67 * T},
-                        3.35e12, 80 * GB, note="secondary source only"),
+                        3.35e12, 80 * GB, note="secondary source only", sms=132, mamf=794.5 * T, copy_fraction=0.75,
+                        attention="fa2-h100", node="hgx-h800"),
     # B200 (HGX, 1000 W): glennklockwood B200 (NVIDIA figures): BF16 2,250, FP8 4,500, TF32 1,100,
     # FP32 80 TFLOP/s; 8 TB/s; 192 GB HBM3e (another NVIDIA table: 180 GB, 7.7 TB/s).
+    # Kernels: 148 SMs (ml-engineering training/performance/README.md); MAMF 1,745 TFLOP/s bf16 (77.6%);
+    # copy fraction of GB200 (5,715-5,821 GB/s of 8,000: 0.73); no published FlashAttention-2 rates.
     "b200": Accelerator("B200", {"bf16": 2250 * T, "tf32": 1100 * T, "fp8": 4500 * T, "fp32": 80 * T},
-                        8.0e12, 192 * GB),
+                        8.0e12, 192 * GB, sms=148, mamf=1745 * T, copy_fraction=0.73, node="dgx-b200"),
     # L4: NVIDIA L4 datasheet (nanochat 121e12; sourcecode.com listing): BF16 121, TF32 60, FP8 242.5,
     # FP32 30.3; 300 GB/s GDDR6; 24 GB.
     "l4": Accelerator("L4", {"bf16": 121 * T, "tf32": 60 * T, "fp8": 242.5 * T, "fp32": 30.3 * T}, 300 * GB, 24 * GB),
@@ -82,8 +110,10 @@ ACCELERATORS: dict[str, Accelerator] = {
                           note="per GCD = half an OAM module"),
     # MI300X: AMD spec (nanochat 1.3074e15): BF16 1,307.4, FP8 2,614.9, TF32 653.7, FP32 163.4;
     # 5.3 TB/s HBM3; 192 GB.
+    # Kernels: MAMF 668.4 TFLOP/s bf16 (51.4%, TunableOp; AMD's own hipblaslt figure is 708: ROCm blog
+    # "measuring max achievable FLOPs part 2"); 304 compute units (AMD CDNA 3 whitepaper).
     "mi300x": Accelerator("MI300X", {"bf16": 1307.4 * T, "tf32": 653.7 * T, "fp8": 2614.9 * T, "fp32": 163.4 * T},
-                          5.3e12, 192 * GB),
+                          5.3e12, 192 * GB, sms=304, mamf=668.4 * T, node="mi300x-platform"),
     # TPU v4: Google Cloud TPU docs (v4): 275 TFLOP/s bf16, 1,200 GB/s, 32 GiB HBM2.
     "tpu-v4": Accelerator("TPU v4", {"bf16": 275 * T}, 1200 * GB, 32 * GiB),
     # TPU v5e: Google Cloud TPU docs (v5e): 197 TFLOP/s bf16, 819 GB/s, 16 GB HBM2.
@@ -91,6 +121,75 @@ ACCELERATORS: dict[str, Accelerator] = {
     # TPU v5p: Google Cloud TPU docs (v5p): 459 TFLOP/s bf16, 2,765 GB/s, 95 GB HBM2e.
     "tpu-v5p": Accelerator("TPU v5p", {"bf16": 459 * T}, 2765 * GB, 95 * GB),
 }
+
+
+
+@dataclass(frozen=True)
+class Node:
+    """A server of `gpus` accelerators: per GPU and per direction, its NVLink (or other GPU-to-GPU fabric)
+    and network bandwidth, and the NCCL bus bandwidth measured on it (nccl-tests busbw, large messages):
+    all-reduce (ring; the same wire for all-gather and reduce-scatter) and all-to-all, inside one node
+    and across nodes (all 8 GPUs of each node in the collective: `inter_*` are per node)."""
+
+    name: str
+    gpus: int
+    intra_bytes_per_s: float  # GPU-to-GPU line rate per GPU per direction
+    inter_bytes_per_s: float  # network per GPU per direction (its own NIC)
+    allreduce_busbw_intra: float
+    alltoall_busbw_intra: float
+    allreduce_busbw_inter: float  # per node, all its GPUs in the ring
+    alltoall_busbw_inter: float  # across nodes all-to-all reaches one NIC's worth (nccl-tests issue #267)
+    source: str = ""
+
+
+NODES: dict[str, Node] = {
+    # DGX A100: NVLink3 300 GB/s per direction per GPU, 8x HDR 200 Gb/s compute NICs (Korthikanti et al.
+    # 2022 section 6); busbw: all-reduce 235 GB/s in a node (nccl-tests sweep, 16 GiB; ml-engineering
+    # network/README.md l.1216-1283), across nodes 192 GB/s; all-to-all 210 in a node, 24 across (NCCL-GTC).
+    "dgx-a100": Node("DGX A100", 8, 300 * GB, 25 * GB, 235 * GB, 210 * GB, 192 * GB, 24 * GB,
+                     "NVLink3 + 8x HDR 200 Gb/s"),
+    # DGX H100 / HGX H100: NVLink4 450 GB/s per direction, 8x ConnectX-7 NDR 400 Gb/s (DGX BasePOD RA);
+    # busbw: ring all-reduce ~370 in a node (NCCL maintainer, nccl-tests issue #212; 367 measured on H200),
+    # 370 across nodes; all-to-all 320 in a node, 48 across (NCCL-GTC 2025).
+    "dgx-h100": Node("DGX H100", 8, 450 * GB, 50 * GB, 370 * GB, 320 * GB, 370 * GB, 48 * GB,
+                     "NVLink4 + 8x NDR 400 Gb/s"),
+    "hgx-h200": Node("HGX H200", 8, 450 * GB, 50 * GB, 367 * GB, 320 * GB, 370 * GB, 48 * GB,
+                     "NVLink4 + 8x NDR 400 Gb/s; ring all-reduce 367.2 GB/s measured (ml-engineering l.974)"),
+    # H800: NVLink cut to 400 GB/s bidirectional; DeepSeek-V3 report section 3.2.2: "NVLink offers 160 GB/s,
+    # roughly 3.2 times that of IB (50 GB/s)" (measured, usable): those two as the bus bandwidths.
+    "hgx-h800": Node("HGX H800", 8, 200 * GB, 50 * GB, 160 * GB, 160 * GB, 8 * 50 * GB, 50 * GB,
+                     "NVLink 400 GB/s bidirectional + 8x 400 Gb/s (DeepSeek-V3 report)"),
+    # DGX B200: NVLink5 900 GB/s per direction, 8x ConnectX-7 400 Gb/s (DGX BasePOD RA); ring all-reduce
+    # 682 GB/s in a node (8 GiB, NVLS off; ml-engineering l.933-941), all-to-all 640 (NCCL-GTC 2025);
+    # across nodes as DGX H100 (same NICs).
+    "dgx-b200": Node("DGX B200", 8, 900 * GB, 50 * GB, 682 * GB, 640 * GB, 370 * GB, 48 * GB,
+                     "NVLink5 + 8x ConnectX-7 400 Gb/s"),
+    # MI300X platform: Infinity Fabric, 7 links x 64 GB/s per direction per GPU (AMD); all-reduce 313 GB/s
+    # on 8 GPUs (4 GiB, ml-engineering network/README.md l.230); NICs not published: 8x 400 Gb/s assumed.
+    "mi300x-platform": Node("MI300X platform", 8, 448 * GB, 50 * GB, 313 * GB, 313 * GB, 370 * GB, 48 * GB,
+                            "Infinity Fabric; NICs assumed 8x 400 Gb/s"),
+}
+
+
+def get_node(name: str) -> Node:
+    key = _key(name)
+    if key not in NODES:
+        raise TrainwiseError(f"unknown node '{name}'. Known: {', '.join(NODES)}; or give --gpus-per-node, "
+                             "--intra-node-bw and --inter-node-bw.")
+    return NODES[key]
+
+
+# FlashAttention-2 forward+backward TFLOP/s by head dim and sequence length, causal, as its papers count
+# FLOPs (forward 4 T^2 hd heads, halved for causal; backward 2.5x forward). Dao 2023 (arXiv 2307.08691)
+# Fig. 4 (A100 80GB SXM4) and Fig. 7 (H100 80GB SXM5), the labels printed on the bars; batch x T = 16k
+# tokens, hidden 2048.
+ATTENTION_TFLOPS: dict[str, dict[int, dict[int, float]]] = {
+    "fa2-a100": {64: {512: 88, 1024: 119, 2048: 140, 4096: 156, 8192: 165, 16384: 171},
+                 128: {512: 99, 1024: 133, 2048: 155, 4096: 173, 8192: 182, 16384: 189}},
+    "fa2-h100": {64: {512: 141, 1024: 192, 2048: 232, 4096: 257, 8192: 273, 16384: 284},
+                 128: {512: 163, 1024: 221, 2048: 265, 4096: 294, 8192: 308, 16384: 328}},
+}
+
 
 ALIASES = {
     "a100": "a100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb", "h100": "h100-sxm",

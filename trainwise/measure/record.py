@@ -25,7 +25,7 @@ from trainwise.config import TrainConfig
 from trainwise.cost.ops import Op, op_class
 from trainwise.measure.fake import fake_step_mode
 from trainwise.measure.flopcount import flop_counter
-from trainwise.runtime.parallelize import use_compiled_attention
+from trainwise.runtime.parallelize import use_compiled_attention, use_native_dropout, use_unfused_attention
 from trainwise.runtime.precision import DTYPE_NAMES
 from trainwise.runtime.step import build_model, build_step
 
@@ -138,9 +138,14 @@ def step_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32",
 
 
 def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpointing: str, compiled: bool,
-            optimizer: str) -> dict[tuple, list]:
+            optimizer: str, attention: str = "sdpa") -> dict[tuple, list]:
     """{(name, phase, dtype, shape, layout, bytes per call): [calls, FLOPs, bytes]} of one micro-batch's
-    step on fake tensors (bytes per call 0 for matmuls and attention, which their shape describes)."""
+    step on fake tensors (bytes per call 0 for matmuls and attention, which their shape describes).
+    attention: "sdpa" (as this machine's SDPA runs it), "flash" (a GPU's flash kernel, attention dropout
+    inside it) or "unfused" (runtime.parallelize.use_unfused_attention). precision "bf16-pure" / "fp16-pure":
+    the weights themselves in 16 bits, activations and residual stream too, no autocast (Megatron-LM's
+    mixed precision, whose fp32 master copy lives in the optimizer)."""
+    pure = {"bf16-pure": torch.bfloat16, "fp16-pure": torch.float16}.get(precision)
     precision = {"amp": "bf16", "bf16": "bf16", "fp16": "fp16"}.get(precision, "fp32")
     if model_cfg.is_moe and not model_cfg.dropless:
         # Capacity-limited routing cuts the groups with data-dependent shapes, which fake tensors cannot
@@ -151,13 +156,25 @@ def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpoin
     train = TrainConfig(optimizer="sgd" if optimizer.startswith("sgd") else "adamw",
                         momentum=0.9 if optimizer == "sgd-momentum" else 0.0, activation_checkpointing=checkpointing)
     with fake_step_mode():
-        model = build_model(model_cfg)
-        if precision == "fp32":  # fake tensors have no fp32 _grouped_mm: experts one by one, same FLOPs and bytes
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(pure or default)  # built in 16 bits (a fake tensor cannot be converted in place)
+        try:
+            model = build_model(model_cfg)
+        finally:
+            torch.set_default_dtype(default)
+        if precision == "fp32" and pure is None:  # fake tensors have no fp32 _grouped_mm: experts one by one, same FLOPs and bytes
             for block in model.blocks:
                 if hasattr(block.mlp, "grouped_mm"):
                     block.mlp.grouped_mm = False
         if compiled:  # what a compiled CPU step runs instead of SDPA (the rest is the eager step's operators)
             use_compiled_attention(model, only_when_compiling=False)
+        elif attention == "unfused":
+            use_unfused_attention(model)
+        elif attention == "flash":  # a GPU's flash kernel applies attention dropout inside; the CPU's has none
+            for block in model.blocks:
+                block.attn.dropout = 0.0
+        if attention != "sdpa":  # a GPU step: CUDA's fused dropout kernel
+            use_native_dropout(model)
         step = build_step(model, train, torch.device("cpu"), precision)
         ids = torch.randint(0, model_cfg.vocab_size, (micro_batch, seq_len + 1))
         with rec:
@@ -168,3 +185,53 @@ def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpoin
 def param_tensors(model_cfg) -> int:
     """Parameter tensors of the built model (the optimizer's per-tensor cost), counted on the meta device."""
     return len(list(build_model(model_cfg, "meta").parameters()))
+
+
+def block_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32", checkpointing: str = "none",
+              optimizer: str = "adamw", attention: str = "flash") -> dict[str, list[Op]]:
+    """One micro-batch's operators split where a pipeline splits them: "layer" (one dense block), "moe_layer"
+    (one MoE block, MoE models only) and "ends" (embedding, final norm, LM head and loss), each with the
+    optimizer update of its own parameters (one op, "optimizer"). Recorded at depths 1 and 2 (and one MoE
+    block) and differenced: a block's operators do not depend on its depth (see step_ops)."""
+    dense = model_cfg
+    if model_cfg.is_moe:
+        dense = replace(model_cfg, n_experts=0, top_k=0, n_shared_experts=0, first_dense_layers=0, router_bias=False)
+    one, two = (_optimizer_as_one(_record(replace(dense, n_layers=n), micro_batch, seq_len, precision, checkpointing,
+                                          False, optimizer, attention)) for n in (1, 2))
+    layer = _minus(two, one)
+    out = {"layer": _ops(layer), "ends": _ops(_minus(one, layer))}
+    if model_cfg.is_moe:
+        moe = _optimizer_as_one(_record(replace(model_cfg, n_layers=1, first_dense_layers=0, moe_every=1), micro_batch,
+                                        seq_len, precision, checkpointing, False, optimizer, attention))
+        out["moe_layer"] = _ops(_minus(moe, _minus(one, layer)))
+    return out
+
+
+def _optimizer_as_one(rec: dict[tuple, list]) -> dict[tuple, list]:
+    """The optimizer phase's ops summed into one record (its foreach ops take every parameter at once,
+    so their per-call sizes change with depth and would not difference)."""
+    out, total = {}, [0, 0.0, 0.0]
+    for key, (calls, flops, nbytes) in rec.items():
+        if key[1] == "optimizer":
+            total = [1, total[1] + flops, total[2] + nbytes]
+        else:
+            out[key] = [calls, flops, nbytes]
+    if total[0]:
+        out[("optimizer", "optimizer", "fp32", None, "", 0)] = total
+    return out
+
+
+def _minus(a: dict[tuple, list], b: dict[tuple, list]) -> dict[tuple, list]:
+    out = {}
+    for key in a.keys() | b.keys():
+        x, y = a.get(key, [0, 0.0, 0.0]), b.get(key, [0, 0.0, 0.0])
+        diff = [x[0] - y[0] if key[1] != "optimizer" else 1, x[1] - y[1], x[2] - y[2]]
+        if diff[1] or diff[2] or (diff[0] and key[1] != "optimizer"):
+            out[key] = diff
+    return out
+
+
+def _ops(rec: dict[tuple, list]) -> list[Op]:
+    return sorted((Op(n, op_class(n), ph, dt, shape, int(c), f, b, layout)
+                   for (n, ph, dt, shape, layout, _), (c, f, b) in rec.items() if c > 0 and (f or b)),
+                  key=lambda o: -o.flops)

@@ -106,6 +106,25 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     return probs.to(v.dtype) @ v
 
 
+def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention as Megatron-LM ran it before fused attention kernels (its 2021-22 published runs):
+    the T x T scores from one batched matmul, the causal mask and softmax in the scores' own dtype (Megatron
+    fuses the two into FusedScaleMaskSoftmax, one read and one write; here two kernels), dropout on the
+    probabilities, a second batched matmul. The planner records it for `plan
+    --attention-impl unfused` (trainwise.runtime.parallelize.use_unfused_attention); trainwise trains with
+    SDPA. q (B, nh, T, hd); k, v (B, nkv, T, hd)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    T = q.shape[2]
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)  # (B, nh, T, T)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    if dropout_p > 0:  # CUDA's fused dropout kernel (F.dropout's CPU path splits it in three)
+        probs = torch.native_dropout(probs, dropout_p, True)[0]
+    return probs @ v
+
+
 class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2, Liu et al. 2024, section 2.1; DeepSeek-V3): keys and
     values come from one compressed latent per token, so the KV cache holds kv_lora_rank + rope numbers

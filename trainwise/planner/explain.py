@@ -12,9 +12,7 @@ NO_HARDWARE = ("no hardware given, so no time: add --gpu NAME (see `trainwise ha
                "machine, measured) or --peak-flops P (FLOP/s per device)")
 
 
-SOURCES = {"calibrated": "calibrated on this machine (`trainwise hardware --calibrate`)",
-           "table defaults": "from table, uncalibrated: datasheet peaks x default efficiencies "
-                             "(cost.steptime.DEFAULT_EFFICIENCY)"}
+SOURCES = {"calibrated": "calibrated on this machine (`trainwise hardware --calibrate`)"}
 
 
 def explain_step(p) -> str:
@@ -52,6 +50,44 @@ def explain_step(p) -> str:
     tps = p.tokens_per_step / st.seconds
     add(f"   tokens/s = {p.tokens_per_step:,} tokens per step / {st.seconds:.4g} s = {tps:,.0f}; "
         f"MFU = {p.model_flops_per_token:.4g} x {tps:,.0f} / ({p.gpus} x {p.hardware.peak_flops:.4g}) = {p.mfu:.2%}")
+    add(f"   time = D / tokens/s = {p.tokens:.4g} / {tps:,.0f} = {p.time.seconds:.4g} s = {p.time.days:.2f} days "
+        f"= {p.time.device_hours:,.1f} device-hours")
+    return "\n".join(out)
+
+
+def explain_cluster(p) -> str:
+    """Section 4 for a GPU cluster (cost.cluster): the layout, each term of the step with its numbers, the
+    largest operators and collectives of the slowest pipeline rank."""
+    st, lay, out = p.cluster, p.layout, []
+    add = out.append
+    b = st.breakdown
+    m, v, pp = lay.micro_batches, lay.vpp, lay.pp
+    add(f"4. Time per step on {p.gpus} x {p.hardware.name} (cluster model, trainwise.cost.cluster; "
+        f"{p.hardware.kernel_source})")
+    add(f"   layout: dp={lay.dp} tp={lay.tp} pp={pp} vpp={v} cp={lay.cp} ep={lay.ep}, sequence parallel "
+        f"{'on' if lay.sequence_parallel else 'off'}, ZeRO-{lay.zero}, {m} micro-batch(es) of {p.micro_batch} per "
+        f"pipeline per step, {lay.attention_impl} attention; ranks ordered tp-cp-ep-dp-pp (tp inside a node)")
+    add("   each pipeline rank's micro-batch (forward + backward, its layers; exposed in-step communication): "
+        + ", ".join(f"{s:.4g} s" for s in st.stage_seconds[:8]) + (" ..." if len(st.stage_seconds) > 8 else ""))
+    add(f"   compute    = m x operators of the slowest rank = {m} x {b['compute_s'] / m:.4g} = {b['compute_s']:.4g} s")
+    add(f"   recompute  = m x its {p.checkpointing} checkpointing's re-run forward = {b['recompute_s']:.4g} s")
+    add(f"   tp comm    = m x (2 collectives of B x T x H per layer and pass, exposed) = {b['tp_comm_s']:.4g} s")
+    add(f"   cp comm    = m x (KV ring sends past the attention kernels) = {b['cp_comm_s']:.4g} s")
+    add(f"   ep comm    = m x (all-to-all dispatch + combine per MoE layer and pass) = {b['ep_comm_s']:.4g} s")
+    add(f"   pp p2p     = m x 2 x vpp sends of B x T x H / tp = {b['pp_p2p_s']:.4g} s")
+    add(f"   bubble     = (p - 1) / (v m) x m x mean rank micro-batch = ({pp} - 1) / ({v} x {m}) x {m} x "
+        f"{sum(st.stage_seconds) / pp:.4g} = {b['bubble_s']:.4g} s")
+    add(f"   dp comm    = gradient reduction over dp x cp, exposed {'past the last backward' if lay.dp_overlap else 'in full'}"
+        f" = {b['dp_comm_s']:.4g} s")
+    add(f"   optimizer  = the rank's fused update at the copy bandwidth = {b['optimizer_s']:.4g} s")
+    add(f"   overhead   = {b['overhead_s']:.4g} s per step (host)")
+    add(f"   step = {' + '.join(f'{b[k]:.4g}' for k in b)} = {st.seconds:.4g} s")
+    add(f"   {'operator / collective (slowest rank, per step)':<56} {'calls':>8} {'seconds':>10}")
+    for o in st.ops[:20]:
+        add(f"   {o['op'].removeprefix('aten.')[:56]:<56} {o['calls']:>8,} {o['seconds']:>10.4g}")
+    tps = p.tokens_per_step / st.seconds
+    add(f"   tokens/s = {p.tokens_per_step:,} / {st.seconds:.4g} s = {tps:,.0f}; MFU = {p.model_flops_per_token:.4g} x "
+        f"{tps:,.0f} / ({p.gpus} x {p.hardware.peak_flops:.4g}) = {p.mfu:.2%}")
     add(f"   time = D / tokens/s = {p.tokens:.4g} / {tps:,.0f} = {p.time.seconds:.4g} s = {p.time.days:.2f} days "
         f"= {p.time.device_hours:,.1f} device-hours")
     return "\n".join(out)
@@ -113,7 +149,9 @@ def explain_plan(p) -> str:
         add(f"   {NO_HARDWARE}")
         out += [f"note: {n}" for n in p.notes]
         return "\n".join(out)
-    if p.step is not None:
+    if p.cluster is not None:
+        add(explain_cluster(p))
+    elif p.step is not None:
         add(explain_step(p))
     else:
         add("4. Time = C / (G x peak x MFU)   (assumed MFU: a what-if, not a prediction)")
@@ -158,8 +196,8 @@ def plan_table(plan) -> str:
 def time_source(source: str) -> str:
     """How a plan's time was obtained, as a person reads it (plan.json keeps the DESIGN.md word)."""
     return {"calibrated": "step-time model, calibrated on this machine",
-            "table defaults": "step-time model from table, uncalibrated: datasheet x default efficiencies"}.get(
-        source, "assumed MFU: a what-if, not a prediction")
+            "published microbenchmarks": "cluster model: operators and collectives at published kernel and NCCL "
+                                         "rates"}.get(source, "assumed MFU: a what-if, not a prediction")
 
 
 def calibration_rows(hardware: dict) -> list[tuple[str, str]]:

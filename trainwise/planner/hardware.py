@@ -6,14 +6,14 @@ MFU, the report's roofline and `trainwise hardware` all ask here.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.cache import cached, cached_link, calibration_note
-from trainwise.hardware.profile import Profile, table_profile
-from trainwise.hardware.table import get_accelerator, lookup_cuda_device
+from trainwise.hardware.profile import Profile
+from trainwise.hardware.table import Accelerator, Node, get_accelerator, get_node, lookup_cuda_device
 from trainwise.measure.calibrate import calibrate
 
 
@@ -27,6 +27,23 @@ class Hardware:
     cuda: bool = False  # a GPU: CUDA kernels, communication overlapped with backward
     peak_source: str = ""  # where peak_flops comes from, as a person reads it (MFU is against it)
     calibration: dict | None = None  # this machine's calibration (hardware.cache), where it is one
+    accelerator: Accelerator | None = None  # a table GPU: cost.cluster prices its steps from published figures
+    node: Node | None = None  # the servers it comes in (GPUs per node, NVLink, network)
+
+    @property
+    def kernel_source(self) -> str:
+        """Where a table GPU's step-time figures come from, as a person reads them."""
+        a = self.accelerator
+        if a is None:
+            return ""
+        kernels = (f"matmuls at MAMF {a.mamf / 1e12:.0f} TFLOP/s (Bekman, ml-engineering)" if a.mamf else
+                   "no published MAMF: matmuls at 80% of peak (the H100's share)")
+        attention = ("FlashAttention-2 published rates (Dao 2023)" if a.attention else
+                     "attention at the A100's FlashAttention-2 rates x MAMF ratio (none published)")
+        node = (f"{self.node.name}: NCCL busbw {self.node.allreduce_busbw_intra / 1e9:.0f} GB/s in a node, "
+                f"{self.node.allreduce_busbw_inter / 1e9:.0f} GB/s per node across nodes (nccl-tests, NVIDIA GTC)"
+                if self.node else "one GPU, no node")
+        return f"{a.name}: {kernels}; {attention}; element-wise at {a.copy_fraction or 0.75:.0%} of HBM; {node}"
 
     @property
     def calibration_note(self) -> str:
@@ -35,13 +52,17 @@ class Hardware:
 
 
 def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth: float | None = None,
-                     memory: int | None = None, dtype: str = "bf16", threads: int | None = None) -> Hardware:
+                     memory: int | None = None, dtype: str = "bf16", threads: int | None = None, *,
+                     gpus_per_node: int | None = None, intra_node_bw: float | None = None,
+                     inter_node_bw: float | None = None, gpus: int = 1) -> Hardware:
     """--gpu NAME from the table (a key, an alias or a CUDA device name), overridden by --peak-flops /
     --bandwidth / --memory where given. `cpu` is this machine as calibrated (with `threads` torch
     threads, e.g. per torchrun rank); `cuda` this machine's GPU: its table entry, priced by its
-    calibration if one is cached, else at the step-time model's default efficiencies (uncalibrated); an
-    unknown GPU is calibrated. A given --peak-flops drops the profile: time then comes from the assumed
-    MFU."""
+    calibration if one is cached, else like a table GPU; an unknown GPU is calibrated. A table GPU is
+    priced from published microbenchmarks (cost.cluster) and comes in its node (hardware.table.NODES),
+    whose GPUs per node and NVLink / network bandwidth per GPU --gpus-per-node, --intra-node-bw and
+    --inter-node-bw override (the measured bus bandwidths scale with them). A given --peak-flops drops
+    every model of the device: time then comes from the assumed MFU."""
     if gpu and gpu.lower() == "cpu":  # this machine, as `trainwise hardware --calibrate` measured it
         measured = calibrate("cpu", threads=threads)
         peak = measured["peak_flops"].get(dtype, measured["peak_flops"]["fp32"])
@@ -56,9 +77,9 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
         hw = _this_gpu(dtype)
     elif gpu:
         acc = get_accelerator(gpu)
-        hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes,
-                      table_profile(acc.peak_flops, acc.bandwidth_bytes_per_s) if acc.bandwidth_bytes_per_s else None,
-                      cuda=True, peak_source=f"{acc.name} datasheet ({dtype})")
+        hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes, None, cuda=True,
+                      peak_source=f"{acc.name} datasheet ({dtype})", accelerator=acc if acc.bandwidth_bytes_per_s else None,
+                      node=get_node(acc.node) if acc.node else None)
     elif peak_flops is not None:
         hw = Hardware("custom", peak_flops)
     else:
@@ -66,6 +87,9 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
                              "measured peak) or --peak-flops P (FLOP/s).")
     if peak_flops is not None:
         hw.peak_flops, hw.profile, hw.peak_source, hw.calibration = float(peak_flops), None, "given (--peak-flops)", None
+        hw.accelerator = None
+    if hw.accelerator is not None:
+        hw.node = _node(hw, gpus, gpus_per_node, intra_node_bw, inter_node_bw)
     if bandwidth:
         hw.bandwidth_bytes_per_s = float(bandwidth)
     if memory:
@@ -82,14 +106,14 @@ def _this_gpu(dtype: str) -> Hardware:
     acc = lookup_cuda_device(name)
     if acc is None and entry is None:
         entry = calibrate("cuda")
-    profile = (Profile.from_json(entry["profile"]).on_device("cuda", entry["machine"], None) if entry else
-               table_profile(acc.peak_flops, acc.bandwidth_bytes_per_s) if acc.bandwidth_bytes_per_s else None)
+    profile = Profile.from_json(entry["profile"]).on_device("cuda", entry["machine"], None) if entry else None
     if acc is not None:
         peak, source = acc.peak(dtype), f"{acc.name} datasheet ({dtype})"
     else:
         peak, source = entry["peak_flops"].get(dtype, 0.0), f"measured {dtype} matmul peak of this cuda"
     hw = Hardware(name, peak, acc.bandwidth_bytes_per_s if acc else entry["bandwidth_bytes_per_s"],
-                  acc.memory_bytes if acc else None, profile, cuda=True, peak_source=source, calibration=entry)
+                  acc.memory_bytes if acc else None, profile, cuda=True, peak_source=source, calibration=entry,
+                  accelerator=acc if profile is None else None, node=get_node(acc.node) if acc and acc.node else None)
     _use_measured_link(profile, "nccl", torch.cuda.device_count())
     return hw
 
@@ -103,3 +127,27 @@ def _use_measured_link(profile: Profile | None, backend: str, world: int | None)
     """The collectives as `trainwise hardware --calibrate` measured them under torchrun, if it did."""
     if profile is not None and world and world > 1 and (link := cached_link(backend, world)):
         profile.link, profile.link_source = link, f"calibrated ({backend}, {world} ranks)"
+
+
+def _node(hw: Hardware, gpus: int, gpus_per_node: int | None, intra: float | None, inter: float | None) -> Node | None:
+    """The node of a table GPU with the user's overrides: GPUs per node; NVLink and network bandwidth per GPU
+    per direction, the NCCL bus bandwidths measured on the node scaled by the same ratio."""
+    node = hw.node
+    if node is None:
+        if gpus > 1 and not (gpus_per_node and intra and inter):
+            raise TrainwiseError(
+                f"{hw.name} has no node in trainwise's table, so a {gpus}-device step cannot price its communication: "
+                "give --gpus-per-node N, --intra-node-bw B and --inter-node-bw B (bytes/s per GPU per direction).")
+        if not (gpus_per_node and intra and inter):
+            return None
+        node = Node("custom", gpus_per_node, intra, inter, 0.78 * intra, 0.7 * intra, 0.96 * gpus_per_node * inter,
+                    0.96 * inter, "given; NCCL efficiencies of a DGX A100 (hardware.table)")
+    for name, value in (("--gpus-per-node", gpus_per_node), ("--intra-node-bw", intra), ("--inter-node-bw", inter)):
+        if value is not None and value <= 0:
+            raise TrainwiseError(f"{name} = {value} must be positive.")
+    a, b = (intra or node.intra_bytes_per_s) / node.intra_bytes_per_s, (inter or node.inter_bytes_per_s) / node.inter_bytes_per_s
+    g = gpus_per_node or node.gpus
+    return replace(node, gpus=g, intra_bytes_per_s=node.intra_bytes_per_s * a, inter_bytes_per_s=node.inter_bytes_per_s * b,
+                   allreduce_busbw_intra=node.allreduce_busbw_intra * a, alltoall_busbw_intra=node.alltoall_busbw_intra * a,
+                   allreduce_busbw_inter=node.allreduce_busbw_inter * b * g / node.gpus,
+                   alltoall_busbw_inter=node.alltoall_busbw_inter * b)

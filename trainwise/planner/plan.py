@@ -11,10 +11,13 @@ from typing import Any
 from trainwise.config import ZERO_STAGE, ModelConfig, RunConfig, TrainConfig
 from trainwise.cost import flops as F
 from trainwise.cost import memory as M
+from trainwise.cost.cluster import ClusterStep
+from trainwise.cost.layout import Layout, RankMemory, check_layout, make_layout, rank_memory
 from trainwise.cost.params import ParamCount, params
 from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time
 from trainwise.errors import TrainwiseError
+from trainwise.planner.cluster import predict_cluster_step
 from trainwise.planner.explain import NO_HARDWARE, explain_plan
 from trainwise.planner.hardware import Hardware, resolve_hardware
 from trainwise.planner.step import predict_step_time
@@ -52,7 +55,10 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     compiled: bool = False  # torch.compile: what autograd saves changes (memory.compiled_block_bytes_per_token)
     step: StepTime | None = None  # the step-time model's prediction; None: time from the assumed MFU
-    time_source: str = "assumed MFU (--mfu)"  # DESIGN.md: "calibrated" | "table defaults" | "assumed MFU (--mfu)"
+    time_source: str = "assumed MFU (--mfu)"  # "calibrated" | "published microbenchmarks" | "assumed MFU (--mfu)"
+    layout: Layout | None = None  # how the GPUs split the work (cost.layout)
+    cluster: ClusterStep | None = None  # a GPU cluster's step, per operator and collective (cost.cluster)
+    rank: RankMemory | None = None  # the first pipeline rank's memory, under a model-parallel layout
 
     @property
     def tokens_per_step(self) -> int:
@@ -61,6 +67,8 @@ class Plan:
     @property
     def step_seconds(self) -> float | None:
         """Predicted seconds of one optimizer step (all devices together); None without hardware."""
+        if self.cluster is not None:
+            return self.cluster.seconds
         if self.step is not None:
             return self.step.seconds
         if self.hardware is None:
@@ -69,7 +77,7 @@ class Plan:
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.layout.dp if self.layout else self.gpus // (self.tp * self.pp)
 
     @property
     def total_flops(self) -> float:
@@ -84,6 +92,8 @@ class Plan:
         """Peak of one step (memory.peak_bytes): what `trainwise verify` compares with tracked memory."""
         if self.activations_bytes is None or self.model is None:
             return None
+        if self.rank is not None:  # a model-parallel layout: states + activations of the first pipeline rank
+            return self.rank.total
         return M.peak_bytes(self.model, self.states, self.activations_bytes, self.optimizer, self.micro_batch,
                             self.seq_len, self.grad_accum, self.tp, self.recipe, self.checkpointing,
                             compiled=self.compiled)
@@ -127,7 +137,12 @@ class Plan:
             "hardware": {"name": hw and hw.name, "peak_flops": hw and hw.peak_flops,
                          "bandwidth_bytes_per_s": hw and hw.bandwidth_bytes_per_s, "devices": self.gpus,
                          "mfu": self.mfu, "tp": self.tp, "pp": self.pp, "dp": self.dp,
+                         "gpus_per_node": hw and hw.node and hw.node.gpus,
+                         "intra_node_bytes_per_s": hw and hw.node and hw.node.intra_bytes_per_s,
+                         "inter_node_bytes_per_s": hw and hw.node and hw.node.inter_bytes_per_s,
                          **(self._calibration_json() if hw and hw.calibration else {})},
+            "layout": self.layout.to_json() if self.layout else None,
+            "comm": self.cluster.comm if self.cluster else {},
             "run": {"seq_len": self.seq_len, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
                     "global_batch_tokens": self.seq_len * self.micro_batch * self.grad_accum * self.dp},
         }
@@ -149,10 +164,13 @@ class Plan:
         if self.time is None:
             return {"seconds": None, "days": None, "device_hours": None, "step_seconds": None, "tokens_per_s": None,
                     "mfu": None, "source": self.time_source, "note": NO_HARDWARE}
-        return {"seconds": self.time.seconds, "days": self.time.days, "device_hours": self.time.device_hours,
-                "step_seconds": self.step_seconds, "tokens_per_s": self.tokens_per_step / self.step_seconds,
-                "mfu": self.mfu, "source": self.time_source,
-                **({"cost_usd": self.cost} if self.price is not None else {})}
+        out = {"seconds": self.time.seconds, "days": self.time.days, "device_hours": self.time.device_hours,
+               "step_seconds": self.step_seconds, "tokens_per_s": self.tokens_per_step / self.step_seconds,
+               "mfu": self.mfu, "source": self.time_source,
+               **({"cost_usd": self.cost} if self.price is not None else {})}
+        if self.cluster is not None:  # exposed seconds per step by term (they add up) and per operator/collective
+            out.update(breakdown=self.cluster.breakdown, ops=self.cluster.ops, source_detail=self.hardware.kernel_source)
+        return out
 
 
 
@@ -195,16 +213,23 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
              gpus: int = 1, gpu: str | None = None, peak_flops: float | None = None,
              bandwidth: float | None = None, memory: int | None = None, mfu: float | None = None,
              causal_halving: bool = False, memory_budget: int | None = None, price: float | None = None,
-             compiled: bool = False) -> Plan:
+             compiled: bool = False, vpp: int = 1, cp: int = 1, ep: int = 1, sequence_parallel: bool | None = None,
+             dp_overlap: bool = True, tp_overlap: bool = False, attention_impl: str = "flash",
+             gpus_per_node: int | None = None, intra_node_bw: float | None = None,
+             inter_node_bw: float | None = None) -> Plan:
     """Everything the planner knows about one run. Pass a ModelConfig, or only `params_count` (6ND rule).
-    Time: with a model on a profiled device (--gpu cpu, a table GPU) and no `mfu`, the step-time model
-    (cost.steptime); else total FLOPs / (G x peak x MFU), MFU = `mfu` or DEFAULT_MFU (a what-if)."""
+    Time: with a model and no `mfu`: on a table GPU (or this machine's, uncalibrated) the cluster model
+    for any layout (cost.cluster: operators at published kernel rates, collectives at published NCCL
+    bandwidths, the pipeline's bubble); on a calibrated device (--gpu cpu) the step-time model
+    (cost.steptime); else total FLOPs / (G x peak x MFU), MFU = `mfu` or DEFAULT_MFU (a what-if).
+    Layout: tp, pp (vpp virtual stages), cp, ep, sequence parallelism (default on with tp > 1), ZeRO
+    `zero` over the data-parallel ranks (cost.layout)."""
     for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--micro-batch", micro_batch),
                         ("--grad-accum", grad_accum), ("--tp", tp), ("--pp", pp), ("--gpus", gpus),
                         ("--params", params_count), ("--price", price)):
         positive(name, value)
-    if gpus % (tp * pp):
-        raise TrainwiseError(f"--gpus {gpus} must be a multiple of --tp x --pp = {tp * pp}; data parallel = gpus / (tp x pp).")
+    layout = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, zero=zero,
+                         micro_batches=grad_accum, dp_overlap=dp_overlap, attention_impl=attention_impl)
     if model is None and params_count is None:
         raise TrainwiseError("give a model (--model PRESET|FILE) or a parameter count (--params N).")
     if checkpointing not in F.RECOMPUTE:
@@ -212,10 +237,13 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
     recipe = M.get_recipe(precision)
     has_hw = gpu is not None or peak_flops is not None
     threads = max(1, (os.cpu_count() or 1) // gpus) if gpu and gpu.lower() == "cpu" and gpus > 1 else None
-    hw = resolve_hardware(gpu, peak_flops, bandwidth, memory, recipe.compute_dtype, threads) if has_hw else None
+    hw = resolve_hardware(gpu, peak_flops, bandwidth, memory, recipe.compute_dtype, threads,
+                          gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw,
+                          gpus=gpus) if has_hw else None
     if hw is None and memory:
         memory_budget = memory_budget or int(memory)  # --memory without a device: still the capacity to fit
-    dp = gpus // (tp * pp)
+    dp = layout.dp
+    model_parallel = layout.tp * layout.pp * layout.cp * layout.ep > 1
     notes = []
     if model is not None:
         counts = params(model)
@@ -225,7 +253,9 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         model_fpt = 3.0 * fwd.total
         fpt = model_fpt + F.recompute_flops_per_token(fwd, checkpointing, model)
         convention = "exact" if fpt == model_fpt else "exact+recompute"
+        check_layout(model, layout, seq_len)
         acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled)
+        rank = rank_memory(model, layout, recipe, optimizer, micro_batch, seq_len, checkpointing) if model_parallel else None
         name = model.name
     else:
         n = int(params_count)
@@ -235,11 +265,22 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         fpt = model_fpt + (2.0 * n if checkpointing == "full" else 0.0)
         convention = "8ND" if checkpointing == "full" else "6ND"
         notes.append("activations unknown without a model config (--params only)")
+        rank = None
     states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp)
-    step, source, t = None, "assumed MFU (--mfu)", None
+    if rank is not None:
+        states, acts = rank.states, rank.activations
+    step, cluster, source, t = None, None, "assumed MFU (--mfu)", None
     if hw is None:
         source = "no hardware"
-    elif mfu is None and model is not None and hw.profile is not None and tp == pp == 1:
+    elif mfu is None and model is not None and hw.accelerator is not None and hw.profile is None:
+        cluster = predict_cluster_step(model, layout, hw.accelerator, hw.node, micro_batch=micro_batch,
+                                       seq_len=seq_len, recipe=recipe, checkpointing=checkpointing,
+                                       optimizer=optimizer, tp_overlap=tp_overlap)
+        source = "published microbenchmarks"
+        tokens_per_s = seq_len * micro_batch * grad_accum * dp / cluster.seconds
+        mfu = model_fpt * tokens_per_s / (gpus * hw.peak_flops)
+        t = TimeEstimate(tokens / tokens_per_s, gpus)
+    elif mfu is None and model is not None and hw.profile is not None and not model_parallel:
         step = predict_step_time(model, hw.profile, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
                          compute_dtype=recipe.compute_dtype, checkpointing=checkpointing, optimizer=optimizer,
                          zero=zero, dp=dp, n_params=counts.total, grad_bytes=4 * counts.total,
@@ -250,7 +291,8 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         t = TimeEstimate(tokens / tokens_per_s, gpus)
     else:
         if mfu is None and model is not None and hw.profile is not None:
-            notes.append("tensor/pipeline parallel steps are not modelled per operator: time from the assumed MFU")
+            notes.append("a model-parallel layout on this machine's calibration (tp/pp/cp/ep) is not modelled per "
+                         "operator: time from the assumed MFU; plan it on a table GPU (--gpu a100-80gb ...)")
         mfu = DEFAULT_MFU if mfu is None else mfu
         t = estimate_time(fpt * tokens, gpus, hw.peak_flops, mfu)
     mfu = DEFAULT_MFU if mfu is None else mfu
@@ -259,6 +301,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
                 checkpointing=checkpointing, zero=zero, tp=tp, pp=pp, gpus=gpus, hardware=hw, mfu=mfu,
                 causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
                 convention=convention, states=states, activations_bytes=acts, memory_budget=memory_budget,
-                time=t, price=price, notes=notes, compiled=compiled, step=step, time_source=source)
+                time=t, price=price, notes=notes, compiled=compiled, step=step, time_source=source, layout=layout,
+                cluster=cluster, rank=rank)
 
 

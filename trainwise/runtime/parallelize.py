@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainwise.config import FSDP_STRATEGIES, ModelConfig
-from trainwise.model.attention import explicit_attention
+from trainwise.model.attention import explicit_attention, unfused_attention
 
 
 def _checkpointed(forward):
@@ -54,6 +54,26 @@ def use_compiled_attention(model: nn.Module, only_when_compiling: bool = True) -
     in every forward (how the operator recorder describes a compiled step without compiling one)."""
     for block in model.blocks:
         block.attn.core = _explicit_core(block.attn, block.attn.core, only_when_compiling)
+
+
+def use_unfused_attention(model: nn.Module) -> None:
+    """Attention as frameworks ran it before fused attention kernels (Megatron-LM's 2021-22 runs):
+    the T x T scores in memory, a softmax and dropout between two batched matmuls (model.attention
+    .unfused_attention with the model's attention dropout). For the planner's records of such runs (`plan --attention-impl
+    unfused`); trainwise itself trains with SDPA's fused kernels."""
+    for block in model.blocks:
+        attn = block.attn
+        block.attn.core = lambda q, k, v, causal, attn=attn: unfused_attention(
+            q, k, v, attn.dropout if attn.training else 0.0)
+
+
+def use_native_dropout(model: nn.Module) -> None:
+    """Dropout as a CUDA device runs it: PyTorch's fused kernel (torch.native_dropout: one read, one
+    write and a 1-byte mask), where a CPU's F.dropout runs bernoulli_, div_ and mul. For the planner's
+    records of GPU steps (trainwise.measure.record)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.forward = lambda x, m=module: torch.native_dropout(x, m.p, True)[0] if m.training and m.p else x
 
 
 COMPILE_MIN_STEPS = 300  # below this many steps the one-off compile time is not repaid (see resolve_compile)

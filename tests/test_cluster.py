@@ -1,0 +1,211 @@
+"""The cluster model (cost.layout, cost.comm's collectives, cost.gpu, cost.cluster, planner.cluster) with
+numbers worked by hand: the pipeline's bubble and stages, each collective's time, where a group's ranks
+sit, per-rank memory under TP, SP, PP and CP, the plan's JSON, the layouts that cannot work, `plan --fit`
+over layouts, and a few published runs of the development set (benchmarks/cluster_model.py has all 18)."""
+
+import json
+import math
+
+import pytest
+
+from trainwise.cli import main
+from trainwise.config import ModelConfig
+from trainwise.cost import comm as C
+from trainwise.cost.cluster import BREAKDOWN
+from trainwise.cost.gpu import attention_rate, matmul_seconds
+from trainwise.cost.layout import (bubble_fraction, chunk_layers, in_flight_factor, layer_bytes_per_token,
+                                   make_layout, placement, rank_memory, stage_layers)
+from trainwise.cost.memory import get_recipe
+from trainwise.errors import TrainwiseError
+from trainwise.hardware.table import ACCELERATORS, NODES
+from trainwise.planner.layouts import fit_layouts
+from trainwise.planner.plan import plan_run
+
+A100, DGX = ACCELERATORS["a100-80gb"], NODES["dgx-a100"]
+
+
+def gpt(heads: int, hidden: int, layers: int, **kw) -> ModelConfig:
+    """Megatron-LM's GPT: learned positions, LayerNorm, GELU, FFN 4h, biases, dropout 0.1, vocab 51,200."""
+    return ModelConfig(**{**dict(name=f"gpt-h{hidden}", vocab_size=51200, d_model=hidden, n_layers=layers,
+                                 n_heads=heads, n_kv_heads=heads, ffn_hidden=4 * hidden, activation="gelu",
+                                 norm="layernorm", position="learned", bias=True, dropout=0.1, max_seq_len=2048,
+                                 tie_embeddings=True), **kw})
+
+
+def test_pipeline_bubble_stages_and_micro_batches_in_flight():
+    assert bubble_fraction(8, 1, 32) == 7 / 32  # (p - 1) / m
+    assert bubble_fraction(8, 3, 32) == 7 / 96  # (p - 1) / (v m)
+    assert chunk_layers(126, 16) == [7] + [8] * 14 + [7]  # Llama 3 405B: one layer fewer on the first and last
+    assert chunk_layers(10, 4) == [2, 3, 3, 2]
+    assert stage_layers(96, 8, 3) == [12] * 8 and stage_layers(10, 2, 2) == [5, 5]
+    assert in_flight_factor(8, 1, 64) == 8 and in_flight_factor(8, 1, 3) == 3
+    assert in_flight_factor(8, 3, 64) == pytest.approx(8 * (1 + 7 / 24))  # Korthikanti et al. 2022, 4.2.3
+
+
+def test_each_collective_by_the_nccl_tests_formulas():
+    nvlink = C.Tier("nvlink", ring_busbw=235e9, alltoall_busbw=210e9, p2p_bytes_per_s=0.65 * 300e9)
+    gib = 2**30
+    # all-reduce of 1 GiB over 8 GPUs: 86 us + 2 x 7/8 x 1 GiB / (0.923 x 235 GB/s) = 8.749 ms
+    # (nccl-tests' published sweep: 8.204 ms)
+    assert C.collective_seconds("all_reduce", gib, 8, nvlink) == pytest.approx(86e-6 + 1.75 * gib / (0.923 * 235e9))
+    assert C.collective_seconds("all_reduce", gib, 8, nvlink) == pytest.approx(8.749e-3, rel=1e-3)
+    assert C.collective_seconds("all_gather", gib, 8, nvlink) == pytest.approx(86e-6 + 0.875 * gib / (0.923 * 235e9))
+    assert C.collective_seconds("reduce_scatter", gib, 4, nvlink) == pytest.approx(86e-6 + 0.75 * gib / (0.923 * 235e9))
+    assert C.collective_seconds("all_to_all", gib, 8, nvlink) == pytest.approx(86e-6 + 0.875 * gib / (0.923 * 210e9))
+    assert C.collective_seconds("send_recv", gib, 2, nvlink) == pytest.approx(10e-6 + gib / (0.923 * 195e9))
+    assert C.collective_seconds("all_reduce", gib, 1, nvlink) == 0
+    assert C.bytes_sent("all_reduce", 1000, 8) == 1750 and C.bytes_sent("all_gather", 1000, 4) == 750
+    # across nodes a ring's slowest hop is the network: one GPU per node -> its NIC's share of the node's busbw
+    net = C.group_tier(1, 4, 8, 300e9, 25e9, 235e9, 210e9, 192e9, 24e9)
+    assert net.name == "network" and net.ring_busbw == 24e9 and net.alltoall_busbw == 24e9
+    assert C.group_tier(4, 2, 8, 300e9, 25e9, 235e9, 210e9, 192e9, 24e9).ring_busbw == 96e9
+
+
+def test_groups_sit_in_megatrons_order_tp_innermost():
+    lay = make_layout(64, tp=8, pp=2)  # dp = 4
+    assert placement(lay, "tp", 8).nodes == 1
+    assert (placement(lay, "dp", 8).per_node, placement(lay, "dp", 8).nodes) == (1, 4)  # stride 8
+    assert (placement(lay, "pp", 8).per_node, placement(lay, "pp", 8).nodes) == (1, 2)  # stride 32
+    small = make_layout(8, tp=2)  # dp = 4 at stride 2: inside one node
+    assert placement(small, "dp", 8).nodes == 1 and placement(small, "dp", 8).per_node == 4
+    assert make_layout(16, tp=2).sequence_parallel and not make_layout(16, tp=2, sequence_parallel=False).sequence_parallel
+
+
+def test_gemm_waves_follow_nvidias_cublas_curve():
+    """m = n = k bf16 matmuls on an A100 (NVIDIA, "CUDA 11 Features Revealed" Fig. 6, read off the plot):
+    the tile-wave model at MAMF within 20%."""
+    for size, published_tflops in ((1024, 88), (2048, 195), (4096, 258), (8192, 291)):
+        tflops = 2 * size**3 / matmul_seconds(1, size, size, size, A100, "bf16") / 1e12
+        assert tflops == pytest.approx(published_tflops, rel=0.20), size
+    # 1024^3 fills 32 of the 108 SMs in one wave: a third of the throughput of 4096^3
+    assert matmul_seconds(1, 1024, 1024, 1024, A100, "bf16") == pytest.approx(2 * 256 * 128 * 1024 / (271.2e12 / 108))
+
+
+def test_attention_at_flashattention2s_published_rate():
+    assert attention_rate(A100, 2048, 128)[0] == 155e12
+    w = math.log(3000 / 2048) / math.log(2)
+    assert attention_rate(A100, 3000, 128)[0] == pytest.approx((155 * (1 - w) + 173 * w) * 1e12)
+    assert attention_rate(A100, 100_000, 64)[0] == 171e12  # held at the ends
+    b200_rate, how = attention_rate(ACCELERATORS["b200"], 2048, 128)
+    assert b200_rate == pytest.approx(155e12 * 1745 / 271.2) and "no published rate" in how
+
+
+def test_per_rank_activation_memory_under_tp_sp_selective_and_full():
+    """Korthikanti et al. 2022 Table 2 for a GPT layer in 16-bit (their 22B: h 6144, a 64, s 2048, t 8):
+    TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh(34/t + 5as/(ht)), TP+SP+selective 34 sbh/t, full 2 sbh/t;
+    trainwise's count of its own layer adds a few bytes per token (layer-norm statistics)."""
+    cfg, rec, h, a, s, t = gpt(64, 6144, 48), get_recipe("megatron"), 6144, 64, 2048, 8
+    tp = make_layout(8, tp=8, sequence_parallel=False, attention_impl="unfused")
+    sp = make_layout(8, tp=8, attention_impl="unfused")
+    assert layer_bytes_per_token(cfg, rec, 0, tp, s, "none") == pytest.approx(h * (10 + 24 / t + 5 * a * s / (h * t)),
+                                                                            rel=0.01)
+    assert layer_bytes_per_token(cfg, rec, 0, sp, s, "none") == pytest.approx(h * (34 / t + 5 * a * s / (h * t)), rel=0.01)
+    assert layer_bytes_per_token(cfg, rec, 0, sp, s, "selective") == pytest.approx(34 * h / t, rel=0.01)
+    assert layer_bytes_per_token(cfg, rec, 0, sp, s, "full") == 2 * h / t
+
+
+def test_per_rank_memory_under_pp_and_cp():
+    cfg, rec = gpt(32, 2048, 16, max_seq_len=8192), get_recipe("megatron")
+    one = rank_memory(cfg, make_layout(8, tp=8, micro_batches=8), rec, "adamw", 1, 8192, "none")
+    pp = rank_memory(cfg, make_layout(32, tp=8, pp=4, micro_batches=8), rec, "adamw", 1, 8192, "none")
+    cp = rank_memory(cfg, make_layout(16, tp=8, cp=2, micro_batches=8), rec, "adamw", 1, 8192, "none")
+    per_layer = layer_bytes_per_token(cfg, rec, 0, make_layout(8, tp=8), 8192, "none")
+    # 1F1B: the first of 4 stages holds 4 micro-batches of its 4 layers (the 16 layers' total), each with its
+    # input, 2 bytes x H sharded over the 8 sequence-parallel ranks
+    assert pp.activations == pytest.approx(4 * 8192 * (4 * per_layer + 2 * 2048 / 8), rel=1e-6)
+    assert cp.activations == pytest.approx(one.activations / 2, rel=0.01)  # T / cp tokens per rank
+    # states: 18 bytes per parameter of the rank's 1/8 of the layers and the vocabulary (the tied head is
+    # the embedding's table), positions whole; the first of 4 stages holds 4 layers and the embedding
+    layers = 16 * 12 * 2048**2  # + biases and norms: within 1%
+    assert one.states.total == pytest.approx(18 * ((layers + 51200 * 2048) / 8 + 8192 * 2048), rel=0.01)
+    assert pp.states.total == pytest.approx(18 * ((layers / 4 + 51200 * 2048) / 8 + 8192 * 2048), rel=0.01)
+    zero = rank_memory(cfg, make_layout(32, tp=8, zero=1, micro_batches=8), rec, "adamw", 1, 8192, "none")
+    assert zero.states.optimizer == pytest.approx(one.states.optimizer / 4, rel=1e-3)  # ZeRO-1 over dp = 4
+
+
+def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
+    cfg = gpt(8, 256, 4, max_seq_len=256, dropout=0.0)
+    p = plan_run(cfg, tokens=1e9, seq_len=256, micro_batch=2, grad_accum=4, gpus=16, tp=2, pp=2, gpu="a100-80gb",
+                 sequence_parallel=False)
+    j = p.to_json()
+    assert j["layout"] == {"dp": 4, "tp": 2, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False,
+                           "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash"}
+    assert (j["hardware"]["gpus_per_node"], j["hardware"]["intra_node_bytes_per_s"],
+            j["hardware"]["inter_node_bytes_per_s"]) == (8, 300e9, 25e9)
+    t = j["time"]
+    assert set(t["breakdown"]) == set(BREAKDOWN) and sum(t["breakdown"].values()) == pytest.approx(t["step_seconds"])
+    assert t["source"] == "published microbenchmarks" and "assumed" not in t["source"]
+    assert all(set(o) == {"op", "calls", "seconds"} for o in t["ops"]) and t["breakdown"]["bubble_s"] > 0
+    # per rank and step, hand-worked: 2 layers on a rank, each 2 all-reduces forward and 2 backward, + the LM
+    # head's (last rank), over 2 ranks (2(n-1)/n = 1): calls 4 micro-batches x (2 x 2 x 2 + 1) = 36, each
+    # B x T x H x 2 bytes = 2 x 256 x 256 x 2
+    ar = j["comm"]["all_reduce"]
+    tp_calls = 4 * (2 * 2 * 2 + 1)
+    dp_calls = 1
+    assert ar["calls"] == tp_calls + dp_calls
+    assert j["comm"]["send_recv"]["calls"] == 4 * 2  # an activation and a gradient per micro-batch
+    assert ar["bytes"] >= tp_calls * 2 * 256 * 256 * 2
+
+
+@pytest.mark.parametrize("kw, text", [
+    (dict(tp=3, gpus=24), "tp values that work: 1, 2, 4, 8"),
+    (dict(gpus=12, tp=8), "not a multiple of tp x pp x cp"),
+    (dict(pp=8, vpp=2, gpus=16), "pipeline chunks but the model has only 4 layers"),
+    (dict(pp=2, vpp=2, gpus=2, grad_accum=3), "multiple of pp = 2"),
+    (dict(pp=2, gpus=2, grad_accum=1), "at least 2 micro-batches"),
+    (dict(cp=3, gpus=3), "seq_len 256 does not divide"),
+    (dict(ep=2, gpus=2), "has no experts"),
+])
+def test_a_layout_that_cannot_work_is_a_clear_error(kw, text):
+    args = dict(tokens=1e9, seq_len=256, gpu="a100-80gb", **{"gpus": 8, "grad_accum": 4, **kw})
+    with pytest.raises(TrainwiseError, match=text):
+        plan_run(gpt(8, 256, 4, max_seq_len=256), **args)
+
+
+def test_expert_parallel_layouts_of_a_moe():
+    moe = ModelConfig(vocab_size=1024, d_model=256, n_layers=2, n_heads=8, n_kv_heads=8, max_seq_len=512,
+                      n_experts=8, top_k=2, expert_ffn_hidden=256)
+    with pytest.raises(TrainwiseError, match="ep values that work"):
+        plan_run(moe, tokens=1e9, seq_len=512, gpus=12, ep=3, gpu="h100-sxm")
+    with pytest.raises(TrainwiseError, match="must divide dp x cp"):
+        plan_run(moe, tokens=1e9, seq_len=512, gpus=4, tp=2, ep=4, gpu="h100-sxm")
+    p = plan_run(moe, tokens=1e9, seq_len=512, gpus=16, ep=8, gpu="h100-sxm")
+    assert p.cluster.breakdown["ep_comm_s"] > 0 and p.to_json()["comm"]["all_to_all"]["calls"] == 2 * 2 * 2
+
+
+def test_fit_over_layouts_lists_the_fastest_that_fit(capsys):
+    cfg = gpt(16, 1024, 8)
+    good, bad = fit_layouts(cfg, gpus=16, gpu="a100-40gb", global_batch=32, seq_len=2048, memory_budget=8 * 2**30,
+                            precision="megatron", attention_impl="unfused")
+    assert good and bad and all(c.fits for c in good)
+    assert [c.step_seconds for c in good] == sorted(c.step_seconds for c in good)
+    assert any("GiB per GPU" in c.reason for c in bad)
+
+
+def test_published_runs_are_reproduced():
+    """Three of benchmarks/cluster_model.py's 18 runs, the extremes: Narayanan et al. 2021's 1.7B (data
+    parallel only) and 1T (TP 8 x PP 64), Korthikanti et al. 2022's 175B with selective recompute +
+    sequence parallelism. Inputs as the dev set gives them; published iteration times within 20%."""
+    def run(cfg, gpus, published, **kw):
+        p = plan_run(cfg, tokens=1e9, seq_len=2048, precision="megatron", gpu="a100-80gb", gpus=gpus,
+                     attention_impl="unfused", **kw)
+        assert p.step_seconds == pytest.approx(published, rel=0.20)
+
+    run(gpt(24, 2304, 24), 32, 3.53, micro_batch=16, checkpointing="full")
+    run(gpt(160, 25600, 128), 3072, 102.63, tp=8, pp=64, micro_batch=1, grad_accum=512, checkpointing="full",
+        sequence_parallel=False, dp_overlap=False)
+    run(gpt(96, 12288, 96), 64, 13.75, tp=8, pp=8, vpp=3, micro_batch=1, grad_accum=64, checkpointing="selective",
+        dp_overlap=False)
+
+
+def test_cli_plan_with_a_layout_and_its_explanation(capsys):
+    argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100", "--gpus", "64", "--tp", "4", "--pp", "2",
+            "--global-batch", "128", "--seq-len", "4096", "--tokens", "1e12"]
+    assert main(argv + ["--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["layout"]["dp"] == 8 and j["layout"]["micro_batches"] == 16 and j["run"]["grad_accum"] == 16
+    assert main(argv + ["--explain"]) == 0
+    text = capsys.readouterr().out
+    assert "bubble" in text and "tp comm" in text and "nccl all_reduce (dp)" in text
+    assert main(argv + ["--grad-accum", "3"]) == 2
+    assert "drop one of them" in " ".join(capsys.readouterr().err.split())

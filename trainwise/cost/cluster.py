@@ -1,0 +1,245 @@
+"""One optimizer step on a GPU cluster, per operator and per collective, for any layout (cost.layout):
+
+    per pipeline rank and micro-batch   its layers' operators (one rank's share: the planner records
+        them on a narrowed model, trainwise.planner.cluster) priced by cost.gpu, + the embedding on the
+        first rank and the LM head + loss on the last; + the collectives inside the step:
+          tensor parallel   per layer 2 all-reduces forward, 2 backward (2 more when a full recompute
+                            re-runs the forward) of B x T x H (Narayanan et al. 2021 section 3.3); with
+                            sequence parallelism each is a reduce-scatter + an all-gather of the same
+                            volume (Korthikanti et al. 2022 section 4.2.2), and backward all-gathers each
+                            TP region's input again for its weight gradient (2 per layer; Megatron-LM
+                            overlaps it with the input-gradient GEMM, yet Korthikanti et al.'s Table 4
+                            has the backward no faster with sequence parallelism, 11.8 vs 11.9 ms, for
+                            all its sharded element-wise work: counted exposed); all exposed (Megatron-LM
+                            runs them between the GEMMs) unless tp_overlap
+          context parallel  per layer the KV chunks around the ring, cp - 1 sends forward and twice that
+                            backward, under the attention kernels (exposed only past them)
+          expert parallel   per MoE layer an all-to-all to dispatch and one to combine, forward and backward
+          pipeline          an activation forward and a gradient backward per micro-batch and virtual stage,
+                            B x T x H / tp (scatter-gather / sequence parallel), exposed
+    pipeline            m x (the slowest rank's micro-batch) + the bubble (p - 1) / v x (the mean rank's)
+                        (Narayanan et al. 2021 sections 2.2.1-2.2.2)
+    data parallel       the rank's gradients all-reduced (ZeRO >= 1: reduce-scattered, parameters
+                        all-gathered), under the last micro-batch's backward when dp_overlap (DDP buckets)
+    optimizer           the fused update of the rank's parameters (/dp under ZeRO), at the copy bandwidth
+    overhead            per step, the host's (hardware.profile.DEFAULT_OVERHEAD)
+
+Every collective is priced by cost.comm.collective_seconds over the tier its group crosses (cost.layout
+.placement: Megatron-LM's rank order, TP inside a node).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from trainwise.config import ModelConfig
+from trainwise.cost import comm as C
+from trainwise.cost.gpu import copy_bandwidth, op_seconds
+from trainwise.cost.layout import Layout, RankParams, bubble_fraction, chunk_layers, placement
+from trainwise.cost.ops import Op, for_cuda
+from trainwise.hardware.profile import DEFAULT_OVERHEAD
+from trainwise.hardware.table import Accelerator, Node
+
+BREAKDOWN = ("compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_p2p_s", "dp_comm_s", "bubble_s",
+             "optimizer_s", "overhead_s")
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """One rank's operators per micro-batch (cost.ops records, its share under the layout) by part: one
+    dense layer, one MoE layer (MoE models), the ends (embedding, final norm, LM head, loss); each with
+    the optimizer update of its parameters as one "optimizer" op. `plain`: the same without activation
+    checkpointing (what the recompute costs is the difference); None when there is none."""
+
+    layer: list[Op]
+    ends: list[Op]
+    moe_layer: list[Op] | None = None
+    plain: RankWork | None = None
+
+
+@dataclass
+class ClusterStep:
+    seconds: float
+    breakdown: dict[str, float]
+    ops: list[dict]  # {"op", "calls", "seconds"} per operator and per collective, the slowest rank, per step
+    comm: dict[str, dict]  # per rank per step: {kind: {"calls", "bytes"}} (bytes the rank sends)
+    stage_seconds: list[float] = field(default_factory=list)  # each pipeline rank's micro-batch
+
+
+def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, rank_params: RankParams, *, acc: Accelerator,
+                 node: Node, micro_batch: int, seq_len: int, checkpointing: str, act_bytes: int, grad_bytes: int,
+                 param_bytes: int, tp_overlap: bool = False) -> ClusterStep:
+    """The step (module docstring). act_bytes: bytes per element of the activations sent (2 in bf16/fp16);
+    grad_bytes / param_bytes: per parameter, of what the data-parallel collectives move."""
+    tiers = {d: _tier(layout, d, node) for d in ("tp", "cp", "ep", "dp", "pp")}
+    m, v, p = layout.micro_batches, layout.vpp, layout.pp
+    layers = chunk_layers(cfg.n_layers, p * v)
+    stage_idx = [[i for c in range(r, p * v, p) for i in range(sum(layers[:c]), sum(layers[:c + 1]))]
+                 for r in range(p)]
+    slowest = max(range(p), key=lambda r: _stage_key(cfg, stage_idx[r], r, p))
+    log = _Log()
+    stages, parts, seen = [], [], {}
+    for r in range(p):  # ranks alike (the same layers, neither end) are priced once
+        n_moe = sum(cfg.is_moe_layer(i) for i in stage_idx[r])
+        key = (len(stage_idx[r]) - n_moe, n_moe, r == 0, r == p - 1, r == slowest)
+        if key not in seen:
+            seen[key] = _micro_batch(cfg, layout, work, stage_idx[r], r, tiers, acc, micro_batch, seq_len,
+                                     checkpointing, act_bytes, tp_overlap, log if r == slowest else None)
+        part = dict(seen[key])
+        stages.append(part.pop("total"))
+        parts.append(part)
+    worst = parts[slowest]
+    breakdown = dict.fromkeys(BREAKDOWN, 0.0)
+    for key in ("compute_s", "recompute_s", "tp_comm_s", "ep_comm_s", "cp_comm_s", "pp_p2p_s"):
+        breakdown[key] = m * worst[key]
+    breakdown["bubble_s"] = bubble_fraction(p, v, m) * m * sum(stages) / p
+    log.repeat(m)  # the micro-batch's operators and collectives, m times; what follows is once per step
+    breakdown["dp_comm_s"] = _data_parallel(cfg, layout, rank_params, stage_idx[slowest], slowest, worst["backward"],
+                                            tiers, grad_bytes, param_bytes, log)
+    breakdown["optimizer_s"] = _optimizer(cfg, layout, work, stage_idx[slowest], slowest, acc, log)
+    breakdown["overhead_s"] = DEFAULT_OVERHEAD[0]
+    return ClusterStep(sum(breakdown.values()), breakdown, log.ops(), log.comm(), stages)
+
+
+class _Log:
+    """Calls and seconds per operator and collective of the slowest rank, and its bytes sent per kind."""
+
+    def __init__(self):
+        self.t = defaultdict(lambda: [0, 0.0])
+        self.sent = defaultdict(lambda: [0, 0.0])
+
+    def op(self, name: str, calls: int, seconds: float) -> None:
+        self.t[name][0] += calls
+        self.t[name][1] += seconds
+
+    def coll(self, kind: str, part: str, calls: int, seconds: float, sent: float) -> None:
+        self.op(f"nccl {kind} ({part})", calls, seconds)
+        self.sent[kind][0] += calls
+        self.sent[kind][1] += sent
+
+    def repeat(self, m: int) -> None:
+        for rec in (*self.t.values(), *self.sent.values()):
+            rec[0] *= m
+            rec[1] *= m
+
+    def ops(self) -> list[dict]:
+        return sorted(({"op": k, "calls": int(c), "seconds": s} for k, (c, s) in self.t.items()),
+                      key=lambda o: -o["seconds"])
+
+    def comm(self) -> dict[str, dict]:
+        return {k: {"calls": int(c), "bytes": int(b)} for k, (c, b) in self.sent.items()}
+
+
+def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, tiers, acc, micro_batch, seq_len,
+                 checkpointing, act_bytes, tp_overlap, log: _Log | None) -> dict[str, float]:
+    """One micro-batch (forward + backward) of pipeline rank r: its operators and in-step collectives."""
+    p, v = layout.pp, layout.vpp
+    first, last = r == 0, r == p - 1
+    t = _rank_compute(cfg, work, idx, first, last, acc, log)
+    plain = _rank_compute(cfg, work.plain, idx, first, last, acc, None) if work.plain else t
+    tokens = micro_batch * seq_len // layout.cp
+    act = tokens * cfg.d_model * act_bytes
+    passes = 3 if checkpointing == "full" else 2  # of each collective: forward, backward (+ recomputed forward)
+    n_moe = sum(cfg.is_moe_layer(i) for i in idx)
+
+    def coll(part: str, kind: str, nbytes: float, n: int, count: int) -> float:
+        seconds = count * C.collective_seconds(kind, nbytes, n, tiers[part])
+        if log is not None and count:
+            log.coll(kind, part, count, seconds, count * C.bytes_sent(kind, nbytes, n))
+        return seconds
+
+    tp = ep = cp = pp = 0.0
+    if layout.tp > 1:  # 2 per layer and pass; + the embedding's (first rank) and the LM head's (last)
+        count = 2 * passes * len(idx) + first + last
+        if layout.sequence_parallel:  # + backward's all-gather of each TP region's input for its weight gradient
+            tp = (coll("tp", "reduce_scatter", act, layout.tp, count)
+                  + coll("tp", "all_gather", act, layout.tp, count + 2 * len(idx)))
+        else:
+            tp = coll("tp", "all_reduce", act, layout.tp, count)
+        if tp_overlap:
+            tp = max(0.0, tp - t["matmul"])
+    if layout.ep > 1 and n_moe:  # dispatch and combine per MoE layer and pass
+        routed = act * cfg.top_k / (layout.tp if layout.sequence_parallel else 1)
+        ep = coll("ep", "all_to_all", routed, layout.ep, 2 * passes * n_moe)
+    if layout.cp > 1:  # each layer's KV (MLA: the latent) around the ring: cp - 1 sends forward, 2(cp - 1) backward
+        width = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
+                 else 2 * max(1, cfg.n_kv_heads // layout.tp) * cfg.head_dim)
+        sent = coll("cp", "send_recv", tokens * width * act_bytes, 2, 3 * (layout.cp - 1) * len(idx))
+        cp = max(0.0, sent - t["attention"])
+    if p > 1:  # activation forward and gradient backward per virtual stage, B x T x H / tp each
+        pp = coll("pp", "send_recv", act / layout.tp, 2, 2 * v)
+    return {"total": t["all"] + tp + ep + cp + pp, "compute_s": plain["all"], "recompute_s": t["all"] - plain["all"],
+            "tp_comm_s": tp, "ep_comm_s": ep, "cp_comm_s": cp, "pp_p2p_s": pp, "backward": t["backward"]}
+
+
+def _tier(layout: Layout, dim: str, node: Node) -> C.Tier:
+    g = placement(layout, dim, node.gpus)
+    return C.group_tier(g.per_node, g.nodes, node.gpus, node.intra_bytes_per_s, node.inter_bytes_per_s,
+                        node.allreduce_busbw_intra, node.alltoall_busbw_intra, node.allreduce_busbw_inter,
+                        node.alltoall_busbw_inter)
+
+
+def _stage_key(cfg: ModelConfig, idx: list[int], r: int, p: int) -> tuple:
+    """Order of pipeline ranks by work, to find the slowest: MoE layers, layers, then the LM head's rank."""
+    return sum(cfg.is_moe_layer(i) for i in idx), len(idx), r == p - 1, r == 0
+
+
+def _rank_compute(cfg: ModelConfig, work: RankWork, idx: list[int], first: bool, last: bool, acc: Accelerator,
+                  log: _Log | None) -> dict[str, float]:
+    """Seconds of one rank's operators per micro-batch (the optimizer is once per step), by phase and class."""
+    out = defaultdict(float)
+    for ops, count in _parts(cfg, work, idx, first, last):
+        for op in for_cuda(ops):
+            if op.phase == "optimizer" or not count:
+                continue
+            seconds, _ = op_seconds(op, acc)
+            out["all"] += count * seconds
+            out[op.phase] += count * seconds
+            out[op.cls] += count * seconds
+            if log is not None:
+                log.op(op.name, count * op.calls, count * seconds)
+    return out
+
+
+def _parts(cfg: ModelConfig, work: RankWork, idx: list[int], first: bool, last: bool) -> list[tuple[list[Op], int]]:
+    """(operators, times) of one rank: its dense and MoE layers, the embedding on the first rank, the final
+    norm, LM head and loss on the last."""
+    n_moe = sum(cfg.is_moe_layer(i) for i in idx)
+    ends = [op for op in work.ends if (first and "embedding" in op.name) or (last and "embedding" not in op.name)
+            or (op.phase == "optimizer" and (first or last))]
+    return [(work.layer, len(idx) - n_moe), (work.moe_layer or [], n_moe), (ends, 1)]
+
+
+def _data_parallel(cfg, layout: Layout, rp: RankParams, idx, r, backward_s, tiers, grad_bytes, param_bytes,
+                   log: _Log) -> float:
+    """Exposed seconds of the data-parallel collectives of rank r per step: gradients all-reduced (ZeRO 1-2:
+    reduce-scattered + parameters all-gathered once; ZeRO-3: all-gathered forward and backward of every
+    micro-batch), the experts' over their own data-parallel group (dp x cp / ep)."""
+    n_moe = sum(cfg.is_moe_layer(i) for i in idx)
+    dense = (len(idx) - n_moe) * rp.layer + n_moe * (rp.moe_layer - rp.moe_experts)
+    dense += (rp.embedding if r == 0 else 0) + (rp.head if r == layout.pp - 1 else 0)
+    groups = [(dense, layout.dp * layout.cp), (n_moe * rp.moe_experts, layout.dp * layout.cp // layout.ep)]
+    total = 0.0
+    for n_params, ranks in groups:
+        if ranks <= 1 or not n_params:
+            continue
+        if layout.zero == 0:
+            kinds = [("all_reduce", grad_bytes, 1)]
+        else:
+            kinds = [("reduce_scatter", grad_bytes, 1),
+                     ("all_gather", param_bytes, 1 if layout.zero < 3 else 2 * layout.micro_batches)]
+        for kind, per, calls in kinds:
+            seconds = calls * C.collective_seconds(kind, n_params * per, ranks, tiers["dp"])
+            total += seconds
+            log.coll(kind, "dp", calls, seconds, calls * C.bytes_sent(kind, n_params * per, ranks))
+    return max(0.0, total - backward_s) if layout.dp_overlap else total
+
+
+def _optimizer(cfg, layout: Layout, work: RankWork, idx, r, acc: Accelerator, log: _Log) -> float:
+    """The fused update of rank r's parameters (its share of them under ZeRO >= 1), memory-bound."""
+    nbytes = sum(count * op.bytes for ops, count in _parts(cfg, work, idx, r == 0, r == layout.pp - 1)
+                 for op in ops if op.phase == "optimizer")
+    seconds = nbytes / (layout.dp if layout.zero >= 1 else 1) / copy_bandwidth(acc)
+    log.op("optimizer (fused AdamW)", 1, seconds)
+    return seconds

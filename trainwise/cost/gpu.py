@@ -1,0 +1,85 @@
+"""Operator times on a GPU from published kernel figures (trainwise.hardware.table), no GPU needed:
+
+    matmul      waves of output tiles over the SMs, each SM at the MAMF rate: tiles = batch x ceil(M/tm) x
+                ceil(N/tn) for cuBLAS's most efficient tiles, 256 x 128 either way round (NVIDIA, "Matrix
+                Multiplication Background User's Guide" section 2.3); t = ceil(tiles / SMs) x 2 tm tn K /
+                (MAMF / SMs), and at least its operands' bytes at the copy bandwidth. The wave term is
+                what makes a 1024^3 bf16 matmul on an A100 run at a third of a 8192^3 one (NVIDIA's
+                cuBLAS curve, "CUDA 11 Features Revealed" Fig. 6: 88 vs 291 TFLOP/s; tests hold the model to it)
+    attention   the flash kernel at FlashAttention-2's published forward+backward rate for its sequence
+                length and head dim (Dao 2023), counted as that paper counts FLOPs (causal: half of
+                4 T^2 hd heads forward; backward 2.5x forward)
+    the rest    bytes moved / (HBM bandwidth x the copy fraction): element-wise kernels, the fused AdamW
+                update, casts
+
+Compute dtype fp32 runs on the non-tensor-core rate (trainwise leaves TF32 off), scaled by the same
+MAMF share of peak. A GPU without published FlashAttention-2 rates takes the A100's, scaled by its
+MAMF over the A100's (an inference, said in the op's rule).
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainwise.cost.ops import Op
+from trainwise.hardware.table import ACCELERATORS, ATTENTION_TFLOPS, Accelerator
+
+TILES = ((256, 128), (128, 256))  # cuBLAS's most efficient tiles (the guide above)
+DEFAULT_COPY_FRACTION = 0.75  # where a GPU has no published copy figure: H100 SXM's (hardware.table)
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def matmul_rate(acc: Accelerator, dtype: str) -> float:
+    """FLOP/s a large well-shaped matmul reaches: MAMF (bf16/fp16), or the fp32 peak at MAMF's share."""
+    half = acc.peak("bf16")
+    mamf = acc.mamf or half * 0.8  # no MAMF published: 80%, the H100's (hardware.table)
+    return mamf if dtype in ("bf16", "fp16") else acc.peak("fp32") * mamf / half
+
+
+def copy_bandwidth(acc: Accelerator) -> float:
+    """Bytes/s a memory-bound kernel moves: HBM bandwidth x the copy fraction."""
+    return acc.bandwidth_bytes_per_s * (acc.copy_fraction or DEFAULT_COPY_FRACTION)
+
+
+def matmul_seconds(batch: int, m: int, k: int, n: int, acc: Accelerator, dtype: str) -> float:
+    """One (batched) matmul (batch, M, K) x (batch, K, N): tile waves at the MAMF rate (module docstring),
+    at least its operands and result moved once at the copy bandwidth."""
+    sms = acc.sms or 108
+    per_sm = matmul_rate(acc, dtype) / sms
+    waves = min(math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / sms) for tm, tn in TILES)
+    compute = waves * 2.0 * TILES[0][0] * TILES[0][1] * k / per_sm
+    nbytes = ELEMENT_BYTES.get(dtype, 4) * batch * (m * k + k * n + m * n)
+    return max(compute, nbytes / copy_bandwidth(acc))
+
+
+def attention_rate(acc: Accelerator, seq_len: int, head_dim: int) -> tuple[float, str]:
+    """(FLOP/s, where from) of causal flash attention, forward+backward, as FlashAttention-2 counts FLOPs:
+    its published rate at the nearest head dim (64 or 128), interpolated in log T, held at the ends."""
+    key, scale, how = acc.attention, 1.0, "FlashAttention-2 published rate"
+    if key is None:
+        key, scale = "fa2-a100", matmul_rate(acc, "bf16") / matmul_rate(ACCELERATORS["a100-80gb"], "bf16")
+        how = "FlashAttention-2 A100 rate x this GPU's MAMF / the A100's (no published rate)"
+    table = ATTENTION_TFLOPS[key]
+    by_t = table[min(table, key=lambda hd: abs(hd - head_dim))]
+    ts = sorted(by_t)
+    t = min(max(seq_len, ts[0]), ts[-1])
+    for lo, hi in zip(ts, ts[1:]):
+        if lo <= t <= hi:
+            w = math.log(t / lo) / math.log(hi / lo)
+            return scale * 1e12 * (by_t[lo] * (1 - w) + by_t[hi] * w), how
+    return scale * 1e12 * by_t[ts[0]], how
+
+
+def op_seconds(op: Op, acc: Accelerator) -> tuple[float, str]:
+    """Seconds of all calls of one operator on `acc`, and the rule used (module docstring)."""
+    if op.cls == "matmul" and op.shape is not None:
+        batch, m, k, n = op.shape
+        return op.calls * matmul_seconds(batch, m, k, n, acc, op.dtype), "matmul: tile waves at MAMF"
+    if op.cls == "attention" and op.shape is not None:
+        _, _, _, seq_len, head_dim = op.shape[:5]
+        rate, how = attention_rate(acc, seq_len, head_dim)
+        # trainwise's FLOP counter: forward 4 T^2 hd heads (causal not halved), backward 2x forward; the
+        # FlashAttention papers: causal halved, backward 2.5x forward
+        share = 0.625 if "backward" in op.name else 0.5
+        return share * op.flops / rate, how
+    return op.bytes / copy_bandwidth(acc), "bytes / copy bandwidth"

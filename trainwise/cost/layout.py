@@ -1,0 +1,312 @@
+"""A multi-GPU layout: how one step's work is split over data (dp), tensor (tp, with sequence parallelism),
+pipeline (pp, with vpp virtual stages per rank), context (cp) and expert (ep) parallel ranks; whether it
+can work for a model; where each group's ranks sit; and the pipeline's stages and bubble.
+
+Rank order (Megatron-LM's default, tp-cp-ep-dp-pp): tensor-parallel ranks are neighbours (inside a node),
+then context, expert and data parallel, pipeline stages outermost. The expert-parallel group is carved out
+of the dp x cp ranks (Megatron-Core's expert parallelism), so world = tp x cp x dp x pp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from trainwise.config import ModelConfig
+from trainwise.cost import memory as M
+from trainwise.cost.params import embedding_params, layer_params, mlp_params, norm_params
+from trainwise.errors import TrainwiseError
+
+ATTENTION_IMPLS = ("flash", "unfused")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1  # virtual stages (model chunks) per pipeline rank: the interleaved 1F1B schedule when > 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False  # with tp > 1: norms, dropout and the residual sharded over the sequence
+    zero: int = 0  # ZeRO stage over the data-parallel ranks (3 = FSDP)
+    micro_batches: int = 1  # m: micro-batches per pipeline (per data-parallel rank) per optimizer step
+    dp_overlap: bool = True  # gradient reduction under backward (DDP buckets); False: after backward
+    attention_impl: str = "flash"  # "unfused": scores in memory, softmax between two batched matmuls
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks one model replica is split over (its parameters: 1 / (tp x pp) each, experts also / ep)."""
+        return self.tp * self.pp
+
+    def to_json(self) -> dict:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "cp": self.cp, "ep": self.ep,
+                "sequence_parallel": self.sequence_parallel, "zero": self.zero,
+                "micro_batches": self.micro_batches, "dp_overlap": self.dp_overlap,
+                "attention_impl": self.attention_impl}
+
+
+def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
+                sequence_parallel: bool | None = None, zero: int = 0, micro_batches: int = 1,
+                dp_overlap: bool = True, attention_impl: str = "flash") -> Layout:
+    """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1."""
+    for name, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--cp", cp), ("--ep", ep), ("--gpus", gpus),
+                        ("micro-batches per step", micro_batches)):
+        if value < 1:
+            raise TrainwiseError(f"{name} = {value} must be a positive whole number.")
+    if attention_impl not in ATTENTION_IMPLS:
+        raise TrainwiseError(f"--attention-impl '{attention_impl}' must be one of {', '.join(ATTENTION_IMPLS)}.")
+    split = tp * pp * cp
+    if gpus % split:
+        raise TrainwiseError(
+            f"--gpus {gpus} is not a multiple of tp x pp x cp = {tp} x {pp} x {cp} = {split}: data parallel = "
+            f"gpus / (tp x pp x cp) must be whole. Use --gpus {max(split, gpus - gpus % split)} or "
+            f"{gpus + split - gpus % split}, or a layout whose product divides {gpus}"
+            f"{_divisor_hint(gpus, tp, pp, cp)}.")
+    sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
+    return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=gpus // split, sequence_parallel=sp, zero=zero,
+                  micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl)
+
+
+def _divisor_hint(gpus: int, tp: int, pp: int, cp: int) -> str:
+    for t in range(tp, 0, -1):
+        if gpus % (t * pp * cp) == 0:
+            return f" (e.g. --tp {t} --pp {pp}{f' --cp {cp}' if cp > 1 else ''})"
+    return ""
+
+
+def check_layout(cfg: ModelConfig, layout: Layout, seq_len: int) -> None:
+    """TrainwiseError naming the numbers, and a layout that works, if `layout` cannot run `cfg`."""
+    t, p, v, m = layout.tp, layout.pp, layout.vpp, layout.micro_batches
+    if cfg.n_heads % t or (cfg.attention == "mha" and cfg.n_kv_heads % t and t % cfg.n_kv_heads):
+        works = [d for d in _divisors(cfg.n_heads) if cfg.attention != "mha" or cfg.n_kv_heads % d == 0
+                 or d % cfg.n_kv_heads == 0]
+        raise TrainwiseError(
+            f"tp = {t} does not divide the model's {cfg.n_heads} attention heads"
+            + (f" / {cfg.n_kv_heads} key-value heads" if cfg.attention == "mha" else "")
+            + f": each tensor-parallel rank computes whole heads. tp values that work: {', '.join(map(str, works))}.")
+    chunks = p * v
+    if cfg.n_layers < chunks:
+        raise TrainwiseError(
+            f"pp x vpp = {p} x {v} = {chunks} pipeline chunks but the model has only {cfg.n_layers} layers: each "
+            f"chunk needs at least one. Use pp x vpp <= {cfg.n_layers}, e.g. --pp {min(p, cfg.n_layers)} --vpp "
+            f"{max(1, cfg.n_layers // min(p, cfg.n_layers))}.")
+    if v > 1 and p == 1:
+        raise TrainwiseError(f"--vpp {v} needs pipeline parallelism (--pp > 1): virtual stages interleave pipeline ranks.")
+    if v > 1 and m % p:
+        raise TrainwiseError(
+            f"the interleaved schedule (vpp = {v}) needs the micro-batches per step ({m}) to be a multiple of "
+            f"pp = {p} (Megatron-LM's rule); use {p * max(1, round(m / p))} micro-batches or --vpp 1.")
+    if layout.cp > 1 and seq_len % (2 * layout.cp):
+        raise TrainwiseError(
+            f"cp = {layout.cp} splits each sequence into 2 x cp = {2 * layout.cp} chunks (load-balanced causal "
+            f"attention) but seq_len {seq_len} does not divide by that; use a seq_len that is a multiple of "
+            f"{2 * layout.cp}.")
+    if layout.ep > 1:
+        if not cfg.is_moe:
+            raise TrainwiseError(f"--ep {layout.ep} is expert parallelism, but {cfg.name} has no experts; use --ep 1.")
+        if cfg.n_experts % layout.ep:
+            raise TrainwiseError(
+                f"ep = {layout.ep} does not divide the {cfg.n_experts} experts; ep values that work: "
+                f"{', '.join(str(d) for d in _divisors(cfg.n_experts) if (layout.dp * layout.cp) % d == 0)}.")
+        if (layout.dp * layout.cp) % layout.ep:
+            raise TrainwiseError(
+                f"ep = {layout.ep} must divide dp x cp = {layout.dp} x {layout.cp} = {layout.dp * layout.cp}: the "
+                "expert-parallel group is made of data/context-parallel ranks (Megatron-Core). Raise --gpus or lower --ep.")
+    if p > 1 and m < p:
+        raise TrainwiseError(
+            f"pp = {p} pipeline stages need at least {p} micro-batches per step to keep every stage busy (here "
+            f"{m}); raise the global batch or --grad-accum, or lower --pp.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# pipeline
+
+
+def chunk_layers(n_layers: int, chunks: int) -> list[int]:
+    """Layers of each of `chunks` pipeline chunks in pipeline order. Evenly when they divide; otherwise
+    every chunk gets ceil(L / chunks) and the shortfall is taken from the ends, last and first chunk
+    alternately: those also hold the LM head + loss and the embedding (Llama 3 405B: 126 layers on 16
+    stages ran 7 on the first and last and 8 on the others, Dubey et al. 2024 section 3.3.2)."""
+    per = math.ceil(n_layers / chunks)
+    out = [per] * chunks
+    short, i = per * chunks - n_layers, 0
+    while short:
+        j = chunks - 1 - i // 2 if i % 2 == 0 else i // 2
+        if out[j] > 1:
+            out[j] -= 1
+            short -= 1
+        i = (i + 1) % (2 * chunks)
+    return out
+
+
+def stage_layers(n_layers: int, pp: int, vpp: int = 1) -> list[int]:
+    """Layers held by each pipeline rank: the sum of its vpp chunks (rank r holds chunks r, r+pp, ...)."""
+    chunks = chunk_layers(n_layers, pp * vpp)
+    return [sum(chunks[r::pp]) for r in range(pp)]
+
+
+def bubble_fraction(pp: int, vpp: int, micro_batches: int) -> float:
+    """Pipeline bubble as a fraction of the ideal (bubble-free) time: (p - 1) / (v m) for 1F1B and GPipe
+    (v = 1) and the interleaved schedule (Narayanan et al. 2021, sections 2.2.1-2.2.2)."""
+    return (pp - 1) / (vpp * micro_batches)
+
+
+def in_flight_factor(pp: int, vpp: int, micro_batches: int) -> float:
+    """Micro-batches of activations the first pipeline rank holds at its peak, each of its own layers:
+    1F1B keeps p in flight (p micro-batches of L/p layers: the L-layer total), fewer when the step has
+    fewer; interleaving keeps 1 + (p-1)/(p v) times that (Korthikanti et al. 2022, section 4.2.3)."""
+    if pp == 1:
+        return 1.0
+    base = float(min(pp, micro_batches))
+    return base * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else base
+
+
+# ---------------------------------------------------------------------------------------------------
+# where a group's ranks sit
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    size: int  # ranks in the group
+    per_node: int  # of them on one node
+    nodes: int  # nodes the group spans
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.nodes > 1
+
+
+def placement(layout: Layout, dim: str, gpus_per_node: int) -> GroupPlacement:
+    """Where the ranks of one `dim` group ("tp", "cp", "ep", "dp", "pp") sit, ranks numbered tp-cp-ep-dp-pp
+    (innermost first): a group's ranks are `stride` apart, stride = the product of the inner dimensions."""
+    order = ("tp", "cp", "dp", "pp")  # ep lives inside dp x cp (see the module docstring)
+    sizes = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp}
+    if dim == "ep":
+        size, stride = layout.ep, layout.tp * layout.cp
+    else:
+        size, stride = sizes[dim], math.prod(sizes[d] for d in order[:order.index(dim)])
+    per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    return GroupPlacement(size, per_node, math.ceil(size / per_node))
+
+
+# ---------------------------------------------------------------------------------------------------
+# one rank's share of the model
+
+
+def tp_share(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model one tensor-parallel rank computes (Megatron-LM's column/row-parallel split, Shoeybi et al.
+    2019): 1/tp of the heads (key-value heads too, at least one: fewer than tp are replicated), of the MLP
+    and expert widths and of the vocabulary (padded up); d_model, head dim and the MLA latent ranks whole."""
+    if tp == 1:
+        return cfg
+    return replace(cfg, n_heads=cfg.n_heads // tp, n_kv_heads=max(1, cfg.n_kv_heads // tp), head_dim=cfg.head_dim,
+                   ffn_hidden=math.ceil(cfg.ffn_hidden / tp), vocab_size=math.ceil(cfg.vocab_size / tp),
+                   expert_ffn_hidden=math.ceil(cfg.expert_ffn_hidden / tp) if cfg.n_experts else 0,
+                   name=f"{cfg.name} (1/{tp} per tensor-parallel rank)")
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters one rank holds (its tensor-parallel share, the vocabulary split, learned positions whole;
+    experts also / ep): per dense layer, per MoE layer and of those its routed experts, the embedding (first
+    pipeline rank), the final norm and LM head (last pipeline rank)."""
+
+    layer: int
+    moe_layer: int
+    moe_experts: int
+    embedding: int
+    head: int
+
+
+def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
+    share = tp_share(cfg, layout.tp)
+    dense = next((i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)), None)
+    moe = next((i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)), None)
+    experts = cfg.n_experts // layout.ep * mlp_params(cfg.d_model, share.expert_ffn_hidden, cfg.gated, cfg.bias) \
+        if moe is not None else 0
+    moe_layer = layer_params(share, moe) - (cfg.n_experts - cfg.n_experts // layout.ep) * mlp_params(
+        cfg.d_model, share.expert_ffn_hidden, cfg.gated, cfg.bias) if moe is not None else 0
+    return RankParams(layer=layer_params(share, dense) if dense is not None else 0, moe_layer=moe_layer,
+                      moe_experts=experts, embedding=embedding_params(share),
+                      # a tied LM head is the embedding's table, but a pipeline's last rank holds its own copy
+                      head=norm_params(cfg) + (0 if cfg.tie_embeddings and layout.pp == 1 else share.vocab_size * cfg.d_model))
+
+
+# ---------------------------------------------------------------------------------------------------
+# memory of one rank
+
+
+def layer_bytes_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int, layout: Layout, seq_len: int,
+                          checkpointing: str) -> float:
+    """Bytes one tensor-parallel rank saves per token of one layer (cost.memory's per-layer count of the
+    model trainwise builds), as Korthikanti et al. 2022 (section 4, Table 2) split it: with tensor
+    parallelism the layer norms' inputs, the inputs of the first linear of attention and MLP and the
+    dropout masks stay whole on every rank (their "10 sbh"), the rest is divided by tp; sequence
+    parallelism divides everything. Unfused attention (`attention_impl`) saves the softmax output
+    c x heads x T per token, and with attention dropout its mask (1 byte) and output, instead of flash
+    attention's logsumexp (their 5as^2b term); selective recompute keeps none of them. Full recompute:
+    the layer's input only."""
+    c, s, H, t = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model, layout.tp
+    if checkpointing == "full":
+        return s * H / (t if layout.sequence_parallel else 1)
+    total = M.activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing)
+    if layout.attention_impl == "unfused" and checkpointing != "selective":
+        total += cfg.n_heads * seq_len * (c + (1 + c if cfg.dropout > 0 else 0)) - 4 * cfg.n_heads
+    if t == 1 or layout.sequence_parallel:
+        return total / t
+    whole = 2 * M.norm_saved_bytes(cfg, s) + 2 * c * H + (2 * H if cfg.dropout > 0 else 0)
+    return whole + (total - whole) / t
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """The first pipeline rank's memory (it holds the most micro-batches in flight), bytes."""
+
+    states: M.StateBytes
+    activations: int
+    params: int  # parameters it holds
+
+    @property
+    def total(self) -> int:
+        return self.states.total + self.activations
+
+
+def rank_memory(cfg: ModelConfig, layout: Layout, recipe: M.Recipe, optimizer: str, micro_batch: int, seq_len: int,
+                checkpointing: str, rank: int = 0) -> RankMemory:
+    """States and activations of pipeline rank `rank` (the first holds the most micro-batches in flight):
+    its layers' parameters (the embedding on the first rank, final norm and LM head on the last) under the
+    recipe, ZeRO sharding over dp x cp (experts over dp x cp / ep); activations of its layers for the
+    micro-batches it holds in flight (in_flight_factor: the first rank's p, p - r on rank r), T / cp tokens
+    each, + its input; with one pipeline stage also the LM head and loss (cost.memory.activation_bytes)."""
+    rp = rank_params(cfg, layout)
+    idx = _rank_layers(cfg.n_layers, layout.pp, layout.vpp, rank)
+    n_moe = sum(cfg.is_moe_layer(i) for i in idx)
+    dense = (len(idx) - n_moe) * rp.layer + n_moe * (rp.moe_layer - rp.moe_experts)
+    dense += (rp.embedding if rank == 0 else 0) + (rp.head if rank == layout.pp - 1 else 0)
+    ranks = layout.dp * layout.cp
+    a = M.state_bytes(dense, recipe, optimizer, layout.zero, ranks)
+    b = M.state_bytes(n_moe * rp.moe_experts, recipe, optimizer, layout.zero, max(1, ranks // layout.ep))
+    states = M.StateBytes(a.params + b.params, a.grads + b.grads, a.optimizer + b.optimizer, a.master + b.master)
+    tokens = micro_batch * seq_len / layout.cp
+    per_micro_batch = tokens * (sum(layer_bytes_per_token(cfg, recipe, i, layout, seq_len, checkpointing) for i in idx)
+                                + recipe.residual_bytes * cfg.d_model / (layout.tp if layout.sequence_parallel else 1))
+    acts = per_micro_batch * in_flight_factor(layout.pp - rank, layout.vpp, layout.micro_batches)
+    if layout.pp == 1:
+        share = tp_share(cfg, layout.tp)
+        acts += tokens * (16 + M.norm_saved_bytes(cfg, recipe.residual_bytes) + recipe.compute_bytes * cfg.d_model
+                          + M.loss_saved_bytes_per_token(share))
+    return RankMemory(states, math.ceil(acts), dense + n_moe * rp.moe_experts)
+
+
+def _rank_layers(n_layers: int, pp: int, vpp: int, rank: int) -> list[int]:
+    chunks = chunk_layers(n_layers, pp * vpp)
+    return [i for c in range(rank, pp * vpp, pp) for i in range(sum(chunks[:c]), sum(chunks[:c + 1]))]

@@ -1,0 +1,94 @@
+"""The planner's step on a GPU cluster: each rank's operators recorded on its share of the model
+(trainwise.measure.record on cost.layout.tp_share, T / cp tokens), the layout applied to the record
+(sequence parallelism shards the element-wise work tensor parallelism leaves whole; expert parallelism
+regroups the experts' matmuls; context parallelism gives each rank 1/cp of the attention), priced by
+trainwise.cost.cluster with published kernel and collective figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from trainwise.config import ModelConfig
+from trainwise.cost.cluster import ClusterStep, RankWork, cluster_step
+from trainwise.cost.layout import Layout, rank_params, tp_share
+from trainwise.cost.memory import Recipe
+from trainwise.cost.ops import Op
+from trainwise.cost.steptime import scale_batch
+from trainwise.hardware.table import Accelerator, Node
+from trainwise.measure.record import block_ops
+
+_CACHE: dict[str, dict[str, list[Op]]] = {}
+
+
+def _blocks(cfg: ModelConfig, micro_batch: int, seq_len: int, precision: str, checkpointing: str, optimizer: str,
+            attention: str) -> dict[str, list[Op]]:
+    """measure.record.block_ops of one sequence, memoised, scaled to the micro-batch (cost.steptime
+    .scale_batch): `plan --fit` prices many layouts and micro-batches from a few records."""
+    key = repr((cfg, seq_len, precision, checkpointing, optimizer, attention))
+    if key not in _CACHE:
+        _CACHE[key] = block_ops(cfg, 1, seq_len, precision, checkpointing, optimizer, attention)
+    return {part: scale_batch(ops, micro_batch, seq_len) for part, ops in _CACHE[key].items()}
+
+
+def rank_work(cfg: ModelConfig, layout: Layout, micro_batch: int, seq_len: int, precision: str, checkpointing: str,
+              optimizer: str = "adamw") -> RankWork:
+    """One rank's operators per micro-batch under `layout` (module docstring), with and without checkpointing."""
+    def record(ckpt: str) -> dict[str, list[Op]]:
+        share = _blocks(tp_share(cfg, layout.tp), micro_batch, seq_len // layout.cp, precision, ckpt, optimizer,
+                        layout.attention_impl)
+        whole = (_blocks(cfg, micro_batch, seq_len // layout.cp, precision, ckpt, optimizer, layout.attention_impl)
+                 if layout.sequence_parallel else None)
+        return {part: _apply(ops, layout, whole and whole.get(part)) for part, ops in share.items()}
+
+    main = record(checkpointing)
+    plain = record("none") if checkpointing != "none" else None
+    work = lambda b: RankWork(b["layer"], b["ends"], b.get("moe_layer"))  # noqa: E731
+    return replace(work(main), plain=work(plain) if plain else None)
+
+
+def _apply(ops: list[Op], layout: Layout, whole: list[Op] | None) -> list[Op]:
+    """The layout on a tensor-parallel rank's record: sequence parallelism divides by tp the element-wise
+    ops the record has unchanged from the whole model's (norms, residual adds, dropout: what tensor
+    parallelism leaves whole); context parallelism multiplies the attention kernels (recorded on T / cp
+    tokens) by cp, each rank's 1/cp share of the T x T work (load-balanced ring attention); expert
+    parallelism gives each rank E / ep experts with ep times the tokens each."""
+    same = {(o.name, o.phase, o.dtype, o.calls, o.bytes) for o in whole or [] if o.shape is None}
+    out = []
+    for op in ops:
+        if same and op.phase != "optimizer" and (op.name, op.phase, op.dtype, op.calls, op.bytes) in same:
+            op = replace(op, flops=op.flops / layout.tp, bytes=op.bytes / layout.tp)
+        if layout.cp > 1 and op.cls == "attention":
+            op = replace(op, flops=op.flops * layout.cp, bytes=op.bytes * layout.cp)
+        if layout.ep > 1 and "grouped_mm" in op.name and op.shape:
+            e, a, b, n = op.shape
+            op = replace(op, shape=(e // layout.ep, a, b * layout.ep, n) if op.layout.endswith("split-k")
+                         else (e // layout.ep, a * layout.ep, b, n))
+        out.append(op)
+    return out
+
+
+def predict_cluster_step(cfg: ModelConfig, layout: Layout, acc: Accelerator, node: Node, *, micro_batch: int,
+                         seq_len: int, recipe: Recipe, checkpointing: str, optimizer: str = "adamw",
+                         tp_overlap: bool = False) -> ClusterStep:
+    """One optimizer step of `cfg` under `layout` on a cluster of `acc` in `node`s (cost.cluster)."""
+    precision = record_precision(recipe)
+    work = rank_work(cfg, layout, micro_batch, seq_len, precision, checkpointing, optimizer)
+    return cluster_step(cfg, layout, work, rank_params(cfg, layout), acc=acc, node=node, micro_batch=micro_batch,
+                        seq_len=seq_len, checkpointing=checkpointing, act_bytes=recipe.compute_bytes,
+                        grad_bytes=_reduced_grad_bytes(recipe), param_bytes=recipe.param_bytes, tp_overlap=tp_overlap)
+
+
+def _reduced_grad_bytes(recipe: Recipe) -> int:
+    """Bytes per gradient the data-parallel reduction moves: Megatron-LM reduces the 16-bit gradients and
+    copies them to its fp32 main gradients after (without --accumulate-allreduce-grads-in-fp32, as its
+    published fp16 runs ran: examples/academic_paper_scripts/sc21/CONFIG.sh); otherwise the recipe's."""
+    return recipe.param_bytes if recipe.name == "megatron" else recipe.grad_bytes
+
+
+def record_precision(recipe: Recipe) -> str:
+    """How the step is recorded for a recipe: 16-bit weights and activations ("fp16-pure", "bf16-pure":
+    Megatron-LM's, bf16-mixed) or autocast over fp32 weights (amp: trainwise's own runs), or fp32."""
+    if recipe.compute_dtype == "fp32":
+        return "fp32"
+    return f"{recipe.compute_dtype}-pure" if recipe.param_bytes == 2 else recipe.compute_dtype

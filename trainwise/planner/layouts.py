@@ -1,0 +1,104 @@
+"""`trainwise plan --fit` on a GPU cluster: the layouts (tp, pp, vpp, cp, ep, ZeRO, micro-batch,
+checkpointing) that fit the GPUs' memory for a global batch, ranked by the step time the cluster model
+predicts (trainwise.cost.cluster), each with the reason it was kept or set aside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainwise.config import ModelConfig
+from trainwise.errors import TrainwiseError
+from trainwise.planner.plan import Plan, plan_run
+
+CHECKPOINTING = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class LayoutCandidate:
+    layout: dict  # cost.layout.Layout.to_json()
+    micro_batch: int
+    checkpointing: str
+    per_device_bytes: int
+    fits: bool
+    step_seconds: float | None = None
+    mfu: float | None = None
+    breakdown: dict | None = None
+    reason: str = ""
+
+    def to_json(self) -> dict:
+        return self.__dict__
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch: int, seq_len: int,
+                      max_micro_batch: int = 8) -> list[dict]:
+    """The layouts worth pricing: tp a divisor of the heads inside a node; pp a divisor of the GPUs left,
+    at most the layers; vpp when the layers split evenly into pp x vpp chunks; cp for sequences of 8k and
+    more; ep a divisor of the experts; micro-batches dividing each data-parallel rank's share of the
+    global batch, leaving at least pp micro-batches per pipeline (a multiple of pp when interleaved); ZeRO
+    0 and 1 (with data parallelism); every checkpointing mode. Sequence parallelism with every tp > 1."""
+    out = []
+    for tp in (t for t in _divisors(gpus) if t <= gpus_per_node and model.n_heads % t == 0):
+        for pp in (p for p in _divisors(gpus // tp) if p <= model.n_layers):
+            for cp in (c for c in _divisors(gpus // (tp * pp)) if c == 1 or (seq_len >= 8192 and c <= 8)):
+                dp = gpus // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                vpps = [1] + [v for v in range(2, 9) if pp > 1 and model.n_layers % (pp * v) == 0]
+                eps = [e for e in _divisors(model.n_experts) if (dp * cp) % e == 0 and e <= 64] if model.is_moe else [1]
+                for b in (b for b in _divisors(global_batch // dp) if b <= max_micro_batch):
+                    m = global_batch // (dp * b)  # micro-batches per pipeline: at least pp, a multiple of it interleaved
+                    for vpp in (v for v in vpps if m >= pp and (v == 1 or m % pp == 0)):
+                        for ep in eps:
+                            for zero in ((0, 1) if dp * cp > 1 else (0,)):
+                                for ckpt in CHECKPOINTING:
+                                    out.append(dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, zero=zero, micro_batch=b,
+                                                    grad_accum=m, checkpointing=ckpt))
+    return out
+
+
+def fit_layouts(model: ModelConfig, *, gpus: int, gpu: str, global_batch: int, seq_len: int, memory_budget: int,
+                precision: str = "bf16", optimizer: str = "adamw", attention_impl: str = "flash",
+                gpus_per_node: int | None = None, intra_node_bw: float | None = None,
+                inter_node_bw: float | None = None, dp_overlap: bool = True,
+                tokens: float = 1.0) -> tuple[list[LayoutCandidate], list[LayoutCandidate]]:
+    """Every candidate layout planned (plan_run: the one memory model and the cluster model) and
+    (fitting ones fastest first, the others with their reason)."""
+    base = plan_run(model, tokens=tokens, seq_len=seq_len, gpus=gpus, gpu=gpu, precision=precision, optimizer=optimizer,
+                    mfu=0.4, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
+    node = base.hardware.node
+    if node is None and gpus > 1:
+        raise TrainwiseError(f"--fit over layouts needs the GPUs' node: give --gpus-per-node with --gpu {gpu}.")
+    good, bad = [], []
+    for c in candidate_layouts(model, gpus, node.gpus if node else 1, global_batch, seq_len):
+        kw = dict(tokens=tokens, seq_len=seq_len, gpus=gpus, gpu=gpu, precision=precision, optimizer=optimizer,
+                  memory_budget=memory_budget, attention_impl=attention_impl, gpus_per_node=gpus_per_node,
+                  intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, dp_overlap=dp_overlap, **c)
+        try:
+            plan = plan_run(model, mfu=0.4, **kw)  # memory first: an assumed MFU prices nothing
+        except TrainwiseError as err:
+            bad.append(LayoutCandidate(_layout_json(c, gpus), c["micro_batch"], c["checkpointing"], 0, False,
+                                       reason=str(err).split(";")[0]))
+            continue
+        if not plan.fits:
+            bad.append(_candidate(plan, c, reason=f"{plan.per_device_bytes / 2**30:.1f} GiB per GPU > "
+                                                  f"{memory_budget / 2**30:.1f} GiB"))
+            continue
+        good.append(_candidate(plan_run(model, **kw), c))
+    good.sort(key=lambda c: (c.step_seconds, c.layout["zero"], c.layout["pp"]))
+    return good, bad
+
+
+def _layout_json(c: dict, gpus: int) -> dict:
+    return {k: c[k] for k in ("tp", "pp", "vpp", "cp", "ep", "zero")} | {
+        "dp": gpus // (c["tp"] * c["pp"] * c["cp"]), "micro_batches": c["grad_accum"]}
+
+
+def _candidate(plan: Plan, c: dict, reason: str = "") -> LayoutCandidate:
+    return LayoutCandidate(plan.layout.to_json(), c["micro_batch"], c["checkpointing"], plan.per_device_bytes,
+                           plan.fits is True, plan.step_seconds, plan.mfu, plan.cluster.breakdown if plan.cluster
+                           else None, reason)
