@@ -61,8 +61,8 @@ def test_cli_tables_and_explain(capsys, tmp_path):
     assert main(["plan", "--model", "mixtral-8x7b", "--tokens", "1e12", "--gpu", "h100", "--gpus", "64",
                  "--zero", "3", "--explain", "--price", "2"]) == 0
     out = capsys.readouterr().out
-    assert "Time per step" in out and "from table, uncalibrated" in out and "active" in out
-    assert "largest contributors" in out and "all_gather" in out  # FSDP over 64 GPUs communicates
+    assert "Time per step" in out and "cluster model" in out and "MAMF" in out and "active" in out
+    assert "nccl all_gather (dp)" in out and "ZeRO-3" in out  # FSDP over 64 GPUs gathers its parameters
     assert main(["plan", "--model", "mixtral-8x7b", "--tokens", "1e12", "--gpu", "h100", "--mfu", "0.4",
                  "--explain"]) == 0
     assert "C / (G x peak x MFU)" in capsys.readouterr().out  # --mfu stays a what-if
