@@ -10,7 +10,7 @@ attention (2021-22: no FlashAttention), gradient all-reduce overlapped (torch DD
 backward (Megatron's local DDP) from 39.1B. Nothing below is fitted to these runs: every kernel and
 collective figure is a published microbenchmark (trainwise.hardware.table, trainwise.cost.comm).
 
-    python benchmarks/cluster_model.py                 # the table (about a minute)
+    python benchmarks/cluster_model.py                 # the table and the --fit (about a minute)
     python benchmarks/cluster_model.py --json out.json
 """
 
@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
+from trainwise.cli import main as cli_main
 from trainwise.config import ModelConfig
 from trainwise.cost.layout import rank_memory
 from trainwise.planner.plan import plan_run
@@ -133,9 +135,18 @@ def main() -> int:
     print(f"\niteration time |error| over {len(errors)} runs: median {statistics.median(errors):.1%}, worst "
           f"{max(errors):.1%}; speed-up of selective + SP: worst {max(abs(a - b) for _, a, b in speedups) * 100:.1f} "
           f"points off; memory: worst {worst_mem:.1%}; {time.time() - t0:.0f} s")
+    print("\n`plan --fit` for GPT-3 175B (Korthikanti et al.'s 175B as a GPT-2-style config.json) on 64 A100 80GB, "
+          "global batch 64 x 2048; published layout: TP 8, PP 8", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "config.json"
+        config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 96, "n_embd": 12288, "n_head": 96,
+                                      "vocab_size": 51200, "n_positions": 2048, "n_inner": 4 * 12288}))
+        fit_rc = cli_main(["plan", "--model", str(config), "--gpu", "a100-80gb", "--gpus", "64", "--global-batch", "64",
+                           "--seq-len", "2048", "--tokens", "3e11", "--precision", "megatron", "--attention-impl",
+                           "unfused", "--fit"])
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": rows, "speedups": speedups, "memory": memory}, indent=1))
-    return 0
+    return fit_rc
 
 
 if __name__ == "__main__":

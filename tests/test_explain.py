@@ -172,6 +172,10 @@ def test_budget_defaults(capsys):
     assert v["flops"] == pytest.approx(6e19)
     assert v["seconds"] == pytest.approx(1.5e6)
     assert round(v["days"], 2) == 17.36
+    # beside the assumed 40%: the MFU the fastest fitting layout of a 1e9-parameter Llama shape is predicted to
+    # reach on one A100 80GB (the cluster model), a prediction and not the assumption
+    assert v["layout_gpu"] == "a100-80gb" and v["layout"]["tp"] == 1 and v["layout_micro_batch"] >= 1
+    assert 0.2 < v["layout_mfu"] < 0.8 and v["layout_mfu"] != pytest.approx(0.4, abs=0.01)
 
 
 # --- languages, listing, errors ---------------------------------------------------------------------------

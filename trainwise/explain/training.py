@@ -12,7 +12,9 @@ from trainwise.cost.time import DEFAULT_MFU, SECONDS_PER_DAY
 from trainwise.errors import TrainwiseError
 from trainwise.explain.render import Doc, num
 from trainwise.explain.topic import Arg, Topic
+from trainwise.hardware.table import get_accelerator
 from trainwise.measure.flopcount import flop_counter
+from trainwise.planner.layouts import fit_layouts
 from trainwise.planner.plan import plan_run
 from trainwise.presets import get_preset
 from trainwise.runtime.step import build_model, build_step, random_batches
@@ -252,18 +254,58 @@ BUDGET = {
                run=["`trainwise plan --params {N} --tokens {D} --peak-flops {P} --precision {r} --explain` prints this "
                     "estimate (it is computed by the same plan_run); give --model PRESET for exact FLOPs and activations.",
                     "`trainwise train` prints the plan of your run before it starts, and `trainwise verify` holds it "
-                    "against the measurement."]),
+                    "against the measurement."],
+               layout="a concrete layout", shape="a Llama-style shape of N", layout_mfu="MFU it reaches",
+               layout_days="days at that MFU",
+               layout_note="The assumed MFU is the one number that decides the answer. The line above replaces it "
+                           "with a prediction: {model} on {G} x {gpu} ({P} bf16 peak), global batch {gbs} "
+                           "sequences of {T}, laid out as `plan --fit` finds fastest ({layout}); each operator at "
+                           "published kernel rates, each collective at published NCCL bandwidths "
+                           "(`trainwise plan --model FILE --gpu {gpu_key} --gpus {G} --fit --explain` itemises it)."),
     "zh": dict(title="训练预算：一次训练的显存、计算量与时间", params="参数量 N", tokens="训练 token 数 D",
                p="参数", g="梯度", o="优化器状态", m="主权重 (master)", s="模型状态", c="总计算量", time="训练时间",
                days="天数",
                run=["`trainwise plan --params {N} --tokens {D} --peak-flops {P} --precision {r} --explain` 给出同样的估算"
                     "（由同一个 plan_run 计算）；用 --model PRESET 可得到精确的 FLOPs 和激活值。",
-                    "`trainwise train` 在开始前打印你这次训练的规划，`trainwise verify` 用实测值检验它。"]),
+                    "`trainwise train` 在开始前打印你这次训练的规划，`trainwise verify` 用实测值检验它。"],
+               layout="具体的并行布局", shape="规模为 N 的 Llama 式结构", layout_mfu="它达到的 MFU",
+               layout_days="按该 MFU 的天数",
+               layout_note="假设的 MFU 是决定答案的那个数。上一行用预测替换它：{model} 在 {G} x {gpu}（bf16 峰值 {P}）上，"
+                           "全局批量 {gbs} 条长度 {T} 的序列，采用 `plan --fit` 找到的最快布局（{layout}）；每个算子按已发表的"
+                           "内核速率、每个集合通信按已发表的 NCCL 带宽计时"
+                           "（`trainwise plan --model FILE --gpu {gpu_key} --gpus {G} --fit --explain` 逐项列出）。"),
 }
+
+# A concrete shape for a bare parameter count: d_model = ASPECT x n_layers (Llama 2 7B: 4096 = 128 x 32; Kaplan
+# et al. 2020, section 3.1: loss within a few percent for aspect ratios 20-200), heads of HEAD_DIM, SwiGLU width
+# 8/3 d_model rounded up to 256 and Llama 2's 32,000-token vocabulary, untied.
+ASPECT, HEAD_DIM, VOCAB = 128, 128, 32000
+# The concrete layout's run: sequences of LAYOUT_SEQ tokens, LAYOUT_BATCH_TOKENS per optimizer step (about
+# 1M tokens: GPT-3's batch for its 1.3B model, Brown et al. 2020, Table 2.1), on LAYOUT_GPU.
+LAYOUT_SEQ, LAYOUT_BATCH_TOKENS, LAYOUT_GPU = 2048, 2**20, "a100-80gb"
+
+
+def llama_shape(params_count: float) -> ModelConfig:
+    """A Llama-style model of about `params_count` parameters (the shape above)."""
+    layers = max(1, round((params_count / (12 * ASPECT**2)) ** (1 / 3)))
+    for _ in range(64):  # adjust the depth until the count is as close as the shape allows
+        d = ASPECT * layers
+        cfg = ModelConfig(name=f"llama-shaped-{num(params_count)}", vocab_size=VOCAB, d_model=d, n_layers=layers,
+                          n_heads=max(1, d // HEAD_DIM), n_kv_heads=max(1, d // HEAD_DIM),
+                          ffn_hidden=-(-8 * d // 3 // 256) * 256, max_seq_len=LAYOUT_SEQ, tie_embeddings=False)
+        n = params(cfg).total
+        if n > 1.1 * params_count and layers > 1:
+            layers -= 1
+        elif n < params_count / 1.1:
+            layers += 1
+        else:
+            break
+    return cfg
 
 
 def budget(params_count: float = 1e9, tokens: float = 1e10, precision: str = "fp32", optimizer: str = "adamw",
-           peak_flops: float = 100e12, mfu: float = DEFAULT_MFU, gpus: int = 1, lang: str = "en") -> Doc:
+           peak_flops: float = 100e12, mfu: float = DEFAULT_MFU, gpus: int = 1, gpu: str = LAYOUT_GPU,
+           lang: str = "en") -> Doc:
     t = BUDGET[lang]
     p = plan_run(params_count=params_count, tokens=tokens, precision=precision, optimizer=optimizer,
                  peak_flops=peak_flops, mfu=mfu, gpus=gpus)
@@ -281,12 +323,42 @@ def budget(params_count: float = 1e9, tokens: float = 1e10, precision: str = "fp
     d.step(t["time"], "C / (G x P x MFU)", f"{num(p.total_flops)} / ({gpus} x {num(peak_flops)} x {mfu})",
            f"{num(p.time.seconds)} s")
     d.step(t["days"], "s / 86400", f"{num(p.time.seconds)} / {SECONDS_PER_DAY:.0f}", f"{p.time.days:.2f} days")
+    cfg, best = concrete_layout(params_count, tokens, gpus, gpu)
+    hw = get_accelerator(gpu)
+    layout = best.layout if best else {}
+    where = (f"tp {layout['tp']} pp {layout['pp']} dp {layout['dp']} zero {layout['zero']}, micro-batch "
+             f"{best.micro_batch}, checkpointing {best.checkpointing}" if best else "none fits")
+    d.step(t["layout"], t["shape"], f"d_model {cfg.d_model} = {ASPECT} x {cfg.n_layers} layers, vocab {VOCAB}",
+           f"{params(cfg).total:,} params")
+    if best:
+        days = F.six_nd(N, tokens) / (gpus * hw.peak_flops["bf16"] * best.mfu) / SECONDS_PER_DAY
+        d.step(t["layout_mfu"], "6 N_layout x tokens/s / (G x P_bf16)", f"{gpus} x {hw.name}, {where}",
+               f"{best.mfu:.1%} vs assumed {mfu:.0%}")
+        d.step(t["layout_days"], "C / (G x P_bf16 x MFU)",
+               f"{num(p.total_flops)} / ({gpus} x {num(hw.peak_flops['bf16'])} x {best.mfu:.3f})", f"{days:.2f} days")
+    d.text()
+    d.text(t["layout_note"].format(model=cfg.name, G=gpus, gpu=hw.name, gpu_key=gpu, P=f"{num(hw.peak_flops['bf16'])} FLOP/s",
+                                   gbs=LAYOUT_BATCH_TOKENS // LAYOUT_SEQ, T=LAYOUT_SEQ, layout=where))
     d.where(*(line.format(N=num(N), D=num(tokens), P=num(peak_flops), r=r.name) for line in t["run"]))
-    d.values = dict(params=N, tokens=tokens, precision=r.name, optimizer=optimizer, peak_flops=peak_flops, mfu=mfu,
+    d.values = dict(layout_model=cfg.name, layout_gpu=gpu, layout=layout,
+                    layout_micro_batch=best.micro_batch if best else None,
+                    layout_checkpointing=best.checkpointing if best else None,
+                    layout_mfu=best.mfu if best else None, params=N, tokens=tokens, precision=r.name, optimizer=optimizer, peak_flops=peak_flops, mfu=mfu,
                     devices=gpus, params_bytes=s.params, grads_bytes=s.grads, optimizer_bytes=s.optimizer,
                     master_bytes=s.master, states_bytes=s.total, flops=p.total_flops, seconds=p.time.seconds,
                     days=p.time.days, device_hours=p.time.device_hours)
     return d
+
+
+def concrete_layout(params_count: float, tokens: float, gpus: int, gpu: str):
+    """(llama_shape(params_count), the fastest layout `plan --fit` finds for it on `gpus` x `gpu`, or None)."""
+    cfg = llama_shape(params_count)
+    hw = get_accelerator(gpu)
+    if not hw.memory_bytes:
+        raise TrainwiseError(f"explain budget --gpu '{gpu}': not a GPU of the hardware table; see `trainwise hardware`.")
+    good, _ = fit_layouts(cfg, gpus=gpus, gpu=gpu, global_batch=max(gpus, LAYOUT_BATCH_TOKENS // LAYOUT_SEQ),
+                          seq_len=LAYOUT_SEQ, memory_budget=hw.memory_bytes, tokens=tokens)
+    return cfg, (good[0] if good else None)
 
 
 TOPICS = [
@@ -325,6 +397,7 @@ TOPICS = [
            Arg("--optimizer", dict(default="adamw", choices=list(M.OPTIMIZER_MOMENTS))),
            Arg("--peak-flops", dict(type=float, default=100e12, help="peak FLOP/s per device (default 100e12)")),
            Arg("--mfu", dict(type=float, default=DEFAULT_MFU, help=f"model FLOP utilisation (default {DEFAULT_MFU})")),
-           Arg("--gpus", dict(type=int, default=1, help="devices G"))],
+           Arg("--gpus", dict(type=int, default=1, help="devices G")),
+           Arg("--gpu", dict(default=LAYOUT_GPU, help=f"GPU of the concrete layout (default {LAYOUT_GPU})"))],
           "trainwise explain budget --params 7e9 --tokens 2e12 --precision bf16 --peak-flops 989e12 --gpus 256"),
 ]
