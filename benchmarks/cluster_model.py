@@ -138,7 +138,8 @@ def main() -> int:
     print("\n`plan --fit` for GPT-3 175B (Korthikanti et al.'s 175B as a GPT-2-style config.json) on 64 A100 80GB, "
           "global batch 64 x 2048; published layout: TP 8, PP 8", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "config.json"
+        config = Path(tmp) / "gpt3-175b" / "config.json"
+        config.parent.mkdir()
         config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 96, "n_embd": 12288, "n_head": 96,
                                       "vocab_size": 51200, "n_positions": 2048, "n_inner": 4 * 12288}))
         fit_rc = cli_main(["plan", "--model", str(config), "--gpu", "a100-80gb", "--gpus", "64", "--global-batch", "64",
