@@ -34,7 +34,14 @@ from trainwise.config import DataConfig
 from trainwise.data import tokencache
 from trainwise.data.batches import Mixture
 from trainwise.data.formats import CHUNK_CHARS, Reading, builtin_texts, iter_pieces
-from trainwise.data.sources import BUILTIN_CORPUS_DESCRIPTION, Corpus, discover
+from trainwise.data.sources import (
+    BUILTIN_CORPUS_DESCRIPTION,
+    STDLIB_CORPUS,
+    STDLIB_CORPUS_DESCRIPTION,
+    Corpus,
+    default_corpus,
+    discover,
+)
 from trainwise.errors import TrainwiseError
 from trainwise.hardware import cache
 from trainwise.tokenizer import Tokenizer
@@ -57,7 +64,7 @@ def corpus_of(data_cfg: DataConfig) -> Corpus | None:
             for name in ("files", "binary", "duplicates", "broken", "notes"):
                 getattr(merged, name).extend(getattr(found, name))
         return merged
-    return discover(data_cfg) if data_cfg.paths else None
+    return None if default_corpus(data_cfg) else discover(data_cfg)
 
 
 def _corpus_key(corpus: Corpus | None, text_field: str, chunk_chars: int) -> str:
@@ -79,8 +86,10 @@ def corpus_key(data_cfg: DataConfig, chunk_chars: int = CHUNK_CHARS) -> str:
 def describe(data_cfg: DataConfig) -> str:
     if data_cfg.sources:
         return f"the mixture of {len(data_cfg.sources)} data.sources"
-    if not data_cfg.paths:
+    if default_corpus(data_cfg):
         return BUILTIN_CORPUS_DESCRIPTION
+    if data_cfg.paths == [STDLIB_CORPUS]:
+        return STDLIB_CORPUS_DESCRIPTION
     shown = ", ".join(f"'{p}'" for p in data_cfg.paths[:3])
     return "data.paths " + shown + (f" and {len(data_cfg.paths) - 3} more" if len(data_cfg.paths) > 3 else "")
 

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from trainwise.data.sources import SourceFile, discover, open_binary, require
+from trainwise.data.sources import SourceFile, default_corpus, discover, open_binary, require
 from trainwise.errors import TrainwiseError
 
 CHUNK_CHARS = 1_000_000  # long documents are read and cut into pieces of about this size
@@ -343,7 +343,7 @@ def iter_documents(data_cfg, chunk_chars: int = CHUNK_CHARS) -> Iterator[tuple[s
     documents, or consecutive parts of at most about chunk_chars characters of a long one. The
     built-in corpus when there are no paths."""
     for cfg in data_cfg.source_configs() if data_cfg.sources else [data_cfg]:
-        if not cfg.paths:
+        if default_corpus(cfg):
             for text in builtin_texts():
                 yield from _document(text, chunk_chars)
             continue

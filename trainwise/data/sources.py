@@ -24,11 +24,13 @@ import codecs
 import fnmatch
 import glob
 import gzip
+import hashlib
 import io
 import json
 import lzma
 import os
 import stat
+import sysconfig
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +40,20 @@ from trainwise.config import DataConfig
 from trainwise.errors import TrainwiseError
 
 BUILTIN_CORPUS_DESCRIPTION = (
-    "the built-in corpus: the English reference documentation that CPython ships in "
+    "the built-in corpus (builtin:docs): the English reference documentation that CPython ships in "
     "pydoc_data.topics (about 80 topics, 0.5-0.7 MB of text, depending on the Python version)"
+)
+DOCS_CORPUS = "builtin:docs"  # the default corpus by name (an empty data.paths reads the same)
+# A second built-in corpus, named as a data path: big enough for a scaling-law sweep (issue 31), present
+# wherever Python is. `trainwise train` keeps the one above as its default; `trainwise scale sweep` takes this.
+STDLIB_CORPUS = "builtin:stdlib"
+STDLIB_SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages"}  # tests and installed packages
+STDLIB_SKIPPED_PREFIXES = ("_sysconfigdata", "config-")  # this build's settings (python-config.py): one machine's
+STDLIB_CORPUS_DESCRIPTION = (
+    f"{STDLIB_CORPUS}: the Python standard library's own source, every .py file under the running Python's "
+    "stdlib folder outside its tests, site-packages and build settings (about 12 MB in 730 files on CPython "
+    "3.11), in a fixed shuffled order. Code-heavy: Python code with its docstrings and comments; "
+    "pydoc_data/topics.py among them holds the reference docs"
 )
 SNIFF_BYTES = 65536  # the bytes an encoding is decided on
 BINARY_BYTES = 8192  # a NUL byte in these makes a file binary (ripgrep's and git's rule)
@@ -118,6 +132,11 @@ class Corpus:
         return "\n".join(lines)
 
 
+def default_corpus(data_cfg: DataConfig) -> bool:
+    """Whether data_cfg reads the default built-in corpus: no paths (and no mixture), or builtin:docs alone."""
+    return not data_cfg.sources and data_cfg.paths in ([], [DOCS_CORPUS])
+
+
 def discover(data_cfg: DataConfig) -> Corpus:
     """The corpus data_cfg.paths name, in the order given (each folder and glob sorted), each file once."""
     return _Discovery(data_cfg).run()
@@ -137,7 +156,9 @@ class _Discovery:
     def run(self) -> Corpus:
         for raw in self.cfg.paths:
             path = Path(raw).expanduser()
-            if path.is_dir():
+            if raw.startswith("builtin:"):
+                self._builtin(raw)
+            elif path.is_dir():
                 self._folder(path, raw)
             elif path.is_file():
                 self._named_file(path, raw)
@@ -153,6 +174,19 @@ class _Discovery:
         if not self.corpus.files:
             self._refuse_empty()
         return self.corpus
+
+    def _builtin(self, raw: str) -> None:
+        if raw == DOCS_CORPUS:
+            raise TrainwiseError(
+                f"data path '{DOCS_CORPUS}' (the default corpus) stands alone: give it as the only path, or mix it "
+                "with files through [[data.sources]] tables.")
+        if raw != STDLIB_CORPUS:
+            raise TrainwiseError(
+                f"data path '{raw}' names no built-in corpus; there are '{DOCS_CORPUS}' (the default: CPython's "
+                f"reference docs, ~0.6 MB) and '{STDLIB_CORPUS}' (the standard library's source, ~12 MB).")
+        for path in stdlib_files():
+            if self._wanted(path.relative_to(stdlib_root())):
+                self._maybe(path)
 
     def _named_file(self, path: Path, raw: str) -> None:
         sniffed = self._sniff(path)
@@ -279,6 +313,24 @@ class _Discovery:
 
 
 _DUPLICATE = object()
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[Path]:
+    """The .py files of the builtin:stdlib corpus, ordered by a hash of their path in the library: a fixed
+    shuffle, so that the validation split (the token stream's last share) is a sample of the whole
+    library, not its alphabetically last packages (urllib ... zoneinfo, in sorted order)."""
+    root = stdlib_root()
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not _hidden(d) and d not in STDLIB_SKIPPED_DIRS
+                       and not d.startswith(STDLIB_SKIPPED_PREFIXES)]
+        found += [Path(dirpath) / name for name in filenames
+                  if name.endswith(".py") and not _hidden(name) and not name.startswith(STDLIB_SKIPPED_PREFIXES)]
+    return sorted(found, key=lambda path: hashlib.sha256(path.relative_to(root).as_posix().encode()).hexdigest())
 
 
 def _read_json(path: Path) -> dict:

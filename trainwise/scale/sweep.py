@@ -20,8 +20,10 @@ Design (and why):
 - Repeated data: no run passes over the corpus more than REPEAT_EPOCHS times (the law has no term for
   repeated tokens; points.py leaves such rows out of any fit). On a small corpus that, not the time
   budget, bounds C: the largest C at which the grid's smallest model stays within those passes. The
-  sweep says so (the built-in corpus, 106k training tokens, is spent in a few minutes on a small CPU): more
-  text is what buys a bigger sweep, and the time left buys the grid again with other seeds.
+  sweep says so (the default training corpus, 106k training tokens, is spent in a few minutes on a small
+  CPU, and its fit identifies a power law in D and nothing about N or E): more text is what buys a
+  bigger sweep, and the time left buys the grid again with other seeds. So without data the sweep takes
+  SWEEP_DATA, the standard library's source (~3.3M training tokens with the 4096-token BPE).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from trainwise.config import RunConfig, apply_overrides
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.data.corpus import prepare_tokenizer
+from trainwise.data.sources import STDLIB_CORPUS
 from trainwise.errors import TrainwiseError
 from trainwise.planner.hardware import device_hardware
 from trainwise.planner.plan import plan_run, train_settings
@@ -46,6 +49,7 @@ from trainwise.runtime.step import build_model, build_step, random_batches
 from trainwise.scale.points import REPEAT_EPOCHS, non_embedding_params, train_tokens
 from trainwise.trainer.loop import train
 
+SWEEP_DATA = [STDLIB_CORPUS]  # the corpus of a sweep given no data (trainwise.data.sources)
 SWEEP_WIDTHS = (64, 96, 128, 160, 192, 256, 320, 384, 512)
 SWEEP_MODELS = 5
 TOKENS_PER_PARAM = 20.0  # Hoffmann et al.'s compute-optimal ratio, used only to centre the grid
@@ -56,6 +60,14 @@ SWEEP_SEEDS = 3  # runs per model when the budget allows (_repeat_with_seeds)
 # 4.85 with 8 x 256 (which also sat on the unigram plateau, ~6.4, from 50k to 130k tokens)
 SWEEP_TRAIN = dict(micro_batch=4, seq_len=128, warmup_steps=20, eval_steps=8, sample_tokens=16, compile="false",
                    checkpoint_every=0, keep_checkpoints=1)
+
+
+def sweep_base(overrides: list[str]) -> RunConfig:
+    """The sweep's base run: the default RunConfig with `overrides`, on SWEEP_DATA unless they name a corpus."""
+    base = apply_overrides(RunConfig(), overrides)
+    if not base.data.paths and not base.data.sources:
+        base.data.paths = list(SWEEP_DATA)
+    return base
 
 
 def shape(d_model: int) -> tuple[int, int]:
@@ -174,7 +186,7 @@ def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, sa
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise TrainwiseError(f"sweep directory '{out}' exists and is not empty; choose a new --out.")
-    base = base or RunConfig()
+    base = base or sweep_base([])
     start = time.perf_counter()
 
     unique = train_tokens(ladder_config(base, *shape(SWEEP_WIDTHS[0])),  # the sweep's seq_len
