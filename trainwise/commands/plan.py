@@ -122,7 +122,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(plan.explain())
     else:
         print(plan_table(plan))
-    if scaling and not args.json:
+    if scaling and scaling["not_identified"] and not args.json:
+        print(f"{'predicted val loss':<22} none: the `trainwise scale` fit of this corpus refuses: {scaling['not_identified']}")
+    elif scaling and not args.json:
         lo, hi = scaling["loss_p5_p95"]
         recipe = f"{scaling['recipe']['schedule']}-LR " if scaling["recipe"] else ""
         print(f"{'predicted val loss':<22} {scaling['loss']:.4f} nats/token (5-95%: {lo:.4f}-{hi:.4f}; `trainwise scale` "

@@ -9,24 +9,38 @@ from pathlib import Path
 
 from trainwise import rundir
 from trainwise.commands.args import number
-from trainwise.config import DataConfig, RunConfig, apply_overrides, load_config
+from trainwise.config import DataConfig, RunConfig, load_config
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 from trainwise.planner.explain import plan_table
 from trainwise.planner.plan import plan_run, train_settings
 from trainwise.presets import get_preset
-from trainwise.scale.fitting import fit_runs, law_of, optimal, predict
+from trainwise.scale.fitting import (
+    fit_runs,
+    identification_of,
+    law_of,
+    optimal,
+    predict,
+)
+from trainwise.scale.law import Form
 from trainwise.scale.plot import fit_chart
-from trainwise.scale.store import find_fit, load_fit_file, save_fit
-from trainwise.scale.sweep import run_sweep
+from trainwise.scale.store import find_fit, load_fit_file, save_fit, stored_fits
+from trainwise.scale.sweep import SWEEP_DATA, run_sweep, sweep_base
 from trainwise.tokenizer import Tokenizer
 
-EXAMPLES = """examples:
-  trainwise scale sweep --minutes 20                      # IsoFLOP grid on the built-in corpus, then fit
+EXAMPLES = f"""examples:
+  trainwise scale sweep --minutes 20                      # IsoFLOP grid on {SWEEP_DATA[0]}, then fit
   trainwise scale fit runs/scale-sweep/*/ --plot fit.png  # fit finished runs (stored per corpus+tokenizer)
+  trainwise scale fit runs/demo-*/ --form alpha=beta      # a reduced form, when the data are short
   trainwise scale predict --model trainwise-small --tokens 4e6
   trainwise scale optimal --flops 1e14
+
+The sweep and, without --data, predict and optimal use {SWEEP_DATA[0]}: the standard library's own
+source (~12 MB, code-heavy), big enough for a sweep to identify the law; `trainwise train` keeps the
+small built-in corpus (CPython's reference docs) as its default.
 """
+FORM_HELP = ("full (default: E, A, B, alpha, beta), alpha=beta (one exponent), or E=VALUE (E held, nats/token): "
+             "the reduced forms fit fewer parameters when the data cannot identify all five")
 
 
 def register(sub_parsers, help_text: str) -> None:
@@ -39,6 +53,7 @@ def register(sub_parsers, help_text: str) -> None:
     f.add_argument("--points", choices=["auto", "final", "all"], default="auto",
                    help="auto: every validation row of constant-LR runs, the final row of decaying ones")
     f.add_argument("--bootstrap", type=int, default=100, help="bootstrap refits for the uncertainty (default 100)")
+    f.add_argument("--form", default="full", help=FORM_HELP)
     f.add_argument("--plot", metavar="FILE.png", help="write the chart of the fit")
     f.add_argument("--json", action="store_true", help="print the fit record as JSON")
     f.set_defaults(func=cmd_fit)
@@ -54,7 +69,7 @@ def register(sub_parsers, help_text: str) -> None:
             q.add_argument("--gpu", default="cpu", help="hardware of the plan (default: this CPU, measured)")
             q.add_argument("--peak-flops", type=number, help="peak FLOP/s per device (overrides --gpu)")
             q.add_argument("--mfu", type=number, help="model FLOP utilisation of the plan (default the planner's)")
-        q.add_argument("--data", nargs="+", metavar="PATH", help="corpus of the fit (default: the built-in corpus)")
+        q.add_argument("--data", nargs="+", metavar="PATH", help=f"corpus of the fit (default: {SWEEP_DATA[0]}, the sweep's)")
         q.add_argument("--vocab-size", type=int, help="tokenizer vocab size of the fit (default 4096 or the TOML's)")
         q.add_argument("--fit", metavar="FIT.json", help="a fit file instead of the stored fit of the corpus")
         q.add_argument("--json", action="store_true")
@@ -62,9 +77,11 @@ def register(sub_parsers, help_text: str) -> None:
 
     s = sub.add_parser("sweep", help="train a small IsoFLOP grid inside a time budget, then fit it")
     s.add_argument("--minutes", type=number, required=True, help="wall-time budget of the training, minutes")
-    s.add_argument("--data", nargs="+", metavar="PATH", help="corpus (default: the built-in corpus)")
+    s.add_argument("--data", nargs="+", metavar="PATH",
+                   help=f"corpus (default: {SWEEP_DATA[0]}, the standard library's source, ~12 MB of mostly code)")
     s.add_argument("--out", help="directory for the runs (default runs/scale-sweep-DATE-TIME)")
     s.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override the base config (lr, vocab)")
+    s.add_argument("--form", default="full", help=FORM_HELP)
     s.add_argument("--plot", metavar="FILE.png", help="write the chart of the fit")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_sweep)
@@ -76,7 +93,7 @@ def _store(record: dict, runs: list[str]) -> Path:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    record = fit_runs(args.runs, points=args.points, samples=args.bootstrap)
+    record = fit_runs(args.runs, points=args.points, samples=args.bootstrap, form=Form.parse(args.form))
     return _finish_fit(record, [r["run_dir"] for r in record["runs"]], args)
 
 
@@ -95,20 +112,39 @@ def _finish_fit(record: dict, runs: list[str], args) -> int:
 def _plot(record: dict, out: str) -> None:
     import numpy as np
 
-    groups = [(r["name"], np.array([[r["n_params"], d, l] for d, l in r["points"]])) for r in record["runs"]]
+    groups = [(r["name"], r.get("seed"), np.array([[r["n_params"], d, l] for d, l in r["points"]]))
+              for r in record["runs"]]
     Path(out).write_bytes(fit_chart(groups, law_of(record)))
     print(f"plot: {out}")
 
 
 def format_fit(record: dict) -> str:
     law, boot = record["law"], record["bootstrap"]
+    ident = identification_of(record)
+    form = record.get("form", "full")
     lines = ["L(N, D) = E + A / N^alpha + B / D^beta   (Hoffmann et al. 2022 approach 3: Huber(delta=1e-3) on log L,"
-             " L-BFGS from a grid of starts)",
+             " L-BFGS from a grid of starts)" + ("" if form == "full" else f"; reduced form {form}"),
              f"  N = {record['conventions']['N']}; D = tokens; L = validation loss in nats/token",
              f"  {'':<6} {'fit':>12} {'5%':>12} {'95%':>12}   (bootstrap over {boot['unit']}, {boot['samples']} refits)"]
     for k in ("E", "A", "B", "alpha", "beta"):
         lo, hi = boot["p5_p95"][k]
-        lines.append(f"  {k:<6} {law[k]:>12.4g} {lo:>12.4g} {hi:>12.4g}")
+        p = ident["parameters"][k]
+        verdict = "held by the form" if p["identified"] is None else \
+            "identified" + (f" ({p['why']})" if p["why"] else "") if p["identified"] else f"NOT IDENTIFIED: {p['why']}"
+        lines.append(f"  {k:<6} {law[k]:>12.4g} {lo:>12.4g} {hi:>12.4g}   {verdict}")
+    t = ident["terms"]
+    lines.append(f"  the loss over the fitted points spans {t['loss'][0]:.4f}-{t['loss'][1]:.4f} nats/token; each term's range "
+                 f"over them, as a share of that span: N term A/N^alpha {t['N']['share_of_range']:.0%} "
+                 f"({t['N']['min']:.3g}-{t['N']['max']:.3g} nats), D term B/D^beta {t['D']['share_of_range']:.0%} "
+                 f"({t['D']['min']:.3g}-{t['D']['max']:.3g}); E = {t['E']:.3g} is constant")
+    unknown = [axis for axis, ok in ident["axes"].items() if not ok]
+    if unknown:
+        lines.append(f"  the points do not identify the {' and '.join(unknown)} term (not identified: a 5-95% interval at a "
+                     f"bound of the search, or wider than 10x): `scale predict` and `scale optimal` will not extrapolate "
+                     f"along {' or '.join(unknown)} beyond the fitted runs")
+    elif ident["parameters"]["E"]["identified"] is False:
+        lines.append("  E is not identified: the law's floor is not known, so predictions far beyond the fitted runs "
+                     "carry that")
     res = record["residuals"]
     lines.append(f"  {res['points']} points from {len(record['runs'])} runs; fit vs observed: rms {res['rms_relative']:.2%},"
                  f" max {res['max_abs_relative']:.2%}")
@@ -131,10 +167,12 @@ def _record(args, vocab_size: int | None, data_cfg: DataConfig) -> dict:
     vocab = args.vocab_size or vocab_size or 4096
     found = find_fit(data_cfg, vocab)
     if found is None:
+        others = "; ".join(f"{path} ({record.get('corpus')}, vocab {record.get('vocab_size')})"
+                           for path, record in stored_fits()[:5])
         raise TrainwiseError(
             f"no scaling-law fit is stored for this corpus with a {vocab}-token tokenizer. Fit one with "
             "`trainwise scale sweep --minutes 20` (or `trainwise scale fit RUN...` on finished runs of this "
-            "corpus), or pass --fit FILE.json.")
+            "corpus), or pass --fit FILE.json" + (f" (stored fits: {others})." if others else "."))
     return found[1]
 
 
@@ -149,6 +187,8 @@ def _base(args) -> tuple[RunConfig, dict]:
         cfg.model = get_preset(model)
     if args.data:
         cfg.data.paths = list(args.data)
+    elif not (model and model.endswith(".toml")):
+        cfg.data.paths = list(SWEEP_DATA)
     if args.vocab_size:
         cfg.model.vocab_size = cfg.tokenizer.vocab_size = args.vocab_size
     return cfg, extra
@@ -219,13 +259,12 @@ def cmd_optimal(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    base = RunConfig()
-    overrides = list(args.set or []) + (["data.paths=" + json.dumps(args.data)] if args.data else [])
-    base = apply_overrides(base, overrides)
+    form = Form.parse(args.form)  # before the minutes are spent
+    base = sweep_base(list(args.set or []) + (["data.paths=" + json.dumps(args.data)] if args.data else []))
     out = Path(args.out or time.strftime("runs/scale-sweep-%Y%m%d-%H%M%S"))
     runs = run_sweep(args.minutes, out, base, say=(lambda *a: None) if args.json else print)
     dirs = [str(r.run_dir) for r in runs]
-    record = fit_runs(dirs)
+    record = fit_runs(dirs, form=form)
     record["sweep"] = {"minutes": args.minutes, "runs": [{"run_dir": str(r.run_dir), "tokens": r.tokens,
                                                            "predicted_s": r.predicted_s, "measured_s": r.measured_s,
                                                            "mfu_probe": r.mfu} for r in runs]}

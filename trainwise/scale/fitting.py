@@ -3,6 +3,10 @@
 A fit record (the JSON stored per corpus + tokenizer) holds the law, its bootstrap refits, the points
 and the training recipe of the runs: the law predicts runs trained the same way (same LR schedule,
 batch, sequence length), on the same text with the same tokenizer.
+
+It also holds what the points identify (identify()): per parameter, whether the bootstrap pins it down;
+per term, how much of the observed loss range it spans. `predict` and `optimal` refuse to extrapolate
+along an axis (N or D) whose term is not identified, and name the sweep that would identify it.
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ from pathlib import Path
 import numpy as np
 
 from trainwise.config import DataConfig, RunConfig
+from trainwise.data.sources import STDLIB_CORPUS
 from trainwise.errors import TrainwiseError
-from trainwise.scale.law import HUBER_DELTA, PARAM_NAMES, Bootstrap, Law, bootstrap, fit_law
+from trainwise.scale.law import FULL, HUBER_DELTA, PARAM_NAMES, Bootstrap, Form, Law, bootstrap, fit_law, identification
 from trainwise.scale.points import REPEAT_EPOCHS, non_embedding_params, read_runs
 from trainwise.scale.store import find_fit
-from trainwise.scale.sweep import flops_per_token, ladder
+from trainwise.scale.sweep import choose_models, flops_per_token, ladder
 
 N_CONVENTION = "non-embedding parameters (cost/params.py; active parameters for MoE)"
+TERMS = {"N": ("A", "alpha"), "D": ("B", "beta")}  # the parameters of each axis's term
 OPTIMAL_WIDTHS = tuple(range(64, 4097, 32))  # the shape family `optimal` searches (sweep.shape)
 
 
@@ -30,8 +36,9 @@ def recipe_of(cfg: RunConfig, schedule: str) -> dict:
             "eval_steps": t.eval_steps}  # the validation loss is the mean over these batches
 
 
-def fit_runs(run_dirs: list[str | Path], points: str = "auto", samples: int = 100, seed: int = 0) -> dict:
-    """Fit the law to the runs' validation points; returns the fit record (see the module docstring)."""
+def fit_runs(run_dirs: list[str | Path], points: str = "auto", samples: int = 100, seed: int = 0,
+             form: Form = FULL) -> dict:
+    """Fit the law (in `form`) to the runs' validation points; returns the fit record (module docstring)."""
     runs = read_runs(run_dirs, points)
     groups = [r.array() for r in runs if len(r.tokens)]
     if sum(map(len, groups)) < 5 and any(r.past_passes for r in runs):
@@ -40,24 +47,122 @@ def fit_runs(run_dirs: list[str | Path], points: str = "auto", samples: int = 10
             f"({runs[0].unique_tokens:,} training tokens): {'; '.join(f'{r.run_dir}: {r.used}' for r in runs)}. "
             "The law is fitted only where repeated tokens count as new ones: evaluate more often "
             "(train.eval_every), or train on more text.")
-    every = np.concatenate(groups) if groups else np.zeros((0, 3))
-    law, objective = fit_law(every[:, 0], every[:, 1], every[:, 2])
-    boot = bootstrap(groups, law, samples=samples, seed=seed)
-    fitted = law.loss(every[:, 0], every[:, 1])
-    rel = fitted / every[:, 2] - 1
     recipes = {tuple(sorted(recipe_of(r.config, r.schedule).items())) for r in runs}
-    return {
-        "law": law.to_json(), "objective": objective, "huber_delta": HUBER_DELTA,
-        "bootstrap": {**boot.to_json(), "laws": [[getattr(b, k) for k in PARAM_NAMES] for b in boot.laws]},
-        "residuals": {"rms_relative": float(np.sqrt(np.mean(rel ** 2))), "max_abs_relative": float(np.abs(rel).max()),
-                      "points": int(len(rel))},
+    record = {
+        **fit_points(groups, form, samples, seed),
         "conventions": {"N": N_CONVENTION, "D": "tokens seen at the validation row", "L": "validation loss, nats/token"},
         "recipe": dict(recipes.pop()) if len(recipes) == 1 else None,
         "corpus_train_tokens": runs[0].unique_tokens,
         "max_passes": REPEAT_EPOCHS,  # rows past this many passes over the corpus are not fitted
-        "runs": [{"run_dir": str(r.run_dir), "name": r.config.model.name, "n_params": r.n_params, "used": r.used,
+        "runs": [{"run_dir": str(r.run_dir), "name": r.config.model.name, "seed": r.config.train.seed,
+                  "n_params": r.n_params, "used": r.used,
                   "points": [[float(d), float(l)] for d, l in zip(r.tokens, r.losses)]} for r in runs],
     }
+    record["identification"] = identify(record)
+    return record
+
+
+def fit_points(groups: list[np.ndarray], form: Form = FULL, samples: int = 100, seed: int = 0) -> dict:
+    """The law (in `form`), its bootstrap and residuals for groups of (N, D, L) points, one (P, 3) array
+    per run: the part of a fit record that depends on the points alone."""
+    if samples < 2:
+        raise TrainwiseError(f"--bootstrap {samples}: a 5-95% interval needs at least 2 refits (100 by default).")
+    every = np.concatenate(groups) if groups else np.zeros((0, 3))
+    law, objective = fit_law(every[:, 0], every[:, 1], every[:, 2], form=form)
+    boot = bootstrap(groups, law, samples=samples, seed=seed, form=form)
+    rel = law.loss(every[:, 0], every[:, 1]) / every[:, 2] - 1
+    return {"law": law.to_json(), "form": str(form), "objective": objective, "huber_delta": HUBER_DELTA,
+            "bootstrap": {**boot.to_json(), "laws": [[getattr(b, k) for k in PARAM_NAMES] for b in boot.laws]},
+            "residuals": {"rms_relative": float(np.sqrt(np.mean(rel ** 2))),
+                          "max_abs_relative": float(np.abs(rel).max()), "points": int(len(rel))}}
+
+
+def identify(record: dict) -> dict:
+    """What the points pin down: per parameter (law.identification), per axis (its term's parameters
+    both identified), and the terms over the fitted points: each one's range in nats/token and its
+    share of the observed loss range (max - min over the points); E is a constant and spans none of it."""
+    parameters = identification(bootstrap_of(record), Form.parse(record.get("form", "full")))
+    law = law_of(record)
+    pts = np.array([[r["n_params"], d, l] for r in record["runs"] for d, l in r["points"]])
+    span = float(pts[:, 2].max() - pts[:, 2].min())
+    terms = {"loss": [float(pts[:, 2].min()), float(pts[:, 2].max())], "E": law.E}
+    for axis, values in (("N", law.A / pts[:, 0] ** law.alpha), ("D", law.B / pts[:, 1] ** law.beta)):
+        lo, hi = float(values.min()), float(values.max())
+        terms[axis] = {"min": lo, "max": hi, "share_of_range": (hi - lo) / span if span > 0 else 0.0}
+    axes = {axis: all(parameters[k]["identified"] is not False for k in names) for axis, names in TERMS.items()}
+    return {"parameters": parameters, "axes": axes, "terms": terms,
+            "rule": "not identified: the bootstrap's 5-95% interval reaches a bound of the search, or spans more "
+                    "than 10x; an axis (N or D) is identified when both parameters of its term are"}
+
+
+def identification_of(record: dict) -> dict:
+    """The record's identification (computed for a fit stored before it was recorded)."""
+    return record.get("identification") or identify(record)
+
+
+def fitted_ranges(record: dict) -> dict[str, tuple[float, float]]:
+    ns = [r["n_params"] for r in record["runs"]]
+    ds = [d for r in record["runs"] for d, _ in r["points"]]
+    return {"N": (min(ns), max(ns)), "D": (min(ds), max(ds))}
+
+
+def refusal(record: dict, n_params: float, tokens: float) -> str | None:
+    """Why the law may not be used at (N, D): an axis on which the point lies outside the fitted range
+    while the fit does not identify that axis's term. None when it may."""
+    ident, ranges = identification_of(record), fitted_ranges(record)
+    target = {"N": n_params, "D": tokens}
+    refused = [axis for axis, (lo, hi) in ranges.items()
+               if not ident["axes"][axis] and not lo <= target[axis] <= hi]
+    if not refused:
+        return None
+    reasons = []
+    for axis in refused:
+        lo, hi = ranges[axis]
+        why = "; ".join(f"{k}: {ident['parameters'][k]['why']}" for k in TERMS[axis]
+                        if ident["parameters"][k]["identified"] is False)
+        reasons.append(f"{axis} = {target[axis]:,.0f} lies outside the fitted {lo:,.0f}-{hi:,.0f}, and the fit does "
+                       f"not identify the {axis} term {TERMS[axis][0]}/{axis}^{TERMS[axis][1]} ({why})")
+    return ("; ".join(reasons) + ", so the law cannot say how the loss moves along that axis. "
+            + identifying_sweep(record, n_params if "N" in refused else None, tokens if "D" in refused else None))
+
+
+def recipe_base(record: dict) -> RunConfig:
+    """A run config with the fitted runs' recipe and vocabulary: the base of the sweep that made them."""
+    base = RunConfig()
+    base.model.vocab_size = base.tokenizer.vocab_size = record.get("vocab_size", base.tokenizer.vocab_size)
+    for key, value in (record.get("recipe") or {}).items():
+        if key != "schedule":
+            setattr(base.train, key, value)
+    return base
+
+
+def identifying_sweep(record: dict, n_params: float | None, tokens: float | None) -> str:
+    """The runs `scale sweep` would add to reach N and D: its IsoFLOP grid at the smallest C (doubling
+    from 1e10) whose largest model reaches n_params (or the ladder's largest) and whose longest run
+    reaches tokens; and whether this corpus holds that much text within REPEAT_EPOCHS passes."""
+    base = recipe_base(record)
+    top = max(map(non_embedding_params, ladder(base)))
+    flops = 1e10
+    while True:
+        grid = choose_models(base, flops)
+        if (n_params is None or max(map(non_embedding_params, grid)) >= min(n_params, top)) and \
+                (tokens is None or flops / min(map(flops_per_token, grid)) >= tokens):
+            break
+        flops *= 2
+    runs = ", ".join(f"{c.model.name} (N {non_embedding_params(c) / 1e6:.3g}M, D {flops / flops_per_token(c):.2g})"
+                     for c in grid)
+    text = (f"What would identify it: the runs `trainwise scale sweep` trains when its minutes buy C = {flops:.2g} "
+            f"FLOPs per model: {runs}")
+    if n_params is not None and n_params > top:
+        text += " (the sweep's ladder ends there: for larger models, fit runs of them with `trainwise scale fit`)"
+    unique = record.get("corpus_train_tokens")
+    longest = flops / min(map(flops_per_token, grid))
+    if unique and longest > REPEAT_EPOCHS * unique:
+        text += (f". That is {longest / unique:,.0f} passes over this corpus's {unique:,} training tokens, past the "
+                 f"{REPEAT_EPOCHS} the sweep allows: it needs more text"
+                 + (f", e.g. --data {STDLIB_CORPUS} (the standard library's source, ~12 MB)"
+                    if not str(record.get("corpus", "")).startswith(STDLIB_CORPUS) else ""))
+    return text + "."
 
 
 def repetition_note(record: dict, tokens: float) -> str | None:
@@ -81,19 +186,23 @@ def bootstrap_of(record: dict) -> Bootstrap:
     return Bootstrap(b["unit"], [Law(*values) for values in b["laws"]])
 
 
-def predict(record: dict, cfg: RunConfig, tokens: float) -> dict:
+def predict(record: dict, cfg: RunConfig, tokens: float, refuse: bool = True) -> dict:
     """The law's final validation loss for model cfg trained on `tokens` tokens, with the bootstrap's
-    5-95% interval, and where N and D lie relative to the fitted points (extrapolation is said)."""
+    5-95% interval, and where N and D lie relative to the fitted points (extrapolation is said). Refuses
+    (TrainwiseError) to extrapolate along an axis the fit does not identify; with refuse=False the
+    reason is returned as "not_identified" instead."""
     if tokens <= 0:
         raise TrainwiseError(f"--tokens {tokens} must be positive (e.g. 2e6).")
     n = non_embedding_params(cfg)
+    why = refusal(record, n, tokens)
+    if why and refuse:
+        raise TrainwiseError(f"no prediction for {cfg.model.name} on {tokens:.4g} tokens: {why}")
     law = law_of(record)
     lo, hi = bootstrap_of(record).predict_interval(n, tokens)
-    ns = [r["n_params"] for r in record["runs"]]
-    ds = [d for r in record["runs"] for d, _ in r["points"]]
+    (n_lo, n_hi), (d_lo, d_hi) = fitted_ranges(record).values()
     return {"model": cfg.model.name, "n_params": n, "tokens": float(tokens), "loss": float(law.loss(n, tokens)),
-            "loss_p5_p95": [lo, hi], "n_range_fitted": [min(ns), max(ns)], "d_range_fitted": [min(ds), max(ds)],
-            "extrapolates": not (min(ns) <= n <= max(ns) and min(ds) <= tokens <= max(ds)),
+            "loss_p5_p95": [lo, hi], "n_range_fitted": [n_lo, n_hi], "d_range_fitted": [d_lo, d_hi],
+            "extrapolates": not (n_lo <= n <= n_hi and d_lo <= tokens <= d_hi), "not_identified": why,
             "recipe": record.get("recipe"), "conventions": record["conventions"],
             "repetition_note": repetition_note(record, tokens)}
 
@@ -131,6 +240,10 @@ def optimal(record: dict, flops: float, base: RunConfig | None = None, widths=OP
     if best is None:
         raise TrainwiseError(f"--flops {flops:.3g} buys less than one optimizer step of the smallest model; give more.")
     loss, cfg, d, fpt = best
+    why = refusal(record, non_embedding_params(cfg), d)
+    if why:
+        raise TrainwiseError(f"--flops {flops:.3g}: the law's optimum is {cfg.model.name} (N = "
+                             f"{non_embedding_params(cfg):,}) on {d:.3g} tokens, but {why}")
     unconstrained = min(candidates, key=lambda c: c[0])
     n6, d6 = law.optimal_6nd(flops)
     at_edge = cfg.model.d_model in (min(widths), max(widths))
@@ -156,7 +269,9 @@ def plan_prediction(model, tokens: float, data_cfg=None) -> dict | None:
     path, record = found
     cfg = RunConfig()
     cfg.model = model
-    out = predict(record, cfg, tokens)
-    return {"loss": out["loss"], "loss_p5_p95": out["loss_p5_p95"], "extrapolates": out["extrapolates"],
+    out = predict(record, cfg, tokens, refuse=False)
+    refused = out["not_identified"] is not None  # no number where `scale predict` gives none
+    return {"loss": None if refused else out["loss"], "loss_p5_p95": None if refused else out["loss_p5_p95"],
+            "extrapolates": out["extrapolates"],
             "fit": str(path), "corpus": record.get("corpus"), "recipe": out["recipe"],
-            "repetition_note": out["repetition_note"]}
+            "repetition_note": out["repetition_note"], "not_identified": out["not_identified"]}

@@ -12,6 +12,10 @@ evaluated on the whole grid at once (cheap, vectorised) and L-BFGS starts from t
 grid points; the grid is theirs (alpha, beta in 0..2 by 0.5; e in -1..1.5 by 0.5; a, b in 0..25 by 5).
 Uncertainty is a bootstrap: refit on resampled runs (whole curves, because the points of one run are
 not independent), or on resampled points when there are too few runs to resample.
+
+What the data can tell (identify): a parameter whose bootstrap interval reaches a bound of the search box,
+or spans more than an order of magnitude, is not identified: the points leave it free. When data are
+short the fit can hold some parameters (Form): E at a value known from elsewhere, or alpha = beta.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ PARAM_NAMES = ("E", "A", "B", "alpha", "beta")
 # Box for (a, b, e, alpha, beta): wide enough never to bind on a well-posed fit, and it keeps a
 # degenerate one (few model sizes, where A and alpha trade off without limit) finite.
 BOUNDS = [(-20.0, 100.0), (-20.0, 100.0), (-10.0, 10.0), (0.0, 5.0), (0.0, 5.0)]
+SEARCHED = ("A", "B", "E", "alpha", "beta")  # the parameter each row of BOUNDS bounds (A, B, E through their logs)
+# Identified: the bootstrap's 5-95% interval stays further than this share of the box's width from both
+# bounds (on the searched scale: log E, log A, log B, alpha, beta) and spans at most IDENTIFIED_SPAN x.
+BOUND_MARGIN = 0.01
+IDENTIFIED_SPAN = 10.0  # "more than an order of magnitude" (issue 31)
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,61 @@ class Law:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Form:
+    """Which of the five parameters the fit moves. "full"; "E=VALUE": E held (known from a fit on more
+    data of the same corpus and tokenizer), the reduced form when the points show no floor; "alpha=beta":
+    one exponent for both terms, which makes N_opt and D_opt each grow as C^0.5, the equal scaling
+    Hoffmann et al.'s approaches 1 and 2 found (their table 2: a = 0.50 / 0.49, b = 0.50 / 0.51)."""
+
+    E: float | None = None
+    tied: bool = False
+
+    @staticmethod
+    def parse(text: str) -> Form:
+        spec = text.replace(" ", "")
+        if spec == "full":
+            return Form()
+        if spec in ("alpha=beta", "beta=alpha"):
+            return Form(tied=True)
+        if spec.startswith("E="):
+            try:
+                value = float(spec[2:])
+            except ValueError:
+                value = math.nan
+            low, high = (math.exp(v) for v in BOUNDS[2])
+            if low < value < high:
+                return Form(E=value)
+        raise TrainwiseError(f"--form {text!r} is not a form of the law: give full, alpha=beta, or E=VALUE with "
+                             f"VALUE the irreducible loss in nats/token between {math.exp(BOUNDS[2][0]):.2g} and "
+                             f"{math.exp(BOUNDS[2][1]):.3g} (e.g. E=1.7).")
+
+    def __str__(self) -> str:
+        return f"E={self.E:g}" if self.E is not None else "alpha=beta" if self.tied else "full"
+
+    def free(self) -> list[int]:
+        """Indices of (a, b, e, alpha, beta) that the optimiser moves."""
+        return [i for i in range(5) if not (i == 2 and self.E is not None) and not (i == 4 and self.tied)]
+
+    def expand(self, z: np.ndarray) -> np.ndarray:
+        x = np.zeros(5)
+        x[self.free()] = z
+        if self.E is not None:
+            x[2] = math.log(self.E)
+        if self.tied:
+            x[4] = x[3]
+        return x
+
+    def reduce_grad(self, grad: np.ndarray) -> np.ndarray:
+        g = grad.copy()
+        if self.tied:
+            g[3] += g[4]  # d/d alpha of f(.., alpha, beta = alpha)
+        return g[self.free()]
+
+
+FULL = Form()  # all five parameters free
 
 
 def _unpack(x: np.ndarray) -> Law:
@@ -85,20 +149,32 @@ def objective(x: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: np.nda
     return float(value.sum()), grad
 
 
-def _grid_values(log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Every grid initialisation as rows (a, b, e, alpha, beta) and its objective, vectorised."""
+def _grid_values(log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray,
+                 form: Form) -> tuple[np.ndarray, np.ndarray]:
+    """Every grid initialisation of the form as rows (a, b, e, alpha, beta) and its objective, vectorised."""
     starts = np.array(list(itertools.product(GRID["a"], GRID["b"], GRID["e"], GRID["alpha"], GRID["beta"])))
+    if form.E is not None:
+        starts = np.unique(np.column_stack([starts[:, :2], np.full(len(starts), math.log(form.E)), starts[:, 3:]]), axis=0)
+    if form.tied:
+        starts = starts[starts[:, 3] == starts[:, 4]]
     a, b, e, alpha, beta = (starts[:, i:i + 1] for i in range(5))
     lse = np.logaddexp(np.logaddexp(a - alpha * log_n, b - beta * log_d), e)  # (S, P)
     value, _ = _huber(lse - log_l)
     return starts, value.sum(axis=1)
 
 
-def _lbfgs(x0: np.ndarray, data: tuple) -> tuple[np.ndarray, float]:
+def _reduced_objective(z: np.ndarray, form: Form, *data) -> tuple[float, np.ndarray]:
+    value, grad = objective(form.expand(z), *data)
+    return value, form.reduce_grad(grad)
+
+
+def _lbfgs(x0: np.ndarray, data: tuple, form: Form) -> tuple[np.ndarray, float]:
     from scipy.optimize import minimize
 
-    res = minimize(objective, x0, args=data, jac=True, method="L-BFGS-B", bounds=BOUNDS, options=dict(maxiter=2000))
-    return res.x, float(res.fun)
+    free = form.free()
+    res = minimize(_reduced_objective, x0[free], args=(form, *data), jac=True, method="L-BFGS-B",
+                   bounds=[BOUNDS[i] for i in free], options=dict(maxiter=2000))
+    return form.expand(res.x), float(res.fun)
 
 
 def _one_blas_thread():
@@ -109,23 +185,25 @@ def _one_blas_thread():
     return threadpool_limits(limits=1, user_api="blas")
 
 
-def fit_law(n_params, tokens, losses, starts: np.ndarray | None = None) -> tuple[Law, float]:
-    """Fit the law to points (N_i, D_i, L_i); returns (law, final objective). `starts`: extra
+def fit_law(n_params, tokens, losses, starts: np.ndarray | None = None, form: Form = FULL) -> tuple[Law, float]:
+    """Fit the law (in `form`) to points (N_i, D_i, L_i); returns (law, final objective). `starts`: extra
     initialisations (rows a, b, e, alpha, beta) tried besides the best grid points."""
     n, d, l = (np.asarray(v, dtype=float) for v in (n_params, tokens, losses))
-    if len(l) < 5:
-        raise TrainwiseError(f"a scaling-law fit has 5 parameters and needs at least 5 points; got {len(l)}. "
-                             "Give more runs, or runs with more validation rows (train.eval_every).")
+    free = len(form.free())
+    if len(l) < free:
+        raise TrainwiseError(f"a scaling-law fit of form {form} has {free} parameters and needs at least {free} "
+                             f"points; got {len(l)}. Give more runs, or runs with more validation rows "
+                             "(train.eval_every).")
     if np.any(n <= 0) or np.any(d <= 0) or np.any(l <= 0) or not np.all(np.isfinite(l)):
         raise TrainwiseError("every point needs N > 0, D > 0 and a finite loss > 0.")
     if len(np.unique(n)) < 2:
         raise TrainwiseError("all points have the same parameter count N, so A and alpha cannot be told apart "
                              "from E: fit runs of at least two (better four or more) model sizes.")
     data = (np.log(n), np.log(d), np.log(l))
-    grid, values = _grid_values(*data)
+    grid, values = _grid_values(*data, form)
     candidates = list(grid[np.argsort(values)[:GRID_STARTS]])
     if starts is not None:
-        candidates = list(starts) + candidates[:GRID_STARTS // 3]
+        candidates = [form.expand(x[form.free()]) for x in starts] + candidates[:GRID_STARTS // 3]
     try:
         import scipy.optimize  # noqa: F401
         import threadpoolctl  # noqa: F401
@@ -135,7 +213,7 @@ def fit_law(n_params, tokens, losses, starts: np.ndarray | None = None) -> tuple
     best_x, best_f = None, math.inf
     with _one_blas_thread():
         for x0 in candidates:
-            x, f = _lbfgs(np.asarray(x0, dtype=float), data)
+            x, f = _lbfgs(np.asarray(x0, dtype=float), data, form)
             if f < best_f:
                 best_x, best_f = x, f
     return _unpack(best_x), best_f
@@ -161,7 +239,7 @@ class Bootstrap:
                 "p5_p95": {k: list(self.interval(k)) for k in PARAM_NAMES}}
 
 
-def bootstrap(groups: list[np.ndarray], law: Law, samples: int = 100, seed: int = 0) -> Bootstrap:
+def bootstrap(groups: list[np.ndarray], law: Law, samples: int = 100, seed: int = 0, form: Form = FULL) -> Bootstrap:
     """Refit on resampled data, starting from the full fit (and a few grid points). groups: one
     (P_i, 3) array of (N, D, L) per run. Runs are resampled when there are at least 4 of them (the
     points of one run share its noise), else the points."""
@@ -177,6 +255,33 @@ def bootstrap(groups: list[np.ndarray], law: Law, samples: int = 100, seed: int 
             pick = points[rng.integers(0, len(points), len(points))]
         if len(np.unique(pick[:, 0])) < 2:
             continue  # a resample with one model size cannot separate A/alpha from E
-        refit, _ = fit_law(pick[:, 0], pick[:, 1], pick[:, 2], starts=start)
+        refit, _ = fit_law(pick[:, 0], pick[:, 1], pick[:, 2], starts=start, form=form)
         laws.append(refit)
     return Bootstrap("runs" if by_runs else "points", laws)
+
+
+def identification(boot: Bootstrap, form: Form = FULL) -> dict[str, dict]:
+    """Per parameter: {"identified": bool | None (None: held by the form), "why": str}. Not identified:
+    the 5-95% interval comes within BOUND_MARGIN of the box's width of a bound of the search (log E,
+    log A, log B, alpha, beta), or its upper end is more than IDENTIFIED_SPAN x its lower end."""
+    out = {}
+    for name, (low, high) in zip(SEARCHED, BOUNDS):
+        if name == "E" and form.E is not None:
+            out[name] = {"identified": None, "why": f"held at {form.E:g} by the form"}
+            continue
+        lo, hi = boot.interval(name)
+        logged = name in ("A", "B", "E")
+        ends = (math.log(max(lo, 1e-300)), math.log(max(hi, 1e-300))) if logged else (lo, hi)
+        margin = BOUND_MARGIN * (high - low)
+        why = []
+        for end, bound in ((ends[0], low), (ends[1], high)):
+            if abs(end - bound) <= margin:
+                value = math.exp(bound) if logged else bound
+                why.append(f"its interval reaches the search's bound {value:.3g}"
+                           + (f" (e^{bound:g})" if logged else ""))
+        if lo <= 0 or hi / lo > IDENTIFIED_SPAN:
+            why.append(f"its interval spans {hi / lo:.3g}x" if lo > 0 else "its interval reaches 0")
+        if name == "beta" and form.tied:
+            why = ["tied to alpha by the form"] + why
+        out[name] = {"identified": not any(w for w in why if "tied" not in w), "why": "; ".join(why)}
+    return out

@@ -49,21 +49,20 @@ def load_fit_file(path: str | Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def find_fit(data_cfg: DataConfig, vocab_size: int, cache_root: str | Path | None = None) -> tuple[Path, dict] | None:
-    """The stored fit for this corpus and vocab size (the newest, if tokenizers differ), or None."""
+def stored_fits(cache_root: str | Path | None = None) -> list[tuple[Path, dict]]:
+    """Every readable fit record in the store, newest first."""
     root = fits_dir(cache_root)
-    if not root.is_dir():
-        return None
-    key = corpus_key(data_cfg)
     found = []
-    for path in root.glob("*.json"):
+    for path in root.glob("*.json") if root.is_dir() else []:
         try:
-            record = json.loads(path.read_text(encoding="utf-8"))
+            found.append((path.stat().st_mtime, path, json.loads(path.read_text(encoding="utf-8"))))
         except (OSError, ValueError):
             continue
-        if record.get("corpus_key") == key and record.get("vocab_size") == vocab_size:
-            found.append((path.stat().st_mtime, path, record))
-    if not found:
-        return None
-    _, path, record = max(found, key=lambda t: t[0])
-    return path, record
+    return [(path, record) for _, path, record in sorted(found, key=lambda t: -t[0])]
+
+
+def find_fit(data_cfg: DataConfig, vocab_size: int, cache_root: str | Path | None = None) -> tuple[Path, dict] | None:
+    """The stored fit for this corpus and vocab size (the newest, if tokenizers differ), or None."""
+    key = corpus_key(data_cfg)
+    return next(((path, record) for path, record in stored_fits(cache_root)
+                 if record.get("corpus_key") == key and record.get("vocab_size") == vocab_size), None)
