@@ -187,6 +187,13 @@ def test_fit_cli_stores_per_corpus_and_plan_predict_optimal_read_it(corpus, tiny
     assert main(["plan", "--model", str(toml), "--gpu", "h100", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["predicted_loss"]["loss"] == pytest.approx(pred["loss"])
 
+    # a reduced form: E held, the other four fitted; a form that is none is refused before any work
+    assert main(["scale", "fit", *map(str, tiny_runs), "--bootstrap", "4", "--form", "E=4", "--json"]) == 0
+    held = json.loads(capsys.readouterr().out)
+    assert held["form"] == "E=4" and held["law"]["E"] == 4 and held["identification"]["parameters"]["E"]["identified"] is None
+    assert main(["scale", "sweep", "--minutes", "1", "--form", "E=none"]) == 2
+    assert "is not a form of the law" in capsys.readouterr().err
+
     # optimal finds the stored fit by --data and --vocab-size (tests/test_scale_identify.py checks its plan)
     code = main(["scale", "optimal", "--flops", "1e12", "--data", str(corpus), "--vocab-size", "300", "--json"])
     out, err = capsys.readouterr()

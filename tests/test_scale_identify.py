@@ -18,7 +18,14 @@ from trainwise.scale.fitting import (
     predict,
     refusal,
 )
-from trainwise.scale.law import PARAM_NAMES, Form, Law, fit_law
+from trainwise.scale.law import (
+    PARAM_NAMES,
+    Form,
+    Law,
+    bootstrap,
+    fit_law,
+    identification,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +62,9 @@ def test_reduced_forms_hold_their_parameters_and_recover_the_rest():
     tied, _ = fit_law(pts[:, 0], pts[:, 1], pts[:, 2], form=Form(tied=True))
     assert tied.alpha == tied.beta == pytest.approx(0.3, rel=0.05)
     assert tied.E == pytest.approx(1.69, rel=0.05)
+    ident = identification(bootstrap([pts[pts[:, 0] == n] for n in np.unique(pts[:, 0])], tied, samples=6,
+                                     form=Form(tied=True)), Form(tied=True))
+    assert ident["beta"]["why"].startswith("equal to alpha by the form") and ident["alpha"]["identified"]
 
 
 def test_well_posed_curves_identify_all_five_parameters(well_posed):

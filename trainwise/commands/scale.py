@@ -125,7 +125,8 @@ def format_fit(record: dict) -> str:
     lines = ["L(N, D) = E + A / N^alpha + B / D^beta   (Hoffmann et al. 2022 approach 3: Huber(delta=1e-3) on log L,"
              " L-BFGS from a grid of starts)" + ("" if form == "full" else f"; reduced form {form}"),
              f"  N = {record['conventions']['N']}; D = tokens; L = validation loss in nats/token",
-             f"  {'':<6} {'fit':>12} {'5%':>12} {'95%':>12}   (bootstrap over {boot['unit']}, {boot['samples']} refits)"]
+             f"  {'':<6} {'fit':>12} {'5%':>12} {'95%':>12}   ({boot.get('method', 'bootstrap over ' + boot['unit'])}, "
+             f"{boot['samples']} refits)"]
     for k in ("E", "A", "B", "alpha", "beta"):
         lo, hi = boot["p5_p95"][k]
         p = ident["parameters"][k]
@@ -133,17 +134,22 @@ def format_fit(record: dict) -> str:
             "identified" + (f" ({p['why']})" if p["why"] else "") if p["identified"] else f"NOT IDENTIFIED: {p['why']}"
         lines.append(f"  {k:<6} {law[k]:>12.4g} {lo:>12.4g} {hi:>12.4g}   {verdict}")
     t = ident["terms"]
+    for axis, name in (("N", "N term A/N^alpha"), ("D", "D term B/D^beta")):
+        term = t[axis]
+        if "level" in term:
+            p5, p95 = term["level_p5_p95"]
+            lines.append(f"  {name} at {axis} = {term['at']:.3g} (the fitted range's centre): {term['level']:.3g} nats "
+                         f"({p5:.3g}-{p95:.3g}): {'identified' if term['level_identified'] else 'NOT IDENTIFIED'}")
     lines.append(f"  the loss over the fitted points spans {t['loss'][0]:.4f}-{t['loss'][1]:.4f} nats/token; each term's range "
-                 f"over them, as a share of that span: N term A/N^alpha {t['N']['share_of_range']:.0%} "
-                 f"({t['N']['min']:.3g}-{t['N']['max']:.3g} nats), D term B/D^beta {t['D']['share_of_range']:.0%} "
+                 f"over them, as a share of that span: N term {t['N']['share_of_range']:.0%} "
+                 f"({t['N']['min']:.3g}-{t['N']['max']:.3g} nats), D term {t['D']['share_of_range']:.0%} "
                  f"({t['D']['min']:.3g}-{t['D']['max']:.3g}); E = {t['E']:.3g} is constant")
     unknown = [axis for axis, ok in ident["axes"].items() if not ok]
     if unknown:
-        lines.append(f"  the points do not identify the {' and '.join(unknown)} term (not identified: a 5-95% interval at a "
-                     f"bound of the search, or wider than 10x): `scale predict` and `scale optimal` will not extrapolate "
-                     f"along {' or '.join(unknown)} beyond the fitted runs")
-    elif ident["parameters"]["E"]["identified"] is False:
-        lines.append("  E is not identified: the law's floor is not known, so predictions far beyond the fitted runs "
+        lines.append(f"  the points do not identify the {' and '.join(unknown)} term: `scale predict` and `scale optimal` "
+                     f"will not extrapolate along {' or '.join(unknown)} beyond the fitted runs ({ident['rule']})")
+    if ident["parameters"]["E"]["identified"] is False:
+        lines.append("  E is not identified: the law's floor is not known, and predictions far beyond the fitted runs "
                      "carry that")
     res = record["residuals"]
     lines.append(f"  {res['points']} points from {len(record['runs'])} runs; fit vs observed: rms {res['rms_relative']:.2%},"
@@ -199,7 +205,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     tokens = args.tokens or extra.get("tokens")
     if tokens is None:
         raise TrainwiseError("give --tokens D, the training tokens of the planned run (e.g. 4e6).")
-    out = predict(_record(args, cfg.model.vocab_size, cfg.data), cfg, tokens)
+    record = _record(args, cfg.model.vocab_size, cfg.data)
+    out = predict(record, cfg, tokens)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -208,7 +215,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
     print(f"predicted final validation loss: {out['loss']:.4f} nats/token (bootstrap 5-95%: {lo:.4f} - {hi:.4f})")
     if out["extrapolates"]:
         print(f"note: outside the fitted points (N {out['n_range_fitted'][0]:,}-{out['n_range_fitted'][1]:,}, "
-              f"D {out['d_range_fitted'][0]:.3g}-{out['d_range_fitted'][1]:.3g}): an extrapolation")
+              f"D {out['d_range_fitted'][0]:.3g}-{out['d_range_fitted'][1]:.3g}): an extrapolation"
+              + ("; the fit does not identify E, the law's floor" if identification_of(record)["parameters"]["E"][
+                  "identified"] is False else ""))
     if out["repetition_note"]:
         print(f"warning: {out['repetition_note']}")
     if out["recipe"]:

@@ -18,7 +18,18 @@ import numpy as np
 from trainwise.config import DataConfig, RunConfig
 from trainwise.data.sources import STDLIB_CORPUS
 from trainwise.errors import TrainwiseError
-from trainwise.scale.law import FULL, HUBER_DELTA, PARAM_NAMES, Bootstrap, Form, Law, bootstrap, fit_law, identification
+from trainwise.scale.law import (
+    FULL,
+    HUBER_DELTA,
+    IDENTIFIED_SPAN,
+    PARAM_NAMES,
+    Bootstrap,
+    Form,
+    Law,
+    bootstrap,
+    fit_law,
+    identification,
+)
 from trainwise.scale.points import REPEAT_EPOCHS, non_embedding_params, read_runs
 from trainwise.scale.store import find_fit
 from trainwise.scale.sweep import choose_models, flops_per_token, ladder
@@ -74,25 +85,37 @@ def fit_points(groups: list[np.ndarray], form: Form = FULL, samples: int = 100, 
     return {"law": law.to_json(), "form": str(form), "objective": objective, "huber_delta": HUBER_DELTA,
             "bootstrap": {**boot.to_json(), "laws": [[getattr(b, k) for k in PARAM_NAMES] for b in boot.laws]},
             "residuals": {"rms_relative": float(np.sqrt(np.mean(rel ** 2))),
-                          "max_abs_relative": float(np.abs(rel).max()), "points": int(len(rel))}}
+                          "max_abs_relative": float(np.abs(rel).max()), "points": len(rel)}}
 
 
 def identify(record: dict) -> dict:
-    """What the points pin down: per parameter (law.identification), per axis (its term's parameters
-    both identified), and the terms over the fitted points: each one's range in nats/token and its
-    share of the observed loss range (max - min over the points); E is a constant and spans none of it."""
-    parameters = identification(bootstrap_of(record), Form.parse(record.get("form", "full")))
-    law = law_of(record)
+    """What the points pin down. Per parameter: law.identification (the issue-31 rule on its own interval).
+    Per term: its range over the fitted points in nats/token and as a share of the observed loss range
+    (max - min; E is a constant and spans none of it), and its level at the centre of the fitted range
+    (the geometric mean of the fitted sizes, or of the fitted D's ends) with its bootstrap interval. An
+    axis (N or D) is identified when its exponent is and its term's level is (an interval at most
+    IDENTIFIED_SPAN x wide): A and alpha trade off along a ridge, so A's own interval can span decades
+    while the term they make, which is what an extrapolation uses, is pinned down."""
+    boot, law = bootstrap_of(record), law_of(record)
+    parameters = identification(boot, Form.parse(record.get("form", "full")))
     pts = np.array([[r["n_params"], d, l] for r in record["runs"] for d, l in r["points"]])
     span = float(pts[:, 2].max() - pts[:, 2].min())
-    terms = {"loss": [float(pts[:, 2].min()), float(pts[:, 2].max())], "E": law.E}
+    ranges = fitted_ranges(record)
+    centre = {"N": float(np.exp(np.log(sorted({r["n_params"] for r in record["runs"]})).mean())),
+              "D": float(np.sqrt(ranges["D"][0] * ranges["D"][1]))}
+    terms: dict = {"loss": [float(pts[:, 2].min()), float(pts[:, 2].max())], "E": law.E}
+    axes = {}
     for axis, values in (("N", law.A / pts[:, 0] ** law.alpha), ("D", law.B / pts[:, 1] ** law.beta)):
         lo, hi = float(values.min()), float(values.max())
-        terms[axis] = {"min": lo, "max": hi, "share_of_range": (hi - lo) / span if span > 0 else 0.0}
-    axes = {axis: all(parameters[k]["identified"] is not False for k in names) for axis, names in TERMS.items()}
+        level = law.A / centre[axis] ** law.alpha if axis == "N" else law.B / centre[axis] ** law.beta
+        p5, p95 = boot.term_interval(axis, centre[axis])
+        level_ok = p5 > 0 and p95 / p5 <= IDENTIFIED_SPAN
+        terms[axis] = {"min": lo, "max": hi, "share_of_range": (hi - lo) / span if span > 0 else 0.0,
+                       "at": centre[axis], "level": float(level), "level_p5_p95": [p5, p95], "level_identified": level_ok}
+        axes[axis] = level_ok and parameters[TERMS[axis][1]]["identified"] is not False
     return {"parameters": parameters, "axes": axes, "terms": terms,
-            "rule": "not identified: the bootstrap's 5-95% interval reaches a bound of the search, or spans more "
-                    "than 10x; an axis (N or D) is identified when both parameters of its term are"}
+            "rule": "not identified: a 5-95% interval at a bound of the search or wider than 10x; an axis needs its "
+                    "exponent and its term's level at the fitted range's centre identified"}
 
 
 def identification_of(record: dict) -> dict:
@@ -118,10 +141,14 @@ def refusal(record: dict, n_params: float, tokens: float) -> str | None:
     reasons = []
     for axis in refused:
         lo, hi = ranges[axis]
-        why = "; ".join(f"{k}: {ident['parameters'][k]['why']}" for k in TERMS[axis]
-                        if ident["parameters"][k]["identified"] is False)
+        coefficient, exponent = TERMS[axis]
+        term = ident["terms"][axis]
+        why = [f"{exponent}: {ident['parameters'][exponent]['why']}"] * (ident["parameters"][exponent]["identified"] is False)
+        if not term["level_identified"]:
+            p5, p95 = term["level_p5_p95"]
+            why.append(f"the term at {axis} = {term['at']:,.0f} lies in {p5:.3g}-{p95:.3g} nats")
         reasons.append(f"{axis} = {target[axis]:,.0f} lies outside the fitted {lo:,.0f}-{hi:,.0f}, and the fit does "
-                       f"not identify the {axis} term {TERMS[axis][0]}/{axis}^{TERMS[axis][1]} ({why})")
+                       f"not identify the {axis} term {coefficient}/{axis}^{exponent} ({'; '.join(why)})")
     return ("; ".join(reasons) + ", so the law cannot say how the loss moves along that axis. "
             + identifying_sweep(record, n_params if "N" in refused else None, tokens if "D" in refused else None))
 

@@ -10,8 +10,14 @@ on unconstrained numbers:
 They ran L-BFGS from every point of a grid of initialisations and kept the best. Here the objective is
 evaluated on the whole grid at once (cheap, vectorised) and L-BFGS starts from the best GRID_STARTS
 grid points; the grid is theirs (alpha, beta in 0..2 by 0.5; e in -1..1.5 by 0.5; a, b in 0..25 by 5).
-Uncertainty is a bootstrap: refit on resampled runs (whole curves, because the points of one run are
-not independent), or on resampled points when there are too few runs to resample.
+Uncertainty is a wild cluster bootstrap (Cameron, Gelbach & Miller 2008): every refit keeps every run
+and point, and moves each run's residual curve (log observed - log fitted) by one random weight from
+Webb's six-point distribution (Webb 2023, "Reworking wild bootstrap-based inference for clustered
+errors": for few clusters). A run is one cluster because its points share its noise (its seed, its
+batches). Resampling whole runs instead changes the design: a sweep has one run per model size, and a
+resample that lacks the largest sizes leaves the N term free (on the 5-run sweep of benchmarks/RESULTS.md,
+20 of 100 such refits put alpha at the search's bound), which says what a different sweep would not know,
+not what this one does.
 
 What the data can tell (identify): a parameter whose bootstrap interval reaches a bound of the search box,
 or spans more than an order of magnitude, is not identified: the points leave it free. When data are
@@ -36,6 +42,8 @@ PARAM_NAMES = ("E", "A", "B", "alpha", "beta")
 # Box for (a, b, e, alpha, beta): wide enough never to bind on a well-posed fit, and it keeps a
 # degenerate one (few model sizes, where A and alpha trade off without limit) finite.
 BOUNDS = [(-20.0, 100.0), (-20.0, 100.0), (-10.0, 10.0), (0.0, 5.0), (0.0, 5.0)]
+# Webb's six-point weights: -sqrt(3/2), -1, -sqrt(1/2), sqrt(1/2), 1, sqrt(3/2), each with probability 1/6
+WILD_WEIGHTS = np.array([-math.sqrt(1.5), -1.0, -math.sqrt(0.5), math.sqrt(0.5), 1.0, math.sqrt(1.5)])
 SEARCHED = ("A", "B", "E", "alpha", "beta")  # the parameter each row of BOUNDS bounds (A, B, E through their logs)
 # Identified: the bootstrap's 5-95% interval stays further than this share of the box's width from both
 # bounds (on the searched scale: log E, log A, log B, alpha, beta) and spans at most IDENTIFIED_SPAN x.
@@ -223,7 +231,7 @@ def fit_law(n_params, tokens, losses, starts: np.ndarray | None = None, form: Fo
 class Bootstrap:
     """Spread of the fitted parameters over bootstrap refits: percentiles 5 and 95, and the refits."""
 
-    unit: str  # "runs" or "points": what was resampled
+    unit: str  # what a bootstrap draw perturbs as one: "runs" (older records: "points")
     laws: list[Law]
 
     def interval(self, name: str) -> tuple[float, float]:
@@ -234,36 +242,38 @@ class Bootstrap:
         values = [law.loss(n_params, tokens) for law in self.laws]
         return float(np.percentile(values, 5)), float(np.percentile(values, 95))
 
+    def term_interval(self, axis: str, at: float) -> tuple[float, float]:
+        """5-95% of the N term A/N^alpha at N = at (axis "N"), or of the D term B/D^beta at D = at."""
+        values = [law.A / at ** law.alpha if axis == "N" else law.B / at ** law.beta for law in self.laws]
+        return float(np.percentile(values, 5)), float(np.percentile(values, 95))
+
     def to_json(self) -> dict:
-        return {"unit": self.unit, "samples": len(self.laws),
-                "p5_p95": {k: list(self.interval(k)) for k in PARAM_NAMES}}
+        return {"unit": self.unit, "method": "wild cluster bootstrap, one cluster per run, Webb six-point weights",
+                "samples": len(self.laws), "p5_p95": {k: list(self.interval(k)) for k in PARAM_NAMES}}
 
 
 def bootstrap(groups: list[np.ndarray], law: Law, samples: int = 100, seed: int = 0, form: Form = FULL) -> Bootstrap:
-    """Refit on resampled data, starting from the full fit (and a few grid points). groups: one
-    (P_i, 3) array of (N, D, L) per run. Runs are resampled when there are at least 4 of them (the
-    points of one run share its noise), else the points."""
+    """Refit `samples` times on data made from the fit and the residuals (module docstring), starting
+    from the full fit and a few grid points. groups: one (P_i, 3) array of (N, D, L) per run."""
     rng = np.random.default_rng(seed)
     start = np.array([[math.log(law.A), math.log(law.B), math.log(law.E), law.alpha, law.beta]])
-    by_runs = len(groups) >= 4
-    points = np.concatenate(groups)
+    fitted = [law.loss(g[:, 0], g[:, 1]) for g in groups]
+    residuals = [np.log(g[:, 2]) - np.log(f) for g, f in zip(groups, fitted)]
     laws = []
     for _ in range(samples):
-        if by_runs:
-            pick = np.concatenate([groups[i] for i in rng.integers(0, len(groups), len(groups))])
-        else:
-            pick = points[rng.integers(0, len(points), len(points))]
-        if len(np.unique(pick[:, 0])) < 2:
-            continue  # a resample with one model size cannot separate A/alpha from E
+        weights = rng.choice(WILD_WEIGHTS, size=len(groups))
+        pick = np.concatenate([np.column_stack([g[:, 0], g[:, 1], f * np.exp(w * r)])
+                               for g, f, r, w in zip(groups, fitted, residuals, weights)])
         refit, _ = fit_law(pick[:, 0], pick[:, 1], pick[:, 2], starts=start, form=form)
         laws.append(refit)
-    return Bootstrap("runs" if by_runs else "points", laws)
+    return Bootstrap("runs", laws)
 
 
 def identification(boot: Bootstrap, form: Form = FULL) -> dict[str, dict]:
-    """Per parameter: {"identified": bool | None (None: held by the form), "why": str}. Not identified:
-    the 5-95% interval comes within BOUND_MARGIN of the box's width of a bound of the search (log E,
-    log A, log B, alpha, beta), or its upper end is more than IDENTIFIED_SPAN x its lower end."""
+    """Per parameter: {"identified": bool, or None when the form holds it, "why": the reasons it is not}.
+    Not identified: the 5-95% interval comes within BOUND_MARGIN of the box's width of a bound of the
+    search (on the searched scale: log E, log A, log B, alpha, beta), or its upper end is more than
+    IDENTIFIED_SPAN x its lower end."""
     out = {}
     for name, (low, high) in zip(SEARCHED, BOUNDS):
         if name == "E" and form.E is not None:
@@ -271,17 +281,14 @@ def identification(boot: Bootstrap, form: Form = FULL) -> dict[str, dict]:
             continue
         lo, hi = boot.interval(name)
         logged = name in ("A", "B", "E")
-        ends = (math.log(max(lo, 1e-300)), math.log(max(hi, 1e-300))) if logged else (lo, hi)
-        margin = BOUND_MARGIN * (high - low)
         why = []
-        for end, bound in ((ends[0], low), (ends[1], high)):
-            if abs(end - bound) <= margin:
-                value = math.exp(bound) if logged else bound
-                why.append(f"its interval reaches the search's bound {value:.3g}"
+        for end, bound in zip((lo, hi), (low, high)):
+            if abs((math.log(end) if logged else end) - bound) <= BOUND_MARGIN * (high - low):
+                why.append(f"its interval reaches the search's bound {math.exp(bound) if logged else bound:.3g}"
                            + (f" (e^{bound:g})" if logged else ""))
-        if lo <= 0 or hi / lo > IDENTIFIED_SPAN:
-            why.append(f"its interval spans {hi / lo:.3g}x" if lo > 0 else "its interval reaches 0")
-        if name == "beta" and form.tied:
-            why = ["tied to alpha by the form"] + why
-        out[name] = {"identified": not any(w for w in why if "tied" not in w), "why": "; ".join(why)}
+        if lo > 0 and hi / lo > IDENTIFIED_SPAN:
+            why.append(f"its interval spans {hi / lo:.3g}x")
+        out[name] = {"identified": not why, "why": "; ".join(why)}
+    if form.tied:
+        out["beta"]["why"] = "; ".join(["equal to alpha by the form"] + [out["beta"]["why"]] * bool(out["beta"]["why"]))
     return out
