@@ -197,3 +197,20 @@ def test_on_the_small_built_in_corpus_fit_says_what_is_not_identified_and_optima
     assert "does not identify the N term A/N^alpha" in why and "lies outside the fitted 106,816-1,328,448" in why
     assert "passes over this corpus's 106,665 training tokens" in why and "--data builtin:stdlib" in why
     assert optimal(builtin_docs_sweep, 4.1e12, widths=range(64, 200, 32))["n_params"] <= 1_328_448  # inside N: plans
+
+
+def test_plan_gives_no_loss_where_the_stored_fit_refuses(builtin_docs_sweep, isolated_cache, capsys):
+    """`trainwise plan` on the default corpus, whose stored fit identifies no N term: the default model
+    (N = 3.4M, outside the fitted sizes) gets the refusal instead of a number, as `scale predict` does."""
+    from trainwise.cli import main
+    from trainwise.config import DataConfig
+    from trainwise.data.corpus import corpus_key
+    from trainwise.scale.store import fits_dir
+
+    fits_dir().mkdir(parents=True)
+    (fits_dir() / "docs.json").write_text(json.dumps({**builtin_docs_sweep, "corpus_key": corpus_key(DataConfig())}))
+    assert main(["plan", "--model", "trainwise-small", "--tokens", "2e5", "--gpu", "h100", "--json"]) == 0
+    scaling = json.loads(capsys.readouterr().out)["predicted_loss"]
+    assert scaling["loss"] is None and "does not identify the N term" in scaling["not_identified"]
+    assert main(["plan", "--model", "trainwise-small", "--tokens", "2e5", "--gpu", "h100"]) == 0
+    assert "predicted val loss     none: the `trainwise scale` fit of this corpus refuses" in capsys.readouterr().out

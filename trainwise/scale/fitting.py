@@ -5,8 +5,9 @@ and the training recipe of the runs: the law predicts runs trained the same way 
 batch, sequence length), on the same text with the same tokenizer.
 
 It also holds what the points identify (identify()): per parameter, whether the bootstrap pins it down;
-per term, how much of the observed loss range it spans. `predict` and `optimal` refuse to extrapolate
-along an axis (N or D) whose term is not identified, and name the sweep that would identify it.
+per term, how much of the observed loss range it spans and whether its level is pinned down. `predict`
+and `optimal` refuse to extrapolate along an axis (N or D) whose term is not identified, and name the
+sweep that would identify it.
 """
 
 from __future__ import annotations
@@ -89,13 +90,14 @@ def fit_points(groups: list[np.ndarray], form: Form = FULL, samples: int = 100, 
 
 
 def identify(record: dict) -> dict:
-    """What the points pin down. Per parameter: law.identification (the issue-31 rule on its own interval).
+    """What the points pin down. Per parameter: law.identification (the rule on its own interval).
     Per term: its range over the fitted points in nats/token and as a share of the observed loss range
     (max - min; E is a constant and spans none of it), and its level at the centre of the fitted range
     (the geometric mean of the fitted sizes, or of the fitted D's ends) with its bootstrap interval. An
     axis (N or D) is identified when its exponent is and its term's level is (an interval at most
-    IDENTIFIED_SPAN x wide): A and alpha trade off along a ridge, so A's own interval can span decades
-    while the term they make, which is what an extrapolation uses, is pinned down."""
+    IDENTIFIED_SPAN x wide, the parameters' rule): A and alpha trade off along a ridge, so A's own
+    interval can span decades while the term they make, which is what an extrapolation uses, is pinned
+    down (the 20-minute stdlib sweep of benchmarks/RESULTS.md: A spans 6e4x, the N term at its centre 7x)."""
     boot, law = bootstrap_of(record), law_of(record)
     parameters = identification(boot, Form.parse(record.get("form", "full")))
     pts = np.array([[r["n_params"], d, l] for r in record["runs"] for d, l in r["points"]])
