@@ -38,6 +38,13 @@ def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray | None:
     return lengths
 
 
+# The validation batches are drawn with this seed whatever train.seed is, so that runs of different seeds
+# are scored on the same text (a sweep's seeds, a held-out run's: on builtin:stdlib, 4096-token samples
+# drawn per seed scored one d_model-192 model 4.16, 3.53 and 3.40 nats). 1338 = the default train.seed + 1,
+# the seed they were drawn with before: a run with the default seed is scored as it always was.
+VAL_SEED = 1338
+
+
 def window_bytes(tokens: np.ndarray, micro_batch: int, seq_len: int, seed: int, batches: int,
                  lengths: np.ndarray) -> tuple[int, int]:
     """(targets, bytes) of the batches the training loop's evaluation draws (trainwise.trainer.loop.evaluate:
@@ -58,5 +65,5 @@ def val_window_bytes(tokenizer: Tokenizer, val_tokens: np.ndarray, cfg) -> tuple
     if lengths is None:
         return None
     t = cfg.train
-    targets, n_bytes = window_bytes(val_tokens, t.micro_batch, t.seq_len, t.seed + 1, t.eval_steps, lengths)
+    targets, n_bytes = window_bytes(val_tokens, t.micro_batch, t.seq_len, VAL_SEED, t.eval_steps, lengths)
     return (targets, n_bytes) if n_bytes else None

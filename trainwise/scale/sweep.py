@@ -11,8 +11,12 @@ Design (and why):
 - IsoFLOP: each of SWEEP_MODELS sizes around the 20-tokens-per-parameter rule of Hoffmann et al. trains
   to the same compute C (exact per-token FLOPs of cost/flops.py, so D = C / flops_per_token). Because
   each curve holds every smaller D, the lower IsoFLOP slices C/2, C/4, ... are rows of the same runs.
-- Sizing: C is the largest compute whose predicted time fits the budget. The planner predicts each run's
-  time (cost/plan.py: FLOPs / (calibrated peak x MFU)) with the MFU of each model measured on a few
+- Seeds: the grid is sized for 1/SWEEP_SEEDS of the budget, and the rest trains it again with seeds 1,
+  2, ...: a run's loss moves with its seed by more than the law's error (d_model 192 on builtin:stdlib,
+  8.2M tokens: 4.16, 3.53 and 3.40 nats for seeds 1337, 1 and 2, apart from 0.5M tokens on), and a
+  prediction is for a run's expected loss, so the fit goes through every seed's curve.
+- Sizing: C is the largest compute whose predicted time fits the grid's share of the budget. The
+  planner predicts each run's time (cost/plan.py: FLOPs / (calibrated peak x MFU)) with the MFU of each model measured on a few
   steps first (tiny models reach a small fraction of the peak the planner's default assumes), plus
   evaluation. After each run the measured wall time corrects the prediction of the ones left, and
   their tokens are resized to the time that is left. The probes count against the budget; a run never
@@ -54,11 +58,14 @@ SWEEP_WIDTHS = (64, 96, 128, 160, 192, 256, 320, 384, 512)
 SWEEP_MODELS = 5
 TOKENS_PER_PARAM = 20.0  # Hoffmann et al.'s compute-optimal ratio, used only to centre the grid
 EVALS_PER_RUN = 16
-SWEEP_SEEDS = 3  # runs per model when the budget allows (_repeat_with_seeds)
+SWEEP_SEEDS = 3  # runs per model: the grid takes 1/SWEEP_SEEDS of the budget (_repeat_with_seeds)
 # 512-token steps: on a corpus that bounds the sweep (the built-in one), the recipe that gets most out of
 # each token. A d_model-128 model after 4 passes over it: 4.69 nats/token with 4 x 128-token steps,
-# 4.85 with 8 x 256 (which also sat on the unigram plateau, ~6.4, from 50k to 130k tokens)
-SWEEP_TRAIN = dict(micro_batch=4, seq_len=128, warmup_steps=20, eval_steps=8, sample_tokens=16, compile="false",
+# 4.85 with 8 x 256 (which also sat on the unigram plateau, ~6.4, from 50k to 130k tokens).
+# 32 validation batches (16k tokens): on builtin:stdlib one model scored 4.16, 3.86, 3.56 and 3.82 nats on
+# four draws of 8 batches, 3.70-3.89 on draws of 64; every run of a sweep is scored on the same draw
+# (trainwise.data.bpb.VAL_SEED), and a larger one is a fairer sample of the split
+SWEEP_TRAIN = dict(micro_batch=4, seq_len=128, warmup_steps=20, eval_steps=32, sample_tokens=16, compile="false",
                    checkpoint_every=0, keep_checkpoints=1)
 
 
@@ -196,21 +203,21 @@ def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, sa
     peak, source = hw.peak_flops, hw.peak_source
     say(f"sizing the sweep for {minutes:g} minutes: peak {peak / 1e9:,.1f} GFLOP/s ({source}); the corpus has "
         f"{unique:,} training tokens, so no run gets more than {REPEAT_EPOCHS} passes: {cap:,} tokens")
-    runs = size_compute(base, minutes * 60 - (time.perf_counter() - start), peak, say, cap)
+    first_s = minutes * 60 / SWEEP_SEEDS  # the grid once; the time after it buys the grid with other seeds
+    runs = size_compute(base, first_s - (time.perf_counter() - start), peak, say, cap)
     planned_s = sum(r.predicted_s for r in runs)
     say(f"IsoFLOP grid: {len(runs)} models x C = {_compute(runs[0]):.3g} FLOPs each (exact per-token FLOPs), "
         f"constant LR {base.train.lr:g} after {SWEEP_TRAIN['warmup_steps']} warmup steps; predicted "
-        f"{planned_s / 60:.1f} min of training")
-    if max(r.tokens for r in runs) > cap / 2 ** (1 / 8) and planned_s < 0.8 * minutes * 60:
+        f"{planned_s / 60:.1f} min of training, then the same with other seeds (up to {SWEEP_SEEDS} each)")
+    if max(r.tokens for r in runs) > cap / 2 ** (1 / 8) and planned_s < 0.8 * first_s:
         say(f"  bound by the corpus, not the budget: a larger C would give {runs[0].config.model.name} more than "
-            f"{REPEAT_EPOCHS} passes over the {unique:,} tokens. More text buys a bigger sweep; the time left buys "
-            f"the same runs with other seeds (up to {SWEEP_SEEDS} each).")
+            f"{REPEAT_EPOCHS} passes over the {unique:,} tokens. More text buys a bigger sweep.")
     correction = 1.0
     grid_c = _compute(runs[0])  # the grid's C (its smallest model, never raised to the minimum of steps)
     max_c = cap * flops_per_token(runs[0].config)  # the C at which that model reaches the passes' limit
     for i, run in enumerate(runs):
-        left_s = minutes * 60 - (time.perf_counter() - start)
-        if i:  # resize what is left to the time that is left, with the measured/predicted correction
+        left_s = first_s - (time.perf_counter() - start)
+        if i:  # resize what is left to the grid's time that is left, with the measured/predicted correction
             scale = left_s / (correction * sum(r.predicted_s for r in runs[i:]))
             scale = min(scale, max_c / grid_c)  # time saved buys no extra passes: the grid keeps one C
             grid_c *= scale
@@ -236,10 +243,10 @@ def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, sa
 
 
 def _repeat_with_seeds(runs: list[SweepRun], out: Path, left_s: float, say) -> list[SweepRun]:
-    """Time the grid left over (when the corpus, not the budget, bounded C) buys the same runs again with
-    other seeds (1, 2, ... up to SWEEP_SEEDS in all), each while its first run's measured time still
-    fits: one run's final loss moves by several percent with the seed at these sizes (d_model 192 after
-    592 steps: 4.75, 5.24, 4.78), and the fit through every seed's curve describes their mean."""
+    """The time after the grid buys the same runs again with other seeds (1, 2, ... up to SWEEP_SEEDS in
+    all), each while its first run's measured time still fits: one run's final loss moves with the seed
+    (d_model 192 after 592 steps on the default corpus: 4.75, 5.24, 4.78), and the fit through every
+    seed's curve describes their mean."""
     start, extra = time.perf_counter(), []
     for seed in range(1, SWEEP_SEEDS):
         for run in runs:

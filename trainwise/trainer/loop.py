@@ -26,7 +26,7 @@ from trainwise import rundir
 from trainwise.config import RunConfig, load_config
 from trainwise.data import corpus as data_mod
 from trainwise.data.batches import BatchSampler
-from trainwise.data.bpb import bits_per_byte, val_window_bytes
+from trainwise.data.bpb import VAL_SEED, bits_per_byte, val_window_bytes
 from trainwise.errors import TrainwiseError
 from trainwise.export.hf import load_hf_dir, load_into
 from trainwise.inference import load_run, sample_text
@@ -200,7 +200,7 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, cfg: RunConfig, device:
              precision: str, forward=None) -> float:
     """Mean loss over eval_steps batches of the validation split: the same batches every time.
     forward: what to call instead of model(x, y), e.g. the eager forward of a compiled model."""
-    sampler = BatchSampler(tokens, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.train.seed + 1)
+    sampler = BatchSampler(tokens, cfg.train.micro_batch, cfg.train.seq_len, seed=VAL_SEED)
     was_training = model.training
     model.eval()
     forward = forward or model
