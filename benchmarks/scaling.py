@@ -13,7 +13,8 @@ Every prediction is made, and stored, before its runs start.
 
 The state lives in --out, and the same command continues where the last one stopped: with
 --piece-minutes P each call stops (a held-out run at its next step, saved) after about P minutes, so
-that the work fits a shared machine's slices; the sweep itself runs as one piece. Prints the CPU model
+that the work fits a shared machine's slices (the sweep stops between two of its runs, and its budget
+counts only the time spent sizing and training: trainwise.scale.sweep.run_sweep). Prints the CPU model
 and the load; writes the fit chart (fit.png), the fit (fit.json) and a summary (summary.json) into --out.
 """
 
@@ -36,7 +37,9 @@ from trainwise.scale.points import non_embedding_params, val_rows
 from trainwise.scale.store import save_fit
 from trainwise.scale.sweep import (
     EVALS_PER_RUN,
+    SWEEP_STATE,
     SWEEP_WIDTHS,
+    SweepStopped,
     flops_per_token,
     ladder,
     ladder_config,
@@ -53,11 +56,15 @@ def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def sweep_and_fit(args, out: Path) -> dict:
+def sweep_and_fit(args, out: Path, deadline: float) -> dict | None:
+    """The sweep (continued where an earlier call stopped), then its fit; None when this piece ends first."""
     base = sweep_base(["data.paths=" + json.dumps(args.data)] if args.data else [])
-    t0 = time.perf_counter()
-    runs = run_sweep(args.minutes, out / "sweep", base)
-    sweep_s = time.perf_counter() - t0
+    try:
+        runs = run_sweep(args.minutes, out / "sweep", base, stop_at=deadline)
+    except SweepStopped as stop:
+        print(f"\n{stop} (load average {load()})")
+        return None
+    sweep_s = json.loads((out / "sweep" / SWEEP_STATE).read_text(encoding="utf-8"))["spent_s"]
     dirs = [str(r.run_dir) for r in runs]
     return {"cpu": cpu_model(), "load_after": load(), "minutes": args.minutes, "sweep_s": sweep_s, "fit": fit_and_store(dirs, base),
             "sweep": [{"model": r.config.model.name, "seed": r.config.train.seed, "run_dir": str(r.run_dir),
@@ -143,7 +150,10 @@ def main() -> None:
     state_path = out / "state.json"
     state = json.loads(state_path.read_text(encoding="utf-8")) if state_path.is_file() else {}
     if "fit" not in state:
-        state = {"data": args.data, **sweep_and_fit(args, out)}
+        swept = sweep_and_fit(args, out, deadline)
+        if swept is None:
+            return
+        state = {"data": args.data, **swept}
         state_path.write_text(json.dumps(state, indent=1), encoding="utf-8")
     elif args.refit:
         if any(c["losses"] for c in state.get("checks", [])):
@@ -155,7 +165,7 @@ def main() -> None:
     record = state["fit"]
     (out / "fit.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
     _plot(record, str(out / "fit.png"))
-    print(f"\nsweep on {state['cpu']}: {state['sweep_s'] / 60:.1f} min wall (budget {state['minutes']:g}), "
+    print(f"\nsweep on {state['cpu']}: {state['sweep_s'] / 60:.1f} min of sizing and training (budget {state['minutes']:g}), "
           f"load average after it {state['load_after']}")
     print(f"{'run':<22} {'N (non-emb)':>12} {'D tokens':>11} {'pred s':>7} {'meas s':>7} {'val loss':>9}")
     for s in state["sweep"]:

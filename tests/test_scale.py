@@ -242,3 +242,27 @@ def test_sweep_cli_trains_the_grid_inside_the_budget_and_fits_it(corpus, tmp_pat
     assert 5 <= len(record["runs"]) <= 15 and all("validation rows" in r["used"] for r in record["runs"])  # seeds
     assert sum(r["measured_s"] for r in record["sweep"]["runs"]) < 1.5 * 60 * 2  # a minimum of steps can overrun
     assert time.perf_counter() - start < 1.5 * 60 * 4
+
+
+@pytest.mark.slow
+def test_a_sweep_stopped_between_runs_continues_where_it_stopped(corpus, tmp_path):
+    """run_sweep(stop_at=...) stops before a run that would end after it (at least one run per call), keeps
+    its plan and finished runs in sweep.json, and the same call continues: a shared machine's slices."""
+    import time
+
+    from trainwise.scale.sweep import SWEEP_STATE, SweepStopped, run_sweep, sweep_base
+
+    base = sweep_base([f"data.paths={json.dumps([str(corpus)])}", "tokenizer.vocab_size=300"])
+    out, calls = tmp_path / "sweep", 0
+    while True:
+        calls += 1
+        try:
+            runs = run_sweep(0.3, out, base, say=lambda *a: None, stop_at=time.time())  # one run per call
+            break
+        except SweepStopped as stop:
+            assert "run the same command to continue" in str(stop)
+            assert calls < 20
+    state = json.loads((out / SWEEP_STATE).read_text())
+    assert calls == len(runs) >= 5 and state["seeds_done"]
+    assert sorted(str(r.run_dir) for r in runs) == sorted(str(p) for p in out.iterdir() if p.is_dir())
+    assert state["spent_s"] >= sum(r.measured_s for r in runs)  # the budget counts training, not the gaps

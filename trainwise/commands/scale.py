@@ -79,7 +79,8 @@ def register(sub_parsers, help_text: str) -> None:
     s.add_argument("--minutes", type=number, required=True, help="wall-time budget of the training, minutes")
     s.add_argument("--data", nargs="+", metavar="PATH",
                    help=f"corpus (default: {SWEEP_DATA[0]}, the standard library's source, ~12 MB of mostly code)")
-    s.add_argument("--out", help="directory for the runs (default runs/scale-sweep-DATE-TIME)")
+    s.add_argument("--out", help="directory for the runs (default runs/scale-sweep-DATE-TIME); "
+                   "one that holds a stopped sweep: continue it")
     s.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override the base config (lr, vocab)")
     s.add_argument("--form", default="full", help=FORM_HELP)
     s.add_argument("--plot", metavar="FILE.png", help="write the chart of the fit")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,7 @@ SWEEP_WIDTHS = (64, 96, 128, 160, 192, 256, 320, 384, 512)
 SWEEP_MODELS = 5
 TOKENS_PER_PARAM = 20.0  # Hoffmann et al.'s compute-optimal ratio, used only to centre the grid
 EVALS_PER_RUN = 16
-SWEEP_SEEDS = 3  # runs per model: the grid takes 1/SWEEP_SEEDS of the budget (_repeat_with_seeds)
+SWEEP_SEEDS = 3  # runs per model: the grid takes 1/SWEEP_SEEDS of the budget (run_sweep)
 # 512-token steps: on a corpus that bounds the sweep (the built-in one), the recipe that gets most out of
 # each token. A d_model-128 model after 4 passes over it: 4.69 nats/token with 4 x 128-token steps,
 # 4.85 with 8 x 256 (which also sat on the unigram plateau, ~6.4, from 50k to 130k tokens).
@@ -186,16 +187,122 @@ def _tokens(cfg: RunConfig, flops: float) -> int:
     return steps * per_step
 
 
-def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, say=print) -> list[SweepRun]:
-    """Train the grid inside `minutes` (sizing included); returns the runs with their directories."""
+SWEEP_STATE = "sweep.json"  # the sweep's plan and progress, in its directory: the same call continues it
+
+
+class SweepStopped(TrainwiseError):
+    """The sweep stopped between two runs at the caller's stop_at; the same call continues it."""
+
+
+def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, say=print,
+              stop_at: float | None = None) -> list[SweepRun]:
+    """Train the grid inside `minutes` (sizing included); returns the runs with their directories.
+
+    The plan and every finished run are kept in out/SWEEP_STATE, so a call on a directory that holds
+    one continues the sweep where it stopped. The budget counts the time spent sizing and training,
+    not the time between calls. stop_at (a time.time()): stop before a run predicted to end after it
+    (SweepStopped), at least one run per call; a shared machine's slices."""
     if minutes <= 0:
         raise TrainwiseError(f"--minutes {minutes} must be positive (e.g. 20).")
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
+    out, base = Path(out), base or sweep_base([])
+    state_path = out / SWEEP_STATE
+    if state_path.is_file():
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+        say(f"continuing the sweep in {out}: {sum(r['measured_s'] is not None for r in state['runs'])} runs done, "
+            f"{state['spent_s'] / 60:.1f} of {state['minutes']:g} minutes spent")
+    elif out.exists() and any(out.iterdir()):
         raise TrainwiseError(f"sweep directory '{out}' exists and is not empty; choose a new --out.")
-    base = base or sweep_base([])
-    start = time.perf_counter()
+    else:
+        state = _plan(minutes, base, say)
+    mark = time.perf_counter()  # the time since the state's spent_s was last charged
+    runs = [_sweep_run(base, r) for r in state["runs"]]
+    trained = 0
 
+    def save():
+        nonlocal mark
+        state["spent_s"] += time.perf_counter() - mark
+        mark = time.perf_counter()
+        state["runs"] = [_run_state(r) for r in runs]
+        out.mkdir(parents=True, exist_ok=True)
+        state_path.write_text(json.dumps(state, indent=1), encoding="utf-8")
+
+    def train_one(run: SweepRun, label: str) -> None:
+        nonlocal trained
+        if trained and stop_at is not None and time.time() + state["correction"] * run.predicted_s > stop_at:
+            save()
+            raise SweepStopped(f"the sweep stopped before {label} ({state['spent_s'] / 60:.1f} of "
+                               f"{state['minutes']:g} minutes spent); run the same command to continue.")
+        run_dir = out / run_name(run.config)
+        if run_dir.exists():  # a run cut off in an earlier call: its curve would be fitted as if whole
+            shutil.rmtree(run_dir)
+        t0 = time.perf_counter()
+        result = train(run.config, out=run_dir, quiet=True)
+        if result.stopped_early:  # SIGINT/SIGTERM: a cut curve would be fitted as if it were whole
+            save()
+            raise TrainwiseError(f"the sweep was interrupted during {result.run_dir} (step {result.step} of "
+                                 f"{run.config.train.max_steps}); run the same command to train it again and "
+                                 "continue, or start a new sweep.")
+        run.measured_s, run.run_dir = time.perf_counter() - t0, result.run_dir
+        trained += 1
+        say(f"      measured {run.measured_s:,.0f} s, final val loss {result.val_loss:.4f} nats/token")
+
+    grid = [r for r in runs if r.config.train.seed == base.train.seed]
+    first_s = state["minutes"] * 60 / SWEEP_SEEDS  # the grid once; the time after it buys the grid with other seeds
+    for i, run in enumerate(grid):
+        if run.measured_s is not None:
+            continue
+        if i:  # resize what is left to the grid's time that is left, with the measured/predicted correction
+            left_s = first_s - state["spent_s"] - (time.perf_counter() - mark)
+            scale = left_s / (state["correction"] * sum(r.predicted_s for r in grid[i:]))
+            scale = min(scale, state["max_c"] / state["grid_c"])  # time saved buys no extra passes: one C
+            state["grid_c"] *= scale
+            for r in grid[i:]:
+                r.tokens = _tokens(r.config, _compute(r) * scale)
+                r.predicted_s = predict_seconds(r.config, r.tokens, state["peak_flops"], r.mfu)
+                _set_steps(r)
+        say(f"[{i + 1}/{len(grid)}] {run.config.model.name}: {run.tokens:,} tokens ({run.config.train.max_steps} "
+            f"steps), predicted {state['correction'] * run.predicted_s:,.0f} s")
+        train_one(run, run.config.model.name)
+        done = grid[:i + 1]
+        state["correction"] = sum(r.measured_s for r in done) / sum(r.predicted_s for r in done)
+        save()
+
+    # The time after the grid buys the same runs again with other seeds (1, 2, ... up to SWEEP_SEEDS in all),
+    # each while its first run's measured time still fits: a prediction is for a run's expected loss, and
+    # the fit through every seed's curve describes their mean.
+    for seed in range(1, SWEEP_SEEDS):
+        for run in grid:
+            if state["seeds_done"]:
+                break
+            again = next((r for r in runs if r.config.train.seed == seed and r.config.model.name == run.config.model.name),
+                         None)
+            if again is not None and again.measured_s is not None:
+                continue
+            if run.measured_s > state["minutes"] * 60 - state["spent_s"] - (time.perf_counter() - mark):
+                state["seeds_done"] = True
+                break
+            if again is None:
+                cfg = copy.deepcopy(run.config)
+                cfg.train.seed = seed
+                again = SweepRun(cfg, run.mfu, run.tokens, run.predicted_s)
+                runs.append(again)
+            say(f"[seed {seed}] {run.config.model.name}: {run.tokens:,} tokens again")
+            train_one(again, f"{run.config.model.name} with seed {seed}")
+            save()
+    state["seeds_done"] = True
+    runs = [r for r in runs if r.measured_s is not None]
+    save()
+    return runs
+
+
+def run_name(cfg: RunConfig) -> str:
+    seed = cfg.train.seed
+    return cfg.model.name + (f"-seed{seed}" if seed != RunConfig().train.seed else "")
+
+
+def _plan(minutes: float, base: RunConfig, say) -> dict:
+    """Size the grid for 1/SWEEP_SEEDS of the budget: the sweep's state before any run."""
+    start = time.perf_counter()
     unique = train_tokens(ladder_config(base, *shape(SWEEP_WIDTHS[0])),  # the sweep's seq_len
                           prepare_tokenizer(base.data, base.tokenizer.vocab_size))
     cap = REPEAT_EPOCHS * unique
@@ -203,7 +310,7 @@ def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, sa
     peak, source = hw.peak_flops, hw.peak_source
     say(f"sizing the sweep for {minutes:g} minutes: peak {peak / 1e9:,.1f} GFLOP/s ({source}); the corpus has "
         f"{unique:,} training tokens, so no run gets more than {REPEAT_EPOCHS} passes: {cap:,} tokens")
-    first_s = minutes * 60 / SWEEP_SEEDS  # the grid once; the time after it buys the grid with other seeds
+    first_s = minutes * 60 / SWEEP_SEEDS
     runs = size_compute(base, first_s - (time.perf_counter() - start), peak, say, cap)
     planned_s = sum(r.predicted_s for r in runs)
     say(f"IsoFLOP grid: {len(runs)} models x C = {_compute(runs[0]):.3g} FLOPs each (exact per-token FLOPs), "
@@ -212,57 +319,34 @@ def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, sa
     if max(r.tokens for r in runs) > cap / 2 ** (1 / 8) and planned_s < 0.8 * first_s:
         say(f"  bound by the corpus, not the budget: a larger C would give {runs[0].config.model.name} more than "
             f"{REPEAT_EPOCHS} passes over the {unique:,} tokens. More text buys a bigger sweep.")
-    correction = 1.0
-    grid_c = _compute(runs[0])  # the grid's C (its smallest model, never raised to the minimum of steps)
-    max_c = cap * flops_per_token(runs[0].config)  # the C at which that model reaches the passes' limit
-    for i, run in enumerate(runs):
-        left_s = first_s - (time.perf_counter() - start)
-        if i:  # resize what is left to the grid's time that is left, with the measured/predicted correction
-            scale = left_s / (correction * sum(r.predicted_s for r in runs[i:]))
-            scale = min(scale, max_c / grid_c)  # time saved buys no extra passes: the grid keeps one C
-            grid_c *= scale
-            for r in runs[i:]:
-                r.tokens = _tokens(r.config, _compute(r) * scale)
-                r.predicted_s = predict_seconds(r.config, r.tokens, peak, r.mfu)
-        cfg = run.config
-        cfg.train.max_steps = run.tokens // cfg.train.tokens_per_step
-        cfg.train.eval_every = max(1, cfg.train.max_steps // EVALS_PER_RUN)
-        say(f"[{i + 1}/{len(runs)}] {cfg.model.name}: {run.tokens:,} tokens ({cfg.train.max_steps} steps), "
-            f"predicted {correction * run.predicted_s:,.0f} s")
-        t0 = time.perf_counter()
-        result = train(cfg, out=out / cfg.model.name, quiet=True)
-        if result.stopped_early:  # SIGINT/SIGTERM: a cut curve would be fitted as if it were whole
-            raise TrainwiseError(
-                f"the sweep was interrupted during {result.run_dir} (step {result.step} of {cfg.train.max_steps}). "
-                f"Finish it with `trainwise train --resume {result.run_dir}`, train the ones not started, and fit "
-                f"them all with `trainwise scale fit {out}/*/`; or start a new sweep.")
-        run.measured_s, run.run_dir = time.perf_counter() - t0, result.run_dir
-        correction = sum(r.measured_s for r in runs[:i + 1]) / sum(r.predicted_s for r in runs[:i + 1])
-        say(f"      measured {run.measured_s:,.0f} s, final val loss {result.val_loss:.4f} nats/token")
-    return runs + _repeat_with_seeds(runs, out, minutes * 60 - (time.perf_counter() - start), say)
+    for r in runs:
+        _set_steps(r)
+    return {"minutes": minutes, "peak_flops": peak, "correction": 1.0, "seeds_done": False,
+            "grid_c": _compute(runs[0]),  # the grid's C (its smallest model, never raised to the minimum of steps)
+            "max_c": cap * flops_per_token(runs[0].config),  # the C at which that model reaches the passes' limit
+            "runs": [_run_state(r) for r in runs], "spent_s": time.perf_counter() - start}
 
 
-def _repeat_with_seeds(runs: list[SweepRun], out: Path, left_s: float, say) -> list[SweepRun]:
-    """The time after the grid buys the same runs again with other seeds (1, 2, ... up to SWEEP_SEEDS in
-    all), each while its first run's measured time still fits: one run's final loss moves with the seed
-    (d_model 192 after 592 steps on the default corpus: 4.75, 5.24, 4.78), and the fit through every
-    seed's curve describes their mean."""
-    start, extra = time.perf_counter(), []
-    for seed in range(1, SWEEP_SEEDS):
-        for run in runs:
-            if run.measured_s > left_s - (time.perf_counter() - start):
-                return extra
-            cfg = copy.deepcopy(run.config)
-            cfg.train.seed = seed
-            say(f"[seed {seed}] {cfg.model.name}: {run.tokens:,} tokens again")
-            t0 = time.perf_counter()
-            result = train(cfg, out=out / f"{cfg.model.name}-seed{seed}", quiet=True)
-            if result.stopped_early:
-                raise TrainwiseError(f"the sweep was interrupted during {result.run_dir}; its other runs are whole: "
-                                     f"fit them with `trainwise scale fit` (leave this one out).")
-            extra.append(SweepRun(cfg, run.mfu, run.tokens, run.predicted_s, time.perf_counter() - t0, result.run_dir))
-            say(f"      measured {extra[-1].measured_s:,.0f} s, final val loss {result.val_loss:.4f} nats/token")
-    return extra
+def _set_steps(run: SweepRun) -> None:
+    cfg = run.config
+    cfg.train.max_steps = run.tokens // cfg.train.tokens_per_step
+    cfg.train.eval_every = max(1, cfg.train.max_steps // EVALS_PER_RUN)
+
+
+def _run_state(run: SweepRun) -> dict:
+    m = run.config.model
+    return {"d_model": m.d_model, "n_layers": m.n_layers, "seed": run.config.train.seed, "mfu": run.mfu,
+            "tokens": run.tokens, "predicted_s": run.predicted_s, "measured_s": run.measured_s,
+            "run_dir": str(run.run_dir) if run.run_dir else None}
+
+
+def _sweep_run(base: RunConfig, state: dict) -> SweepRun:
+    cfg = ladder_config(base, state["d_model"], state["n_layers"])
+    cfg.train.seed = state["seed"]
+    run = SweepRun(cfg, state["mfu"], state["tokens"], state["predicted_s"], state["measured_s"],
+                   Path(state["run_dir"]) if state["run_dir"] else None)
+    _set_steps(run)
+    return run
 
 
 def _compute(run: SweepRun) -> float:
