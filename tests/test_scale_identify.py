@@ -199,7 +199,7 @@ def test_on_the_small_built_in_corpus_fit_says_what_is_not_identified_and_optima
     assert optimal(builtin_docs_sweep, 4.1e12, widths=range(64, 200, 32))["n_params"] <= 1_328_448  # inside N: plans
 
 
-def test_plan_gives_no_loss_where_the_stored_fit_refuses(builtin_docs_sweep, isolated_cache, capsys):
+def test_plan_gives_no_loss_where_the_stored_fit_refuses(builtin_docs_sweep, tmp_path, monkeypatch, capsys):
     """`trainwise plan` on the default corpus, whose stored fit identifies no N term: the default model
     (N = 3.4M, outside the fitted sizes) gets the refusal instead of a number, as `scale predict` does."""
     from trainwise.cli import main
@@ -207,6 +207,7 @@ def test_plan_gives_no_loss_where_the_stored_fit_refuses(builtin_docs_sweep, iso
     from trainwise.data.corpus import corpus_key
     from trainwise.scale.store import fits_dir
 
+    monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path / "cache"))  # a plan for an H100 needs no calibration
     fits_dir().mkdir(parents=True)
     (fits_dir() / "docs.json").write_text(json.dumps({**builtin_docs_sweep, "corpus_key": corpus_key(DataConfig())}))
     assert main(["plan", "--model", "trainwise-small", "--tokens", "2e5", "--gpu", "h100", "--json"]) == 0

@@ -12,9 +12,10 @@ Design (and why):
   to the same compute C (exact per-token FLOPs of cost/flops.py, so D = C / flops_per_token). Because
   each curve holds every smaller D, the lower IsoFLOP slices C/2, C/4, ... are rows of the same runs.
 - Seeds: the grid is sized for 1/SWEEP_SEEDS of the budget, and the rest trains it again with seeds 1,
-  2, ...: a run's loss moves with its seed by more than the law's error (d_model 192 on builtin:stdlib,
-  8.2M tokens: 4.16, 3.53 and 3.40 nats for seeds 1337, 1 and 2, apart from 0.5M tokens on), and a
-  prediction is for a run's expected loss, so the fit goes through every seed's curve.
+  2, ...: a run's final loss moves with its seed by about as much as the law's error (the 20-minute
+  builtin:stdlib sweep of benchmarks/RESULTS.md, every run scored on the same validation batches: 0.4-3.3%
+  between three seeds of one model, the fit's rms error 1.4%), and a prediction is for a run's expected
+  loss, so the fit goes through every seed's curve.
 - Sizing: C is the largest compute whose predicted time fits the grid's share of the budget. The
   planner predicts each run's time (cost/plan.py: FLOPs / (calibrated peak x MFU)) with the MFU of each model measured on a few
   steps first (tiny models reach a small fraction of the peak the planner's default assumes), plus
@@ -28,6 +29,9 @@ Design (and why):
   CPU, and its fit identifies a power law in D and nothing about N or E): more text is what buys a
   bigger sweep, and the time left buys the grid again with other seeds. So without data the sweep takes
   SWEEP_DATA, the standard library's source (~3.3M training tokens with the 4096-token BPE).
+- Pieces: the plan and each finished run are kept in the sweep's directory (SWEEP_STATE), so the same
+  call continues a sweep that stopped, and the budget counts the time spent sizing and training, not the
+  time between calls: on a shared machine the sweep runs in slices (benchmarks/scaling.py --piece-minutes).
 """
 
 from __future__ import annotations
