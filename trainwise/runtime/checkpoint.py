@@ -7,6 +7,12 @@ Layout of one checkpoint, DIR/checkpoints/step_XXXXXXXX/:
     trainer.json        step, token count, sampler state, Python/NumPy RNG states, scaler state
     manifest.json       SHA-256 and size of every file above
 
+A run whose model is divided (parallel.tp or pp > 1) keeps it divided on disk: model.safetensors and
+optimizer.pt are replaced by dcp/, written by every rank with torch.distributed.checkpoint (DCP): each
+rank saves its own shards (DTensor shards, its pipeline stages) under the whole model's parameter
+names, in the split form of runtime.fused. DCP reshards on load, so the same files load on another
+layout, and into one process (sampling, export: `load_weights` joins the split projections again).
+
 A checkpoint is written to a hidden temporary directory, every file is fsync'ed, and only then is the
 directory renamed into place, so a reader never sees a half-written `step_*` directory. Which
 checkpoints a run directory holds (latest, best) is trainwise.rundir's.
@@ -25,14 +31,23 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from trainwise import rundir
 from trainwise.errors import TrainwiseError
+from trainwise.runtime.fused import join_fused, split_fused
 
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
+SHARDED = "dcp"  # the DCP directory of a divided model's checkpoint
 FORMAT_VERSION = 1
 
 
@@ -83,38 +98,98 @@ def _fsync(path: Path) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
                     trainer_state: dict[str, Any], rng_state: dict[str, Any], keep: int) -> Path:
-    root = rundir.checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / rundir.checkpoint_name(step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    final, tmp = _begin(run_dir, step, f"-{os.getpid()}")
     try:
         save_file(dedup_tied(model_state), str(tmp / WEIGHTS))
         torch.save(optimizer_state, tmp / "optimizer.pt")
+    except (OSError, RuntimeError, SafetensorError) as err:
+        _fail(run_dir, final, tmp, err)
+    return _finish(run_dir, final, tmp, step, trainer_state, rng_state, keep)
+
+
+def _begin(run_dir: Path, step: int, suffix: str) -> tuple[Path, Path]:
+    root = rundir.checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / rundir.checkpoint_name(step)
+    tmp = root / f".tmp-{final.name}{suffix}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return final, tmp
+
+
+def _finish(run_dir: Path, final: Path, tmp: Path, step: int, trainer_state: dict, rng_state: dict, keep: int) -> Path:
+    """Write the trainer and RNG states beside the weights, the manifest of every file, and move the
+    directory into place."""
+    try:
         torch.save(rng_state, tmp / "rng.pt")
         (tmp / "trainer.json").write_text(json.dumps(trainer_state), encoding="utf-8")
         files = {}
-        for path in sorted(tmp.iterdir()):
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             _fsync(path)
-            files[path.name] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+            files[str(path.relative_to(tmp))] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
         manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         _fsync(tmp / MANIFEST)
         if final.exists():  # same step saved twice (e.g. the final save right after a periodic one)
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync(root)
+        _fsync(final.parent)
     except (OSError, RuntimeError, SafetensorError) as err:  # ENOSPC, EFBIG, EACCES from any writer
-        shutil.rmtree(tmp, ignore_errors=True)
-        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
-        raise TrainwiseError(
-            f"could not write checkpoint {final}: {reason}. The previous checkpoint is intact; "
-            "free disk space or fix the permissions of the run directory, then resume with "
-            f"`trainwise train --resume {run_dir}`."
-        ) from None
+        _fail(run_dir, final, tmp, err)
     rundir.prune_checkpoints(run_dir, keep)
     return final
+
+
+def _fail(run_dir: Path, final: Path, tmp: Path, err: Exception):
+    shutil.rmtree(tmp, ignore_errors=True)
+    reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+    raise TrainwiseError(
+        f"could not write checkpoint {final}: {reason}. The previous checkpoint is intact; "
+        "free disk space or fix the permissions of the run directory, then resume with "
+        f"`trainwise train --resume {run_dir}`."
+    ) from None
+
+
+def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def save_sharded(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 trainer_state: dict[str, Any] | None, rng_state: dict[str, Any] | None, keep: int, barrier) -> Path:
+    """A checkpoint of a divided model: every rank calls it (a collective). Rank 0 (the one given
+    trainer_state) prepares the directory and finishes it; DCP writes each rank's shards into dcp/."""
+    main = trainer_state is not None
+    root = rundir.checkpoint_dir(run_dir)
+    final, tmp = root / rundir.checkpoint_name(step), root / f".tmp-{rundir.checkpoint_name(step)}-sharded"
+    if main:
+        final, tmp = _begin(run_dir, step, "-sharded")
+    barrier()
+    try:
+        dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(tmp / SHARDED))
+    except (OSError, RuntimeError) as err:
+        _fail(run_dir, final, tmp, err)
+    barrier()
+    if main:
+        _finish(run_dir, final, tmp, step, trainer_state, rng_state, keep)
+    barrier()
+    return final
+
+
+def is_sharded(path: Path) -> bool:
+    return (path / SHARDED).is_dir()
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Load a divided model's checkpoint into `model` (divided the same way or another: DCP reshards)
+    and its optimizer; every rank calls it."""
+    state = _sharded_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path / SHARDED))
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
@@ -147,9 +222,25 @@ class Checkpoint:
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
-    """Verify the checkpoint at `path` against its manifest, then load its weights into `model`."""
+    """Verify the checkpoint at `path` against its manifest, then load its weights into `model` (a whole
+    model in one process; a divided model's checkpoint is gathered from its DCP shards)."""
     verify_checkpoint(path)
+    if is_sharded(path):
+        split_fused(model)
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=str(path / SHARDED), no_dist=True)
+        model.load_state_dict(state["model"])
+        join_fused(model)
+        return
     load_model_state(model, path / WEIGHTS)
+
+
+def read_trainer_state(path: Path) -> Checkpoint:
+    """The trainer and RNG states of a divided model's checkpoint (its weights and optimizer: load_sharded)."""
+    verify_checkpoint(path)
+    rng_state = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
+    trainer_state = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
+    return Checkpoint(path, trainer_state, rng_state, None)
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module) -> Checkpoint:

@@ -1,6 +1,8 @@
-"""More than one device, on PyTorch's own engine: DDP or FSDP2 under `torchrun`.
+"""More than one device, on PyTorch's own engine: DDP or FSDP2 under `torchrun`, on a DeviceMesh with
+tensor and pipeline parallelism (runtime.mesh, runtime.tensor_parallel, runtime.pipeline).
 
     torchrun --nproc-per-node N -m trainwise train --set parallel.strategy=ddp|zero1|zero2|fsdp ...
+    torchrun --nproc-per-node N -m trainwise train --set parallel.tp=2 --set parallel.pp=2 ...
 
 ddp replicates everything (ZeRO stage 0); zero1 is DDP with the optimizer states sharded by
 ZeroRedundancyOptimizer (ZeRO stage 1); zero2 is FSDP2 keeping the gathered parameters from forward
@@ -9,7 +11,10 @@ stage 2); fsdp is FSDP2 regathering them per block for backward (parameters shar
 
 The same config runs unchanged in one process (the strategy then has nothing to shard). The model is
 wrapped from outside, after activation checkpointing; checkpoints are gathered to rank 0 in the
-single-process format, so any run directory loads in one process for sampling and export.
+single-process format, so any run directory loads in one process for sampling and export. Runs with
+tp or pp > 1 keep their model divided: their checkpoints are DCP's (runtime.checkpoint), and the
+data-parallel dimension of the mesh is sharded by FSDP2 (zero2, fsdp) or replicated (ddp) with
+FSDP2's replicate, which compose with DTensor parameters and pipeline stages.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,8 +34,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainwise.config import FSDP_STRATEGIES
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.experimental import implicit_replication
+
+from trainwise.config import FSDP_STRATEGIES, ParallelConfig
 from trainwise.errors import TrainwiseError
+from trainwise.runtime.mesh import Layout, build_mesh, layout_for
 from trainwise.runtime.optim import local_optimizer
 from trainwise.runtime.precision import DTYPES
 
@@ -42,6 +52,25 @@ class Dist:
     world_size: int = 1
     local_rank: int = 0
     control: object = None  # a gloo group for host-side agreement (any_rank), also beside NCCL
+    layout: Layout = field(default_factory=Layout)
+    mesh: DeviceMesh | None = None  # (dp, pp, tp) when tp or pp > 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.coords(self.rank)[0]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.coords(self.rank)[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.coords(self.rank)[2]
+
+    @property
+    def dp_group(self):
+        """The data-parallel process group (the whole world when the model is not divided)."""
+        return self.mesh["dp"].get_group() if self.mesh is not None else dist.group.WORLD
 
     @property
     def is_main(self) -> bool:
@@ -57,17 +86,24 @@ class Dist:
         return self.strategy in FSDP_STRATEGIES
 
 
-def init(strategy: str, device_request: str, timeout_s: float = 120.0) -> Dist:
-    """Join the process group torchrun set up (env WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR...)."""
+def init(parallel: ParallelConfig, device_request: str, timeout_s: float = 120.0) -> Dist:
+    """Join the process group torchrun set up (env WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR...) and, when
+    tp or pp > 1, build the job's DeviceMesh. The layout is checked against the world size first."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    strategy = parallel.strategy
+    layout = layout_for(parallel, world_size)
     if world_size == 1:
         return Dist("none")
-    if strategy == "none":
+    if strategy == "none" and layout.dp > 1:
         raise TrainwiseError(
             f"this process was launched by torchrun as one of {world_size} ranks, but parallel.strategy = "
             "'none'; add --set parallel.strategy=ddp (replicated), parallel.strategy=zero1 (optimizer states "
-            "sharded), parallel.strategy=zero2 (gradients too) or parallel.strategy=fsdp (everything sharded)."
+            "sharded), parallel.strategy=zero2 (gradients too) or parallel.strategy=fsdp (everything sharded)"
+            + (f" for the {layout.dp} data-parallel replicas of tp {layout.tp} x pp {layout.pp}"
+               if layout.model_parallel else "") + "."
         )
+    if layout.model_parallel and layout.dp == 1:
+        strategy = "none"  # one replica: no data-parallel dimension to shard (layout.strategy says so too)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and device_request != "cpu"
     if use_cuda:
@@ -75,7 +111,8 @@ def init(strategy: str, device_request: str, timeout_s: float = 120.0) -> Dist:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    return Dist(strategy, rank, world_size, local_rank, control)
+    mesh = build_mesh(layout, "cuda" if use_cuda else "cpu") if layout.model_parallel else None
+    return Dist(strategy, rank, world_size, local_rank, control, layout, mesh)
 
 
 def device_for(d: Dist, device: torch.device) -> torch.device:
@@ -86,26 +123,37 @@ def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.
     """DDP: replicate and all-reduce gradients. FSDP2: shard every block and the root, gathering weights
     just in time (fsdp frees each block's gathered weights after its forward and gathers them again for
     backward; zero2 keeps them until backward); with bf16/fp16 the mixed-precision policy computes in
-    that dtype and reduces in fp32."""
-    if not d.active:
+    that dtype and reduces in fp32. On a mesh (tp or pp > 1) the same over its dp dimension, ddp as
+    FSDP2's replicate (DDP does not take DTensor parameters)."""
+    if not d.active or d.strategy == "none":
         return model
-    if d.strategy in ("ddp", "zero1"):
+    if d.strategy in ("ddp", "zero1") and d.mesh is None:
         from torch.nn.parallel import DistributedDataParallel
 
         # gradient_as_bucket_view: each .grad is a view into DDP's all-reduce buckets instead of a second
         # copy beside them, so a rank holds N x 4 bytes of gradients, as the planner says (measured:
         # peak RSS -73 / -106 MiB per rank for a 27.8M-parameter model whose fp32 gradients are 106 MiB).
+        # broadcast_buffers=False: the buffers (RoPE tables, MoE choice biases moved by the all-reduced load)
+        # are the same on every rank already; DDP would broadcast them before every forward.
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       gradient_as_bucket_view=True)
+                                       gradient_as_bucket_view=True, broadcast_buffers=False)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy()
     if precision != "fp32":
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    mesh = {} if d.mesh is None else {"mesh": d.mesh["dp"]}
+    if d.strategy == "ddp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for block in model.blocks:
+            replicate(block, mp_policy=policy, **mesh)
+        replicate(model, mp_policy=policy, **mesh)
+        return model
     reshard = d.strategy == "fsdp"
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard, **mesh)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard, **mesh)
     return model
 
 
@@ -117,19 +165,62 @@ def gradient_sync(model: nn.Module, d: Dist, last_micro_batch: bool):
     """Under gradient accumulation, communicate gradients only on the last micro-batch of a step."""
     if not d.active:
         return contextlib.nullcontext()
-    if d.strategy in ("ddp", "zero1"):
-        return contextlib.nullcontext() if last_micro_batch else model.no_sync()
-    model.set_requires_gradient_sync(last_micro_batch)
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (fully_shard, replicate)
+        model.set_requires_gradient_sync(last_micro_batch)
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync") and not last_micro_batch:  # DDP
+        return model.no_sync()
     return contextlib.nullcontext()
 
 
-def mean_across_ranks(value: torch.Tensor, d: Dist) -> torch.Tensor:
-    if d.active:
+def mean_across_ranks(value: torch.Tensor, d: Dist, group=None) -> torch.Tensor:
+    """The mean of `value` over all ranks, or over `group` (e.g. d.dp_group; nothing to do for one rank)."""
+    if d.active and dist.get_world_size(group) > 1:
         value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM)
-        if dist.get_backend() != "nccl":  # gloo has no AVG
-            value /= d.world_size
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG
+        value /= dist.get_world_size(group)
     return value
+
+
+def clip_grad_norm(params: list, max_norm: float, d: Dist) -> torch.Tensor:
+    """Clip the gradients of `params` to total L2 norm `max_norm` over the whole model, and return the norm
+    before clipping (a plain tensor, the same on every rank).
+
+    One process, DDP, ZeRO-1: torch.nn.utils.clip_grad_norm_ (every rank holds every gradient). With
+    DTensor parameters (tensor parallel, FSDP2) or pipeline stages each rank holds a share: gradients
+    still Partial (a replicated weight used on a rank's positions or heads: norms, the router) are
+    all-reduced first, once each (DTensor's redistribute; the optimizer then finds them reduced), then
+    each rank adds up the squares of what it holds that no other rank counts (a shard, or a replicated
+    tensor on coordinate 0 of each mesh dimension it is replicated over) and one all-reduce of that scalar
+    over the world gives the norm of the whole model (torchtitan's clip for pipelines, in one collective)."""
+    divided = d.layout.pp > 1 or any(isinstance(p, DTensor) for p in params)
+    if not d.active or not divided:
+        return local_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    squares = torch.zeros((), dtype=torch.float32, device=next(iter(params)).device)
+    for p in params:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
+        if _counted_here(p, d):
+            squares += _local(p.grad).float().pow(2).sum()
+    dist.all_reduce(squares)
+    norm = squares.sqrt()
+    with implicit_replication():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _counted_here(p: torch.Tensor, d: Dist) -> bool:
+    """Whether this rank's copy of p counts in the model's norm: each element once over the world."""
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        return all(not isinstance(pl, Replicate) or mesh.get_local_rank(i) == 0 for i, pl in enumerate(p.placements))
+    return d.tp_rank == 0 and d.dp_rank == 0  # a plain tensor is whole on every tp and dp rank of its stage
 
 
 def any_rank(flag: bool, d: Dist) -> bool:
@@ -212,9 +303,9 @@ def local_bytes(tensors) -> int:
 def gathered_params_meter(model: nn.Module, d: Dist) -> dict:
     """zero2 keeps the parameters FSDP2 gathered from forward to backward, and they are then the
     module's registered parameters: record their bytes at the end of each training forward
-    ({"bytes": 0} for the other strategies)."""
+    ({"bytes": 0} for the other strategies, and on a mesh, whose per-rank plan counts the shards at rest)."""
     seen = {"bytes": 0}
-    if d.active and d.strategy == "zero2":
+    if d.active and d.strategy == "zero2" and d.mesh is None:
         def record(module, args, output):
             if torch.is_grad_enabled():
                 seen["bytes"] = local_bytes(module.parameters())

@@ -15,6 +15,9 @@ calibration, the roofline, the simulator and the scaling sweep all take their mo
     MoE layers with a choice bias (model.router_bias): move it by the step's expert load (all micro-batches,
         averaged over ranks, so every rank holds the same bias)
 
+With pipeline parallelism (runtime.pipeline) the K micro-batches go through PyTorch's pipeline schedule
+instead of the loop above (the schedule scales gradients by 1/K), and the loss is the pipeline's.
+
 A hook sees the step between its phases ("forward" and "backward" after each micro-batch, "step" after
 the update, before the gradients are freed): memory tracking, operator recording and the trainer's
 per-rank accounting watch the very step that trains.
@@ -22,6 +25,7 @@ per-rank accounting watch the very step that trains.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,12 +33,16 @@ import torch
 from torch import nn
 
 from trainwise.config import ModelConfig, TrainConfig
+from trainwise.errors import TrainwiseError
 from trainwise.model import Transformer
 from trainwise.model.moe import MoE
 from trainwise.runtime import distributed
+from trainwise.runtime.fused import split_fused
 from trainwise.runtime.optim import build_optimizer, step_if_finite
 from trainwise.runtime.parallelize import apply_activation_checkpointing, apply_compile, use_compiled_attention
+from trainwise.runtime.pipeline import Pipeline, RankModel, build_pipeline, split_stages
 from trainwise.runtime.precision import autocast
+from trainwise.runtime.tensor_parallel import apply_tp
 
 Hook = Callable[[str], None]
 
@@ -73,6 +81,7 @@ class TrainingStep:
     compiled: bool = False
     eval_forward: Callable | None = None  # a whole-model compile's eager forward (evaluation calls it)
     scaler: torch.amp.GradScaler | None = None
+    pipeline: Pipeline | None = None  # pipeline parallel: this rank's stages and their schedule
 
     def __post_init__(self) -> None:
         if self.scaler is None:
@@ -84,6 +93,38 @@ class TrainingStep:
                  loss_sum: torch.Tensor | None = None) -> StepResult:
         """One step over `batches` (the K micro-batches). loss_sum: a device tensor each micro-batch's
         loss is added to in place (the trainer's running sum between log rows)."""
+        k = len(batches)
+        if self.pipeline is not None:
+            total = self.pipeline.run(batches)  # forward and backward of all K micro-batches
+            hook("forward")
+            hook("backward")
+            load = self.pipeline.expert_load(self.balanced)
+            if loss_sum is not None:
+                loss_sum += total
+        else:
+            total, load = self._micro_batches(batches, hook, loss_sum)
+        if self.optimizer is None:
+            return StepResult(total / k, None, None)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = distributed.clip_grad_norm(self.params, self.grad_clip or float("inf"), self.dist)
+        skipped = None
+        if self.scaler.is_enabled():  # fp16: the scaler skips a step with inf/NaN and lowers the scale
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif self.on_nonfinite == "stop" and not bool(torch.isfinite(grad_norm)):
+            raise NonFiniteGradient(total / k)
+        else:
+            skipped = step_if_finite(self.optimizer, grad_norm)
+        hook("step")
+        self.optimizer.zero_grad(set_to_none=True)
+        if load is not None:
+            load = distributed.mean_across_ranks(load.float(), self.dist, self.dist.dp_group if self.dist.active else None)
+            for m, layer_load in zip(self.balanced, load):
+                m.balance_expert_bias(layer_load)
+        return StepResult(total / k, grad_norm, skipped)
+
+    def _micro_batches(self, batches, hook: Hook, loss_sum: torch.Tensor | None):
+        """Forward and backward of each micro-batch in turn: (summed loss, summed expert load or None)."""
         k = len(batches)
         total, load = None, None
         for i, (x, y) in enumerate(batches):
@@ -99,25 +140,14 @@ class TrainingStep:
                 loss_sum += loss.detach()
             total = loss.detach() if total is None else total + loss.detach()
             hook("backward")
-        if self.optimizer is None:
-            return StepResult(total / k, None, None)
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = distributed.local_value(
-            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf")))
-        skipped = None
-        if self.scaler.is_enabled():  # fp16: the scaler skips a step with inf/NaN and lowers the scale
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        elif self.on_nonfinite == "stop" and not bool(torch.isfinite(grad_norm)):
-            raise NonFiniteGradient(loss)
-        else:
-            skipped = step_if_finite(self.optimizer, grad_norm)
-        hook("step")
-        self.optimizer.zero_grad(set_to_none=True)
-        if load is not None:
-            for m, layer_load in zip(self.balanced, distributed.mean_across_ranks(load.float(), self.dist)):
-                m.balance_expert_bias(layer_load)
-        return StepResult(total / k, grad_norm, skipped)
+        return total, load
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of one batch, forward only (evaluation): through the pipeline when there is one."""
+        if self.pipeline is not None:
+            return self.pipeline.eval_loss(x, y)
+        forward = self.eval_forward or self.model
+        return forward(x, y)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> Transformer:
@@ -136,8 +166,11 @@ def build_step(model: nn.Module, train: TrainConfig, device: torch.device, preci
     """Make `model` (built by build_model, weights loaded, on `device`) ready to train as `train` says,
     from outside: a compiled CPU step's attention, activation checkpointing, torch.compile (whole model,
     or per block under FSDP2), DDP/FSDP2 for `dist`'s strategy; then its optimizer (ZeRO-1's sharded one
-    under zero1; `optimizer_state` loaded into it) and loss scaler."""
+    under zero1; `optimizer_state` loaded into it) and loss scaler. On a mesh with tp or pp > 1 see
+    _build_divided."""
     dist = dist or distributed.Dist("none")
+    if dist.mesh is not None:
+        return _build_divided(model, train, device, precision, dist, compile, optimizer)
     if compile and device.type == "cpu":
         use_compiled_attention(model)
     if train.activation_checkpointing != "none":
@@ -156,6 +189,44 @@ def build_step(model: nn.Module, train: TrainConfig, device: torch.device, preci
             opt.load_state_dict(optimizer_state)  # copies the state tensors
     return TrainingStep(model, opt, device, precision, train.grad_clip, train.on_nonfinite, dist, compile,
                         eval_forward)
+
+
+def _build_divided(model: nn.Module, train: TrainConfig, device: torch.device, precision: str,
+                   dist: distributed.Dist, compile: bool, optimizer: bool) -> TrainingStep:
+    """The model divided over the mesh, torchtitan's order: fused projections split (runtime.fused); with
+    pp > 1 this rank's pipeline stages cut out (runtime.pipeline); on each part tensor parallelism
+    (runtime.tensor_parallel), activation checkpointing, per-block compile, then the data-parallel
+    dimension (FSDP2 or replicate); then the pipeline schedule and the optimizer over this rank's
+    parameters. The weights are the whole model's, initialised (or loaded) before it was divided."""
+    layout, mesh = dist.layout, dist.mesh
+    split_fused(model)
+    parts, layers = [model], list(range(model.cfg.n_layers))
+    if layout.pp > 1:
+        if precision == "fp16":
+            raise TrainwiseError("train.precision = fp16 with parallel.pp > 1: the loss scaler would have to scale "
+                                 "the loss inside the pipeline schedule, which trainwise does not do; use bf16 "
+                                 "(or fp32).")
+        parts, layers = split_stages(model, layout, dist.pp_rank, seq_shards=layout.tp)
+        for part in parts:
+            part.amp = functools.partial(autocast, device, precision)
+    for part in parts:
+        if layout.tp > 1:
+            apply_tp(part, mesh["tp"])
+        if compile and device.type == "cpu":
+            use_compiled_attention(part)
+        if train.activation_checkpointing != "none":
+            apply_activation_checkpointing(part, train.activation_checkpointing)
+        if compile:
+            apply_compile(part, per_block=True)
+        distributed.wrap(part, dist, device, precision)
+    pipeline = None
+    if layout.pp > 1:
+        pipeline = build_pipeline(parts, layout, dist.pp_rank, mesh["pp"].get_group(), device, train.grad_accum_steps)
+        model = RankModel(model, pipeline.parts, layers)
+    model.train()
+    opt = build_optimizer(model, train) if optimizer else None
+    return TrainingStep(model, opt, device, precision, train.grad_clip, train.on_nonfinite, dist, compile,
+                        pipeline=pipeline)
 
 
 def random_batches(vocab_size: int, micro_batch: int, seq_len: int, grad_accum: int, device: torch.device,

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
@@ -35,6 +36,7 @@ from trainwise.report.html import write_report
 from trainwise.runtime import checkpoint as ckpt
 from trainwise.runtime import distributed
 from trainwise.runtime.allocator import keep_freed_memory
+from trainwise.runtime.comms import CommCounter
 from trainwise.runtime.optim import lr_at
 from trainwise.runtime.parallelize import remove_compile, resolve_compile
 from trainwise.runtime.precision import autocast, resolve_device, resolve_precision
@@ -64,7 +66,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     keep_freed_memory()  # steps reuse the heap instead of faulting in fresh pages (runtime.allocator)
     out = Path(out) if out else rundir.default_run_dir()
     cfg, resume = _resolve_config(cfg, out, resume, max_steps, init_from)
-    d = distributed.init(cfg.parallel.strategy, cfg.train.device)
+    d = distributed.init(cfg.parallel, cfg.train.device)
     relaunch.check_ranks_agree(out, resume, d)
     quiet = quiet or not d.is_main
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
@@ -75,7 +77,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     check_memory(cfg, device, precision, d, say)  # before the model exists and the run directory is made
     run, state = _build(cfg, out, resume, init_state, tokens, device, precision, d)
     run.val_bytes = val_window_bytes(tokenizer, tokens.val, cfg)  # None unless the tokenizer is byte-level
-    reporter = RunReporter(cfg, distributed.unwrap(run.step.model), device, precision, run.step.compiled, say)
+    reporter = RunReporter(cfg, distributed.unwrap(run.step.model), device, precision, run.step.compiled, say,
+                           dp=d.layout.dp)
     step, tokens_seen = _restore_or_create(run, state, reporter, out, resume, tokenizer, say)
     _say_setup(run, tokens, why, say)
     progress = _Progress(step, tokens_seen)
@@ -154,9 +157,15 @@ def nonfinite_diagnostic(model: torch.nn.Module, step: int, loss: torch.Tensor) 
             "on, or use train.precision=fp32; set train.on_nonfinite=skip to skip such steps instead.")
 
 
+def _numbered_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(layer index, block) of the model, or of a pipeline rank's share (RankModel: indices as names)."""
+    blocks = model.blocks
+    return list(blocks.items()) if isinstance(blocks, torch.nn.ModuleDict) else [(str(i), b) for i, b in enumerate(blocks)]
+
+
 def expert_counts(model: torch.nn.Module) -> dict[str, list[int]]:
     """Tokens each MoE layer routed to each expert in the last forward, by layer index."""
-    return {str(i): block.mlp.last_expert_counts.tolist() for i, block in enumerate(model.blocks)
+    return {i: block.mlp.last_expert_counts.tolist() for i, block in _numbered_blocks(model)
             if getattr(block.mlp, "last_expert_counts", None) is not None}
 
 
@@ -182,6 +191,7 @@ class _Run:
     val_bytes: tuple[int, int] | None = None  # (targets, UTF-8 bytes) of the validation batches, for val_bpb
     peak_meter: StepPeakMeter | None = None  # while the measured (last) step runs
     step_peak_bytes: int | None = None  # peak allocated bytes of the last step, as it really ran (verify.json)
+    step_comm: dict | None = None  # what this rank sent in the last step, per collective (runtime.comms)
 
 
 @dataclass
@@ -217,7 +227,7 @@ def _evaluate(run: _Run, tokens: np.ndarray) -> float:
     """evaluate() of the run's model as it trains, through the eager forward of a compiled one (a second
     compiled graph for no_grad would cost more than it saves)."""
     ts = run.step
-    return evaluate(ts.model, tokens, run.cfg, ts.device, ts.precision, ts.eval_forward)
+    return evaluate(ts.model, tokens, run.cfg, ts.device, ts.precision, ts.loss)
 
 
 def _prepare_inputs(cfg: RunConfig, out: Path, resume: bool, init_from: str | None, d: distributed.Dist, say):
@@ -258,8 +268,10 @@ def _build(cfg: RunConfig, out: Path, resume: bool, init_state: dict | None, tok
     model = build_model(cfg.model)
     if init_state is not None:
         load_into(model, init_state)
-    state = None
-    if resume and (latest := rundir.latest_checkpoint(out)) is not None:
+    state, latest = None, rundir.latest_checkpoint(out) if resume else None
+    if latest is not None and ckpt.is_sharded(latest):
+        state = ckpt.read_trainer_state(latest)  # weights and optimizer go into the divided model below
+    elif latest is not None:
         state = ckpt.load_checkpoint(latest, model)  # full weights on every rank, before sharding
     model.to(device)
     if d.rank:
@@ -268,8 +280,11 @@ def _build(cfg: RunConfig, out: Path, resume: bool, init_state: dict | None, tok
     compiled, why_compile = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps - start_step,
                                             d.strategy)
     step = build_step(model, cfg.train, device, precision, dist=d, compile=compiled)
+    if state is not None and state.optimizer_state is None:
+        ckpt.load_sharded(latest, step.model, step.optimizer)
+    # tensor- and pipeline-parallel ranks of one replica read the same batches
     sampler = BatchSampler(tokens.train, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.train.seed,
-                           rank=d.rank, world_size=d.world_size)
+                           rank=d.dp_rank, world_size=d.layout.dp)
     run = _Run(cfg, d, step, sampler, why_compile, gathered=distributed.gathered_params_meter(step.model, d),
                loss_sum=torch.zeros((), device=device), skipped=torch.zeros((), device=device))
     return run, state
@@ -282,7 +297,8 @@ def _restore_or_create(run: _Run, state: ckpt.Checkpoint | None, reporter: RunRe
     d, step, tokens_seen = run.d, 0, 0
     if resume:
         if state is not None:
-            distributed.load_full_state(run.step.model, run.step.optimizer, state.optimizer_state, d)
+            if state.optimizer_state is not None:  # a divided model's states were loaded with its weights
+                distributed.load_full_state(run.step.model, run.step.optimizer, state.optimizer_state, d)
             t = state.trainer_state
             step, tokens_seen = t["step"], t["tokens"]
             run.sampler.load_state_dict(t["sampler"])
@@ -304,13 +320,15 @@ def _restore_or_create(run: _Run, state: ckpt.Checkpoint | None, reporter: RunRe
 def _say_setup(run: _Run, tokens, why_precision: str, say) -> None:
     """The run's settings as it starts: precision, compile, device, data and the effective batch."""
     cfg, d, step = run.cfg, run.d, run.step
-    tokens_per_step = cfg.train.tokens_per_step * d.world_size
+    tokens_per_step = cfg.train.tokens_per_step * d.layout.dp
     say(f"precision: {step.precision} ({why_precision}); compile: {'on' if step.compiled else 'off'} "
         f"({run.why_compile}" + ("; the first step compiles, tens of seconds" if step.compiled else "")
-        + f"); device: {step.device}" + (f"; {d.strategy} over {d.world_size} ranks" if d.active else ""))
+        + f"); device: {step.device}" + (f"; {d.strategy} over {d.world_size} ranks" if d.active and d.mesh is None
+                                         else f"; {d.world_size} ranks: {d.layout.describe()}, data parallel "
+                                              f"{d.strategy}" if d.active else ""))
     say(f"data: {len(tokens.train):,} train / {len(tokens.val):,} val tokens; "
         f"B_eff = micro_batch {cfg.train.micro_batch} x grad_accum {cfg.train.grad_accum_steps}"
-        + (f" x world_size {d.world_size}" if d.active else "")
+        + (f" x data parallel {d.layout.dp}" if d.active else "")
         + f" = {tokens_per_step // cfg.train.seq_len} sequences of {cfg.train.seq_len} tokens "
         f"= {tokens_per_step:,} tokens per step")
     for line in data_mod.summary_lines(tokens):
@@ -322,7 +340,7 @@ def _train_steps(run: _Run, progress: _Progress, reporter: RunReporter, log: Run
     """Optimizer steps until max_steps (or a stop request): logging, evaluating and checkpointing at
     their intervals. The last step runs under the peak meter (verify.json's peak: the step as it runs)."""
     t, d, device = run.cfg.train, run.d, run.step.device
-    tokens_per_step = t.tokens_per_step * d.world_size
+    tokens_per_step = t.tokens_per_step * d.layout.dp
     bar = tqdm(total=t.max_steps, initial=progress.step, disable=quiet, unit="step", dynamic_ncols=True,
                file=sys.stderr)
     best = rundir.best_checkpoint(out)
@@ -390,12 +408,16 @@ def _optimizer_step(run: _Run, step: int) -> tuple[float, torch.Tensor]:
         if run.peak_meter is not None:  # DDP's buckets: resident all along, reachable only through the grads
             run.peak_meter.resident(p.grad for p in ts.params)
 
+    counter = CommCounter() if run.d.active and step + 1 == cfg.max_steps else None  # the per-rank check's
     try:
-        result = ts(batches, after_update, loss_sum=run.loss_sum)
+        with counter or contextlib.nullcontext():
+            result = ts(batches, after_update, loss_sum=run.loss_sum)
     except NonFiniteGradient as err:
         raise TrainwiseError(nonfinite_diagnostic(ts.model, step + 1, err.loss)) from None
     if result.skipped is not None:
         run.skipped += result.skipped
+    if counter is not None:
+        run.step_comm = counter.result()
     return lr, result.grad_norm
 
 
@@ -412,25 +434,39 @@ def _log_row(run: _Run, reporter: RunReporter, step: int, tokens_seen: int, lr: 
     if skipped_steps := int(run.skipped.item()):
         row["skipped_steps"] = skipped_steps
     model = distributed.unwrap(run.step.model)
-    if experts := expert_counts(model):
-        row["expert_tokens"] = experts
+    experts = expert_counts(model)
+    dropped = {i: b.mlp.last_dropped for i, b in _numbered_blocks(model) if i in experts}
+    if run.d.layout.pp > 1:  # each pipeline rank routes its own layers: the row holds them all
+        experts = {i: c for part in distributed.gather_objects(experts, run.d) for i, c in part.items()}
+        dropped = {i: c for part in distributed.gather_objects(dropped, run.d) for i, c in part.items()}
+    if experts:
+        row["expert_tokens"] = dict(sorted(experts.items(), key=lambda kv: int(kv[0])))
         if not run.cfg.model.dropless:  # token-expert assignments over capacity, last forward
-            row["expert_dropped"] = {i: b.mlp.last_dropped for i, b in enumerate(model.blocks) if str(i) in experts}
+            row["expert_dropped"] = dropped
     run.loss_sum.zero_()
     return row
 
 
 def _save(run: _Run, out: Path, step: int, tokens_seen: int) -> None:
-    """A checkpoint of this step, gathered to rank 0 (a collective: every rank calls it)."""
+    """A checkpoint of this step (a collective: every rank calls it): gathered to rank 0 in the
+    single-process format, or, for a divided model (tp or pp > 1), each rank's shards with DCP."""
     d, ts = run.d, run.step
-    model_state, optimizer_state = distributed.full_state(ts.model, ts.optimizer)
+    sharded = d.mesh is not None
+    model_state, optimizer_state = (None, None) if sharded else distributed.full_state(ts.model, ts.optimizer)
     rng_tensors, rng_plain = zip(*distributed.gather_objects(ckpt.capture_rng(), d))
+    trainer_state = rng_state = None
     if d.is_main:
         trainer_state = {"step": step, "tokens": tokens_seen, "sampler": run.sampler.state_dict(),
                          "scaler": ts.scaler.state_dict() if ts.scaler.is_enabled() else None,
                          "rng": list(rng_plain), "world_size": d.world_size}
-        ckpt.save_checkpoint(out, step, model_state, optimizer_state, trainer_state,
-                             {"ranks": list(rng_tensors)}, run.cfg.train.keep_checkpoints)
+        rng_state = {"ranks": list(rng_tensors)}
+    if sharded:
+        ckpt.save_sharded(out, step, ts.model, ts.optimizer, trainer_state, rng_state, run.cfg.train.keep_checkpoints,
+                          lambda: distributed.barrier(d))
+        return
+    if d.is_main:
+        ckpt.save_checkpoint(out, step, model_state, optimizer_state, trainer_state, rng_state,
+                             run.cfg.train.keep_checkpoints)
     distributed.barrier(d)
 
 
@@ -444,6 +480,7 @@ def _finish(run: _Run, reporter: RunReporter, out: Path, tokenizer: Tokenizer, t
         measured = distributed.rank_state_bytes(run.step.params, run.step.optimizer, run.last_grad_bytes,
                                                 run.gathered["bytes"])
         measured["peak_memory_bytes"] = run.step_peak_bytes
+        measured["comm"] = run.step_comm
         per_rank = per_rank_verify(cfg, distributed.gather_objects(measured, d), d)
         distributed.shutdown(d)
         if not d.is_main:

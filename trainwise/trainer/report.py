@@ -40,7 +40,7 @@ PROBE_MIN_RUN_S = 30.0
 
 class RunReporter:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, device: torch.device, precision: str, compiled: bool,
-                 say):
+                 say, dp: int | None = None):
         self.cfg, self.device, self.precision, self.say = cfg, device, precision, say
         t = cfg.train
         self.counts = count_params(cfg.model)
@@ -51,8 +51,12 @@ class RunReporter:
         self.peak_flops, self.peak_source = hw.peak_flops, hw.peak_source
         self.compiled = compiled  # how the step runs, for the step-time model: compiled, and on how many ranks
         self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        # the plan is the data-parallel one (tokens per step = dp replicas' batches); a tensor- or pipeline-
+        # parallel replica's per-rank shares are trainwise.cost.rank's (verify.json's per_rank)
+        self.dp = dp or self.world_size
         self.probe = self._probe()  # the machine's speed now against its calibration (about a second)
-        built = sum(p.numel() for p in model.parameters())
+        # a divided model's rank holds some of it (pipeline stages): the planner's count of the whole
+        built = sum(p.numel() for p in model.parameters()) if self.dp == self.world_size else self.counts.total
         say(f"model {cfg.model.name}: {built:,} parameters ({self.counts.active:,} active per token), "
             f"{cfg.model.n_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}")
         say(f"compute: {self.model_flops_per_token:,.0f} model FLOPs per token (fwd+bwd, exact, attention "
@@ -71,7 +75,7 @@ class RunReporter:
 
     def plan(self) -> Plan:
         return plan_for_run(self.cfg, precision=self.precision, peak_flops=self.peak_flops, device=self.device.type,
-                            compiled=self.compiled, world_size=self.world_size)
+                            compiled=self.compiled, world_size=self.dp)
 
     def plan_json(self) -> dict:
         """plan.json: the plan, and under time.probe the step predicted for the machine as probed."""
@@ -138,7 +142,8 @@ class RunReporter:
         device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else f"{self.device.type}")
         result = build_verify(self.cfg, self.plan(), measured, step_time, device, self.peak_source, self.probe)
         result["run"] = {"precision": self.precision, "peak_flops": self.peak_flops, "peak_source": self.peak_source,
-                         "step": step, "tokens": tokens_seen, "compiled": self.compiled, "world_size": self.world_size}
+                         "step": step, "tokens": tokens_seen, "compiled": self.compiled, "world_size": self.world_size,
+                         "dp": self.dp}
         if step_time and step_time * step >= PROBE_MIN_RUN_S and (speed := self.machine_speed()) is not None:
             result["machine_speed"] = speed
         (out / rundir.VERIFY).write_text(json.dumps(result, indent=1), encoding="utf-8")

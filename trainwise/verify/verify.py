@@ -219,7 +219,7 @@ def verify_run(run_dir: str | Path) -> dict:
     plan = plan_for_run(cfg, precision=info.get("precision", "fp32"), peak_flops=info["peak_flops"],
                         device="cpu" if old["device"] == "cpu" else "cuda" if torch.cuda.is_available() else None,
                         compiled=info.get("compiled", False),
-                        world_size=info.get("world_size", 1))
+                        world_size=info.get("dp", info.get("world_size", 1)))
     measured = {"flops_per_step": old["flops_per_step"]["measured"],
                 "peak_memory_bytes": old["peak_memory_bytes"]["measured"],
                 "memory_bytes": {k: e["measured"] for k, e in old["memory_bytes"].items()},

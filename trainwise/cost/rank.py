@@ -1,0 +1,523 @@
+"""Per rank of a torchrun job: what trainwise's own tensor-, pipeline- and data-parallel runs hold and send.
+
+The planner's multi-GPU model (cost.memory, cost.comm) describes layouts in general; this module
+describes, parameter by parameter and collective by collective, the layouts trainwise trains
+(trainwise.runtime.mesh, fused, tensor_parallel, pipeline, distributed), so that verify can hold each
+rank of a run to its prediction:
+
+    parameters      the model in split form (runtime.fused: q, k, v and gate, up as separate matrices),
+                    each with the dimension tensor parallelism shards (Megatron-LM's column/row split) or
+                    none (replicated: norms, the MoE router); a pipeline rank holds its stages' layers,
+                    the embedding on stage 0, the final norm and LM head on the last; FSDP2 then shards
+                    dim 0 of each rank's tensor over dp (torch.chunk's split)
+    communication   per step: tensor parallelism's all-gathers and reduce-scatters of the sequence,
+                    pipeline sends and receives of activations and gradients, FSDP2's all-gathers and
+                    reduce-scatters (or replicate's all-reduces), and the few small all-reduces of the
+                    step (partial gradients of replicated weights, the gradient norm, the loss)
+    memory          parameters, gradients and optimizer states from the above; activations of the
+                    micro-batches in flight on the rank (cost.memory's bytes per token, divided by tp
+                    where sequence or heads are split), and the step's high points (cost.memory.peak_bytes)
+
+Pure functions of the config and the layout; the run's per-rank check is trainwise.verify.per_rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from trainwise.config import ModelConfig
+from trainwise.cost import memory as M
+from trainwise.cost.comm import DDP_BUCKET_BYTES
+
+DDP_FIRST_BUCKET_BYTES = 2**20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def bytes_sent(kind: str, nbytes: int, world: int) -> int:
+    """Bytes one rank sends in one collective over `world` ranks, as the ring algorithms move them (Thakur
+    et al. 2005; cost.comm.ring_seconds):
+
+        all_reduce      of an n-byte buffer          2 (w - 1) n / w   (reduce-scatter + all-gather)
+        all_gather      of the rank's n-byte input   (w - 1) n          (its shard to every other rank)
+        reduce_scatter  to the rank's n-byte output  (w - 1) n
+        all_to_all      of an n-byte input           (w - 1) n / w      (what leaves the rank, even splits)
+        broadcast       of an n-byte buffer          (w - 1) n / w
+        send            an n-byte tensor             n;  recv: 0
+
+    Fractions are rounded down to whole bytes. One rank (w = 1) sends nothing."""
+    if kind == "send":
+        return nbytes
+    if kind == "recv" or world <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (world - 1) * nbytes // world
+    if kind in ("all_gather", "reduce_scatter"):
+        return (world - 1) * nbytes
+    if kind in ("all_to_all", "broadcast"):
+        return (world - 1) * nbytes // world
+    raise ValueError(f"unknown collective '{kind}'")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks of a job divide one training step: world size = dp x pp x tp, rank =
+    (dp_rank x pp + pp_rank) x tp + tp_rank (tp innermost); `strategy` shards the dp dimension."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    vpp: int = 1
+    schedule: str = "1f1b"
+    strategy: str = "none"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.vpp
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.tp > 1 or self.pp > 1
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of a global rank."""
+        return rank // (self.pp * self.tp), rank // self.tp % self.pp, rank % self.tp
+
+    def describe(self) -> str:
+        parts = [f"dp {self.dp}"]
+        if self.pp > 1:
+            parts.append(f"pp {self.pp} ({self.schedule}" + (f", {self.vpp} stages per rank" if self.vpp > 1 else "")
+                         + ")")
+        if self.tp > 1:
+            parts.append(f"tp {self.tp} (sequence parallel)")
+        return " x ".join(parts)
+
+
+def stage_layers(n_layers: int, stages: int, stage: int) -> range:
+    """The layers of pipeline stage `stage` of `stages`: contiguous, as even as the division allows."""
+    return range(stage * n_layers // stages, (stage + 1) * n_layers // stages)
+
+
+def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
+    """Stages of pipeline rank `pp_rank`: pp_rank, pp_rank + pp, ... (the interleaved schedule's loop)."""
+    return [pp_rank + i * layout.pp for i in range(layout.vpp)]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of the model in split form, as tensor parallelism places it."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None  # the dimension tp shards; None: whole on every tp rank
+    partial: bool  # replicated, but each tp rank's gradient is a partial sum (all-reduced once per step)
+    where: str | int  # "first" (stage 0), "last" (last stage), or the layer index
+    unit: str | int  # the FSDP2 / replicate unit: "root" or the layer index
+
+
+def _linear(prefix: str, out: int, inp: int, bias: bool, tp_dim: int | None, where, split_out: bool = True) -> list:
+    """A Linear's weight (out, inp) and bias (out,): column-parallel (tp_dim 0: bias sharded too) or
+    row-parallel (tp_dim 1: bias whole, added once, its gradient whole)."""
+    specs = [ParamSpec(f"{prefix}.weight", (out, inp), tp_dim, False, where, where)]
+    if bias:
+        specs.append(ParamSpec(f"{prefix}.bias", (out,), 0 if tp_dim == 0 else None, False, where, where))
+    return specs
+
+
+def _norm(prefix: str, cfg: ModelConfig, width: int, where, unit) -> list:
+    specs = [ParamSpec(f"{prefix}.weight", (width,), None, True, where, unit)]
+    if cfg.norm == "layernorm" and cfg.bias:
+        specs.append(ParamSpec(f"{prefix}.bias", (width,), None, True, where, unit))
+    return specs
+
+
+def _mlp(prefix: str, cfg: ModelConfig, width: int, i: int) -> list:
+    H = cfg.d_model
+    fc = ["gate", "up"] if cfg.gated else [None]
+    specs = []
+    for part in fc:
+        specs += _linear(f"{prefix}.fc" + (f".{part}" if part else ""), width, H, cfg.bias, 0, i)
+    return specs + _linear(f"{prefix}.proj", H, width, cfg.bias, 1, i)
+
+
+def _attention(cfg: ModelConfig, i: int) -> list:
+    p, H, hd = f"blocks.{i}.attn", cfg.d_model, cfg.head_dim
+    if cfg.attention == "mla":  # not tensor parallel (config.run.check_layout): shapes for pp and FSDP
+        qk, nh = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.n_heads
+        specs = []
+        if cfg.q_lora_rank:
+            specs += _linear(f"{p}.q_down", cfg.q_lora_rank, H, cfg.bias, None, i)
+            specs.append(ParamSpec(f"{p}.q_norm.weight", (cfg.q_lora_rank,), None, False, i, i))
+            specs += _linear(f"{p}.q_up", nh * qk, cfg.q_lora_rank, False, None, i)
+        else:
+            specs += _linear(f"{p}.q_proj", nh * qk, H, False, None, i)
+        specs += _linear(f"{p}.kv_down", cfg.kv_lora_rank + cfg.qk_rope_head_dim, H, cfg.bias, None, i)
+        specs.append(ParamSpec(f"{p}.kv_norm.weight", (cfg.kv_lora_rank,), None, False, i, i))
+        specs += _linear(f"{p}.kv_up", nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, False, None, i)
+        return specs + _linear(f"{p}.out", H, nh * cfg.v_head_dim, cfg.bias, None, i)
+    qkv_bias = cfg.bias or cfg.qkv_bias
+    specs = []
+    for part, heads in (("q", cfg.n_heads), ("k", cfg.n_kv_heads), ("v", cfg.n_kv_heads)):
+        specs += _linear(f"{p}.qkv.{part}", heads * hd, H, qkv_bias, 0, i)
+    if cfg.qk_norm:
+        specs += [ParamSpec(f"{p}.{n}.weight", (hd,), None, True, i, i) for n in ("q_norm", "k_norm")]
+    return specs + _linear(f"{p}.out", H, cfg.n_heads * hd, cfg.bias, 1, i)
+
+
+def _moe(cfg: ModelConfig, i: int) -> list:
+    p, H, E, F = f"blocks.{i}.mlp", cfg.d_model, cfg.n_experts, cfg.expert_ffn_hidden
+    specs = [ParamSpec(f"{p}.router.weight", (E, H), None, True, i, i)]
+    for part in (["experts_fc.gate", "experts_fc.up"] if cfg.gated else ["experts_fc"]):
+        specs.append(ParamSpec(f"{p}.{part}.weight", (E, H, F), 2, False, i, i))
+        if cfg.bias:
+            specs.append(ParamSpec(f"{p}.{part}.bias", (E, F), 1, False, i, i))
+    specs.append(ParamSpec(f"{p}.experts_proj.weight", (E, F, H), 1, False, i, i))
+    if cfg.bias:
+        specs.append(ParamSpec(f"{p}.experts_proj.bias", (E, H), None, True, i, i))
+    if cfg.n_shared_experts:
+        shared = _mlp(f"{p}.shared", cfg, cfg.n_shared_experts * F, i)
+        specs += [replace(s, partial=True) if s.name.endswith("proj.bias") else s for s in shared]
+    return specs
+
+
+def model_params(cfg: ModelConfig) -> list[ParamSpec]:
+    """Every trainable parameter of the model trainwise builds, in split form (tied weights once), in
+    the order the model registers them."""
+    H = cfg.d_model
+    specs = [ParamSpec("embed.weight", (cfg.vocab_size, H), 0, False, "first", "root")]
+    if cfg.position == "learned":
+        specs.append(ParamSpec("pos_embed.weight", (cfg.max_seq_len, H), 0, False, "first", "root"))
+    for i in range(cfg.n_layers):
+        specs += _norm(f"blocks.{i}.norm1", cfg, H, i, i) + _attention(cfg, i) + _norm(f"blocks.{i}.norm2", cfg, H, i, i)
+        specs += _moe(cfg, i) if cfg.is_moe_layer(i) else _mlp(f"blocks.{i}.mlp", cfg, cfg.ffn_hidden, i)
+    specs += _norm("norm", cfg, H, "last", "root")
+    if not cfg.tie_embeddings:
+        specs.append(ParamSpec("lm_head.weight", (cfg.vocab_size, H), 0, False, "last", "root"))
+    return specs
+
+
+def chunk(n: int, parts: int, index: int) -> int:
+    """Size of piece `index` when n is cut into `parts` as torch.chunk cuts it: pieces of ceil(n / parts),
+    the last ones smaller or empty (DTensor's and FSDP2's sharding)."""
+    size = -(-n // parts)
+    return max(0, min(size, n - index * size))
+
+
+def on_rank(spec: ParamSpec, cfg: ModelConfig, layout: Layout, pp_rank: int) -> bool:
+    """Whether the pipeline rank holds the parameter (every parameter when pp = 1)."""
+    if layout.pp == 1:
+        return True
+    stages = rank_stages(layout, pp_rank)
+    if spec.where == "first":
+        return 0 in stages
+    if spec.where == "last":
+        return layout.stages - 1 in stages
+    return any(spec.where in stage_layers(cfg.n_layers, layout.stages, s) for s in stages)
+
+
+def tp_shape(spec: ParamSpec, tp: int, tp_rank: int) -> tuple[int, ...]:
+    shape = list(spec.shape)
+    if spec.tp_dim is not None and tp > 1:
+        shape[spec.tp_dim] = chunk(shape[spec.tp_dim], tp, tp_rank)
+    return tuple(shape)
+
+
+def _fsdp(layout: Layout) -> bool:
+    return layout.dp > 1 and layout.strategy in ("zero2", "fsdp")
+
+
+@dataclass(frozen=True)
+class RankParam:
+    spec: ParamSpec
+    numel: int  # elements this rank holds (its tp shard, then its dp shard under FSDP2)
+    tp_numel: int  # elements of its tp shard (what FSDP2 gathers, what replicate all-reduces)
+    padded_numel: int  # its FSDP2 shard padded to the dp split (what one all-gather sends per rank)
+
+
+def rank_params(cfg: ModelConfig, layout: Layout, rank: int) -> list[RankParam]:
+    """The parameters `rank` holds, with their local sizes."""
+    dp_rank, pp_rank, tp_rank = layout.coords(rank)
+    out = []
+    for spec in model_params(cfg):
+        if not on_rank(spec, cfg, layout, pp_rank):
+            continue
+        shape = tp_shape(spec, layout.tp, tp_rank)
+        tp_numel = math.prod(shape)
+        numel = padded = tp_numel
+        if _fsdp(layout):
+            rest = tp_numel // shape[0] if shape[0] else 0
+            numel = chunk(shape[0], layout.dp, dp_rank) * rest
+            padded = -(-shape[0] // layout.dp) * rest
+        out.append(RankParam(spec, numel, tp_numel, padded))
+    return out
+
+
+def rank_state_bytes(cfg: ModelConfig, layout: Layout, rank: int, moments: int) -> dict[str, int]:
+    """{"params", "grads", "optimizer"} bytes `rank` holds: fp32 parameters and gradients of its shards
+    (a partial gradient is whole on each rank), `moments` fp32 optimizer moments per element (AdamW 2)."""
+    n = sum(p.numel for p in rank_params(cfg, layout, rank))
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 4 * moments * n}
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one optimizer step of the run processes, and in which dtypes (bytes per element)."""
+
+    micro_batch: int
+    seq_len: int
+    grad_accum: int  # K micro-batches per step
+    compute_bytes: int  # matmul outputs (2 under bf16/fp16 autocast)
+    residual_bytes: int  # the residual stream and norm outputs (4; FSDP2's bf16 policy: 2)
+    param_bytes: int = 4  # parameters as FSDP2 gathers them (its mixed-precision param_dtype)
+
+
+def _add(out: dict, kind: str, calls: int, nbytes: int, world: int) -> None:
+    """Record `calls` collectives of `kind`, each of an nbytes tensor (bytes_sent's n) over world ranks."""
+    if calls <= 0 or world <= 1:
+        return
+    entry = out.setdefault(kind, {"calls": 0, "bytes": 0})
+    entry["calls"] += calls
+    entry["bytes"] += calls * bytes_sent(kind, nbytes, world)
+
+
+def _p2p(out: dict, sends: int, receives: int, nbytes: int) -> None:
+    entry = out.setdefault("send_recv", {"calls": 0, "bytes": 0})
+    entry["calls"] += sends + receives
+    entry["bytes"] += sends * bytes_sent("send", nbytes, 2)
+
+
+def _tp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[int], shape: StepShape) -> None:
+    """Tensor parallelism's collectives of one micro-batch on a rank holding `stages` (runtime.tensor_parallel):
+    each block all-gathers its attention and MLP inputs (residual dtype) and reduce-scatters their outputs
+    (compute dtype), backward the same swapped; the embedding reduce-scatters its output (backward: an
+    all-gather); the head all-gathers its input and the logits (backward: a reduce-scatter of its input's
+    gradient; the logits' gradient is cut locally)."""
+    tp = layout.tp
+    tokens = shape.micro_batch * shape.seq_len // tp  # the rank's positions
+    s, c, H = shape.residual_bytes, shape.compute_bytes, cfg.d_model
+    blocks = sum(len(stage_layers(cfg.n_layers, layout.stages, st)) for st in stages)
+    _add(out, "all_gather", 2 * blocks, tokens * H * s, tp)
+    _add(out, "reduce_scatter", 2 * blocks, tokens * H * c, tp)
+    _add(out, "reduce_scatter", 2 * blocks, tokens * H * s, tp)
+    _add(out, "all_gather", 2 * blocks, tokens * H * c, tp)
+    if 0 in stages:
+        _add(out, "reduce_scatter", 1, tokens * H * s, tp)
+        _add(out, "all_gather", 1, tokens * H * s, tp)
+        if cfg.position == "learned":
+            _add(out, "reduce_scatter", 1, shape.seq_len // tp * H * s, tp)
+            _add(out, "all_gather", 1, shape.seq_len // tp * H * s, tp)
+    if layout.stages - 1 in stages:
+        _add(out, "all_gather", 1, tokens * H * s, tp)
+        _add(out, "all_gather", 1, shape.micro_batch * shape.seq_len * -(-cfg.vocab_size // tp) * c, tp)
+        _add(out, "reduce_scatter", 1, tokens * H * s, tp)
+
+
+def _pp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[int], shape: StepShape) -> None:
+    """A micro-batch's pipeline transfers (runtime.pipeline): each stage but the last sends its output
+    (the rank's T/tp positions, residual dtype) and receives its gradient; each but the first receives
+    its input and sends the input's gradient. send_recv counts both directions' calls, the sends' bytes."""
+    act = shape.micro_batch * shape.seq_len // layout.tp * cfg.d_model * shape.residual_bytes
+    for st in stages:
+        links = (st < layout.stages - 1) + (st > 0)  # each link: one send and one receive
+        _p2p(out, links, links, act)
+
+
+def _units(cfg: ModelConfig, layout: Layout, rank: int) -> dict:
+    """The FSDP2 / replicate units `rank` holds ({unit: [RankParam]}): each block, and each stage module's
+    own parameters (embedding; final norm and head)."""
+    units: dict = {}
+    for p in rank_params(cfg, layout, rank):
+        key = p.spec.unit if p.spec.unit != "root" else f"root-{p.spec.where}" if layout.pp > 1 else "root"
+        units.setdefault(key, []).append(p)
+    return units
+
+
+def _ddp_buckets(grad_bytes: list[int]) -> list[int]:
+    """DDP's gradient buckets (bytes): parameters in reverse order, a bucket closed once it reaches its
+    cap (1 MiB for the first, 25 MiB after: torch's compute_bucket_assignment_by_size)."""
+    buckets, current, cap = [], 0, DDP_FIRST_BUCKET_BYTES
+    for n in reversed(grad_bytes):
+        current += n
+        if current >= cap:
+            buckets.append(current)
+            current, cap = 0, DDP_BUCKET_BYTES
+    return buckets + ([current] if current else [])
+
+
+def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> None:
+    """The dp dimension's collectives of one step (runtime.distributed.wrap): FSDP2 all-gathers each
+    unit's shards (fsdp: before forward and again before backward, per micro-batch; zero2: once per
+    micro-batch) and reduce-scatters its fp32 gradients on the last micro-batch; replicate all-reduces
+    each unit's gradients once; DDP all-reduces its buckets once."""
+    dp, K = layout.dp, shape.grad_accum
+    if dp <= 1 or layout.strategy == "none":
+        return
+    units = _units(cfg, layout, rank)
+    if layout.strategy in ("zero2", "fsdp"):
+        gathers = K * (2 if layout.strategy == "fsdp" else 1)
+        for params in units.values():
+            padded = sum(p.padded_numel for p in params)
+            _add(out, "all_gather", gathers, padded * shape.param_bytes, dp)
+            _add(out, "reduce_scatter", 1, padded * 4, dp)
+    elif layout.model_parallel:  # ddp on a mesh: FSDP2's replicate
+        for params in units.values():
+            _add(out, "all_reduce", 1, sum(p.tp_numel for p in params) * 4, dp)
+    else:  # DDP (ddp, zero1)
+        for bucket in _ddp_buckets([4 * p.tp_numel for p in rank_params(cfg, layout, rank)]):
+            _add(out, "all_reduce", 1, bucket, dp)
+
+
+def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> dict[str, dict[str, int]]:
+    """What `rank` sends in one training step, per collective type: {"all_gather": {"calls", "bytes"}, ...}
+    (bytes as bytes_sent counts them). The sum of the tensor-parallel, pipeline and data-parallel
+    collectives above and the step's small all-reduces:
+      partial gradients   one all-reduce per replicated weight with a partial gradient (norms, q/k norms,
+                          the MoE router and row-parallel MoE biases) when tp > 1, fp32, over tp;
+      gradient norm       one fp32 scalar over the world when the model is divided (DTensor or stages);
+      loss                one fp32 scalar over pp (the pipeline's losses, summed to every stage);
+      MoE load            one all-reduce of the choice-biased layers' expert loads (fp32, E each) over dp."""
+    out: dict = {}
+    dp_rank, pp_rank, tp_rank = layout.coords(rank)
+    stages = rank_stages(layout, pp_rank) if layout.pp > 1 else [0]
+    for _ in range(shape.grad_accum):
+        if layout.tp > 1:
+            _tp_micro_batch(out, cfg, layout, stages, shape)
+        if layout.pp > 1:
+            _pp_micro_batch(out, cfg, layout, stages, shape)
+    _data_parallel(out, cfg, layout, rank, shape)
+    params = rank_params(cfg, layout, rank)
+    if layout.tp > 1:
+        for p in params:
+            if p.spec.partial:
+                _add(out, "all_reduce", 1, 4 * p.tp_numel, layout.tp)
+    if layout.model_parallel or _fsdp(layout):  # DTensor parameters or pipeline stages: runtime.distributed
+        _add(out, "all_reduce", 1, 4, layout.world_size)  # .clip_grad_norm's one scalar
+    if layout.pp > 1:
+        _add(out, "all_reduce", 1, 4, layout.pp)
+    biased = [p for p in params if p.spec.name.endswith("router.weight")] if cfg.router_bias else []
+    if biased:
+        _add(out, "all_reduce", 1, 4 * cfg.n_experts * len(biased), layout.dp)
+    return {kind: out[kind] for kind in sorted(out)}
+
+
+def tp_bytes_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int, tp: int, checkpointing: str = "none") -> float:
+    """Bytes one of tp ranks saves for backward per token of the sequence in one block (Korthikanti et al.
+    2022 with sequence parallelism, as trainwise runs it): what cost.memory.activation_bytes_per_token_layer
+    counts, divided by tp (the norms and dropout masks on the rank's T/tp positions; q, k, v, attention and
+    the MLP width on its heads and its F/tp), except what every rank holds for all T positions: the
+    all-gathered inputs of the column-parallel projections (attention's and the MLP's, cH each), and in a
+    MoE layer the router, the routing and the dispatch buffers (every rank routes every token), and the
+    shared experts' input cast. Full checkpointing keeps each block's input: sH / tp."""
+    c, s, H = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model
+    if checkpointing == "full":
+        return s * H / tp
+    whole = M.activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing)
+    if tp == 1:
+        return whole
+    if cfg.is_moe_layer(layer):
+        replicated = c * H + M.moe_saved_bytes(cfg, recipe, 0)
+        if cfg.n_shared_experts and not (c == 4 and s == 4):
+            replicated += c * H
+    else:
+        replicated = 2 * c * H
+    return (whole - replicated) / tp + replicated
+
+
+def stage_activation_bytes(cfg: ModelConfig, recipe: M.Recipe, micro_batch: int, seq_len: int, layers: range,
+                           first: bool, last: bool, tp: int = 1, checkpointing: str = "none",
+                           holds_output: bool = False) -> int:
+    """Bytes one micro-batch leaves saved on one rank for a pipeline stage of `layers` (the whole model when
+    first and last): the blocks (tp_bytes_per_token); token ids (first) and targets (last), int64; on the
+    last stage the final norm (on T/tp positions), the LM head's gathered input cH and the loss's fp32
+    log-softmax 4V (all T, full vocabulary: the logits are gathered); under tensor parallelism the
+    embedding's masked ids and mask (int64 + bool, all T); a stage that sends its output keeps it until
+    the gradient comes back (sH on T/tp positions); under autocast the bf16 copies of the stage's matmul
+    weights (their 1/tp)."""
+    tokens, H, c, s = micro_batch * seq_len, cfg.d_model, recipe.compute_bytes, recipe.residual_bytes
+    per_token = sum(tp_bytes_per_token(cfg, recipe, i, tp, checkpointing) for i in layers)
+    if first:
+        per_token += 8 + (9 if tp > 1 else 0)
+    if last:
+        per_token += 8 + M.norm_saved_bytes(cfg, s) / tp + c * H + M.loss_saved_bytes_per_token(cfg)
+    if holds_output:
+        per_token += s * H / tp
+    weights = 0
+    if c != s:
+        blocks = 0 if checkpointing == "full" else sum(M.matmul_weight_params(cfg, i) for i in layers)
+        weights = c * (blocks + (cfg.vocab_size * cfg.d_model if last else 0)) / tp
+    return math.ceil(tokens * per_token + weights)
+
+
+def in_flight(layout: Layout, pp_rank: int, micro_batches: int) -> list[list[int]]:
+    """The micro-batches whose activations a pipeline rank holds at once, at its high point, as lists of
+    its local stage indices (one entry per micro-batch in flight): GPipe runs every forward before any
+    backward (K in flight); 1F1B (Narayanan et al. 2021, PipeDream-Flush) holds pp - rank; interleaved
+    1F1B warms up with (vpp - 1) x K/rounds + 2 (pp - 1 - rank) forwards, then alternates forward and
+    backward (torch.distributed.pipelining's ScheduleInterleaved1F1B order, replayed here)."""
+    K, pp, vpp = micro_batches, layout.pp, layout.vpp
+    if layout.pp == 1:
+        return [[0]]
+    if layout.schedule == "gpipe":
+        return [[0]] * K
+    if layout.schedule == "1f1b":
+        return [[0]] * min(K, pp - pp_rank)
+    per_round = K // max(1, K // pp)
+    warmup = min((vpp - 1) * per_round + 2 * (pp - 1 - pp_rank), K * vpp)
+    total = K * vpp
+    forward = [(op // per_round) % vpp for op in range(total)]
+    backward = [vpp - 1 - ((op - warmup) // per_round) % vpp for op in range(warmup, warmup + total)]
+    live, best, f, b = [], [], 0, 0
+    while b < total:
+        if f < total and (f < warmup or f - warmup <= b):
+            live.append(forward[f])
+            f += 1
+        else:
+            live.remove(backward[b])
+            b += 1
+        if len(live) > len(best):
+            best = list(live)
+    return [[chunk] for chunk in best]
+
+
+def rank_peak_bytes(cfg: ModelConfig, layout: Layout, rank: int, recipe: M.Recipe, optimizer: str,
+                    micro_batch: int, seq_len: int, grad_accum: int, checkpointing: str = "none") -> int:
+    """Peak bytes of one training step on a rank of a tensor- and/or pipeline-parallel run (tp or pp > 1),
+    as cost.memory.peak_bytes composes it: the larger of
+      backward: parameters + optimizer states + the activations of the micro-batches in flight (in_flight x
+        stage_activation_bytes) + the cross-entropy's backward scratch on the last stage (two fp32 B T V
+        buffers: the logits are whole on every tp rank) or one recomputed block's activations + the
+        gradients (which exist from the first backward on when micro-batches accumulate) + under FSDP2
+        the gathered parameters (zero2 all of the rank's, fsdp its stage roots and two blocks) and, with
+        K > 1, the unsharded fp32 gradients of the micro-batches before the last;
+      optimizer step: parameters + gradients + states + one moment of scratch."""
+    dp_rank, pp_rank, tp_rank = layout.coords(rank)
+    moments = M.optimizer_moments(optimizer)
+    states = rank_state_bytes(cfg, layout, rank, moments)
+    fsdp = _fsdp(layout)
+    acts_recipe = replace(recipe, residual_bytes=recipe.compute_bytes) if fsdp else recipe
+    stages = rank_stages(layout, pp_rank) if layout.pp > 1 else [0]
+    tokens = micro_batch * seq_len
+    per_stage = [stage_activation_bytes(cfg, acts_recipe, micro_batch, seq_len,
+                                        stage_layers(cfg.n_layers, layout.stages, st), st == 0, st == layout.stages - 1,
+                                        layout.tp, checkpointing, holds_output=st < layout.stages - 1)
+                 for st in stages]
+    acts = sum(per_stage[chunk] for flight in in_flight(layout, pp_rank, grad_accum) for chunk in flight)
+    scratch = M.loss_backward_bytes(cfg, acts_recipe, tokens) if layout.stages - 1 in stages else 0
+    if checkpointing == "full":
+        scratch = max(scratch, math.ceil(M.recompute_bytes(cfg, acts_recipe, tokens) / layout.tp))
+    grads = states["grads"] if grad_accum > 1 or layout.pp > 1 else 0
+    gathered = accumulated = 0
+    if fsdp:
+        units = _units(cfg, layout, rank)
+        sizes = {unit: sum(p.tp_numel for p in params) for unit, params in units.items()}
+        roots = sum(n for unit, n in sizes.items() if str(unit).startswith("root"))
+        blocks = sorted((n for unit, n in sizes.items() if not str(unit).startswith("root")), reverse=True)
+        kept = sum(sizes.values()) if layout.strategy == "zero2" else roots + sum(blocks[:2])
+        gathered = recipe.compute_bytes * kept
+        accumulated = 4 * sum(sizes.values()) if grad_accum > 1 else 0
+    backward = states["params"] + states["optimizer"] + acts + scratch + grads + gathered + accumulated
+    step = states["params"] + states["grads"] + states["optimizer"] + (states["optimizer"] // moments if moments >= 2 else 0)
+    return max(backward, step)

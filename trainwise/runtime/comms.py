@@ -1,0 +1,107 @@
+"""What one rank sends in a step, counted as it runs: every collective and point-to-point transfer issued
+through PyTorch's communication ops, by type, with its calls and bytes sent.
+
+Everything distributed in PyTorch reaches the process group through the dispatcher: DTensor's
+redistributions as functional collectives (_c10d_functional), FSDP2's all-gathers and reduce-scatters,
+pipelining's sends and receives and torch.distributed's calls as c10d ops. A TorchDispatchMode (the
+mechanism of PyTorch's own CommDebugMode) sees each of them with its tensors and its group, so the
+counter needs no change to the code it watches. DDP's bucket all-reduces are issued by its C++ reducer
+and are seen through the comm hook runtime.distributed installs (torch's default all-reduce hook).
+
+Bytes are what the rank sends, as the ring algorithms move them (trainwise.cost.rank.bytes_sent, the
+same function the plan uses): an all-reduce of n bytes over w ranks sends 2 (w - 1)/w n, an all-gather
+(w - 1) x the rank's input, a reduce-scatter (w - 1) x its output, an all-to-all what leaves the rank, a
+send its tensor (a receive counts a call and no bytes).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainwise.cost.rank import bytes_sent
+
+import os
+_DEBUG = os.environ.get("TW_COMM_DEBUG")
+_f = torch.ops._c10d_functional
+_c = torch.ops.c10d
+
+
+def _nbytes(tensors) -> int:
+    if torch.is_tensor(tensors):
+        return tensors.numel() * tensors.element_size()
+    return sum(_nbytes(t) for t in tensors)
+
+
+def _group_size(group) -> int:
+    if isinstance(group, str):
+        return _resolve_process_group(group).size()
+    return group.size() if isinstance(group, ProcessGroup) else ProcessGroup.unbox(group).size()
+
+
+def _record(func, args, kwargs, out) -> tuple[str, int, int] | None:
+    """(type, tensor bytes, group size) of a communication op, None for any other op. The tensor bytes are
+    the whole buffer for all_reduce / all_to_all / broadcast / send, the rank's input for all_gather, its
+    output for reduce_scatter (bytes_sent's n)."""
+    op = func._overloadpacket
+    a = list(args) + list(kwargs.values())
+    if op in (_f.all_reduce, _f.all_reduce_coalesced):
+        return "all_reduce", _nbytes(a[0]), _group_size(a[2])
+    if op in (_f.all_gather_into_tensor, _f.all_gather_into_tensor_coalesced):
+        return "all_gather", _nbytes(a[0]), a[1]
+    if op in (_f.reduce_scatter_tensor, _f.reduce_scatter_tensor_coalesced):
+        return "reduce_scatter", _nbytes(out), a[2]
+    if op is _f.all_to_all_single:
+        return "all_to_all", _nbytes(a[0]), _group_size(a[3])
+    if op is _f.broadcast:
+        return "broadcast", _nbytes(a[0]), _group_size(a[2])
+    if op in (_c.allreduce_, _c.allreduce_coalesced_):
+        return "all_reduce", _nbytes(a[0]), _group_size(a[1])
+    if op in (_c._allgather_base_, _c.allgather_, _c.allgather_into_tensor_coalesced_):
+        return "all_gather", _nbytes(a[1]), _group_size(a[2])
+    if op in (_c._reduce_scatter_base_, _c.reduce_scatter_tensor_coalesced_):
+        return "reduce_scatter", _nbytes(a[0]), _group_size(a[2])
+    if op is _c.alltoall_base_:
+        return "all_to_all", _nbytes(a[1]), _group_size(a[2])
+    if op is _c.broadcast_:
+        return "broadcast", _nbytes(a[0]), _group_size(a[1])
+    if op is _c.send:
+        return "send", _nbytes(a[0]), 2
+    if op in (_c.recv_, _c.recv_any_source_):
+        return "recv", _nbytes(a[0]), 2
+    return None
+
+
+class CommCounter(TorchDispatchMode):
+    """with CommCounter() as c: ...   c.counts -> {type: {"calls": int, "bytes": int}} (bytes sent).
+    Types: all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send_recv (verify.json's
+    "comm" keys; sends and receives together: calls of both, bytes of the sends)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor turns the op into local ops and collectives, which come back here
+        out = func(*args, **kwargs)
+        seen = _record(func, args, kwargs, out)
+        if seen is not None:
+            kind, nbytes, world = seen
+            if _DEBUG:
+                print("comm", kind, nbytes, world, func, flush=True)
+            key = "send_recv" if kind in ("send", "recv") else kind
+            self.counts[key]["calls"] += 1
+            self.counts[key]["bytes"] += bytes_sent(kind, nbytes, world)
+        return out
+
+    def result(self) -> dict[str, dict[str, int]]:
+        return {kind: dict(v) for kind, v in sorted(self.counts.items())}

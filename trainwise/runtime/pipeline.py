@@ -1,0 +1,215 @@
+"""Pipeline parallelism on torch.distributed.pipelining: the model's layers split into stages, one
+PipelineStage per stage, micro-batches scheduled by PyTorch's GPipe, 1F1B or interleaved 1F1B.
+
+    stages = pp x vpp; stage s holds layers [s L / stages, (s + 1) L / stages)
+    the first stage also holds the embedding, the last the final norm and the LM head (and the loss)
+    pipeline rank r holds stages r, r + pp, ... (vpp of them: the interleaved schedule's "loop" placement)
+    micro-batches = train.grad_accum_steps; each is micro_batch sequences
+
+A stage module is plain PyTorch over the model's own modules (no copy): what Transformer.forward does for
+its share of the layers. Under tensor parallelism a stage's input and output are the rank's T/tp
+positions (sequence parallelism), so the activations sent between stages shrink by tp too.
+
+MoE layers on any stage add their auxiliary loss's gradient where they run (the loss itself is computed
+on the last stage only): each stage hooks its layers' auxiliary losses onto its output with an identity
+whose backward hands them a gradient of one, as Megatron-LM's MoEAuxLossAutoScaler does; the schedule then
+divides every gradient by the number of micro-batches, as (loss / K).backward() does in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from trainwise.cost.rank import Layout, rank_stages, stage_layers
+from trainwise.model import Transformer
+from trainwise.model.moe import MoE
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+
+class _AttachAux(torch.autograd.Function):
+    """Identity on the stage's output; backward gives the MoE auxiliary loss a gradient of one."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux.shape
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.aux_shape, device=grad.device, dtype=torch.float32)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a Transformer: its share of the blocks, the embedding on the first stage,
+    the final norm and LM head on the last. forward: token ids (first stage) or hidden states -> hidden
+    states, or logits on the last stage."""
+
+    def __init__(self, model: Transformer, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.cfg = model.cfg
+        self.embed = model.embed if first else None
+        self.pos_embed = model.pos_embed if first else None
+        self.drop = model.drop
+        self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        if model.cfg.position == "rope":
+            self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+            self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.seq_shards = 1  # tp under sequence parallelism: hidden states hold T / seq_shards positions
+        self.amp = contextlib.nullcontext  # the autocast of the run's precision: the forward's, not backward's
+        self.aux_losses: list[torch.Tensor] = []  # this step's MoE auxiliary losses, detached (for the log)
+        self.expert_load: dict[int, torch.Tensor] = {}  # id(MoE) -> assignments per expert, this step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.amp():
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            T = x.shape[1]
+            h = self.embed(x)  # (B, T, H), or (B, T/tp, H) under sequence parallelism
+            if self.pos_embed is not None:
+                h = h + self.pos_embed(torch.arange(T, device=x.device))
+            h = self.drop(h)
+        else:
+            h, T = x, x.shape[1] * self.seq_shards
+        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.cfg.position == "rope" else None
+        for block in self.blocks:
+            h = block(h, rope)
+        self._moe_bookkeeping()
+        aux = [b.mlp.last_aux_loss for b in self.blocks if torch.is_tensor(getattr(b.mlp, "last_aux_loss", None))]
+        if aux and self.training and torch.is_grad_enabled():
+            total = torch.stack([a.float() for a in aux]).sum()
+            self.aux_losses.append(total.detach())
+            h = _AttachAux.apply(h, total)
+        if self.lm_head is not None:
+            h = self.lm_head(self.norm(h))  # (B, T, V)
+        return h
+
+    def _moe_bookkeeping(self) -> None:
+        if not (self.training and torch.is_grad_enabled()):
+            return
+        for block in self.blocks:
+            if isinstance(block.mlp, MoE) and block.mlp.last_expert_counts is not None:
+                key = id(block.mlp)
+                counts = block.mlp.last_expert_counts
+                self.expert_load[key] = counts if key not in self.expert_load else self.expert_load[key] + counts
+
+
+class RankModel(nn.Module):
+    """The modules of one pipeline rank's stages under the names they have in the whole model
+    ("embed.weight", "blocks.5.attn.qkv.q.weight", ...): what the optimizer, the checkpoint and the
+    per-rank accounting see. Not called: the stages run."""
+
+    def __init__(self, model: Transformer, stages: list[StageModule], layers: list[int]):
+        super().__init__()
+        self.cfg = model.cfg
+        self.embed = model.embed if any(s.embed is not None for s in stages) else None
+        self.pos_embed = model.pos_embed if self.embed is not None else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        self.norm = model.norm if any(s.lm_head is not None for s in stages) else None
+        self.lm_head = model.lm_head if self.norm is not None else None
+        self.stages = stages  # a plain list: not registered twice
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The model's loss on the last stage: mean next-token cross-entropy in fp32 (Transformer.forward)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages and the schedule that runs them."""
+
+    layout: Layout
+    parts: list[StageModule]
+    stages: list[PipelineStage]
+    schedule: object
+    group: object  # the pp process group
+    device: torch.device
+    eval_schedule: object = None
+    _losses: list = field(default_factory=list)
+
+    @property
+    def first(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def last(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+    def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One training step's forward and backward over the K micro-batches (the schedule's order); the
+        sum of their losses (cross-entropy + MoE auxiliary losses), the same on every pipeline rank."""
+        for part in self.parts:
+            part.aux_losses.clear()
+            part.expert_load.clear()
+        x = torch.cat([b[0] for b in batches])  # (K B, T): the schedule cuts it into K micro-batches again
+        y = torch.cat([b[1] for b in batches])
+        return self._step(self.schedule, x, y)
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of one batch, forward only, on every rank."""
+        with torch.no_grad():
+            return self._step(self.eval_schedule, x, y, train=False)
+
+    def _step(self, schedule, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.first else ()
+        kwargs = {"target": y, "losses": losses} if self.last else {}
+        (schedule.step if train else schedule.eval)(*args, **kwargs)
+        total = torch.zeros((), device=self.device)
+        if losses:
+            total = total + torch.stack([loss.detach().float() for loss in losses]).sum()
+        for part in self.parts:
+            for aux in part.aux_losses:
+                total = total + aux
+        if not train:
+            total = total / max(1, len(losses))
+        dist.all_reduce(total, group=self.group)  # the last stage's losses + every stage's auxiliary ones
+        return total
+
+    def expert_load(self, modules: list[nn.Module]) -> torch.Tensor | None:
+        """This step's assignments per expert of `modules` (this rank's balanced MoE layers), stacked."""
+        loads = {}
+        for part in self.parts:
+            loads.update(part.expert_load)
+        if not modules or any(id(m) not in loads for m in modules):
+            return None
+        return torch.stack([loads[id(m)] for m in modules])
+
+
+def split_stages(model: Transformer, layout: Layout, pp_rank: int, seq_shards: int = 1) -> tuple[list[StageModule], list[int]]:
+    """This pipeline rank's stage modules (in stage order) and the layers they hold."""
+    parts, layers = [], []
+    for s in rank_stages(layout, pp_rank):
+        span = stage_layers(model.cfg.n_layers, layout.stages, s)
+        part = StageModule(model, span, first=s == 0, last=s == layout.stages - 1)
+        part.seq_shards = seq_shards
+        parts.append(part)
+        layers.extend(span)
+    return parts, layers
+
+
+def build_pipeline(parts: list[nn.Module], layout: Layout, pp_rank: int, group, device: torch.device,
+                   micro_batches: int) -> Pipeline:
+    """PipelineStages for `parts` (this rank's stage modules, already sharded and wrapped) and the
+    schedule of parallel.pp_schedule; a second, one-micro-batch GPipe-style schedule for evaluation."""
+    ids = rank_stages(layout, pp_rank)
+    stages = [PipelineStage(part, s, layout.stages, device, group=group) for part, s in zip(parts, ids)]
+    cls = SCHEDULES[layout.schedule]
+    multi = layout.schedule == "interleaved"
+    schedule = cls(stages if multi else stages[0], n_microbatches=micro_batches, loss_fn=cross_entropy)
+    eval_cls = ScheduleInterleaved1F1B if multi else ScheduleGPipe
+    eval_schedule = eval_cls(stages if multi else stages[0], n_microbatches=1, loss_fn=cross_entropy)
+    unwrapped = [getattr(p, "_orig_mod", p) for p in parts]
+    return Pipeline(layout, unwrapped, stages, schedule, group, device, eval_schedule)
