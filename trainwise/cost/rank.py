@@ -14,9 +14,8 @@ rank of a run to its prediction:
                     pipeline sends and receives of activations and gradients, FSDP2's all-gathers and
                     reduce-scatters (or replicate's all-reduces), and the few small all-reduces of the
                     step (partial gradients of replicated weights, the gradient norm, the loss)
-    memory          parameters, gradients and optimizer states from the above; activations of the
-                    micro-batches in flight on the rank (cost.memory's bytes per token, divided by tp
-                    where sequence or heads are split), and the step's high points (cost.memory.peak_bytes)
+    memory          parameters, gradients and optimizer states from the above (the step's peak, with the
+                    activations of the micro-batches in flight: cost.rank_memory)
 
 Pure functions of the config and the layout; the run's per-rank check is trainwise.verify.per_rank.
 """
@@ -27,7 +26,6 @@ import math
 from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
-from trainwise.cost import memory as M
 from trainwise.cost.comm import DDP_BUCKET_BYTES
 
 DDP_FIRST_BUCKET_BYTES = 2**20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
@@ -104,6 +102,35 @@ def stage_layers(n_layers: int, stages: int, stage: int) -> range:
 def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
     """Stages of pipeline rank `pp_rank`: pp_rank, pp_rank + pp, ... (the interleaved schedule's loop)."""
     return [pp_rank + i * layout.pp for i in range(layout.vpp)]
+
+
+def schedule_ops(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The order in which a pipeline rank runs forwards ("F") and backwards ("B") of its local stages
+    (index into rank_stages), as torch.distributed.pipelining's schedules do: GPipe all forwards, then all
+    backwards; 1F1B (PipeDream-Flush) min(K, pp - rank) forwards, then a backward and a forward in turn;
+    interleaved 1F1B (Narayanan et al. 2021) min((vpp - 1) K/rounds + 2 (pp - 1 - rank), K vpp) forwards,
+    then a forward and a backward in turn, the local stage of each from ScheduleInterleaved1F1B's
+    formulas (K/rounds micro-batches per stage before the next)."""
+    K, pp, vpp = micro_batches, layout.pp, layout.vpp
+    if pp == 1:
+        return [op for _ in range(K) for op in (("F", 0), ("B", 0))]
+    if layout.schedule == "gpipe":
+        return [("F", 0)] * K + [("B", 0)] * K
+    if layout.schedule == "1f1b":
+        warmup = min(K, pp - pp_rank)
+        ops = [("F", 0)] * warmup
+        for i in range(K - warmup):
+            ops += [("B", 0), ("F", 0)]
+        return ops + [("B", 0)] * warmup
+    per_round = K // max(1, K // pp)
+    total = K * vpp
+    warmup = min((vpp - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
+    forward = [("F", (op // per_round) % vpp) for op in range(total)]
+    backward = [("B", vpp - 1 - ((op - warmup) // per_round) % vpp) for op in range(warmup, warmup + total)]
+    ops = forward[:warmup]
+    for i in range(total - warmup):
+        ops += [forward[warmup + i], backward[i]]
+    return ops + backward[total - warmup:]
 
 
 @dataclass(frozen=True)
@@ -272,6 +299,7 @@ class StepShape:
     compute_bytes: int  # matmul outputs (2 under bf16/fp16 autocast)
     residual_bytes: int  # the residual stream and norm outputs (4; FSDP2's bf16 policy: 2)
     param_bytes: int = 4  # parameters as FSDP2 gathers them (its mixed-precision param_dtype)
+    recompute: bool = False  # full activation checkpointing: each block's forward runs again in backward
 
 
 def _add(out: dict, kind: str, calls: int, nbytes: int, world: int) -> None:
@@ -292,15 +320,16 @@ def _p2p(out: dict, sends: int, receives: int, nbytes: int) -> None:
 def _tp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[int], shape: StepShape) -> None:
     """Tensor parallelism's collectives of one micro-batch on a rank holding `stages` (runtime.tensor_parallel):
     each block all-gathers its attention and MLP inputs (residual dtype) and reduce-scatters their outputs
-    (compute dtype), backward the same swapped; the embedding reduce-scatters its output (backward: an
+    (compute dtype), backward the same swapped (and, under full checkpointing, the forward's again); the embedding reduce-scatters its output (backward: an
     all-gather); the head all-gathers its input and the logits (backward: a reduce-scatter of its input's
     gradient; the logits' gradient is cut locally)."""
     tp = layout.tp
     tokens = shape.micro_batch * shape.seq_len // tp  # the rank's positions
     s, c, H = shape.residual_bytes, shape.compute_bytes, cfg.d_model
     blocks = sum(len(stage_layers(cfg.n_layers, layout.stages, st)) for st in stages)
-    _add(out, "all_gather", 2 * blocks, tokens * H * s, tp)
-    _add(out, "reduce_scatter", 2 * blocks, tokens * H * c, tp)
+    forwards = 2 if shape.recompute else 1  # full checkpointing recomputes each block, collectives included
+    _add(out, "all_gather", 2 * blocks * forwards, tokens * H * s, tp)
+    _add(out, "reduce_scatter", 2 * blocks * forwards, tokens * H * c, tp)
     _add(out, "reduce_scatter", 2 * blocks, tokens * H * s, tp)
     _add(out, "all_gather", 2 * blocks, tokens * H * c, tp)
     if 0 in stages:
@@ -325,7 +354,7 @@ def _pp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[in
         _p2p(out, links, links, act)
 
 
-def _units(cfg: ModelConfig, layout: Layout, rank: int) -> dict:
+def units(cfg: ModelConfig, layout: Layout, rank: int) -> dict:
     """The FSDP2 / replicate units `rank` holds ({unit: [RankParam]}): each block, and each stage module's
     own parameters (embedding; final norm and head)."""
     units: dict = {}
@@ -333,6 +362,34 @@ def _units(cfg: ModelConfig, layout: Layout, rank: int) -> dict:
         key = p.spec.unit if p.spec.unit != "root" else f"root-{p.spec.where}" if layout.pp > 1 else "root"
         units.setdefault(key, []).append(p)
     return units
+
+
+def _unit_chunk(unit, cfg: ModelConfig, layout: Layout) -> int:
+    """The local stage (index into rank_stages) that runs a unit: a block's stage, or the first or last."""
+    if unit == "root" or layout.pp == 1:
+        return 0
+    if unit in ("root-first", "root-last"):
+        stage = 0 if unit == "root-first" else layout.stages - 1
+    else:
+        stage = next(s for s in range(layout.stages) if unit in stage_layers(cfg.n_layers, layout.stages, s))
+    return stage // layout.pp
+
+
+def _fsdp_gathers(ops: list[tuple[str, int]], chunk: int, reshard_after_forward: bool, pipelined: bool) -> int:
+    """All-gathers of one FSDP2 unit in a step: before each forward or backward that finds it sharded. It is
+    sharded again after a forward when reshard_after_forward (fsdp), and after a backward unless the pipeline
+    keeps it gathered until the step's last one (PipelineStage sets reshard_after_backward False until then);
+    without a pipeline every backward reshards."""
+    gathered, calls = False, 0
+    for kind, c in ops:
+        if c != chunk:
+            continue
+        if not gathered:
+            calls += 1
+            gathered = True
+        if kind == "F" and reshard_after_forward or kind == "B" and not pipelined:
+            gathered = False
+    return calls
 
 
 def _ddp_buckets(grad_bytes: list[int]) -> list[int]:
@@ -355,15 +412,16 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
     dp, K = layout.dp, shape.grad_accum
     if dp <= 1 or layout.strategy == "none":
         return
-    units = _units(cfg, layout, rank)
+    by_unit = units(cfg, layout, rank)
     if layout.strategy in ("zero2", "fsdp"):
-        gathers = K * (2 if layout.strategy == "fsdp" else 1)
-        for params in units.values():
+        ops = schedule_ops(layout, layout.coords(rank)[1], K)
+        for unit, params in by_unit.items():
             padded = sum(p.padded_numel for p in params)
+            gathers = _fsdp_gathers(ops, _unit_chunk(unit, cfg, layout), layout.strategy == "fsdp", layout.pp > 1)
             _add(out, "all_gather", gathers, padded * shape.param_bytes, dp)
             _add(out, "reduce_scatter", 1, padded * 4, dp)
     elif layout.model_parallel:  # ddp on a mesh: FSDP2's replicate
-        for params in units.values():
+        for params in by_unit.values():
             _add(out, "all_reduce", 1, sum(p.tp_numel for p in params) * 4, dp)
     else:  # DDP (ddp, zero1)
         for bucket in _ddp_buckets([4 * p.tp_numel for p in rank_params(cfg, layout, rank)]):
@@ -401,123 +459,3 @@ def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> 
     if biased:
         _add(out, "all_reduce", 1, 4 * cfg.n_experts * len(biased), layout.dp)
     return {kind: out[kind] for kind in sorted(out)}
-
-
-def tp_bytes_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int, tp: int, checkpointing: str = "none") -> float:
-    """Bytes one of tp ranks saves for backward per token of the sequence in one block (Korthikanti et al.
-    2022 with sequence parallelism, as trainwise runs it): what cost.memory.activation_bytes_per_token_layer
-    counts, divided by tp (the norms and dropout masks on the rank's T/tp positions; q, k, v, attention and
-    the MLP width on its heads and its F/tp), except what every rank holds for all T positions: the
-    all-gathered inputs of the column-parallel projections (attention's and the MLP's, cH each), and in a
-    MoE layer the router, the routing and the dispatch buffers (every rank routes every token), and the
-    shared experts' input cast. Full checkpointing keeps each block's input: sH / tp."""
-    c, s, H = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model
-    if checkpointing == "full":
-        return s * H / tp
-    whole = M.activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing)
-    if tp == 1:
-        return whole
-    if cfg.is_moe_layer(layer):
-        replicated = c * H + M.moe_saved_bytes(cfg, recipe, 0)
-        if cfg.n_shared_experts and not (c == 4 and s == 4):
-            replicated += c * H
-    else:
-        replicated = 2 * c * H
-    return (whole - replicated) / tp + replicated
-
-
-def stage_activation_bytes(cfg: ModelConfig, recipe: M.Recipe, micro_batch: int, seq_len: int, layers: range,
-                           first: bool, last: bool, tp: int = 1, checkpointing: str = "none",
-                           holds_output: bool = False) -> int:
-    """Bytes one micro-batch leaves saved on one rank for a pipeline stage of `layers` (the whole model when
-    first and last): the blocks (tp_bytes_per_token); token ids (first) and targets (last), int64; on the
-    last stage the final norm (on T/tp positions), the LM head's gathered input cH and the loss's fp32
-    log-softmax 4V (all T, full vocabulary: the logits are gathered); under tensor parallelism the
-    embedding's masked ids and mask (int64 + bool, all T); a stage that sends its output keeps it until
-    the gradient comes back (sH on T/tp positions); under autocast the bf16 copies of the stage's matmul
-    weights (their 1/tp)."""
-    tokens, H, c, s = micro_batch * seq_len, cfg.d_model, recipe.compute_bytes, recipe.residual_bytes
-    per_token = sum(tp_bytes_per_token(cfg, recipe, i, tp, checkpointing) for i in layers)
-    if first:
-        per_token += 8 + (9 if tp > 1 else 0)
-    if last:
-        per_token += 8 + M.norm_saved_bytes(cfg, s) / tp + c * H + M.loss_saved_bytes_per_token(cfg)
-    if holds_output:
-        per_token += s * H / tp
-    weights = 0
-    if c != s:
-        blocks = 0 if checkpointing == "full" else sum(M.matmul_weight_params(cfg, i) for i in layers)
-        weights = c * (blocks + (cfg.vocab_size * cfg.d_model if last else 0)) / tp
-    return math.ceil(tokens * per_token + weights)
-
-
-def in_flight(layout: Layout, pp_rank: int, micro_batches: int) -> list[list[int]]:
-    """The micro-batches whose activations a pipeline rank holds at once, at its high point, as lists of
-    its local stage indices (one entry per micro-batch in flight): GPipe runs every forward before any
-    backward (K in flight); 1F1B (Narayanan et al. 2021, PipeDream-Flush) holds pp - rank; interleaved
-    1F1B warms up with (vpp - 1) x K/rounds + 2 (pp - 1 - rank) forwards, then alternates forward and
-    backward (torch.distributed.pipelining's ScheduleInterleaved1F1B order, replayed here)."""
-    K, pp, vpp = micro_batches, layout.pp, layout.vpp
-    if layout.pp == 1:
-        return [[0]]
-    if layout.schedule == "gpipe":
-        return [[0]] * K
-    if layout.schedule == "1f1b":
-        return [[0]] * min(K, pp - pp_rank)
-    per_round = K // max(1, K // pp)
-    warmup = min((vpp - 1) * per_round + 2 * (pp - 1 - pp_rank), K * vpp)
-    total = K * vpp
-    forward = [(op // per_round) % vpp for op in range(total)]
-    backward = [vpp - 1 - ((op - warmup) // per_round) % vpp for op in range(warmup, warmup + total)]
-    live, best, f, b = [], [], 0, 0
-    while b < total:
-        if f < total and (f < warmup or f - warmup <= b):
-            live.append(forward[f])
-            f += 1
-        else:
-            live.remove(backward[b])
-            b += 1
-        if len(live) > len(best):
-            best = list(live)
-    return [[chunk] for chunk in best]
-
-
-def rank_peak_bytes(cfg: ModelConfig, layout: Layout, rank: int, recipe: M.Recipe, optimizer: str,
-                    micro_batch: int, seq_len: int, grad_accum: int, checkpointing: str = "none") -> int:
-    """Peak bytes of one training step on a rank of a tensor- and/or pipeline-parallel run (tp or pp > 1),
-    as cost.memory.peak_bytes composes it: the larger of
-      backward: parameters + optimizer states + the activations of the micro-batches in flight (in_flight x
-        stage_activation_bytes) + the cross-entropy's backward scratch on the last stage (two fp32 B T V
-        buffers: the logits are whole on every tp rank) or one recomputed block's activations + the
-        gradients (which exist from the first backward on when micro-batches accumulate) + under FSDP2
-        the gathered parameters (zero2 all of the rank's, fsdp its stage roots and two blocks) and, with
-        K > 1, the unsharded fp32 gradients of the micro-batches before the last;
-      optimizer step: parameters + gradients + states + one moment of scratch."""
-    dp_rank, pp_rank, tp_rank = layout.coords(rank)
-    moments = M.optimizer_moments(optimizer)
-    states = rank_state_bytes(cfg, layout, rank, moments)
-    fsdp = _fsdp(layout)
-    acts_recipe = replace(recipe, residual_bytes=recipe.compute_bytes) if fsdp else recipe
-    stages = rank_stages(layout, pp_rank) if layout.pp > 1 else [0]
-    tokens = micro_batch * seq_len
-    per_stage = [stage_activation_bytes(cfg, acts_recipe, micro_batch, seq_len,
-                                        stage_layers(cfg.n_layers, layout.stages, st), st == 0, st == layout.stages - 1,
-                                        layout.tp, checkpointing, holds_output=st < layout.stages - 1)
-                 for st in stages]
-    acts = sum(per_stage[chunk] for flight in in_flight(layout, pp_rank, grad_accum) for chunk in flight)
-    scratch = M.loss_backward_bytes(cfg, acts_recipe, tokens) if layout.stages - 1 in stages else 0
-    if checkpointing == "full":
-        scratch = max(scratch, math.ceil(M.recompute_bytes(cfg, acts_recipe, tokens) / layout.tp))
-    grads = states["grads"] if grad_accum > 1 or layout.pp > 1 else 0
-    gathered = accumulated = 0
-    if fsdp:
-        units = _units(cfg, layout, rank)
-        sizes = {unit: sum(p.tp_numel for p in params) for unit, params in units.items()}
-        roots = sum(n for unit, n in sizes.items() if str(unit).startswith("root"))
-        blocks = sorted((n for unit, n in sizes.items() if not str(unit).startswith("root")), reverse=True)
-        kept = sum(sizes.values()) if layout.strategy == "zero2" else roots + sum(blocks[:2])
-        gathered = recipe.compute_bytes * kept
-        accumulated = 4 * sum(sizes.values()) if grad_accum > 1 else 0
-    backward = states["params"] + states["optimizer"] + acts + scratch + grads + gathered + accumulated
-    step = states["params"] + states["grads"] + states["optimizer"] + (states["optimizer"] // moments if moments >= 2 else 0)
-    return max(backward, step)

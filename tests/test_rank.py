@@ -1,0 +1,86 @@
+"""trainwise.cost.rank: what one rank of trainwise's tensor-, pipeline- and data-parallel runs holds and
+sends, against numbers worked by hand (the runs themselves are checked in tests/test_tp_pp.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from trainwise.config import ModelConfig
+from trainwise.cost import rank as R
+from trainwise.cost.rank_memory import in_flight
+from trainwise.cost.params import params
+
+TINY = dict(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+
+
+def test_bytes_sent_by_a_ring():
+    assert R.bytes_sent("all_reduce", 1000, 4) == 1500  # 2 x 3/4 x 1000
+    assert R.bytes_sent("all_gather", 100, 4) == 300  # its 100-byte shard to 3 others
+    assert R.bytes_sent("reduce_scatter", 100, 4) == 300  # 3 partial 100-byte shards out
+    assert R.bytes_sent("all_to_all", 1000, 4) == 750
+    assert R.bytes_sent("send", 10, 2) == 10 and R.bytes_sent("recv", 10, 2) == 0
+    assert R.bytes_sent("all_reduce", 1000, 1) == 0
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"tie_embeddings": False, "n_kv_heads": 4},
+    {"n_experts": 4, "top_k": 2, "n_shared_experts": 1, "first_dense_layers": 1},
+    {"bias": True, "norm": "layernorm", "position": "learned", "activation": "gelu", "qk_norm": True},
+    {"attention": "mla", "kv_lora_rank": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "qk_nope_head_dim": 16,
+     "q_lora_rank": 24},
+])
+def test_the_split_model_has_the_models_parameters(extra):
+    cfg = ModelConfig(**{**TINY, **extra})
+    assert sum(math.prod(s.shape) for s in R.model_params(cfg)) == params(cfg).total
+
+
+def test_chunks_cut_as_torch_chunk_does():
+    assert [R.chunk(10, 4, i) for i in range(4)] == [3, 3, 3, 1]
+    assert [R.chunk(5, 4, i) for i in range(4)] == [2, 2, 1, 0]
+
+
+def test_a_tp_rank_holds_half_of_every_matrix_and_all_of_every_norm():
+    """d_model 32, 4 heads of 8 (2 KV heads), F 128 (SwiGLU), vocab 300, tied. tp 2: embedding 150 x 32 = 4800;
+    per block norm1 32 + q 16 x 32 + k 8 x 32 + v 8 x 32 + out 32 x 16 + norm2 32 + gate, up 64 x 32 + proj
+    32 x 64 = 7744; final norm 32: 4800 + 2 x 7744 + 32 = 20320 elements, 81280 bytes; FSDP2 over 2 more
+    ranks halves every tensor's first dimension: 40640 bytes."""
+    cfg = ModelConfig(**TINY)
+    assert R.rank_state_bytes(cfg, R.Layout(tp=2), 1, 2) == {"params": 81280, "grads": 81280, "optimizer": 162560}
+    fsdp = R.Layout(dp=2, tp=2, strategy="fsdp")
+    assert R.rank_state_bytes(cfg, fsdp, 3, 2)["params"] == 40640
+
+
+def test_pipeline_stages_hold_their_layers_the_embedding_and_the_head():
+    """pp 2, untied: stage 0 the embedding (9600) and block 0 (15424), stage 1 block 1, the final norm (32) and
+    the LM head (9600)."""
+    cfg = ModelConfig(**{**TINY, "tie_embeddings": False})
+    layout = R.Layout(pp=2)
+    assert R.rank_state_bytes(cfg, layout, 0, 2)["params"] == 4 * (9600 + 15424)
+    assert R.rank_state_bytes(cfg, layout, 1, 2)["params"] == 4 * (15424 + 32 + 9600)
+    assert [list(R.stage_layers(5, 2, s)) for s in (0, 1)] == [[0, 1], [2, 3, 4]]
+    assert R.rank_stages(R.Layout(pp=2, vpp=2, schedule="interleaved"), 1) == [1, 3]
+
+
+def test_micro_batches_in_flight_per_schedule():
+    """1F1B: rank r of pp holds pp - r micro-batches (PipeDream-Flush); GPipe all K; interleaved 1F1B
+    (pp 2, vpp 2, K 4, 2 rounds of 2): rank 0 warms up with (2 - 1) x 2 + 2 x (2 - 1 - 0) = 4 forwards
+    (chunks 0, 0, 1, 1) and runs a fifth before its first backward; rank 1 warms up with 2."""
+    assert [len(in_flight(R.Layout(pp=4), r, 8)) for r in range(4)] == [4, 3, 2, 1]
+    assert len(in_flight(R.Layout(pp=2, schedule="gpipe"), 1, 3)) == 3
+    interleaved = R.Layout(pp=2, vpp=2, schedule="interleaved")
+    assert in_flight(interleaved, 0, 4) == [[0], [0], [1], [1], [0]]
+    assert len(in_flight(interleaved, 1, 4)) == 3
+
+
+def test_data_parallel_collectives_of_a_step():
+    """dp 2, tiny tied model, K 2. fsdp: per micro-batch the root (embedding + final norm: 9632 elements, a
+    4816-element shard) and each block (15424: 7712) all-gathered before forward and again before backward:
+    12 calls, (2 x 4816 + 4 x 7712) x 4 x 2 micro-batches = 323840 bytes; one reduce-scatter of each unit's
+    fp32 gradients: 80960 bytes; the gradient norm's scalar: 4 bytes. DDP: one 161920-byte bucket."""
+    cfg, shape = ModelConfig(**TINY), R.StepShape(2, 32, 2, 4, 4)
+    assert R.rank_comm(cfg, R.Layout(dp=2, strategy="fsdp"), 0, shape) == {
+        "all_gather": {"calls": 12, "bytes": 323840}, "all_reduce": {"calls": 1, "bytes": 4},
+        "reduce_scatter": {"calls": 3, "bytes": 80960}}
+    assert R.rank_comm(cfg, R.Layout(dp=2, strategy="ddp"), 0, shape) == {"all_reduce": {"calls": 1, "bytes": 161920}}
