@@ -108,7 +108,7 @@ def per_rank_table(section: dict) -> str:
     label = {"peak_memory_bytes": "step peak"}
     rows = [f"<tr><td>{rank}</td><td>{html.escape(label.get(name, name))}</td><td>{fmt_value('bytes', e['predicted'])}</td>"
             f"<td>{fmt_value('bytes', e['measured'])}</td>{_error_cell(e['error'])}</tr>"
-            for rank, entries in enumerate(section["ranks"]) for name, e in entries.items()]
+            for rank, entries in enumerate(section["ranks"]) for name, e in entries.items() if "predicted" in e]
     return (f"<h3>Per rank: {html.escape(section['strategy'])} on {section['world_size']} ranks vs the "
             f"ZeRO-{section['zero_stage_planned']} plan</h3>"
             "<table><tr><th>rank</th><th>state</th><th>predicted</th><th>measured</th><th>error</th></tr>"

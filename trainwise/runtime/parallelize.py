@@ -79,12 +79,18 @@ def use_native_dropout(model: nn.Module) -> None:
 COMPILE_MIN_STEPS = 300  # below this many steps the one-off compile time is not repaid (see resolve_compile)
 
 
-def resolve_compile(requested: str, model: ModelConfig, steps_left: int, strategy: str) -> tuple[bool, str]:
+def resolve_compile(requested: str, model: ModelConfig, steps_left: int, strategy: str,
+                    divided: bool = False) -> tuple[bool, str]:
     """(compile?, reason) for train.compile. auto compiles a dense model's run of COMPILE_MIN_STEPS or
     more steps: the default model compiles in tens of seconds with a cold cache and then steps ~1.4x
-    faster on a CPU (benchmarks/RESULTS.md), so it pays off after about a hundred steps."""
+    faster on a CPU (benchmarks/RESULTS.md), so it pays off after about a hundred steps. A model divided
+    by tensor or pipeline parallelism (`divided`) compiles only when asked (per block, as torchtitan
+    does): its per-rank plan describes the eager step."""
     if requested != "auto":
-        return requested == "true", "set in the config"
+        return requested == "true", "set in the config" + ("; per block, around DTensor and pipeline stages"
+                                                          if divided and requested == "true" else "")
+    if divided:
+        return False, "auto: tensor/pipeline-parallel steps run eager (train.compile=true compiles each block)"
     if model.is_moe:
         return False, "auto: MoE routing has data-dependent shapes, which compile poorly"
     if model.attention == "mla":

@@ -120,6 +120,12 @@ class RankModel(nn.Module):
         self.lm_head = model.lm_head if self.norm is not None else None
         self.stages = stages  # a plain list: not registered twice
 
+    def train(self, mode: bool = True) -> RankModel:
+        super().train(mode)
+        for stage in self.stages:  # the stage modules' own flag (their blocks are ours)
+            stage.train(mode)
+        return self
+
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The model's loss on the last stage: mean next-token cross-entropy in fp32 (Transformer.forward)."""
@@ -166,7 +172,10 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
-        (schedule.step if train else schedule.eval)(*args, **kwargs)
+        if train:  # return_outputs=False: the last stage would keep every micro-batch's logits to merge them
+            schedule.step(*args, return_outputs=False, **kwargs)
+        else:
+            schedule.eval(*args, **kwargs)
         total = torch.zeros((), device=self.device)
         if losses:
             total = total + torch.stack([loss.detach().float() for loss in losses]).sum()

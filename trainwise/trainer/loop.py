@@ -45,7 +45,7 @@ from trainwise.tokenizer import Tokenizer
 from trainwise.trainer import relaunch
 from trainwise.trainer.loggers import RunLog, require_wandb
 from trainwise.trainer.memcheck import check_memory
-from trainwise.trainer.report import RunReporter
+from trainwise.trainer.report import RunReporter, expert_counts, nonfinite_diagnostic, numbered_blocks
 from trainwise.verify.per_rank import format_per_rank, per_rank_verify
 
 
@@ -142,31 +142,6 @@ class _StopRequest:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def nonfinite_diagnostic(model: torch.nn.Module, step: int, loss: torch.Tensor) -> str:
-    """Name the step and the first tensor that went non-finite, for train.on_nonfinite = "stop"."""
-    where = "the loss" if not torch.isfinite(loss).all() else None
-    if where is None:
-        for name, p in model.named_parameters():
-            if p.grad is not None and not torch.isfinite(p.grad).all():
-                where = f"the gradient of {name}"
-                break
-    return (f"non-finite values at step {step}: {where or 'the gradient norm'} is NaN or inf. The weights "
-            "were not updated and no checkpoint was written with them. Lower train.lr, keep train.grad_clip "
-            "on, or use train.precision=fp32; set train.on_nonfinite=skip to skip such steps instead.")
-
-
-def _numbered_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(layer index, block) of the model, or of a pipeline rank's share (RankModel: indices as names)."""
-    blocks = model.blocks
-    return list(blocks.items()) if isinstance(blocks, torch.nn.ModuleDict) else [(str(i), b) for i, b in enumerate(blocks)]
-
-
-def expert_counts(model: torch.nn.Module) -> dict[str, list[int]]:
-    """Tokens each MoE layer routed to each expert in the last forward, by layer index."""
-    return {i: block.mlp.last_expert_counts.tolist() for i, block in _numbered_blocks(model)
-            if getattr(block.mlp, "last_expert_counts", None) is not None}
 
 
 def seed_everything(seed: int) -> None:
@@ -278,7 +253,7 @@ def _build(cfg: RunConfig, out: Path, resume: bool, init_state: dict | None, tok
         torch.manual_seed(cfg.train.seed + d.rank)  # ranks draw different dropout masks
     start_step = state.trainer_state["step"] if state is not None else 0
     compiled, why_compile = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps - start_step,
-                                            d.strategy)
+                                            d.strategy, divided=d.layout.model_parallel)
     step = build_step(model, cfg.train, device, precision, dist=d, compile=compiled)
     if state is not None and state.optimizer_state is None:
         ckpt.load_sharded(latest, step.model, step.optimizer)
@@ -435,7 +410,7 @@ def _log_row(run: _Run, reporter: RunReporter, step: int, tokens_seen: int, lr: 
         row["skipped_steps"] = skipped_steps
     model = distributed.unwrap(run.step.model)
     experts = expert_counts(model)
-    dropped = {i: b.mlp.last_dropped for i, b in _numbered_blocks(model) if i in experts}
+    dropped = {i: b.mlp.last_dropped for i, b in numbered_blocks(model) if i in experts}
     if run.d.layout.pp > 1:  # each pipeline rank routes its own layers: the row holds them all
         experts = {i: c for part in distributed.gather_objects(experts, run.d) for i, c in part.items()}
         dropped = {i: c for part in distributed.gather_objects(dropped, run.d) for i, c in part.items()}
@@ -481,7 +456,7 @@ def _finish(run: _Run, reporter: RunReporter, out: Path, tokenizer: Tokenizer, t
                                                 run.gathered["bytes"])
         measured["peak_memory_bytes"] = run.step_peak_bytes
         measured["comm"] = run.step_comm
-        per_rank = per_rank_verify(cfg, distributed.gather_objects(measured, d), d)
+        per_rank = per_rank_verify(cfg, distributed.gather_objects(measured, d), d, run.step.precision)
         distributed.shutdown(d)
         if not d.is_main:
             return TrainResult(out, progress.step, progress.last_loss, progress.val_loss, float("nan"), "")

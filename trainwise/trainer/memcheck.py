@@ -15,6 +15,7 @@ import torch
 from trainwise.config import RunConfig
 from trainwise.cost import memory as M
 from trainwise.cost.comm import strategy_for
+from trainwise.cost.rank_memory import rank_peak_bytes
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.memory import available_bytes
 from trainwise.planner.fit import fit
@@ -60,7 +61,12 @@ def check_memory(cfg: RunConfig, device: torch.device, precision: str, d, say) -
         return
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     available, source = available_bytes(device, local_ranks)
-    peak = planned_peak(cfg, precision, d.strategy if d.active else "none", d.world_size)
+    if d.layout.model_parallel:  # tensor / pipeline parallel: this rank's share (trainwise.cost.rank)
+        st = train_settings(cfg.train, precision)
+        peak = rank_peak_bytes(cfg.model, d.layout, d.rank, M.get_recipe(st["precision"]), st["optimizer"],
+                               st["micro_batch"], st["seq_len"], st["grad_accum"], st["checkpointing"])
+    else:
+        peak = planned_peak(cfg, precision, d.strategy if d.active else "none", d.world_size)
     if not distributed.any_rank(peak > available, d):
         return
     t = cfg.train

@@ -149,3 +149,28 @@ class RunReporter:
         (out / rundir.VERIFY).write_text(json.dumps(result, indent=1), encoding="utf-8")
         self.say("\npredicted vs measured (verify.json):\n" + format_table(result))
         return result
+
+
+def nonfinite_diagnostic(model: torch.nn.Module, step: int, loss: torch.Tensor) -> str:
+    """Name the step and the first tensor that went non-finite, for train.on_nonfinite = "stop"."""
+    where = "the loss" if not torch.isfinite(loss).all() else None
+    if where is None:
+        for name, p in model.named_parameters():
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                where = f"the gradient of {name}"
+                break
+    return (f"non-finite values at step {step}: {where or 'the gradient norm'} is NaN or inf. The weights "
+            "were not updated and no checkpoint was written with them. Lower train.lr, keep train.grad_clip "
+            "on, or use train.precision=fp32; set train.on_nonfinite=skip to skip such steps instead.")
+
+
+def numbered_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(layer index, block) of the model, or of a pipeline rank's share (RankModel: indices as names)."""
+    blocks = model.blocks
+    return list(blocks.items()) if isinstance(blocks, torch.nn.ModuleDict) else [(str(i), b) for i, b in enumerate(blocks)]
+
+
+def expert_counts(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Tokens each MoE layer routed to each expert in the last forward, by layer index."""
+    return {i: block.mlp.last_expert_counts.tolist() for i, block in numbered_blocks(model)
+            if getattr(block.mlp, "last_expert_counts", None) is not None}

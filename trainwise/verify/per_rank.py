@@ -1,5 +1,7 @@
-"""Per rank under torchrun: each rank's params, grads, optimizer states and step peak, measured in the run,
-against the planner's ZeRO stage for its strategy (verify.json's "per_rank")."""
+"""Per rank under torchrun: each rank's params, grads, optimizer states, step peak and what it sent in the
+step (per collective: calls and bytes), measured in the run, against the plan for that rank (verify.json's
+"per_rank"). Data parallel only: the planner's ZeRO stage for the strategy (cost.memory); tensor or
+pipeline parallel: trainwise.cost.rank, parameter by parameter and collective by collective."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import math
 
 from trainwise.config import ZERO_STAGE, RunConfig
 from trainwise.cost import memory as M
+from trainwise.cost import rank as R
+from trainwise.cost.rank_memory import rank_peak_bytes
 from trainwise.cost.params import params as count_params
 from trainwise.planner.plan import train_settings
 from trainwise.runtime.distributed import Dist
@@ -14,33 +18,85 @@ from trainwise.runtime.optim import param_groups
 from trainwise.runtime.step import build_model
 from trainwise.verify.verify import entry
 
+STATES = ("params", "grads", "optimizer", "peak_memory_bytes")
 
-def per_rank_verify(cfg: RunConfig, measured: list[dict], d: Dist) -> dict:
-    """Predicted (planner: ZeRO-0 for DDP, ZeRO-1 for zero1, ZeRO-2 for zero2, ZeRO-3 for FSDP; dp =
-    world size) vs measured, per rank. For zero1 each rank's optimizer share follows
-    ZeroRedundancyOptimizer's whole-tensor partition of this model's parameter groups
-    (cost.memory.zero1_partition); zero2 is planned in FSDP2's layout (cost.memory.fsdp2_zero2_recipe)."""
-    settings = train_settings(cfg.train)
-    zero = ZERO_STAGE[d.strategy]
+
+def step_shape(cfg: RunConfig, precision: str, layout: R.Layout) -> R.StepShape:
+    """The step of `cfg` as trainwise.cost.rank counts its messages: under bf16/fp16 autocast matmul outputs
+    are 2 bytes; FSDP2's mixed-precision policy also gathers parameters and runs the residual stream in
+    that dtype."""
+    t, low = cfg.train, precision in ("bf16", "fp16")
+    fsdp_low = low and layout.dp > 1 and layout.strategy in ("zero2", "fsdp")
+    return R.StepShape(t.micro_batch, t.seq_len, t.grad_accum_steps, 2 if low else 4, 2 if fsdp_low else 4,
+                       2 if fsdp_low else 4, recompute=t.activation_checkpointing == "full")
+
+
+def predicted_ranks(cfg: RunConfig, precision: str, layout: R.Layout) -> list[dict]:
+    """Every rank's predicted params, grads, optimizer, peak_memory_bytes and comm."""
+    settings = train_settings(cfg.train, precision)
+    recipe = M.get_recipe(settings["precision"])
+    shape = step_shape(cfg, precision, layout)
+    if layout.model_parallel:
+        moments = M.optimizer_moments(settings["optimizer"])
+        ranks = [{**R.rank_state_bytes(cfg.model, layout, r, moments),
+                  "peak_memory_bytes": rank_peak_bytes(cfg.model, layout, r, recipe, settings["optimizer"],
+                                                         settings["micro_batch"], settings["seq_len"],
+                                                         settings["grad_accum"], settings["checkpointing"])}
+                 for r in range(layout.world_size)]
+    else:
+        ranks = _zero_plan(cfg, settings, layout)
+    for r, rank in enumerate(ranks):
+        rank["comm"] = R.rank_comm(cfg.model, layout, r, shape)
+    return ranks
+
+
+def _zero_plan(cfg: RunConfig, settings: dict, layout: R.Layout) -> list[dict]:
+    """Data parallel only: ZeRO-0 for DDP, ZeRO-1 for zero1 (each rank's optimizer share follows
+    ZeroRedundancyOptimizer's whole-tensor partition of this model's parameter groups:
+    cost.memory.zero1_partition), ZeRO-2 for zero2 (planned in FSDP2's layout: cost.memory.fsdp2_zero2_recipe),
+    ZeRO-3 for FSDP; the step's peak on each rank is cost.memory.rank_peak_bytes."""
+    zero, dp = ZERO_STAGE[layout.strategy], layout.dp
     n_params = count_params(cfg.model).total
     recipe = M.get_recipe(settings["precision"])
     if zero == 2:
         recipe = M.fsdp2_zero2_recipe(recipe)
-    plan = M.state_bytes(n_params, recipe, settings["optimizer"], zero=zero, dp=d.world_size)
+    plan = M.state_bytes(n_params, recipe, settings["optimizer"], zero=zero, dp=dp)
     predicted = [{"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer + plan.master}
-                 for _ in range(d.world_size)]
+                 for _ in range(dp)]
+    shares = M.zero1_partition(_group_numels(cfg), dp) if zero == 1 else [None] * dp
     if zero == 1:
         full = M.state_bytes(n_params, recipe, settings["optimizer"])
-        for rank, owned in enumerate(M.zero1_partition(_group_numels(cfg), d.world_size)):
+        for rank, owned in enumerate(shares):
             predicted[rank]["optimizer"] = math.ceil((full.optimizer + full.master) * owned / n_params)
-    shares = (M.zero1_partition(_group_numels(cfg), d.world_size) if zero == 1 else [None] * d.world_size)
-    for rank, owned in enumerate(shares):  # the step's peak on each rank (cost.memory.rank_peak_bytes)
+    for rank, owned in enumerate(shares):
         predicted[rank]["peak_memory_bytes"] = M.rank_peak_bytes(
-            cfg.model, M.get_recipe(settings["precision"]), settings["optimizer"], d.strategy, d.world_size,
+            cfg.model, M.get_recipe(settings["precision"]), settings["optimizer"], layout.strategy, dp,
             settings["micro_batch"], settings["seq_len"], settings["grad_accum"], settings["checkpointing"],
             optimizer_share=None if owned is None else owned / n_params)
-    ranks = [{k: entry(p[k], m.get(k)) for k in p} for p, m in zip(predicted, measured)]
-    return {"strategy": d.strategy, "world_size": d.world_size, "zero_stage_planned": zero, "ranks": ranks}
+    return predicted
+
+
+def comm_entries(predicted: dict, measured: dict | None) -> dict:
+    """{collective: {"calls": entry, "bytes": entry}} over the collectives either side has (0 where absent)."""
+    measured = measured or {}
+    zero = {"calls": 0, "bytes": 0}
+    return {kind: {key: entry(predicted.get(kind, zero)[key], measured.get(kind, zero)[key]) for key in ("calls", "bytes")}
+            for kind in sorted(set(predicted) | set(measured))}
+
+
+def per_rank_verify(cfg: RunConfig, measured: list[dict], d: Dist, precision: str = "fp32") -> dict:
+    """Predicted vs measured, per rank (module docstring)."""
+    layout = d.layout
+    predicted = predicted_ranks(cfg, precision, layout)
+    ranks = []
+    for p, m in zip(predicted, measured):
+        rank = {k: entry(p[k], m.get(k)) for k in STATES}
+        rank["comm"] = comm_entries(p["comm"], m.get("comm"))
+        ranks.append(rank)
+    return {"strategy": layout.strategy, "world_size": d.world_size, "zero_stage_planned": ZERO_STAGE[layout.strategy],
+            "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "vpp": layout.vpp,
+                       "pp_schedule": layout.schedule if layout.pp > 1 else None},
+            "ranks": ranks}
 
 
 def _group_numels(cfg: RunConfig) -> list[list[int]]:
@@ -50,22 +106,36 @@ def _group_numels(cfg: RunConfig) -> list[list[int]]:
 
 
 def format_per_rank(section: dict) -> str:
-    lines = [f"per-rank model states and step peak, {section['strategy']} on {section['world_size']} ranks vs the "
-             f"ZeRO-{section['zero_stage_planned']} plan:",
+    layout = section.get("layout", {})
+    divided = layout.get("tp", 1) > 1 or layout.get("pp", 1) > 1
+    what = (f"tp {layout['tp']} x pp {layout['pp']} x dp {layout['dp']} ({section['strategy']}) vs trainwise.cost.rank"
+            if divided else f"{section['strategy']} on {section['world_size']} ranks vs the "
+                            f"ZeRO-{section['zero_stage_planned']} plan")
+    lines = [f"per-rank model states, step peak and communication, {what}:",
              f"{'rank':>4}  {'state':<10}{'predicted':>16}{'measured':>16}{'error':>9}"]
     for r, entries in enumerate(section["ranks"]):
-        for name, e in entries.items():
+        for name in STATES:
+            e = entries[name]
             if e["measured"] is None:
                 continue
             name = "peak" if name == "peak_memory_bytes" else name
             lines.append(f"{r:>4}  {name:<10}{e['predicted'] / 1e6:>13.3f} MB{e['measured'] / 1e6:>13.3f} MB"
-                         f"{e['error']:>+9.1%}")
+                         f"{_error(e):>9}")
+        for kind, e in entries.get("comm", {}).items():
+            calls, nbytes = e["calls"], e["bytes"]
+            lines.append(f"{r:>4}  {kind:<15}{calls['predicted']:>5} calls {nbytes['predicted']:>12,} B  measured "
+                         f"{calls['measured']:>5} calls {nbytes['measured']:>12,} B")
     if section["zero_stage_planned"] == 1:
         even = sum(e["optimizer"]["predicted"] for e in section["ranks"]) / section["world_size"]
         lines.append(f"(zero1 shards by whole tensors, as ZeroRedundancyOptimizer does; an even split, "
                      f"DeepSpeed's ZeRO-1, would be {even / 1e6:.3f} MB of optimizer states per rank)")
-    if section["zero_stage_planned"] == 2:
+    if section["zero_stage_planned"] == 2 and not divided:
         lines.append("(zero2 is FSDP2 keeping the gathered parameters from forward to backward: params = that "
                      "replicated copy, in the compute dtype; optimizer = moments + the fp32 shard it steps, "
                      "the master copy; gradients are kept in fp32)")
+    lines.append("(communication: bytes this rank sent in the step, as ring algorithms move them)")
     return "\n".join(lines)
+
+
+def _error(e: dict) -> str:
+    return "n/a" if e["error"] is None else f"{e['error']:+.1%}"
