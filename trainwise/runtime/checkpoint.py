@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -150,10 +151,17 @@ def _fail(run_dir: Path, final: Path, tmp: Path, err: Exception):
     ) from None
 
 
+# Optimizer states keyed by parameter name, param-group settings included ("param_groups.<fqn>.lr"), as
+# torchtitan saves them: with the default nested form every pipeline rank writes "param_groups.0.params"
+# under the same key with its own parameter names, DCP keeps rank 0's, and the other stages load groups
+# without their settings (KeyError 'betas' at the next step).
+FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
     return state
 
 
@@ -189,7 +197,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     dcp.load(state, checkpoint_id=str(path / SHARDED))
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=FLAT_OPTIMIZER)
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:

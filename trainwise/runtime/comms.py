@@ -26,8 +26,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainwise.cost.rank import bytes_sent
 
-import os
-_DEBUG = os.environ.get("TW_COMM_DEBUG")
 _f = torch.ops._c10d_functional
 _c = torch.ops.c10d
 
@@ -96,8 +94,6 @@ class CommCounter(TorchDispatchMode):
         seen = _record(func, args, kwargs, out)
         if seen is not None:
             kind, nbytes, world = seen
-            if _DEBUG:
-                print("comm", kind, nbytes, world, func, flush=True)
             key = "send_recv" if kind in ("send", "recv") else kind
             self.counts[key]["calls"] += 1
             self.counts[key]["bytes"] += bytes_sent(kind, nbytes, world)
