@@ -9,19 +9,23 @@ import pytest
 
 from trainwise.config import ModelConfig
 from trainwise.cost import rank as R
-from trainwise.cost.rank_memory import in_flight
+from trainwise.cost.comm import bytes_sent
+from trainwise.cost.layout import Layout, rank_memory
+from trainwise.cost.memory import get_recipe
 from trainwise.cost.params import params
+from trainwise.cost.rank_memory import in_flight
 
 TINY = dict(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 
 
 def test_bytes_sent_by_a_ring():
-    assert R.bytes_sent("all_reduce", 1000, 4) == 1500  # 2 x 3/4 x 1000
-    assert R.bytes_sent("all_gather", 100, 4) == 300  # its 100-byte shard to 3 others
-    assert R.bytes_sent("reduce_scatter", 100, 4) == 300  # 3 partial 100-byte shards out
-    assert R.bytes_sent("all_to_all", 1000, 4) == 750
-    assert R.bytes_sent("send", 10, 2) == 10 and R.bytes_sent("recv", 10, 2) == 0
-    assert R.bytes_sent("all_reduce", 1000, 1) == 0
+    """cost.comm.bytes_sent of a collective's buffer S over w ranks, as the plan and the run's counter use it."""
+    assert bytes_sent("all_reduce", 1000, 4) == 1500  # 2 x 3/4 x 1000
+    assert bytes_sent("all_gather", 400, 4) == 300  # its 100-byte shard to 3 others
+    assert bytes_sent("reduce_scatter", 400, 4) == 300  # 3 partial 100-byte shards out
+    assert bytes_sent("all_to_all", 1000, 4) == 750
+    assert bytes_sent("send_recv", 10, 2) == 10
+    assert bytes_sent("all_reduce", 1000, 1) == 0
 
 
 @pytest.mark.parametrize("extra", [
@@ -47,8 +51,8 @@ def test_a_tp_rank_holds_half_of_every_matrix_and_all_of_every_norm():
     32 x 64 = 7744; final norm 32: 4800 + 2 x 7744 + 32 = 20320 elements, 81280 bytes; FSDP2 over 2 more
     ranks halves every tensor's first dimension: 40640 bytes."""
     cfg = ModelConfig(**TINY)
-    assert R.rank_state_bytes(cfg, R.Layout(tp=2), 1, 2) == {"params": 81280, "grads": 81280, "optimizer": 162560}
-    fsdp = R.Layout(dp=2, tp=2, strategy="fsdp")
+    assert R.rank_state_bytes(cfg, Layout(tp=2), 1, 2) == {"params": 81280, "grads": 81280, "optimizer": 162560}
+    fsdp = Layout(dp=2, tp=2, zero=3)
     assert R.rank_state_bytes(cfg, fsdp, 3, 2)["params"] == 40640
 
 
@@ -56,20 +60,20 @@ def test_pipeline_stages_hold_their_layers_the_embedding_and_the_head():
     """pp 2, untied: stage 0 the embedding (9600) and block 0 (15424), stage 1 block 1, the final norm (32) and
     the LM head (9600)."""
     cfg = ModelConfig(**{**TINY, "tie_embeddings": False})
-    layout = R.Layout(pp=2)
+    layout = Layout(pp=2)
     assert R.rank_state_bytes(cfg, layout, 0, 2)["params"] == 4 * (9600 + 15424)
     assert R.rank_state_bytes(cfg, layout, 1, 2)["params"] == 4 * (15424 + 32 + 9600)
-    assert [list(R.stage_layers(5, 2, s)) for s in (0, 1)] == [[0, 1], [2, 3, 4]]
-    assert R.rank_stages(R.Layout(pp=2, vpp=2, schedule="interleaved"), 1) == [1, 3]
+    assert [list(R.stage_layers(5, 2, s)) for s in (0, 1)] == [[0, 1, 2], [3, 4]]  # cost.layout.chunk_layers: the last stage holds the head
+    assert R.rank_stages(Layout(pp=2, vpp=2, pp_schedule="interleaved"), 1) == [1, 3]
 
 
 def test_micro_batches_in_flight_per_schedule():
     """1F1B: rank r of pp holds pp - r micro-batches (PipeDream-Flush); GPipe all K; interleaved 1F1B
     (pp 2, vpp 2, K 4, 2 rounds of 2): rank 0 warms up with (2 - 1) x 2 + 2 x (2 - 1 - 0) = 4 forwards
     (chunks 0, 0, 1, 1) and runs a fifth before its first backward; rank 1 warms up with 2."""
-    assert [len(in_flight(R.Layout(pp=4), r, 8)) for r in range(4)] == [4, 3, 2, 1]
-    assert len(in_flight(R.Layout(pp=2, schedule="gpipe"), 1, 3)) == 3
-    interleaved = R.Layout(pp=2, vpp=2, schedule="interleaved")
+    assert [len(in_flight(Layout(pp=4), r, 8)) for r in range(4)] == [4, 3, 2, 1]
+    assert len(in_flight(Layout(pp=2, pp_schedule="gpipe"), 1, 3)) == 3
+    interleaved = Layout(pp=2, vpp=2, pp_schedule="interleaved")
     assert in_flight(interleaved, 0, 4) == [[0], [0], [1], [1], [0]]
     assert len(in_flight(interleaved, 1, 4)) == 3
 
@@ -80,7 +84,31 @@ def test_data_parallel_collectives_of_a_step():
     12 calls, (2 x 4816 + 4 x 7712) x 4 x 2 micro-batches = 323840 bytes; one reduce-scatter of each unit's
     fp32 gradients: 80960 bytes; the gradient norm's scalar: 4 bytes. DDP: one 161920-byte bucket."""
     cfg, shape = ModelConfig(**TINY), R.StepShape(2, 32, 2, 4, 4)
-    assert R.rank_comm(cfg, R.Layout(dp=2, strategy="fsdp"), 0, shape) == {
+    assert R.rank_comm(cfg, Layout(dp=2, zero=3), 0, shape) == {
         "all_gather": {"calls": 12, "bytes": 323840}, "all_reduce": {"calls": 1, "bytes": 4},
         "reduce_scatter": {"calls": 3, "bytes": 80960}}
-    assert R.rank_comm(cfg, R.Layout(dp=2, strategy="ddp"), 0, shape) == {"all_reduce": {"calls": 1, "bytes": 161920}}
+    assert R.rank_comm(cfg, Layout(dp=2, zero=0), 0, shape) == {"all_reduce": {"calls": 1, "bytes": 161920}}
+
+
+DENSE_UNTIED = {**TINY, "tie_embeddings": False}
+MOE = {**TINY, "n_experts": 4, "top_k": 2, "n_shared_experts": 1, "first_dense_layers": 1}
+
+
+@pytest.mark.parametrize("model, layout", [
+    (TINY, Layout(tp=2)), (MOE, Layout(tp=2)), (DENSE_UNTIED, Layout(pp=2)),
+    ({**DENSE_UNTIED, "n_layers": 4}, Layout(pp=2, vpp=2, pp_schedule="interleaved")),
+    (DENSE_UNTIED, Layout(tp=2, pp=2)), ({**MOE, "tie_embeddings": False}, Layout(tp=2, pp=2)),
+    (TINY, Layout(dp=2, tp=2, zero=3)),
+])
+def test_the_planners_rank_is_the_trainers_rank(model, layout):
+    """The planner's per-rank count (cost.layout.rank_params, through rank_memory: dense layers, MoE layers
+    and experts, embedding on the first pipeline rank, final norm and head on the last) equals cost.rank's,
+    parameter by parameter as tensor parallelism and the pipeline place them, on every rank of the layouts
+    trainwise trains; under FSDP both shard the rank's share over dp to the same parameter bytes."""
+    cfg = ModelConfig(**model)
+    recipe = get_recipe("fp32")
+    for rank in range(layout.gpus):
+        pp_rank = layout.coords(rank)[1]
+        planned = rank_memory(cfg, layout, recipe, "adamw", 1, 16, "none", rank=pp_rank)
+        assert planned.params == sum(p.tp_numel for p in R.rank_params(cfg, layout, rank)), rank
+        assert planned.states.params == R.rank_state_bytes(cfg, layout, rank, 2)["params"], rank

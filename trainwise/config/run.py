@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import codecs
-import math
 from dataclasses import dataclass, field, fields
 
-from trainwise.config.checks import choice, divisors, suggest
+from trainwise.config.checks import choice, suggest
 from trainwise.config.model import ModelConfig
 from trainwise.errors import TrainwiseError
 
@@ -233,7 +232,6 @@ class RunConfig:
         self.model.validate()
         for section in (self.train, self.data, self.tokenizer, self.parallel, self.log):
             section.validate()
-        check_layout(self)
         if self.train.seq_len > self.model.max_seq_len:
             raise TrainwiseError(
                 f"train.seq_len = {self.train.seq_len} is longer than model.max_seq_len = "
@@ -243,57 +241,3 @@ class RunConfig:
 
 
 SECTIONS = [f.name for f in fields(RunConfig)]
-
-
-def check_layout(cfg: RunConfig) -> None:
-    """The model and batch against parallel.tp / pp / vpp, before anything starts: each error names the
-    numbers and a layout that works."""
-    p, m, t = cfg.parallel, cfg.model, cfg.train
-    if p.tp > 1:
-        _check_tp(p.tp, m, t)
-    if p.pp > 1:
-        stages = p.pp * p.vpp
-        if m.n_layers < stages:
-            good = max(d for d in range(1, p.pp + 1) if m.n_layers >= d)
-            raise TrainwiseError(
-                f"parallel.pp = {p.pp} x parallel.vpp = {p.vpp} = {stages} pipeline stages, but the model has "
-                f"model.n_layers = {m.n_layers}: each stage needs at least one layer. Use parallel.pp={good} "
-                f"with parallel.vpp=1, or a model of at least {stages} layers.")
-        k = t.grad_accum_steps
-        if p.pp_schedule != "gpipe" and k < p.pp or p.pp_schedule == "interleaved" and k % p.pp:
-            need = p.pp if p.pp_schedule != "interleaved" else p.pp * max(1, -(-k // p.pp))
-            raise TrainwiseError(
-                f"parallel.pp = {p.pp} with the {p.pp_schedule} schedule needs train.grad_accum_steps (its "
-                f"micro-batches per step) >= {p.pp}" + (" and a multiple of pp" if p.pp_schedule == "interleaved"
-                                                        else "") + f", but it is {k}. Set "
-                f"train.grad_accum_steps={need} (and divide train.micro_batch to keep the batch), or "
-                "parallel.pp_schedule=gpipe.")
-        if m.tie_embeddings:
-            raise TrainwiseError(
-                f"model.tie_embeddings = true with parallel.pp = {p.pp}: the embedding sits on the first pipeline "
-                "stage and the LM head on the last, so one tied matrix would live on two ranks. Set "
-                "model.tie_embeddings=false for pipeline parallelism (or train with parallel.pp=1).")
-
-
-def _check_tp(tp: int, m: ModelConfig, t: TrainConfig) -> None:
-    """Tensor parallelism divides heads, KV heads and MLP widths by tp, and sequence parallelism the
-    sequence."""
-    if m.attention == "mla":
-        raise TrainwiseError(f"parallel.tp = {tp} with model.attention = 'mla': trainwise splits multi-head latent "
-                             "attention across pipeline stages and data-parallel ranks but not by tensor "
-                             "parallelism yet; use parallel.pp or the data-parallel dimension, with parallel.tp=1.")
-    if m.loss_chunk_tokens:
-        raise TrainwiseError(f"parallel.tp = {tp} with model.loss_chunk_tokens = {m.loss_chunk_tokens}: under tensor "
-                             "parallelism the LM head is sharded by vocabulary, which the chunked loss does not "
-                             "take; set model.loss_chunk_tokens=0.")
-    widths = [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.ffn_hidden", m.ffn_hidden),
-              ("train.seq_len", t.seq_len)]
-    if m.is_moe:
-        widths.append(("model.expert_ffn_hidden", m.expert_ffn_hidden))
-    for name, value in widths:
-        if value % tp:
-            good = max(d for d in divisors(math.gcd(*[v for _, v in widths])) if d <= tp)
-            raise TrainwiseError(
-                f"parallel.tp = {tp} does not divide {name} = {value}: tensor parallelism gives each rank "
-                f"1/tp of the heads, KV heads and MLP width, and sequence parallelism 1/tp of the sequence. Use "
-                f"parallel.tp={good}, or a model whose n_heads, n_kv_heads, ffn_hidden and seq_len tp divides.")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from trainwise.config import ModelConfig
+from trainwise.config import STRATEGY_OF_STAGE, ModelConfig
 from trainwise.cost import memory as M
 from trainwise.cost.params import embedding_params, layer_params, mlp_params, norm_params
 from trainwise.errors import TrainwiseError
@@ -33,10 +33,25 @@ class Layout:
     micro_batches: int = 1  # m: micro-batches per pipeline (per data-parallel rank) per optimizer step
     dp_overlap: bool = True  # gradient reduction under backward (DDP buckets); False: after backward
     attention_impl: str = "flash"  # "unfused": scores in memory, softmax between two batched matmuls
+    pp_schedule: str = "1f1b"  # the trainer's pipeline schedule: 1f1b | gpipe | interleaved (vpp > 1)
 
     @property
     def gpus(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def stages(self) -> int:
+        """Pipeline chunks (stages) of the model: pp x vpp."""
+        return self.pp * self.vpp
+
+    @property
+    def strategy(self) -> str:
+        """The trainer's parallel.strategy for the data-parallel dimension: none with one replica."""
+        return "none" if self.dp <= 1 else STRATEGY_OF_STAGE[self.zero]
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of a global rank in the module's order (tp innermost, pp outermost)."""
+        return rank // (self.tp * self.cp) % self.dp, rank // (self.tp * self.cp * self.dp), rank % self.tp
 
     @property
     def model_parallel(self) -> int:

@@ -26,77 +26,19 @@ import math
 from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
-from trainwise.cost.comm import DDP_BUCKET_BYTES
+from trainwise.cost.comm import DDP_BUCKET_BYTES, bytes_sent
+from trainwise.cost.layout import Layout, chunk_layers
 
 DDP_FIRST_BUCKET_BYTES = 2**20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 
 
-def bytes_sent(kind: str, nbytes: int, world: int) -> int:
-    """Bytes one rank sends in one collective over `world` ranks, as the ring algorithms move them (Thakur
-    et al. 2005; cost.comm.ring_seconds):
-
-        all_reduce      of an n-byte buffer          2 (w - 1) n / w   (reduce-scatter + all-gather)
-        all_gather      of the rank's n-byte input   (w - 1) n          (its shard to every other rank)
-        reduce_scatter  to the rank's n-byte output  (w - 1) n
-        all_to_all      of an n-byte input           (w - 1) n / w      (what leaves the rank, even splits)
-        broadcast       of an n-byte buffer          (w - 1) n / w
-        send            an n-byte tensor             n;  recv: 0
-
-    Fractions are rounded down to whole bytes. One rank (w = 1) sends nothing."""
-    if kind == "send":
-        return nbytes
-    if kind == "recv" or world <= 1:
-        return 0
-    if kind == "all_reduce":
-        return 2 * (world - 1) * nbytes // world
-    if kind in ("all_gather", "reduce_scatter"):
-        return (world - 1) * nbytes
-    if kind in ("all_to_all", "broadcast"):
-        return (world - 1) * nbytes // world
-    raise ValueError(f"unknown collective '{kind}'")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the ranks of a job divide one training step: world size = dp x pp x tp, rank =
-    (dp_rank x pp + pp_rank) x tp + tp_rank (tp innermost); `strategy` shards the dp dimension."""
-
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    vpp: int = 1
-    schedule: str = "1f1b"
-    strategy: str = "none"
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
-
-    @property
-    def stages(self) -> int:
-        return self.pp * self.vpp
-
-    @property
-    def model_parallel(self) -> bool:
-        return self.tp > 1 or self.pp > 1
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp_rank, pp_rank, tp_rank) of a global rank."""
-        return rank // (self.pp * self.tp), rank // self.tp % self.pp, rank % self.tp
-
-    def describe(self) -> str:
-        parts = [f"dp {self.dp}"]
-        if self.pp > 1:
-            parts.append(f"pp {self.pp} ({self.schedule}" + (f", {self.vpp} stages per rank" if self.vpp > 1 else "")
-                         + ")")
-        if self.tp > 1:
-            parts.append(f"tp {self.tp} (sequence parallel)")
-        return " x ".join(parts)
-
-
 def stage_layers(n_layers: int, stages: int, stage: int) -> range:
-    """The layers of pipeline stage `stage` of `stages`: contiguous, as even as the division allows."""
-    return range(stage * n_layers // stages, (stage + 1) * n_layers // stages)
+    """The layers of pipeline stage `stage` of `stages`: contiguous, sized as the planner cuts them
+    (cost.layout.chunk_layers: even where they divide, otherwise one fewer on the last and first stages,
+    which also hold the LM head and the embedding)."""
+    sizes = chunk_layers(n_layers, stages)
+    start = sum(sizes[:stage])
+    return range(start, start + sizes[stage])
 
 
 def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
@@ -114,9 +56,9 @@ def schedule_ops(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple
     K, pp, vpp = micro_batches, layout.pp, layout.vpp
     if pp == 1:
         return [op for _ in range(K) for op in (("F", 0), ("B", 0))]
-    if layout.schedule == "gpipe":
+    if layout.pp_schedule == "gpipe":
         return [("F", 0)] * K + [("B", 0)] * K
-    if layout.schedule == "1f1b":
+    if layout.pp_schedule == "1f1b":
         warmup = min(K, pp - pp_rank)
         ops = [("F", 0)] * warmup
         for i in range(K - warmup):
@@ -303,18 +245,20 @@ class StepShape:
 
 
 def _add(out: dict, kind: str, calls: int, nbytes: int, world: int) -> None:
-    """Record `calls` collectives of `kind`, each of an nbytes tensor (bytes_sent's n) over world ranks."""
+    """Record `calls` collectives of `kind` over world ranks, each of an nbytes buffer S as cost.comm
+    counts it (the gathered output of an all-gather, the input of a reduce-scatter, the reduced buffer of
+    an all-reduce), and the whole bytes the rank sends: cost.comm.bytes_sent, rounded."""
     if calls <= 0 or world <= 1:
         return
     entry = out.setdefault(kind, {"calls": 0, "bytes": 0})
     entry["calls"] += calls
-    entry["bytes"] += calls * bytes_sent(kind, nbytes, world)
+    entry["bytes"] += calls * round(bytes_sent(kind, nbytes, world))
 
 
 def _p2p(out: dict, sends: int, receives: int, nbytes: int) -> None:
     entry = out.setdefault("send_recv", {"calls": 0, "bytes": 0})
     entry["calls"] += sends + receives
-    entry["bytes"] += sends * bytes_sent("send", nbytes, 2)
+    entry["bytes"] += sends * round(bytes_sent("send_recv", nbytes, 2))
 
 
 def _tp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[int], shape: StepShape) -> None:
@@ -324,7 +268,7 @@ def _tp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[in
     all-gather); the head all-gathers its input and the logits (backward: a reduce-scatter of its input's
     gradient; the logits' gradient is cut locally)."""
     tp = layout.tp
-    tokens = shape.micro_batch * shape.seq_len // tp  # the rank's positions
+    tokens = shape.micro_batch * shape.seq_len  # the sequence's positions, T / tp on each rank
     s, c, H = shape.residual_bytes, shape.compute_bytes, cfg.d_model
     blocks = sum(len(stage_layers(cfg.n_layers, layout.stages, st)) for st in stages)
     forwards = 2 if shape.recompute else 1  # full checkpointing recomputes each block, collectives included
@@ -336,11 +280,11 @@ def _tp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[in
         _add(out, "reduce_scatter", 1, tokens * H * s, tp)
         _add(out, "all_gather", 1, tokens * H * s, tp)
         if cfg.position == "learned":
-            _add(out, "reduce_scatter", 1, shape.seq_len // tp * H * s, tp)
-            _add(out, "all_gather", 1, shape.seq_len // tp * H * s, tp)
+            _add(out, "reduce_scatter", 1, shape.seq_len * H * s, tp)
+            _add(out, "all_gather", 1, shape.seq_len * H * s, tp)
     if layout.stages - 1 in stages:
         _add(out, "all_gather", 1, tokens * H * s, tp)
-        _add(out, "all_gather", 1, shape.micro_batch * shape.seq_len * -(-cfg.vocab_size // tp) * c, tp)
+        _add(out, "all_gather", 1, tokens * -(-cfg.vocab_size // tp) * tp * c, tp)  # vocabulary padded to tp
         _add(out, "reduce_scatter", 1, tokens * H * s, tp)
 
 
@@ -418,9 +362,9 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
         for unit, params in by_unit.items():
             padded = sum(p.padded_numel for p in params)
             gathers = _fsdp_gathers(ops, _unit_chunk(unit, cfg, layout), layout.strategy == "fsdp", layout.pp > 1)
-            _add(out, "all_gather", gathers, padded * shape.param_bytes, dp)
-            _add(out, "reduce_scatter", 1, padded * 4, dp)
-    elif layout.model_parallel:  # ddp on a mesh: FSDP2's replicate
+            _add(out, "all_gather", gathers, dp * padded * shape.param_bytes, dp)
+            _add(out, "reduce_scatter", 1, dp * padded * 4, dp)
+    elif layout.model_parallel > 1:  # ddp on a mesh: FSDP2's replicate
         for params in by_unit.values():
             _add(out, "all_reduce", 1, sum(p.tp_numel for p in params) * 4, dp)
     else:  # DDP (ddp, zero1)
@@ -451,8 +395,8 @@ def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> 
         for p in params:
             if p.spec.partial:
                 _add(out, "all_reduce", 1, 4 * p.tp_numel, layout.tp)
-    if layout.model_parallel or _fsdp(layout):  # DTensor parameters or pipeline stages: runtime.distributed
-        _add(out, "all_reduce", 1, 4, layout.world_size)  # .clip_grad_norm's one scalar
+    if layout.model_parallel > 1 or _fsdp(layout):  # DTensor parameters or pipeline stages: runtime.distributed
+        _add(out, "all_reduce", 1, 4, layout.gpus)  # .clip_grad_norm's one scalar
     if layout.pp > 1:
         _add(out, "all_reduce", 1, 4, layout.pp)
     biased = [p for p in params if p.spec.name.endswith("router.weight")] if cfg.router_bias else []

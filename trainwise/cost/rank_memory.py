@@ -14,7 +14,8 @@ from dataclasses import replace
 
 from trainwise.config import ModelConfig
 from trainwise.cost import memory as M
-from trainwise.cost.rank import Layout, rank_stages, rank_state_bytes, schedule_ops, stage_layers, units
+from trainwise.cost.layout import Layout
+from trainwise.cost.rank import rank_stages, rank_state_bytes, schedule_ops, stage_layers, units
 
 
 def tp_bytes_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int, tp: int, checkpointing: str = "none") -> float:

@@ -8,10 +8,11 @@ mechanism of PyTorch's own CommDebugMode) sees each of them with its tensors and
 counter needs no change to the code it watches. DDP's bucket all-reduces are issued by its C++ reducer
 and are seen through the comm hook runtime.distributed installs (torch's default all-reduce hook).
 
-Bytes are what the rank sends, as the ring algorithms move them (trainwise.cost.rank.bytes_sent, the
-same function the plan uses): an all-reduce of n bytes over w ranks sends 2 (w - 1)/w n, an all-gather
-(w - 1) x the rank's input, a reduce-scatter (w - 1) x its output, an all-to-all what leaves the rank, a
-send its tensor (a receive counts a call and no bytes).
+Bytes are what the rank sends, as the ring algorithms move them (trainwise.cost.comm.bytes_sent, the
+function the plan uses, of the collective's buffer S, rounded to whole bytes): an all-reduce of S bytes
+over w ranks sends 2 (w - 1)/w S, an all-gather (w - 1)/w of its gathered output, a reduce-scatter
+(w - 1)/w of its input, an all-to-all what leaves the rank, a send its tensor (a receive counts a call and
+no bytes). A broadcast counts its calls only (its bytes depend on the root).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainwise.cost.rank import bytes_sent
+from trainwise.cost.comm import bytes_sent
 
 _f = torch.ops._c10d_functional
 _c = torch.ops.c10d
@@ -43,27 +44,29 @@ def _group_size(group) -> int:
 
 
 def _record(func, args, kwargs, out) -> tuple[str, int, int] | None:
-    """(type, tensor bytes, group size) of a communication op, None for any other op. The tensor bytes are
-    the whole buffer for all_reduce / all_to_all / broadcast / send, the rank's input for all_gather, its
-    output for reduce_scatter (bytes_sent's n)."""
+    """(type, buffer bytes S, group size) of a communication op, None for any other op: the whole buffer
+    for all_reduce / all_to_all / broadcast / send, the gathered output of an all_gather, the input of a
+    reduce_scatter (cost.comm.bytes_sent's S)."""
     op = func._overloadpacket
     a = list(args) + list(kwargs.values())
     if op in (_f.all_reduce, _f.all_reduce_coalesced):
         return "all_reduce", _nbytes(a[0]), _group_size(a[2])
     if op in (_f.all_gather_into_tensor, _f.all_gather_into_tensor_coalesced):
-        return "all_gather", _nbytes(a[0]), a[1]
+        return "all_gather", _nbytes(a[0]) * a[1], a[1]
     if op in (_f.reduce_scatter_tensor, _f.reduce_scatter_tensor_coalesced):
-        return "reduce_scatter", _nbytes(out), a[2]
+        return "reduce_scatter", _nbytes(a[0]), a[2]
     if op is _f.all_to_all_single:
         return "all_to_all", _nbytes(a[0]), _group_size(a[3])
     if op is _f.broadcast:
         return "broadcast", _nbytes(a[0]), _group_size(a[2])
     if op in (_c.allreduce_, _c.allreduce_coalesced_):
         return "all_reduce", _nbytes(a[0]), _group_size(a[1])
-    if op in (_c._allgather_base_, _c.allgather_, _c.allgather_into_tensor_coalesced_):
-        return "all_gather", _nbytes(a[1]), _group_size(a[2])
+    if op in (_c._allgather_base_, _c.allgather_into_tensor_coalesced_):
+        return "all_gather", _nbytes(a[0]), _group_size(a[2])
+    if op is _c.allgather_:
+        return "all_gather", _nbytes(a[1]) * _group_size(a[2]), _group_size(a[2])
     if op in (_c._reduce_scatter_base_, _c.reduce_scatter_tensor_coalesced_):
-        return "reduce_scatter", _nbytes(a[0]), _group_size(a[2])
+        return "reduce_scatter", _nbytes(a[1]), _group_size(a[2])
     if op is _c.alltoall_base_:
         return "all_to_all", _nbytes(a[1]), _group_size(a[2])
     if op is _c.broadcast_:
@@ -96,7 +99,8 @@ class CommCounter(TorchDispatchMode):
             kind, nbytes, world = seen
             key = "send_recv" if kind in ("send", "recv") else kind
             self.counts[key]["calls"] += 1
-            self.counts[key]["bytes"] += bytes_sent(kind, nbytes, world)
+            if kind not in ("recv", "broadcast"):
+                self.counts[key]["bytes"] += round(bytes_sent(key, nbytes, world))
         return out
 
     def result(self) -> dict[str, dict[str, int]]:

@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
@@ -86,12 +85,12 @@ class Dist:
         return self.strategy in FSDP_STRATEGIES
 
 
-def init(parallel: ParallelConfig, device_request: str, timeout_s: float = 120.0) -> Dist:
+def init(parallel: ParallelConfig, device_request: str, timeout_s: float = 120.0, micro_batches: int = 1) -> Dist:
     """Join the process group torchrun set up (env WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR...) and, when
     tp or pp > 1, build the job's DeviceMesh. The layout is checked against the world size first."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     strategy = parallel.strategy
-    layout = layout_for(parallel, world_size)
+    layout = layout_for(parallel, world_size, micro_batches)
     if world_size == 1:
         return Dist("none")
     if strategy == "none" and layout.dp > 1:
@@ -100,9 +99,9 @@ def init(parallel: ParallelConfig, device_request: str, timeout_s: float = 120.0
             "'none'; add --set parallel.strategy=ddp (replicated), parallel.strategy=zero1 (optimizer states "
             "sharded), parallel.strategy=zero2 (gradients too) or parallel.strategy=fsdp (everything sharded)"
             + (f" for the {layout.dp} data-parallel replicas of tp {layout.tp} x pp {layout.pp}"
-               if layout.model_parallel else "") + "."
+               if layout.model_parallel > 1 else "") + "."
         )
-    if layout.model_parallel and layout.dp == 1:
+    if layout.model_parallel > 1 and layout.dp == 1:
         strategy = "none"  # one replica: no data-parallel dimension to shard (layout.strategy says so too)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and device_request != "cpu"
@@ -111,7 +110,7 @@ def init(parallel: ParallelConfig, device_request: str, timeout_s: float = 120.0
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    mesh = build_mesh(layout, "cuda" if use_cuda else "cpu") if layout.model_parallel else None
+    mesh = build_mesh(layout, "cuda" if use_cuda else "cpu") if layout.model_parallel > 1 else None
     return Dist(strategy, rank, world_size, local_rank, control, layout, mesh)
 
 

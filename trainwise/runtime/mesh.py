@@ -1,32 +1,42 @@
-"""One DeviceMesh for the whole job: data parallel x pipeline parallel x tensor parallel, dims named.
+"""One DeviceMesh for the whole job: pipeline parallel x data parallel x tensor parallel, dims named.
 
-    world size = dp x pp x tp          (parallel.tp, parallel.pp; dp is what is left)
-    rank = (dp_rank x pp + pp_rank) x tp + tp_rank
+    world size = pp x dp x tp          (parallel.tp, parallel.pp; dp is what is left)
+    rank = (pp_rank x dp + dp_rank) x tp + tp_rank
 
-tp is the innermost dimension, so a tensor-parallel group is tp neighbouring ranks (on one machine when
-tp <= GPUs per node, where its per-layer collectives need NVLink bandwidth); pipeline neighbours come
-next and data-parallel replicas outermost (Megatron-LM's and torchtitan's order). parallel.strategy says
-how the dp dimension shards (runtime.distributed.wrap).
+The planner's rank order (trainwise.cost.layout, Megatron-LM's and torchtitan's): tp innermost, so a
+tensor-parallel group is tp neighbouring ranks (on one machine when tp <= GPUs per node, where its
+per-layer collectives need NVLink bandwidth), data-parallel replicas next and pipeline stages outermost.
+parallel.strategy says how the dp dimension shards (runtime.distributed.wrap). The layout is the
+planner's cost.layout.Layout, and so is its check: the rules a plan and a run share are
+cost.layout.check_layout's; check_layout here adds what only the trainer needs.
 """
 
 from __future__ import annotations
 
+import math
+import re
+
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainwise.config import ParallelConfig
+from trainwise.config import ZERO_STAGE, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from trainwise.config.checks import divisors
-from trainwise.cost.rank import Layout
+from trainwise.cost import layout as planned
+from trainwise.cost.layout import Layout, make_layout
 from trainwise.errors import TrainwiseError
 
-DIMS = ("dp", "pp", "tp")
+DIMS = ("pp", "dp", "tp")
 
-__all__ = ["DIMS", "Layout", "build_mesh", "layout_for"]
+__all__ = ["DIMS", "Layout", "build_mesh", "check_layout", "describe", "layout_for"]
+
+# the planner's flags, as a training config names them
+_CONFIG_NAMES = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--vpp": "parallel.vpp",
+                 "--grad-accum": "train.grad_accum_steps"}
 
 
-def layout_for(p: ParallelConfig, world_size: int) -> Layout:
-    """The layout of `world_size` ranks for [parallel] (trainwise.cost.rank.Layout: the planner's per-rank
-    view reads the same); a TrainwiseError naming the numbers and a layout that works when world size is not
-    a multiple of tp x pp. The strategy is the one that runs: none where there is one replica."""
+def layout_for(p: ParallelConfig, world_size: int, micro_batches: int = 1) -> Layout:
+    """The layout of `world_size` ranks for [parallel] (cost.layout.Layout, sequence parallel with tp > 1);
+    a TrainwiseError naming the numbers and a layout that works when world size is not a multiple of
+    tp x pp. The strategy is the one that runs: none where there is one replica."""
     mp = p.tp * p.pp
     if world_size == 1 and mp > 1:
         raise TrainwiseError(
@@ -41,11 +51,68 @@ def layout_for(p: ParallelConfig, world_size: int) -> Layout:
             f"{p.pp} = {mp} (world size = dp x pp x tp). Start {mp * max(1, world_size // mp)} ranks "
             f"(torchrun --nproc-per-node), or pick tp and pp whose product divides {world_size}"
             + (f" (e.g. {', '.join(fits)})" if fits else "") + ".")
-    dp = world_size // mp
-    strategy = "none" if dp == 1 else p.strategy
-    return Layout(dp=dp, pp=p.pp, tp=p.tp, vpp=p.vpp if p.pp > 1 else 1, schedule=p.pp_schedule, strategy=strategy)
+    layout = make_layout(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp if p.pp > 1 else 1, zero=ZERO_STAGE[p.strategy],
+                         micro_batches=micro_batches)
+    return Layout(**{**vars(layout), "pp_schedule": p.pp_schedule})
+
+
+def describe(layout: Layout) -> str:
+    parts = [f"dp {layout.dp}"]
+    if layout.pp > 1:
+        parts.append(f"pp {layout.pp} ({layout.pp_schedule}"
+                     + (f", {layout.vpp} stages per rank" if layout.vpp > 1 else "") + ")")
+    if layout.tp > 1:
+        parts.append(f"tp {layout.tp} (sequence parallel)")
+    return " x ".join(parts)
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
-    """The job's DeviceMesh, shape (dp, pp, tp) with those dim names; every rank calls it."""
-    return init_device_mesh(device_type, (layout.dp, layout.pp, layout.tp), mesh_dim_names=DIMS)
+    """The job's DeviceMesh, shape (pp, dp, tp) with those dim names; every rank calls it."""
+    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=DIMS)
+
+
+def check_layout(cfg: RunConfig) -> None:
+    """The model and batch against parallel.tp / pp / vpp, before anything starts; each error names the
+    numbers and a layout that works. What only the trainer needs first (tensor parallelism divides KV heads,
+    widths and the sequence evenly; no tied embeddings across stages), then the rules a plan shares
+    (cost.layout.check_layout: layers per stage, micro-batches per schedule), in the config's names."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.tp > 1:
+        _check_tp(p.tp, m, t)
+    if p.pp > 1 and m.tie_embeddings:
+        raise TrainwiseError(
+            f"model.tie_embeddings = true with parallel.pp = {p.pp}: the embedding sits on the first pipeline "
+            "stage and the LM head on the last, so one tied matrix would live on two ranks. Set "
+            "model.tie_embeddings=false for pipeline parallelism (or train with parallel.pp=1).")
+    layout = Layout(tp=p.tp, pp=p.pp, vpp=p.vpp if p.pp > 1 else 1, micro_batches=t.grad_accum_steps,
+                    sequence_parallel=p.tp > 1, pp_schedule=p.pp_schedule)
+    try:
+        planned.check_layout(m, layout, t.seq_len)
+    except TrainwiseError as err:
+        message = re.sub(r"(--tp|--pp|--vpp|--grad-accum)( (\d+))?",
+                         lambda f: _CONFIG_NAMES[f[1]] + (f"={f[3]}" if f[3] else ""), str(err))
+        raise TrainwiseError(message + " (The micro-batches per step are train.grad_accum_steps.)") from None
+
+
+def _check_tp(tp: int, m: ModelConfig, t: TrainConfig) -> None:
+    """Tensor parallelism divides heads, KV heads and MLP widths by tp, and sequence parallelism the
+    sequence (the planner replicates KV heads when tp exceeds them; trainwise's plan does not)."""
+    if m.attention == "mla":
+        raise TrainwiseError(f"parallel.tp = {tp} with model.attention = 'mla': trainwise splits multi-head latent "
+                             "attention across pipeline stages and data-parallel ranks but not by tensor "
+                             "parallelism yet; use parallel.pp or the data-parallel dimension, with parallel.tp=1.")
+    if m.loss_chunk_tokens:
+        raise TrainwiseError(f"parallel.tp = {tp} with model.loss_chunk_tokens = {m.loss_chunk_tokens}: under tensor "
+                             "parallelism the LM head is sharded by vocabulary, which the chunked loss does not "
+                             "take; set model.loss_chunk_tokens=0.")
+    widths = [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.ffn_hidden", m.ffn_hidden),
+              ("train.seq_len", t.seq_len)]
+    if m.is_moe:
+        widths.append(("model.expert_ffn_hidden", m.expert_ffn_hidden))
+    for name, value in widths:
+        if value % tp:
+            good = max(d for d in divisors(math.gcd(*[v for _, v in widths])) if d <= tp)
+            raise TrainwiseError(
+                f"parallel.tp = {tp} does not divide {name} = {value}: tensor parallelism gives each rank "
+                f"1/tp of the heads, KV heads and MLP width, and sequence parallelism 1/tp of the sequence. Use "
+                f"parallel.tp={good}, or a model whose n_heads, n_kv_heads, ffn_hidden and seq_len tp divides.")

@@ -1,7 +1,8 @@
 """Pipeline parallelism on torch.distributed.pipelining: the model's layers split into stages, one
 PipelineStage per stage, micro-batches scheduled by PyTorch's GPipe, 1F1B or interleaved 1F1B.
 
-    stages = pp x vpp; stage s holds layers [s L / stages, (s + 1) L / stages)
+    stages = pp x vpp; stage s holds contiguous layers, as the planner cuts them (cost.layout.chunk_layers:
+    even where pp x vpp divides L, otherwise one fewer on the last and first stages)
     the first stage also holds the embedding, the last the final norm and the LM head (and the loss)
     pipeline rank r holds stages r, r + pp, ... (vpp of them: the interleaved schedule's "loop" placement)
     micro-batches = train.grad_accum_steps; each is micro_batch sequences
@@ -27,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from trainwise.cost.rank import Layout, rank_stages, stage_layers
+from trainwise.cost.layout import Layout
+from trainwise.cost.rank import rank_stages, stage_layers
 from trainwise.model import Transformer
 from trainwise.model.moe import MoE
 
@@ -215,8 +217,8 @@ def build_pipeline(parts: list[nn.Module], layout: Layout, pp_rank: int, group, 
     schedule of parallel.pp_schedule; a second, one-micro-batch GPipe-style schedule for evaluation."""
     ids = rank_stages(layout, pp_rank)
     stages = [PipelineStage(part, s, layout.stages, device, group=group) for part, s in zip(parts, ids)]
-    cls = SCHEDULES[layout.schedule]
-    multi = layout.schedule == "interleaved"
+    cls = SCHEDULES[layout.pp_schedule]
+    multi = layout.pp_schedule == "interleaved"
     schedule = cls(stages if multi else stages[0], n_microbatches=micro_batches, loss_fn=cross_entropy)
     eval_cls = ScheduleInterleaved1F1B if multi else ScheduleGPipe
     eval_schedule = eval_cls(stages if multi else stages[0], n_microbatches=1, loss_fn=cross_entropy)

@@ -37,6 +37,7 @@ from trainwise.runtime import checkpoint as ckpt
 from trainwise.runtime import distributed
 from trainwise.runtime.allocator import keep_freed_memory
 from trainwise.runtime.comms import CommCounter
+from trainwise.runtime.mesh import check_layout, describe
 from trainwise.runtime.optim import lr_at
 from trainwise.runtime.parallelize import remove_compile, resolve_compile
 from trainwise.runtime.precision import autocast, resolve_device, resolve_precision
@@ -66,7 +67,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     keep_freed_memory()  # steps reuse the heap instead of faulting in fresh pages (runtime.allocator)
     out = Path(out) if out else rundir.default_run_dir()
     cfg, resume = _resolve_config(cfg, out, resume, max_steps, init_from)
-    d = distributed.init(cfg.parallel, cfg.train.device)
+    d = distributed.init(cfg.parallel, cfg.train.device, micro_batches=cfg.train.grad_accum_steps)
     relaunch.check_ranks_agree(out, resume, d)
     quiet = quiet or not d.is_main
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
@@ -114,6 +115,7 @@ def _resolve_config(cfg: RunConfig | None, out: Path, resume: bool, max_steps: i
     if max_steps is not None:
         cfg.train.max_steps = max_steps
     cfg.validate()
+    check_layout(cfg)  # tp / pp / vpp against the model and batch, before anything starts
     if cfg.log.wandb:  # a missing package is a message now, before any file is written
         require_wandb()
     return cfg, resume
@@ -253,7 +255,7 @@ def _build(cfg: RunConfig, out: Path, resume: bool, init_state: dict | None, tok
         torch.manual_seed(cfg.train.seed + d.rank)  # ranks draw different dropout masks
     start_step = state.trainer_state["step"] if state is not None else 0
     compiled, why_compile = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps - start_step,
-                                            d.strategy, divided=d.layout.model_parallel)
+                                            d.strategy, divided=d.layout.model_parallel > 1)
     step = build_step(model, cfg.train, device, precision, dist=d, compile=compiled)
     if state is not None and state.optimizer_state is None:
         ckpt.load_sharded(latest, step.model, step.optimizer)
@@ -299,7 +301,7 @@ def _say_setup(run: _Run, tokens, why_precision: str, say) -> None:
     say(f"precision: {step.precision} ({why_precision}); compile: {'on' if step.compiled else 'off'} "
         f"({run.why_compile}" + ("; the first step compiles, tens of seconds" if step.compiled else "")
         + f"); device: {step.device}" + (f"; {d.strategy} over {d.world_size} ranks" if d.active and d.mesh is None
-                                         else f"; {d.world_size} ranks: {d.layout.describe()}, data parallel "
+                                         else f"; {d.world_size} ranks: {describe(d.layout)}, data parallel "
                                               f"{d.strategy}" if d.active else ""))
     say(f"data: {len(tokens.train):,} train / {len(tokens.val):,} val tokens; "
         f"B_eff = micro_batch {cfg.train.micro_batch} x grad_accum {cfg.train.grad_accum_steps}"

@@ -61,7 +61,7 @@ def check_memory(cfg: RunConfig, device: torch.device, precision: str, d, say) -
         return
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     available, source = available_bytes(device, local_ranks)
-    if d.layout.model_parallel:  # tensor / pipeline parallel: this rank's share (trainwise.cost.rank)
+    if d.layout.model_parallel > 1:  # tensor / pipeline parallel: this rank's share (trainwise.cost.rank)
         st = train_settings(cfg.train, precision)
         peak = rank_peak_bytes(cfg.model, d.layout, d.rank, M.get_recipe(st["precision"]), st["optimizer"],
                                st["micro_batch"], st["seq_len"], st["grad_accum"], st["checkpointing"])

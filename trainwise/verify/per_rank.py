@@ -10,8 +10,9 @@ import math
 from trainwise.config import ZERO_STAGE, RunConfig
 from trainwise.cost import memory as M
 from trainwise.cost import rank as R
-from trainwise.cost.rank_memory import rank_peak_bytes
+from trainwise.cost.layout import Layout
 from trainwise.cost.params import params as count_params
+from trainwise.cost.rank_memory import rank_peak_bytes
 from trainwise.planner.plan import train_settings
 from trainwise.runtime.distributed import Dist
 from trainwise.runtime.optim import param_groups
@@ -21,7 +22,7 @@ from trainwise.verify.verify import entry
 STATES = ("params", "grads", "optimizer", "peak_memory_bytes")
 
 
-def step_shape(cfg: RunConfig, precision: str, layout: R.Layout) -> R.StepShape:
+def step_shape(cfg: RunConfig, precision: str, layout: Layout) -> R.StepShape:
     """The step of `cfg` as trainwise.cost.rank counts its messages: under bf16/fp16 autocast matmul outputs
     are 2 bytes; FSDP2's mixed-precision policy also gathers parameters and runs the residual stream in
     that dtype."""
@@ -31,18 +32,18 @@ def step_shape(cfg: RunConfig, precision: str, layout: R.Layout) -> R.StepShape:
                        2 if fsdp_low else 4, recompute=t.activation_checkpointing == "full")
 
 
-def predicted_ranks(cfg: RunConfig, precision: str, layout: R.Layout) -> list[dict]:
+def predicted_ranks(cfg: RunConfig, precision: str, layout: Layout) -> list[dict]:
     """Every rank's predicted params, grads, optimizer, peak_memory_bytes and comm."""
     settings = train_settings(cfg.train, precision)
     recipe = M.get_recipe(settings["precision"])
     shape = step_shape(cfg, precision, layout)
-    if layout.model_parallel:
+    if layout.model_parallel > 1:
         moments = M.optimizer_moments(settings["optimizer"])
         ranks = [{**R.rank_state_bytes(cfg.model, layout, r, moments),
                   "peak_memory_bytes": rank_peak_bytes(cfg.model, layout, r, recipe, settings["optimizer"],
                                                          settings["micro_batch"], settings["seq_len"],
                                                          settings["grad_accum"], settings["checkpointing"])}
-                 for r in range(layout.world_size)]
+                 for r in range(layout.gpus)]
     else:
         ranks = _zero_plan(cfg, settings, layout)
     for r, rank in enumerate(ranks):
@@ -50,7 +51,7 @@ def predicted_ranks(cfg: RunConfig, precision: str, layout: R.Layout) -> list[di
     return ranks
 
 
-def _zero_plan(cfg: RunConfig, settings: dict, layout: R.Layout) -> list[dict]:
+def _zero_plan(cfg: RunConfig, settings: dict, layout: Layout) -> list[dict]:
     """Data parallel only: ZeRO-0 for DDP, ZeRO-1 for zero1 (each rank's optimizer share follows
     ZeroRedundancyOptimizer's whole-tensor partition of this model's parameter groups:
     cost.memory.zero1_partition), ZeRO-2 for zero2 (planned in FSDP2's layout: cost.memory.fsdp2_zero2_recipe),
@@ -95,7 +96,7 @@ def per_rank_verify(cfg: RunConfig, measured: list[dict], d: Dist, precision: st
         ranks.append(rank)
     return {"strategy": layout.strategy, "world_size": d.world_size, "zero_stage_planned": ZERO_STAGE[layout.strategy],
             "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "vpp": layout.vpp,
-                       "pp_schedule": layout.schedule if layout.pp > 1 else None},
+                       "pp_schedule": layout.pp_schedule if layout.pp > 1 else None},
             "ranks": ranks}
 
 
