@@ -110,7 +110,9 @@ def rank_peak_bytes(cfg: ModelConfig, layout: Layout, rank: int, recipe: M.Recip
     scratch = M.loss_backward_bytes(cfg, acts_recipe, tokens) if layout.stages - 1 in stages else 0
     if checkpointing == "full":
         scratch = max(scratch, math.ceil(M.recompute_bytes(cfg, acts_recipe, tokens) / layout.tp))
-    grads = states["grads"] if grad_accum > 1 or layout.pp > 1 else 0
+    # micro-batches accumulate into the rank's gradients, which then exist all through backward; FSDP2 without
+    # a pipeline accumulates them unsharded (`accumulated`) and makes each unit's shard as it reduce-scatters it
+    grads = states["grads"] if layout.pp > 1 or grad_accum > 1 and not fsdp else 0
     gathered = accumulated = 0
     if fsdp:
         by_unit = units(cfg, layout, rank)
