@@ -1,0 +1,168 @@
+"""Run by tests/test_tp_pp.py under torchrun (gloo, one thread per rank): tensor- and pipeline-parallel
+layouts built by trainwise's one step builder, each trained 20 steps on seeded batches, with a DCP
+checkpoint at step 10 resumed into a fresh model for steps 11-20, and every rank's states, peak and
+messages of step 10 measured as the trainer measures its last step. Rank 0 also trains one process on the
+same global batch (dp x K micro-batches a step) from the same seed.
+
+    python -m torch.distributed.run --nproc-per-node N tests/tp_pp_worker.py OUT CASE [CASE ...]
+
+Each rank writes OUT/CASE.rankR.json (the test compares it with one process and with the plan).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from trainwise.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from trainwise.measure.memtrack import StepPeakMeter, foreign_storages
+from trainwise.runtime import checkpoint as ckpt
+from trainwise.runtime import distributed
+from trainwise.runtime.comms import CommCounter
+from trainwise.runtime.step import build_model, build_step
+
+STEPS, SAVE_AT = 20, 10
+TINY = dict(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+MOE = dict(n_experts=4, top_k=2, n_shared_experts=1, router_bias=True, first_dense_layers=1)
+CASES = {  # name: (model, parallel, micro_batch, grad_accum)
+    "tp": (dict(), dict(tp=2), 2, 2),
+    "pp_1f1b": (dict(tie_embeddings=False), dict(pp=2), 1, 4),
+    "pp_interleaved": (dict(tie_embeddings=False, n_layers=4), dict(pp=2, pp_schedule="interleaved", vpp=2), 1, 4),
+    "pp_gpipe": (dict(tie_embeddings=False), dict(pp=2, pp_schedule="gpipe"), 1, 3),
+    "moe_tp": (MOE, dict(tp=2), 2, 1),
+    "fsdp_tp": (dict(), dict(tp=2, strategy="fsdp"), 1, 2),
+    "pp_tp": (dict(tie_embeddings=False), dict(pp=2, tp=2), 1, 2),
+}
+
+
+def config(name: str) -> RunConfig:
+    model, parallel, micro_batch, grad_accum = CASES[name]
+    train = TrainConfig(micro_batch=micro_batch, grad_accum_steps=grad_accum, seq_len=16, max_steps=STEPS, lr=1e-2,
+                        warmup_steps=0, precision="fp32", seed=7)
+    return RunConfig(model=ModelConfig(**{**TINY, **model}), train=train, parallel=ParallelConfig(**parallel))
+
+
+def global_batches(cfg: RunConfig, dp: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The step's dp x K micro-batches, in data-parallel rank order: rank r takes [r K, (r + 1) K)."""
+    t = cfg.train
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, cfg.model.vocab_size, (dp * t.grad_accum_steps, t.micro_batch, t.seq_len + 1), generator=g)
+    return [(b[:, :-1], b[:, 1:]) for b in ids]
+
+
+def reference(cfg: RunConfig, dp: int) -> tuple[list[float], list]:
+    """One process, the same global batch and seed: its losses and the routing of its last forward."""
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model)
+    train = TrainConfig(**{**vars(cfg.train), "grad_accum_steps": cfg.train.grad_accum_steps * dp})
+    step = build_step(model, train, torch.device("cpu"), "fp32")
+    losses = [step(global_batches(cfg, dp, i)).loss.item() for i in range(cfg.train.max_steps)]
+    return losses, routing(model)
+
+
+def routing(model: torch.nn.Module) -> list:
+    """Assignments per expert of each MoE layer in the last forward (a pipeline rank: its own layers)."""
+    blocks = model.blocks.values() if isinstance(model.blocks, torch.nn.ModuleDict) else model.blocks
+    return [b.mlp.last_expert_counts.tolist() for b in blocks if getattr(b.mlp, "last_expert_counts", None) is not None]
+
+
+def fresh(cfg: RunConfig):
+    """The model initialised whole from the run's seed, then divided by the layout."""
+    d = distributed.init(cfg.parallel, "cpu")
+    torch.manual_seed(cfg.train.seed)
+    return d, build_step(build_model(cfg.model), cfg.train, torch.device("cpu"), "fp32", dist=d)
+
+
+def train(cfg: RunConfig, d, step, steps: range, foreign: set[int] | None = None) -> tuple[list[float], dict]:
+    """Steps `steps` of this rank's share of each global batch; the last one measured when given `foreign`,
+    the storages alive before the model was built (StepPeakMeter leaves them out, as the trainer does)."""
+    K, losses, measured = cfg.train.grad_accum_steps, [], {}
+    for i in steps:
+        mine = global_batches(cfg, d.layout.dp, i)[d.dp_rank * K:(d.dp_rank + 1) * K]
+        if foreign is not None and i == steps[-1]:
+            grads = {}
+
+            def hook(phase: str) -> None:
+                if phase == "step":
+                    grads["bytes"] = distributed.local_bytes(p.grad for p in step.params)
+
+            meter, counter = StepPeakMeter(torch.device("cpu"), foreign), CommCounter()
+            meter.start()
+            with counter:
+                result = step(mine, hook)
+            measured = distributed.rank_state_bytes(step.params, step.optimizer, grads["bytes"])
+            measured["peak_memory_bytes"] = meter.stop()
+            measured["comm"] = counter.result()
+        else:
+            result = step(mine)
+        losses.append(distributed.mean_across_ranks(result.loss.float(), d, d.dp_group).item())
+    return losses, measured
+
+
+def save(out: Path, name: str, d, step) -> Path:
+    run_dir = out / f"{name}-run"
+    if d.is_main:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    distributed.barrier(d)
+    return ckpt.save_sharded(run_dir, SAVE_AT, step.model, step.optimizer, {"step": SAVE_AT} if d.is_main else None,
+                             {"ranks": []} if d.is_main else None, 2, lambda: distributed.barrier(d))
+
+
+def run(name: str, out: Path) -> None:
+    """20 steps straight with a checkpoint after step 10 (step 10 measured), then steps 11-20 again
+    from that checkpoint in a freshly built model; rank 0 adds the one-process run."""
+    cfg = config(name)
+    foreign = foreign_storages(torch.device("cpu"))
+    d, step = fresh(cfg)
+    losses, measured = train(cfg, d, step, range(SAVE_AT), foreign)
+    path = save(out, name, d, step)
+    more, _ = train(cfg, d, step, range(SAVE_AT, STEPS))
+    result = {"losses": losses + more, "measured": measured, "routing": routing(step.model)}
+    d, step = fresh(cfg)
+    ckpt.load_sharded(path, step.model, step.optimizer)
+    result["resumed"], _ = train(cfg, d, step, range(SAVE_AT, STEPS))
+    if d.is_main:
+        result["reference"], result["reference_routing"] = reference(cfg, d.layout.dp)
+    (out / f"{name}.rank{d.rank}.json").write_text(json.dumps(result))
+    distributed.barrier(d)
+
+
+def reshard(out: Path) -> None:
+    """DCP across layouts: tp 2's checkpoint of step 10 (case "tp", untied) loaded into pp 2, and into one
+    process."""
+    cfg = config("tp")
+    cfg.model = ModelConfig(**{**TINY, "tie_embeddings": False})
+    d, step = fresh(cfg)
+    train(cfg, d, step, range(SAVE_AT))
+    path = save(out, "reshard", d, step)
+    losses, _ = train(cfg, d, step, range(SAVE_AT, SAVE_AT + 1))
+    cfg.parallel = ParallelConfig(pp=2)
+    d, step = fresh(cfg)
+    ckpt.load_sharded(path, step.model, step.optimizer)
+    after, _ = train(cfg, d, step, range(SAVE_AT, SAVE_AT + 1))
+    one = None
+    if d.is_main:  # the whole model in one process, from the shards: step 11's loss before its update
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+        ckpt.load_weights(model, path)
+        with torch.no_grad():
+            batches = global_batches(cfg, 1, SAVE_AT)
+            one = sum(model(x, y).item() for x, y in batches) / len(batches)
+    result = {"tp_step11": losses[0], "pp_step11": after[0], "one_process_step11": one}
+    (out / f"reshard.rank{d.rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out = Path(sys.argv[1])
+    for name in sys.argv[2:]:
+        reshard(out) if name == "reshard" else run(name, out)
+    distributed.shutdown(distributed.Dist("x", world_size=2))
+
+
+if __name__ == "__main__":
+    main()
