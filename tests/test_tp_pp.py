@@ -209,6 +209,8 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
       "model.n_layers=4", "train.grad_accum_steps=3"], "use 4 micro-batches or parallel.vpp=1"),
     (["parallel.pp=2"], "model.tie_embeddings=false"),
     (["parallel.cp=2"], "parallel.cp=1"),
+    (["parallel.pp=2", "model.tie_embeddings=false", "train.grad_accum_steps=2", "model.n_experts=4", "model.top_k=2"],
+     "parallel.pp=1"),
     (["parallel.tp=2"], "torchrun --nproc-per-node 2"),
 ])
 def test_a_layout_that_cannot_work_is_one_clear_error_before_anything_starts(corpus, tmp_path, capsys, sets, hint):
