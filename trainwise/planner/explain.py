@@ -47,11 +47,7 @@ def explain_step(p) -> str:
         f"{st.comm_s:.4g} s exposed" + (f" (of {sum(st.comm.values()):.4g} s: "
                                         + ", ".join(f"{k} {v:.4g} s" for k, v in st.comm.items()) + ")" if st.comm else "")
         + f" = {st.seconds:.4g} s per step")
-    tps = p.tokens_per_step / st.seconds
-    add(f"   tokens/s = {p.tokens_per_step:,} tokens per step / {st.seconds:.4g} s = {tps:,.0f}; "
-        f"MFU = {p.model_flops_per_token:.4g} x {tps:,.0f} / ({p.gpus} x {p.hardware.peak_flops:.4g}) = {p.mfu:.2%}")
-    add(f"   time = D / tokens/s = {p.tokens:.4g} / {tps:,.0f} = {p.time.seconds:.4g} s = {p.time.days:.2f} days "
-        f"= {p.time.device_hours:,.1f} device-hours")
+    _throughput(add, p, st.seconds)
     return "\n".join(out)
 
 
@@ -85,11 +81,7 @@ def explain_cluster(p) -> str:
     add(f"   {'operator / collective (slowest rank, per step)':<56} {'calls':>8} {'seconds':>10}")
     for o in st.ops[:20]:
         add(f"   {o['op'].removeprefix('aten.')[:56]:<56} {o['calls']:>8,} {o['seconds']:>10.4g}")
-    tps = p.tokens_per_step / st.seconds
-    add(f"   tokens/s = {p.tokens_per_step:,} / {st.seconds:.4g} s = {tps:,.0f}; MFU = {p.model_flops_per_token:.4g} x "
-        f"{tps:,.0f} / ({p.gpus} x {p.hardware.peak_flops:.4g}) = {p.mfu:.2%}")
-    add(f"   time = D / tokens/s = {p.tokens:.4g} / {tps:,.0f} = {p.time.seconds:.4g} s = {p.time.days:.2f} days "
-        f"= {p.time.device_hours:,.1f} device-hours")
+    _throughput(add, p, st.seconds)
     return "\n".join(out)
 
 
@@ -209,3 +201,12 @@ def calibration_rows(hardware: dict) -> list[tuple[str, str]]:
                  f"{probe['at']}: the calibration's reference steps ran {probe['ratio'] - 1:+.1%} against the "
                  f"calibration (eager overhead {probe['overhead_ratio'] - 1:+.1%}, kernels {probe['kernel_ratio'] - 1:+.1%})"))
     return rows
+
+
+def _throughput(add, p, step_s: float) -> None:
+    """The lines every time model ends with: tokens/s and MFU of one step, and the run's time."""
+    tps = p.tokens_per_step / step_s
+    add(f"   tokens/s = {p.tokens_per_step:,} tokens per step / {step_s:.4g} s = {tps:,.0f}; "
+        f"MFU = {p.model_flops_per_token:.4g} x {tps:,.0f} / ({p.gpus} x {p.hardware.peak_flops:.4g}) = {p.mfu:.2%}")
+    add(f"   time = D / tokens/s = {p.tokens:.4g} / {tps:,.0f} = {p.time.seconds:.4g} s = {p.time.days:.2f} days "
+        f"= {p.time.device_hours:,.1f} device-hours")
