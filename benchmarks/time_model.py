@@ -9,8 +9,9 @@ thread per rank), the lower quartile of the logged step times after the first tw
 error = measured / predicted - 1, against the prediction as calibrated and against the prediction for
 the machine as probed (cost.steptime.probed_seconds: the trainer's speed probe of the calibration's
 reference steps, taken right before each round of each configuration, as a run takes it right before
-its steps; a figure is paired with the probe before its round; torchrun ones, whose ranks run one thread
-each, the calibrated prediction).
+its steps, and again after the round where it read outside the probe's noise, as a run does at its end:
+cost.steptime.settled_probe; a figure is paired with its round's probe; torchrun ones, whose ranks run
+one thread each, the calibrated prediction).
 
     python benchmarks/time_model.py                 # all configurations (~5-10 min on a quiet 2-core CPU)
     python benchmarks/time_model.py --only 1,19     # a few, by number
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 from trainwise.config import ModelConfig, RunConfig, TrainConfig, apply_overrides, save_config
-from trainwise.cost.steptime import probed_seconds
+from trainwise.cost.steptime import PROBE_NOISE, probed_seconds, settled_probe
 from trainwise.hardware.cache import cpu_model
 from trainwise.measure.calibrate import calibrate
 from trainwise.measure.reference import probe_speed
@@ -133,6 +134,16 @@ class LocalRun:
             self.step()
             times.append(time.perf_counter() - t)
         return statistics.median(times)
+
+
+def probed_round(run: LocalRun, references: list[float]) -> tuple[float, dict]:
+    """One round of a configuration with the speed probe a run takes: before it, and after it where the
+    first reading is outside the probe's noise (cost.steptime.settled_probe, as the trainer does)."""
+    probe = probe_speed(torch.device("cpu"), references)
+    seconds = run.round()
+    if abs(probe["ratio"] - 1) > PROBE_NOISE:
+        probe = settled_probe(probe, probe_speed(torch.device("cpu"), references))
+    return seconds, probe
 
 
 def run_config(case: Case, steps: int) -> RunConfig:
@@ -275,8 +286,7 @@ def main() -> int:
             run = LocalRun(case)
             rounds[id(case)] = []
             for _ in range(args.rounds):
-                probe = probe_speed(torch.device("cpu"), references)
-                rounds[id(case)].append((run.round(), probe))
+                rounds[id(case)].append(probed_round(run, references))
             del run
             torch._dynamo.reset()
     runs = {id(c): LocalRun(c) for c in cases if c.strategy == "none" and not c.compiled}
@@ -284,8 +294,7 @@ def main() -> int:
     for _ in range(args.rounds):
         for case in cases:
             if id(case) in runs:
-                probe = probe_speed(torch.device("cpu"), references)
-                rounds[id(case)].append((runs[id(case)].round(), probe))
+                rounds[id(case)].append(probed_round(runs[id(case)], references))
     probes = [p for r in rounds.values() for _, p in r]
     runs.clear()
     errors, probed_errors, moe_errors = [], [], []
@@ -312,8 +321,9 @@ def main() -> int:
               f"{predicted:>12.4f} {probed:>9.4f} {measured:>10.4f} {err:>+7.1%} {err_probed:>+10.1%} {load:>5.2f}",
               flush=True)
     ratios = sorted(p["ratio"] for p in probes)
-    print(f"speed probes before the rounds (reference steps now / at calibration): {len(ratios)}, "
-          f"min {ratios[0]:.3f}, median {statistics.median(ratios):.3f}, max {ratios[-1]:.3f}")
+    if ratios:
+        print(f"speed probes before the rounds (reference steps now / at calibration): {len(ratios)}, "
+              f"min {ratios[0]:.3f}, median {statistics.median(ratios):.3f}, max {ratios[-1]:.3f}")
     print(f"|error| against the probed prediction: median {statistics.median(probed_errors):.1%}, worst "
           f"{max(probed_errors):.1%} over {len(probed_errors)} configs"
           + (f"; MoE median {statistics.median(moe_errors):.1%} over {len(moe_errors)}" if moe_errors else ""))

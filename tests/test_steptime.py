@@ -9,7 +9,7 @@ from trainwise.config import ModelConfig
 from trainwise.cost.comm import comm_seconds, exposed_comm, ring_seconds
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.ops import Op, for_cuda
-from trainwise.cost.steptime import PROBE_NOISE, StepTime, predict_step, probed_seconds, scale_batch
+from trainwise.cost.steptime import PROBE_NOISE, StepTime, predict_step, probed_seconds, scale_batch, settled_probe
 from trainwise.cost.time import fit_linear
 from trainwise.hardware.profile import Profile
 from trainwise.measure.record import step_ops
@@ -263,3 +263,17 @@ def test_a_probe_inside_its_own_noise_keeps_the_calibrated_prediction():
     assert probed_seconds(step, far) == pytest.approx(0.2 * 1.5 + 0.7 * 1.4 + 0.1)
     slow = {"ratio": 0.6, "overhead_ratio": 0.5, "kernel_ratio": 0.62}
     assert probed_seconds(step, slow) == pytest.approx(0.2 * 0.5 + 0.7 * 0.62 + 0.1)
+
+
+def test_a_move_counts_only_when_the_probe_at_the_end_shows_it_too():
+    """settled_probe: a slow reading at the start and a calibrated one at the end (a VM's slow spell of a
+    few seconds) settle on the end's, which leaves the calibrated prediction; slow at both ends stays slow."""
+    step = StepTime(seconds=1.0, compute_s=0.7, overhead_s=0.2, comm_s=0.1, ops=[], source="calibrated",
+                    compiled=False)
+    spike = {"ratio": 1.4, "overhead_ratio": 1.5, "kernel_ratio": 1.4, "at": "start"}
+    calm = {"ratio": 1.05, "overhead_ratio": 1.1, "kernel_ratio": 1.0, "at": "end"}
+    settled = settled_probe(spike, calm)
+    assert settled["at"] == "end" and settled["readings"] == [1.4, 1.05] and probed_seconds(step, settled) == 1.0
+    slow = {"ratio": 1.5, "overhead_ratio": 1.6, "kernel_ratio": 1.5, "at": "end"}
+    settled = settled_probe(spike, slow)
+    assert settled["at"] == "start" and probed_seconds(step, settled) == pytest.approx(0.2 * 1.5 + 0.7 * 1.4 + 0.1)

@@ -77,6 +77,8 @@ def test_a_machine_far_from_its_calibration_is_said_so_with_both_predictions(tmp
     v = json.loads((out / "verify.json").read_text())
     probe = v["step_time_probed_s"]["probe"]
     assert probe["ratio"] > 1.5  # this machine against a calibration twice its speed
+    assert len(probe["readings"]) == 2 and min(probe["readings"]) > 1.5  # at the start and, to confirm, the end
+    assert "speed probes at the start and the end read" in text
     assert v["step_time_probed_s"]["predicted"] > 1.3 * v["step_time_s"]["predicted"]
     warning = "more than 15% away from its calibration"
     assert text.count(warning) == 2  # the plan before the run and the closing table

@@ -194,6 +194,15 @@ def probed_seconds(step: StepTime, probe: dict) -> float:
     return step.overhead_s * probe["overhead_ratio"] + step.compute_s * probe["kernel_ratio"] + step.comm_s
 
 
+def settled_probe(first: dict, *later: dict) -> dict:
+    """Of a run's speed probes (at its start, and at its end where the start read outside PROBE_NOISE), the
+    one nearest the calibration, with every reading's ratio under "readings": a move of the machine counts
+    only when it shows at both ends of the run. The slow and fast states of a VM last seconds (a 0.6 s
+    probe read 1.33 right before a round that ran at calibrated speed: benchmarks/RESULTS.md)."""
+    nearest = min((first, *later), key=lambda p: abs(p["ratio"] - 1))
+    return {**nearest, "readings": [p["ratio"] for p in (first, *later)]}
+
+
 def scale_batch(ops: list[Op], factor: int, seq_len: int) -> list[Op]:
     """The operators of micro-batch B x factor from those of micro-batch B (for `plan --fit`, which
     prices many micro-batches from one recorded step): forward and backward work grows with the tokens;

@@ -18,7 +18,7 @@ from trainwise import rundir
 from trainwise.config import RunConfig
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.params import params as count_params
-from trainwise.cost.steptime import probed_seconds
+from trainwise.cost.steptime import PROBE_NOISE, probed_seconds, settled_probe
 from trainwise.hardware.cache import cached, save_probe
 from trainwise.measure.reference import probe_speed, reference_speed
 from trainwise.planner.hardware import device_hardware
@@ -140,7 +140,10 @@ class RunReporter:
                                       step_peak_bytes)
         step_time, _ = steady_step_time(out)
         device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else f"{self.device.type}")
-        result = build_verify(self.cfg, self.plan(), measured, step_time, device, self.peak_source, self.probe)
+        probe = self.probe
+        if probe is not None and abs(probe["ratio"] - 1) > PROBE_NOISE:  # a move must show at the end too
+            probe = settled_probe(probe, probe_speed(self.device, probe["calibrated_s"]))
+        result = build_verify(self.cfg, self.plan(), measured, step_time, device, self.peak_source, probe)
         result["run"] = {"precision": self.precision, "peak_flops": self.peak_flops, "peak_source": self.peak_source,
                          "step": step, "tokens": tokens_seen, "compiled": self.compiled, "world_size": self.world_size,
                          "dp": self.dp}

@@ -123,7 +123,7 @@ def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None
     }
     out["peak_memory"] = {"source": measured.get("peak_source", "copy"),
                           "tracker_copy_bytes": measured.get("tracker_peak_bytes")}
-    if probe is not None and plan.step is not None:  # the machine as the speed probe found it at the start
+    if probe is not None and plan.step is not None:  # the machine as probed (cost.steptime.settled_probe)
         out["step_time_probed_s"] = {**entry(probed_seconds(plan.step, probe), step_time_s), "probe": probe}
     if t.activation_checkpointing != "none":
         hfu = flops_pred / step_time_s / peak if step_time_s else None
@@ -161,8 +161,12 @@ def _fmt(value: float | None, unit: str) -> str:
 
 
 def probe_line(probed: dict, calibrated_s: float) -> str:
-    """What the speed probe at the start of a run found (probed: the probe's ratios and its prediction)."""
-    text = (f"speed probe at {probed['at']}: the calibration's reference steps ran {probed['ratio'] - 1:+.1%} against "
+    """What the speed probe at the start of a run found (probed: the probe's ratios and its prediction; with
+    "readings", the start's and the end's, cost.steptime.settled_probe)."""
+    readings = probed.get("readings", [])
+    where = (f"speed probes at the start and the end read {', '.join(f'{r - 1:+.1%}' for r in readings)}; the one "
+             f"nearest the calibration, at {probed['at']}" if len(readings) > 1 else f"speed probe at {probed['at']}")
+    text = (f"{where}: the calibration's reference steps ran {probed['ratio'] - 1:+.1%} against "
             f"the calibration (eager overhead {probed['overhead_ratio'] - 1:+.1%}, kernels "
             f"{probed['kernel_ratio'] - 1:+.1%}): {probed['step_seconds']:.4g} s per step predicted for the machine "
             f"as probed, {calibrated_s:.4g} s as calibrated")
