@@ -85,4 +85,4 @@ def test_a_machine_far_from_its_calibration_is_said_so_with_both_predictions(tmp
     assert "as probed" in text
     assert json.loads((cache / "calibration.json").read_text())  # the probe is kept with the calibration
     last = [e["last_probe"] for e in json.loads((cache / "calibration.json").read_text()).values() if "last_probe" in e]
-    assert last and last[0]["ratio"] == pytest.approx(probe["ratio"])
+    assert last and last[0]["ratio"] == pytest.approx(probe["readings"][-1])  # the last one taken: at the end

@@ -142,7 +142,9 @@ class RunReporter:
         device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else f"{self.device.type}")
         probe = self.probe
         if probe is not None and abs(probe["ratio"] - 1) > PROBE_NOISE:  # a move must show at the end too
-            probe = settled_probe(probe, probe_speed(self.device, probe["calibrated_s"]))
+            end = probe_speed(self.device, probe["calibrated_s"])
+            save_probe(self.device, end)
+            probe = settled_probe(probe, end)
         result = build_verify(self.cfg, self.plan(), measured, step_time, device, self.peak_source, probe)
         result["run"] = {"precision": self.precision, "peak_flops": self.peak_flops, "peak_source": self.peak_source,
                          "step": step, "tokens": tokens_seen, "compiled": self.compiled, "world_size": self.world_size,
