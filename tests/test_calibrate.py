@@ -123,3 +123,14 @@ def test_a_day_old_calibration_is_flagged_while_busy_and_measured_again_when_qui
     if machine_is_busy():
         pytest.skip("this machine is busy now: the quiet refresh cannot be shown")
     assert calibrate("cpu")["measured_unix"] > first["measured_unix"]
+
+def test_the_eager_overhead_is_the_slope_between_the_overhead_bound_references():
+    """measure.reference.overhead_fit: two references' (calls, step - kernels) solved exactly, and when the
+    smaller one's kernels, priced one by one, come to more than its step (a fresh EPYC calibration: 1.21 ms of
+    kernels in a 1.06 ms step), the per-call cost is still the slope between them, the per-step cost 0."""
+    from trainwise.measure.reference import overhead_fit
+
+    per_step, per_op = overhead_fit([(109, 1.286e-3), (484, 4.046e-3)])
+    assert per_op == pytest.approx(7.36e-6) and per_step == pytest.approx(1.286e-3 - 109 * 7.36e-6)
+    per_step, per_op = overhead_fit([(484, 7.441e-3 - 5.876e-3), (109, 1.058e-3 - 1.205e-3)])
+    assert per_op == pytest.approx((7.441e-3 - 5.876e-3 + 0.147e-3) / 375) and per_step == 0.0
