@@ -312,10 +312,8 @@ def _say_setup(run: _Run, tokens, why_precision: str, say) -> None:
         say(line)
 
 
-# Under tensor parallelism a finished collective's output (DTensor's all-gathers) is sometimes freed only at a
-# later wait, on gloo's thread's time, adding one to three logits-sized buffers to a step's peak at random (1
-# step in 10 on 2 cores, +12-18% on the tests' small models): the least of the last TP_PEAK_STEPS steps' peaks
-# is the step's own residency.
+# Under tp a finished all-gather's output is sometimes freed only at a later wait (gloo's thread): 1-3 logits-
+# sized buffers join a step's peak at random (+12-18% on the tests' models); the least of these steps' is its own.
 TP_PEAK_STEPS = 3
 
 
@@ -331,8 +329,7 @@ def _train_steps(run: _Run, progress: _Progress, reporter: RunReporter, log: Run
     best = rundir.best_checkpoint(out)
     best_val = best["val_loss"] if best else float("inf")
     interval_start, interval_steps = time.perf_counter(), 0
-    # the measured steps: the last one, or under tp the last TP_PEAK_STEPS but the first (its optimizer
-    # states are made after its peak)
+    # measured: the last step, or under tp the last TP_PEAK_STEPS but the first (its states come after its peak)
     first_measured = max(t.max_steps - (TP_PEAK_STEPS if d.layout.tp > 1 else 1), min(1, t.max_steps - 1))
     while progress.step < t.max_steps:
         if progress.step >= first_measured:
