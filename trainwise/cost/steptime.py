@@ -1,10 +1,11 @@
 """Predicted step time: the sum over the step's operators (cost.ops) of each one's calibrated time, plus
 communication per strategy, plus a fixed per-step cost.
 
-    matmul            measured at its shape and operand layout on this device (kernel table), else F/P + Q/BW
-    attention kernel  measured at its shape forward and backward (kernel table), else F/R_fwd or F/R_bwd
+    matmul            measured at its shape and operand layout on this device (kernel table), else F/P;
+                      + Q/BW (its operands from memory: timed hot, a step's kernel finds them evicted)
+    attention kernel  measured at its shape forward and backward (kernel table), else F/R_fwd or F/R_bwd; + Q/BW
     everything else   Q/BW_class(q)          (memory-bound: bytes over the bandwidth of that class of op at
-                                               its bytes per call q: in cache, from memory, to fresh pages)
+                                               its bytes per call q, at most its rate from memory)
     optimizer         a x tensors + b x parameters      (clip + AdamW step, timed as the trainer runs it)
     eager overhead    per-op x calls + per-step          (Python, dispatch, autograd; from reference steps)
     in a step         the eager operators' times x in_step (what kernels lose in a real step; ibid.)
@@ -30,12 +31,13 @@ from trainwise.cost.ops import Op, for_cuda
 from trainwise.hardware.profile import Profile
 
 # A compiled CPU step runs the eager step's matmuls (timed as in eager) and inductor's generated kernels
-# for the rest. Those fuse chains of element-wise ops, but on the CPUs of benchmarks/RESULTS.md they took
-# about as long as the eager ops they replace, more in bf16 (conversions in every loop) and with the explicit
-# attention's T x T scores in memory: the fused work costs COMPILED_ELEMENTWISE x the eager element-wise
-# time, fitted on two compiled configurations unlike those benchmarks/time_model.py checks
-# (`python benchmarks/time_model.py --fit-compiled`, per compute precision of the step; RESULTS.md).
-COMPILED_ELEMENTWISE = {"fp32": 1.02, "bf16": 1.29, "fp16": 1.29}
+# for the rest, which fuse chains of element-wise ops: the fused work costs COMPILED_ELEMENTWISE x the
+# eager element-wise time (priced as op_seconds prices it: operands from memory), fitted on two compiled
+# configurations unlike those benchmarks/time_model.py checks (`python benchmarks/time_model.py
+# --fit-compiled`, per compute precision of the step): on an AMX Xeon, 2026-12-01, two fits in a row gave
+# bf16 0.84 / 0.85 and fp32 1.21 / 1.00 (their means; RESULTS.md, "Operands in memory"). Under the
+# earlier pricing (hot element-wise rates) the same fit gave 1.29 / 1.02.
+COMPILED_ELEMENTWISE = {"fp32": 1.11, "bf16": 0.84, "fp16": 0.84}
 
 def elementwise_rate(grid: list[list[float]], nbytes: float) -> float:
     """Bytes/s of an element-wise call moving nbytes, from a class's calibrated [[bytes, bytes/s], ...]:
@@ -128,20 +130,30 @@ def _dtype(profile_part: dict, dtype: str):
 
 def op_seconds(op: Op, p: Profile, compiled: bool = False, precision: str = "fp32") -> tuple[float, str]:
     """Time of all calls of one operator, without the per-call overhead, and the rule used (compiled: in
-    a torch.compile'd step whose compute precision is `precision`)."""
+    a torch.compile'd step whose compute precision is `precision`).
+
+    In a step an operator finds its operands in memory, not in cache: the step's other work has evicted
+    them since they were written. Kernels are timed hot (the same operands call after call), so a matmul or
+    attention call timed alone pays, on top, its bytes streamed once at the copy bandwidth, and element-wise
+    work moves at most at its class's rate far past the shared cache (the grid's largest size). On an AMX
+    Xeon, where hot bf16 kernels are fastest, the SwiGLU product ran at 12 GB/s in a step against 45 GB/s
+    hot at its size, and the reference steps' in-step factor fell from 1.82 to 1.17 with this rule
+    (benchmarks/RESULTS.md, "Operands in memory")."""
     if op.cls in ("matmul", "attention"):
         per_call = kernel_seconds(op, p)
         if per_call is not None:
-            return per_call * op.calls, f"{op.cls} timed at its shape"
+            return per_call * op.calls + op.bytes / _dtype(p.matmul, op.dtype)[2], \
+                f"{op.cls} timed at its shape + Q/BW"
     if op.cls == "matmul":
         _, peak, bw = _dtype(p.matmul, op.dtype)
         return op.flops / peak + op.bytes / bw, "matmul F/P + Q/BW"
     if op.cls == "attention":
         phase = "backward" if "backward" in op.name else "forward"
-        return op.flops / _dtype(p.attention, op.dtype)[phase][1], f"attention {phase} F/R"
+        return op.flops / _dtype(p.attention, op.dtype)[phase][1] + op.bytes / _dtype(p.matmul, op.dtype)[2], \
+            f"attention {phase} F/R + Q/BW"
     ew = _dtype(p.elementwise, op.dtype)
     grid = ew.get(op.cls, ew["elementwise/other"])
-    eager = op.bytes / elementwise_rate(grid, op.per_call_bytes())
+    eager = op.bytes / min(elementwise_rate(grid, op.per_call_bytes()), max(grid)[1])
     if compiled and op.phase != "optimizer":
         factor = COMPILED_ELEMENTWISE.get(precision, COMPILED_ELEMENTWISE["fp32"])
         return factor * eager, f"fused: {factor} x Q/BW(q)"
