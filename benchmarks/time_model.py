@@ -3,9 +3,10 @@
 Each configuration is planned with the step-time model (`trainwise plan --gpu cpu`: cost.steptime on
 this machine's calibration) and then run for real: single-process ones in this process, through the
 trainer's own step (trainwise.runtime.step.train_step, compiled with train.parallelize.apply_compile
-where marked), two warm-up steps, then --rounds rounds over all configurations, each keeping its fastest
-round's median step; ddp/fsdp ones through `torchrun --nproc_per_node 2 -m trainwise train` (gloo, one
-thread per rank), the lower quartile of the logged step times after the first two.
+where marked), built afresh for each of --rounds rounds over all configurations (one model in the
+process at a time, as in a run), two warm-up steps, each keeping its fastest round's median step;
+ddp/fsdp ones through `torchrun --nproc_per_node 2 -m trainwise train` (gloo, one thread per rank),
+the lower quartile of the logged step times after the first two.
 error = measured / predicted - 1, against the prediction as calibrated and against the prediction for
 the machine as probed (cost.steptime.probed_seconds: the trainer's speed probe of the calibration's
 reference steps, taken right before each round of each configuration, as a run takes it right before
@@ -110,7 +111,7 @@ def predict(case: Case):
 
 
 class LocalRun:
-    """One single-process configuration, built once and measured in several rounds: the trainer's step
+    """One single-process configuration, built for a round of measurement: the trainer's step
     (built by trainwise.runtime.step, compiled where marked), two warm-up steps (compile happens in the
     first), then per round the median of the steps of about round_s seconds. Each step gets new token
     ids, as training does (an MoE layer then routes anew every step)."""
@@ -289,14 +290,18 @@ def main() -> int:
                 rounds[id(case)].append(probed_round(run, references))
             del run
             torch._dynamo.reset()
-    runs = {id(c): LocalRun(c) for c in cases if c.strategy == "none" and not c.compiled}
-    rounds.update({i: [] for i in runs})
+    # Each eager configuration is built afresh for each of its rounds and dropped after it, so that the
+    # process holds one model at a time, as a run's does: with all of them alive at once, the largest
+    # step (`small`, B16 x T256) read 0.40-0.56 s in every round, against 0.29-0.31 s with one or two
+    # configurations in the process (AMX Xeon, 2026-12-01; benchmarks/RESULTS.md, "Operands in memory").
+    local = [c for c in cases if c.strategy == "none" and not c.compiled]
+    rounds.update({id(c): [] for c in local})
     for _ in range(args.rounds):
-        for case in cases:
-            if id(case) in runs:
-                rounds[id(case)].append(probed_round(runs[id(case)], references))
+        for case in local:
+            run = LocalRun(case)
+            rounds[id(case)].append(probed_round(run, references))
+            del run
     probes = [p for r in rounds.values() for _, p in r]
-    runs.clear()
     errors, probed_errors, moe_errors = [], [], []
     for case in cases:
         i = CASES.index(case) + 1
