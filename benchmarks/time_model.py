@@ -12,7 +12,9 @@ the machine as probed (cost.steptime.probed_seconds: the trainer's speed probe o
 reference steps, taken right before each round of each configuration, as a run takes it right before
 its steps, and again after the round where it read outside the probe's noise, as a run does at its end:
 cost.steptime.settled_probe; a figure is paired with its round's probe; torchrun ones, whose ranks run
-one thread each, the calibrated prediction).
+one thread each, the calibrated prediction). A figure here is a fastest round, the machine at its best,
+so a probe moves its prediction only beyond the probe's own noise (cost.steptime.PROBE_NOISE); a run's
+closing table, whose figure is the mean of its steps, moves beyond PROBE_WARN (probed_seconds).
 
     python benchmarks/time_model.py                 # all configurations (~5-10 min on a quiet 2-core CPU)
     python benchmarks/time_model.py --only 1,19     # a few, by number
@@ -142,7 +144,7 @@ def probed_round(run: LocalRun, references: list[float]) -> tuple[float, dict]:
     first reading is outside the probe's noise (cost.steptime.settled_probe, as the trainer does)."""
     probe = probe_speed(torch.device("cpu"), references)
     seconds = run.round()
-    if abs(probe["ratio"] - 1) > PROBE_NOISE:
+    if abs(probe["ratio"] - 1) > PROBE_NOISE:  # the band this benchmark reads a probe by (probed_seconds)
         probe = settled_probe(probe, probe_speed(torch.device("cpu"), references))
     return seconds, probe
 
@@ -312,7 +314,7 @@ def main() -> int:
             measured, probe, probed = measure_torchrun(case), None, predicted
         else:
             measured, probe = min(rounds[id(case)], key=lambda r: r[0])
-            probed = probed_seconds(plan.step, probe)
+            probed = probed_seconds(plan.step, probe, PROBE_NOISE)  # its fastest round: the probe's noise
         err, err_probed = measured / predicted - 1, measured / probed - 1
         errors.append(abs(err))
         probed_errors.append(abs(err_probed))

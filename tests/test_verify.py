@@ -56,7 +56,7 @@ def test_train_writes_verify_json(tmp_path, capsys, monkeypatch):
     start = json.loads((out / "plan.json").read_text())["time"]["probe"]  # the plan's: the start probe
     if probed["probe"]["at"] == start["at"]:  # the start reading stood
         assert start["step_seconds"] == pytest.approx(probed["predicted"])
-    else:  # read outside the probe's noise at the start, nearer the calibration at the end: the end's counts
+    else:  # read more than PROBE_WARN away at the start, nearer the calibration at the end: the end's counts
         assert probed["probe"]["readings"][0] == pytest.approx(start["ratio"])
         assert abs(probed["probe"]["ratio"] - 1) < abs(start["ratio"] - 1)
 
@@ -90,3 +90,28 @@ def test_a_machine_far_from_its_calibration_is_said_so_with_both_predictions(tmp
     assert json.loads((cache / "calibration.json").read_text())  # the probe is kept with the calibration
     last = [e["last_probe"] for e in json.loads((cache / "calibration.json").read_text()).values() if "last_probe" in e]
     assert last and last[0]["ratio"] == pytest.approx(probe["readings"][-1])  # the last one taken: at the end
+
+
+def test_a_slow_start_that_the_end_does_not_confirm_leaves_the_calibrated_prediction():
+    """The closing table's probe line: slow by 20% at the start and at the end, the probed prediction is the
+    one to read; slow at the start only (a VM's slow spell), the end's reading counts and the calibrated
+    prediction stands, and the line says why."""
+    from trainwise.cost.steptime import StepTime, probed_seconds, settled_probe
+    from trainwise.verify.verify import probe_line
+
+    step = StepTime(seconds=1.0, compute_s=0.8, overhead_s=0.2, comm_s=0.0, ops=[], source="calibrated",
+                    compiled=False)
+
+    def reading(ratio: float, at: str) -> dict:
+        return {"ratio": ratio, "overhead_ratio": ratio, "kernel_ratio": ratio, "at": at}
+
+    start = reading(1.2, "start")
+    for end, moved in ((reading(1.22, "end"), True), (reading(1.03, "end"), False)):
+        settled = settled_probe(start, end)
+        seconds = probed_seconds(step, settled)
+        text = probe_line({**settled, "step_seconds": seconds}, step.seconds)
+        assert "speed probes at the start and the end read +20.0%" in text
+        if moved:
+            assert seconds == pytest.approx(1.2) and "read the probed prediction" in text
+        else:
+            assert seconds == 1.0 and "the calibrated prediction stands" in text and "probed prediction (" not in text

@@ -25,7 +25,7 @@ import torch
 
 CALIBRATION = "calibration.json"
 KERNELS = "kernels.json"
-PROFILE_VERSION = 10  # the calibration's format: a cached calibration of another version is measured again
+PROFILE_VERSION = 11  # the calibration's format: a cached calibration of another version is measured again
 
 
 def cache_root(root: str | Path | None = None) -> Path:

@@ -187,11 +187,14 @@ def device_profile(device: torch.device, bandwidth: float | None = None, peak_ro
             "reference_steps": steps["rows"], "reference_fastest_s": steps["fastest"],
             # the speed probe's own reading at calibration (the same protocol as every later probe: a
             # fastest over many samples is faster than one over a probe's few, so only like compares),
-            # each reference's fastest of three readings spread over the calibration: a VM switches
+            # each reference's median of three readings spread over the calibration: a VM switches
             # between a fast and a slow state for seconds at a time (ReferenceSteps), one ~1 s reading
-            # lands in either (1.01-1.25x apart within a minute on an AMD EPYC), and the fitted steps
-            # (fastest samples) describe the fast one
-            "probe_baseline_s": [min(t) for t in zip(*probes)],
+            # lands in either (1.01-1.25x apart within a minute on an AMD EPYC). The fastest of the three
+            # (format 10) set a baseline that later probes, one reading each, rarely reached: on an AMX Xeon
+            # one calibration's baseline read 1.2-2.1x faster than every probe of the next half hour while
+            # the calibrated prediction held (benchmarks/RESULTS.md, run A2), and a run reads its probes
+            # by a 15% band (cost.steptime.probed_seconds)
+            "probe_baseline_s": [statistics.median(t) for t in zip(*probes)], "probe_readings_s": probes,
             "reference_samples": len(refs.times), "source": "calibrated",
             "seconds": took, "version": PROFILE_VERSION}
 

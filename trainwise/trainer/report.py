@@ -18,7 +18,7 @@ from trainwise import rundir
 from trainwise.config import RunConfig
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.params import params as count_params
-from trainwise.cost.steptime import PROBE_NOISE, probed_seconds, settled_probe
+from trainwise.cost.steptime import PROBE_WARN, probed_seconds, settled_probe
 from trainwise.hardware.cache import cached, save_probe
 from trainwise.measure.reference import probe_speed, reference_speed
 from trainwise.planner.hardware import device_hardware
@@ -141,7 +141,7 @@ class RunReporter:
         step_time, _ = steady_step_time(out)
         device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else f"{self.device.type}")
         probe = self.probe
-        if probe is not None and abs(probe["ratio"] - 1) > PROBE_NOISE:  # a move must show at the end too
+        if probe is not None and abs(probe["ratio"] - 1) > PROBE_WARN:  # a move must show at the end too
             end = probe_speed(self.device, probe["calibrated_s"])
             save_probe(self.device, end)
             probe = settled_probe(probe, end)

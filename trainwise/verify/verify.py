@@ -18,7 +18,7 @@ import torch
 
 from trainwise import rundir
 from trainwise.config import RunConfig, load_config
-from trainwise.cost.steptime import PROBE_NOISE, PROBE_WARN, probed_seconds
+from trainwise.cost.steptime import PROBE_WARN, probed_seconds
 from trainwise.errors import TrainwiseError
 from trainwise.measure.flopcount import FlopCount, count_train_step
 from trainwise.measure.memtrack import MemoryBreakdown, track_train_step
@@ -170,12 +170,12 @@ def probe_line(probed: dict, calibrated_s: float) -> str:
             f"the calibration (eager overhead {probed['overhead_ratio'] - 1:+.1%}, kernels "
             f"{probed['kernel_ratio'] - 1:+.1%}): {probed['step_seconds']:.4g} s per step predicted for the machine "
             f"as probed, {calibrated_s:.4g} s as calibrated")
-    if abs(probed["step_seconds"] / calibrated_s - 1) > PROBE_WARN:
+    if abs(probed["ratio"] - 1) > PROBE_WARN:  # the band a run reads its probes by (cost.steptime.probed_seconds)
         text += (f"; this machine runs more than {PROBE_WARN:.0%} away from its calibration now: read the probed "
                  "prediction (`trainwise hardware --calibrate` measures it anew)")
-    elif abs(probed["ratio"] - 1) > PROBE_WARN:
-        text += (f"; more than {PROBE_WARN:.0%} away, but inside the probe's own noise (+-{PROBE_NOISE:.0%} on a quiet "
-                 "machine, cost.steptime.PROBE_NOISE): the calibrated prediction stands")
+    elif len(readings) > 1:
+        text += (f"; the start read more than {PROBE_WARN:.0%} away and the end nearer: a move counts only when "
+                 "both ends show it, so the calibrated prediction stands")
     return text
 
 
