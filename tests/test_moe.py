@@ -229,6 +229,57 @@ def test_grouped_and_looped_dispatch_agree_in_bf16_autocast():
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=2e-2, atol=1e-3)
 
 
+def test_padded_groups_place_each_row_in_its_experts_padded_group():
+    """padded_groups: counts (3, 0, 17, 5) padded to 16 -> (16, 0, 32, 16), each grouped row at its place in
+    its expert's padded group; pad_multiple: 1/64 of the rows, a multiple of 16, 16 at least."""
+    from trainwise.model.moe import pad_multiple, padded_groups
+
+    padded, rows = padded_groups(torch.tensor([3, 0, 17, 5]), 16)
+    assert padded.tolist() == [16, 0, 32, 16]
+    assert rows.tolist() == [0, 1, 2, *range(16, 33), *range(48, 53)]
+    assert [pad_multiple(n) for n in (100, 1024, 2048, 4096, 5000)] == [16, 16, 32, 64, 80]
+
+
+def test_padded_grouped_matmuls_equal_the_groups_as_routed(monkeypatch):
+    """A CPU's bf16 grouped matmuls pad each expert's group with zero rows (moe.GROUP_SIZES): outputs and
+    every gradient equal the unpadded call's, bias included; under a dispatch mode (the FLOP counter) the
+    groups run as routed, so the counted FLOPs are the model's."""
+    from trainwise.model import moe as moe_module
+
+    torch.manual_seed(0)
+    cfg = tiny(n_experts=8, top_k=2, bias=True, d_model=64, expert_ffn_hidden=64)
+    layer = MoE(cfg)
+    x = torch.randn(2, 24, cfg.d_model)
+    assert moe_module.pads_groups("cpu", torch.bfloat16) and not moe_module.pads_groups("cpu", torch.float32)
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: calls.append(a.shape[0]) or grouped_mm(a, b, offs=offs))
+    outs = []
+    for pad in (True, False):
+        monkeypatch.setattr(moe_module, "pads_groups", lambda device, dtype, pad=pad: pad)
+        layer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().square().sum().backward()
+        outs.append([y, *(p.grad.clone() for p in (layer.experts_fc.weight, layer.experts_fc.bias,
+                                                   layer.experts_proj.weight, layer.router.weight))])
+    assert calls[0] > 2 * 24 * 2 and calls[0] % 16 == 0 and calls[-1] == 2 * 24 * 2  # padded, then as routed
+    for padded, routed in zip(*outs):
+        torch.testing.assert_close(padded, routed)
+    monkeypatch.undo()
+
+    def counted() -> int:
+        with flop_counter() as counter, torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x).float().sum().backward()
+        return counter.get_total_flops()
+
+    as_counted = counted()
+    monkeypatch.setattr(moe_module, "pads_groups", lambda device, dtype: True)
+    padded = counted()
+    monkeypatch.setattr(moe_module, "pads_groups", lambda device, dtype: False)
+    assert as_counted == counted() < padded  # the counter sees the groups as routed, not the padding
+
+
 def test_activation_checkpointing_keeps_the_aux_loss_gradient():
     torch.manual_seed(0)
     cfg = tiny(aux_loss_coef=0.1, z_loss_coef=0.01)

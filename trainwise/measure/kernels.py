@@ -30,6 +30,7 @@ from trainwise.cost.steptime import kernels_to_time
 from trainwise.cost.time import fit_linear
 from trainwise.hardware.profile import Profile
 from trainwise.measure.flopcount import flop_counter
+from trainwise.model.moe import pad_multiple, padded_groups, pads_groups
 from trainwise.runtime.allocator import keep_freed_memory
 from trainwise.runtime.precision import DTYPES
 
@@ -150,11 +151,15 @@ def _grouped_mm_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype,
                         budget_s: float) -> float:
     """One torch._grouped_mm call of an MoE layer as cost.ops records it: (experts, rows per expert, K, N)
     for (S, K) x (E, K, N); with layout "..:split-k", (experts, K', rows per expert, N) for the weight
-    gradient (K', S) x (S, N) -> (E, K', N). Every call routes the S rows to the experts anew (a seeded
-    uniform draw, never repeated), as training does: every group size is new, so a CPU builds a fresh
-    kernel for most calls (oneDNN makes one per shape, ~ms each), not for all: the mean of the calls is
-    their cost (each pass's mean; the passes keep their fastest). Routings cycled between calls, and the
-    fast end of the timings, priced a step's grouped matmuls 30% short (benchmarks/RESULTS.md)."""
+    gradient (K', S) x (S, N) -> (E, K', N). Every call routes the S rows to the experts anew, as training
+    does, with group sizes as a router makes them, uneven (a flat Dirichlet's shares of the rows).
+
+    Where the model pads its groups (trainwise.model.moe.pads_groups: a CPU in 16 bits), the calls are
+    padded the same way and timed in a run's steady state: every padded size met once before the timed
+    calls (their mean), as a run meets them in its first steps. Unpadded, every group size is new, so a
+    CPU builds a fresh kernel for most calls (oneDNN makes one per shape, ~ms each): the mean of calls
+    never seen before is their cost (routings cycled between calls, and the fast end of the timings,
+    priced a step's grouped matmuls 30% short: benchmarks/RESULTS.md)."""
     split_k = layout.endswith(":split-k")
     experts, rows = shape[0], shape[2] if split_k else shape[1]
     total = experts * rows
@@ -163,21 +168,26 @@ def _grouped_mm_seconds(shape: tuple[int, ...], layout: str, dtype: torch.dtype,
     global _routings
     _routings += 1
     routes = torch.Generator(device=device).manual_seed(1000 + _routings)
-    # group sizes as a router makes them, uneven (a flat Dirichlet's shares of the rows), so that the
-    # calls' shapes do not repeat as a uniform draw's narrow spread of sizes would
-    offsets = []
+    pad = pads_groups(device.type, dtype)
+    offsets, padded_total = [], total
     for _ in range(GROUPED_CALLS + 1):
         shares = -torch.log(torch.rand(experts, generator=routes))  # normalised: Dirichlet(1, ..., 1)
         counts = (shares / shares.sum() * total).floor().to(torch.int64)
         counts[0] += total - counts.sum()
+        if pad:
+            counts = padded_groups(counts, pad_multiple(total))[0]
+            padded_total = max(padded_total, int(counts.sum()))
         offsets.append(counts.cumsum(0).to(torch.int32).to(device))
     if split_k:
-        a = _operand(shape[1], total, layout[0], dtype, device, gen)
-        b = _operand(total, shape[3], layout[1], dtype, device, gen)
+        a = _operand(shape[1], padded_total, layout[0], dtype, device, gen)
+        b = _operand(padded_total, shape[3], layout[1], dtype, device, gen)
     else:
-        a = _operand(total, shape[2], layout[0], dtype, device, gen)
+        a = _operand(padded_total, shape[2], layout[0], dtype, device, gen)
         b = _operand(shape[2], shape[3], layout[1], dtype, device, gen, experts)
-    calls = iter(offsets)
+    if pad:  # the steady state: every padded size built once (rows past a call's last group are not read)
+        for offs in offsets:
+            torch._grouped_mm(a, b, offs=offs)
+    calls = iter(offsets * 2)
     return fast_seconds(lambda: torch._grouped_mm(a, b, offs=next(calls)), budget_s, 3, GROUPED_CALLS, mean=True)
 
 

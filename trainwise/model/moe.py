@@ -23,6 +23,41 @@ from trainwise.config import ModelConfig
 from trainwise.model.layers import ACTIVATION_FNS, MLP
 
 
+# On a CPU, torch._grouped_mm in 16 bits runs each expert's group through oneDNN, which builds a kernel for
+# every new group size (milliseconds each) and keeps at most 1024 of them: with routing new at every step,
+# nearly every grouped call built kernels. Each group is padded with zero rows to a multiple of 1/GROUP_SIZES
+# of the call's rows (16 at least), so that a matmul meets at most GROUP_SIZES + 1 sizes, built in a run's
+# first steps and found afterwards. Side by side on an AMX Xeon (2026-12-02, benchmarks/RESULTS.md), bf16
+# steps of benchmarks/time_model.py's MoE settings: 28-50% shorter (E8 top-2 T1024 484 -> 334 ms, E8 top-1
+# T128 584 -> 294 ms); fp32 (MKL, no kernel per size) unchanged, so left unpadded. The padded rows are zeros
+# and are never read back: the outputs and gradients are those of the unpadded call.
+GROUP_SIZES = 64
+
+
+def pad_multiple(rows: int) -> int:
+    """The row multiple each expert's group of a grouped call of `rows` rows is padded to (GROUP_SIZES)."""
+    return max(16, -(-rows // GROUP_SIZES // 16) * 16)
+
+
+def pads_groups(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a grouped matmul pads its groups (GROUP_SIZES): on a CPU in 16 bits, in eager mode. A step
+    compiled, or run under a dispatch mode (the FLOP counter, the memory tracker, the operator recorder's
+    fake tensors: measurements of the model's own work), runs its groups as routed."""
+    if device_type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or torch.compiler.is_compiling():
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    return _get_current_dispatch_mode() is None
+
+
+def padded_groups(counts: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """counts (E,) of rows grouped by expert -> (E,) counts padded up to `multiple`, and (S,) the row of
+    each of the S grouped rows in the padded buffer."""
+    padded = (counts + multiple - 1) // multiple * multiple
+    expert = torch.arange(counts.numel(), device=counts.device).repeat_interleave(counts)  # (S,)
+    inside = torch.arange(expert.numel(), device=counts.device) - (counts.cumsum(0) - counts)[expert]
+    return padded, (padded.cumsum(0) - padded)[expert] + inside
+
+
 class ExpertLinear(nn.Module):
     """E independent Linear layers held as one (E, d_in, d_out) weight (+ (E, d_out) bias)."""
 
@@ -72,6 +107,7 @@ class MoE(nn.Module):
         self.last_expert_counts: torch.Tensor | None = None
         self.last_dropped = 0
         self.grouped_mm: bool | None = None  # None = torch._grouped_mm where usable; False = loop over experts
+        self.pad_groups = True  # pad the groups where it pays (pads_groups); False: always as routed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
@@ -133,7 +169,9 @@ class MoE(nn.Module):
         if not self.dropless:
             order, counts = self.apply_capacity(order, counts, tokens.shape[0])
         token_of = order // self.top_k  # (S',) the token of each grouped assignment
-        grouped = tokens[token_of]  # (S', H) the dispatch buffer
+        # (S', H) the dispatch buffer. index_select, not tokens[token_of]: its gradient is index_add_, where
+        # indexing's (index_put_ accumulating) ran 20-70x slower on a CPU (3.8 vs 0.05 ms per layer, 4096 rows)
+        grouped = tokens.index_select(0, token_of)
         if self.use_grouped_mm(grouped):
             y = self.experts_grouped(grouped, counts, chosen.flatten()[order])
         else:
@@ -169,19 +207,29 @@ class MoE(nn.Module):
 
     def experts_grouped(self, x: torch.Tensor, counts: torch.Tensor, expert_of: torch.Tensor) -> torch.Tensor:
         """x (S', H) grouped by expert -> (S', H), each group through its expert, in two grouped matmuls.
-        No host sync: the group offsets stay on the device."""
+        No host sync where the groups run as routed (the group offsets stay on the device); padded
+        (pads_groups, a CPU's), one for the padded buffer's size."""
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        x, rows = x.to(dtype), None
+        if self.pad_groups and pads_groups(device, dtype):  # group sizes from a few, so that their kernels are found (GROUP_SIZES)
+            multiple = pad_multiple(x.shape[0])
+            counts, rows = padded_groups(counts, multiple)
+            # a buffer of the same size at every call (the most padding there can be), so that the allocator
+            # reuses its memory: one of each call's own size faulted in fresh pages (2 MB zeroed in 2.2 ms)
+            buffer = x.new_zeros(x.shape[0] + counts.numel() * multiple, x.shape[1])
+            x = buffer[:int(counts.sum())].index_copy_(0, rows, x)
+            expert_of = torch.arange(counts.numel(), device=x.device).repeat_interleave(counts)
         offsets = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's group
         with torch.autocast(device, enabled=False):  # autocast does not cover _grouped_mm: cast by hand
-            h = torch._grouped_mm(x.to(dtype), self.experts_fc.weight.to(dtype), offs=offsets)  # (S', 2F)
+            h = torch._grouped_mm(x, self.experts_fc.weight.to(dtype), offs=offsets)  # (S', 2F)
             if self.experts_fc.bias is not None:
                 h = h + self.experts_fc.bias.to(dtype)[expert_of]
             h = self.activate(h)
             y = torch._grouped_mm(h, self.experts_proj.weight.to(dtype), offs=offsets)  # (S', H)
             if self.experts_proj.bias is not None:
                 y = y + self.experts_proj.bias.to(dtype)[expert_of]
-        return y
+        return y if rows is None else y.index_select(0, rows)
 
     def experts_looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (S', H) grouped by expert -> (S', H): one iteration per expert with tokens."""
