@@ -10,7 +10,7 @@ import torch
 from test_memtrack import check, track_vs_plan  # tests/ is on sys.path (rootdir conftest), as for `tiny`
 
 from trainwise.cost.memory import get_recipe, moe_saved_bytes
-from trainwise.model.moe import MoE
+from trainwise.model.moe import MoE, pad_multiple
 from trainwise.presets import get_preset
 
 CPU = torch.device("cpu")
@@ -61,9 +61,18 @@ def test_moe_saved_bytes_per_token(precision, grouped_mm):
     cfg = moe_cfg()
     torch.manual_seed(0)
     block = MoE(cfg)
-    block.grouped_mm = grouped_mm
-    measured = [saved_bytes(block, torch.randn(1, n, cfg.d_model, requires_grad=True), precision) for n in (128, 256)]
+    block.grouped_mm, block.pad_groups = grouped_mm, False  # the groups as routed, which the planner counts
+    xs = [torch.randn(1, n, cfg.d_model, requires_grad=True) for n in (128, 256)]
+    measured = [saved_bytes(block, x, precision) for x in xs]
     recipe = get_recipe("fp32" if precision == "fp32" else "amp")
     c = recipe.compute_bytes
     expected = moe_saved_bytes(cfg, recipe, 4 * c * cfg.expert_ffn_hidden)
     assert (measured[1] - measured[0]) / 128 == expected
+    if grouped_mm is None and precision == "bf16":  # a CPU's padded groups (moe.GROUP_SIZES) save a little more:
+        block.pad_groups = True  # the padding buffer whole (E x multiple rows more), the padded rows of the
+        # experts' saved activations (H, 2F, F and F wide), the rows' index (8 bytes a row), and the cast
+        # input as well as the buffer (index_copy keeps its source for its backward's shape)
+        for x, routed in zip(xs, measured):
+            S, multiple = x.shape[1] * cfg.top_k, pad_multiple(x.shape[1] * cfg.top_k)
+            bound = cfg.n_experts * multiple * c * (cfg.d_model + 4 * cfg.expert_ffn_hidden) + S * (8 + c * cfg.d_model)
+            assert routed < saved_bytes(block, x, precision) <= routed + bound
