@@ -5,7 +5,8 @@
 Models: trainwise-moe-small (8 experts of width 352, top-2) and trainwise-small (one MLP of width 704,
 the same active parameters bar the 8H router per layer). A step is the trainer's own (trainwise.runtime
 .step: forward + backward + clip + fused AdamW update) on one micro-batch. The models are timed in this
-process one after the other (medians), in fp32 and under bf16 autocast. Every step gets new token ids, as training does, so an MoE layer routes anew at each step.
+process one after the other (medians), in fp32 and under bf16 autocast. Every step gets new token ids, as
+training does, so an MoE layer routes anew at each step.
 --dispatch compares torch._grouped_mm with its groups padded where the model pads them (a CPU in 16 bits:
 trainwise.model.moe.GROUP_SIZES), torch._grouped_mm with the groups as routed, and the loop over experts.
 """
@@ -69,8 +70,8 @@ def main() -> None:
 
     dense_cfg, moe_cfg = get_preset("trainwise-small"), get_preset("trainwise-moe-small")
     dense_n, moe_n = params(dense_cfg), params(moe_cfg)
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads, micro_batch {args.micro_batch} x "
-          f"seq_len {args.seq_len}, {args.reps} repetitions per model (median)")
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"micro_batch {args.micro_batch} x seq_len {args.seq_len}, {args.reps} repetitions per model (median)")
     print(f"dense {dense_cfg.name}: {dense_n.total:,} params; moe {moe_cfg.name}: {moe_n.active:,} active "
           f"of {moe_n.total:,} ({moe_cfg.n_experts} experts x {moe_cfg.expert_ffn_hidden}, top-{moe_cfg.top_k})")
     torch.manual_seed(0)

@@ -253,7 +253,8 @@ def test_padded_grouped_matmuls_equal_the_groups_as_routed(monkeypatch):
     assert moe_module.pads_groups("cpu", torch.bfloat16) and not moe_module.pads_groups("cpu", torch.float32)
     calls = []
     grouped_mm = torch._grouped_mm
-    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: calls.append(a.shape[0]) or grouped_mm(a, b, offs=offs))
+    monkeypatch.setattr(torch, "_grouped_mm",
+                        lambda a, b, offs: calls.append(a.shape[0]) or grouped_mm(a, b, offs=offs))
     outs = []
     for pad in (True, False):
         monkeypatch.setattr(moe_module, "pads_groups", lambda device, dtype, pad=pad: pad)

@@ -9,7 +9,8 @@ from trainwise.config import ModelConfig
 from trainwise.cost.comm import comm_seconds, exposed_comm, ring_seconds
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.ops import Op, for_cuda
-from trainwise.cost.steptime import PROBE_NOISE, PROBE_WARN, StepTime, predict_step, probed_seconds, scale_batch, settled_probe
+from trainwise.cost.steptime import (PROBE_NOISE, PROBE_WARN, StepTime, predict_step, probed_seconds, scale_batch,
+                                     settled_probe)
 from trainwise.cost.time import fit_linear
 from trainwise.hardware.profile import Profile
 from trainwise.measure.record import step_ops

@@ -223,10 +223,8 @@ def moe_saved_bytes(cfg: ModelConfig, recipe: Recipe, expert_mlp: float) -> floa
         expert outputs before weighting (saved by the weighting multiply) kcH, and the weighted outputs
         (saved by index_add_) kcH; each assignment's expert MLP: k x expert_mlp.
     With a capacity limit (dropless=False) the k terms are an upper bound: dropped assignments save
-    nothing. Sigmoid gating saves a little more (sigmoid output and its normalisation, O(E)). These are
-    the groups as routed; where a CPU pads them (16 bits: trainwise.model.moe.GROUP_SIZES) a layer saves
-    also the padding buffer and the padded rows' index, 8k + kcH per token, and at most E x multiple rows
-    more of each saved expert activation: not counted (tests/test_moe_memory.py bounds them)."""
+    nothing. Sigmoid gating saves a little more (sigmoid output and its normalisation, O(E)). Groups as
+    routed: a CPU's padded ones (model.moe.GROUP_SIZES) save more, uncounted (tests/test_moe_memory.py)."""
     c, H, E, k = recipe.compute_bytes, cfg.d_model, cfg.n_experts, cfg.top_k
     router = 4 * H + 8 * E + 4
     routing = 24 * k + (4 * k + 4 if cfg.renormalize_top_k else 0) + c * k

@@ -27,10 +27,10 @@ from trainwise.model.layers import ACTIVATION_FNS, MLP
 # every new group size (milliseconds each) and keeps at most 1024 of them: with routing new at every step,
 # nearly every grouped call built kernels. Each group is padded with zero rows to a multiple of 1/GROUP_SIZES
 # of the call's rows (16 at least), so that a matmul meets at most GROUP_SIZES + 1 sizes, built in a run's
-# first steps and found afterwards. Side by side on an AMX Xeon (2026-12-02, benchmarks/RESULTS.md), bf16
-# steps of benchmarks/time_model.py's MoE settings: 28-50% shorter (E8 top-2 T1024 484 -> 334 ms, E8 top-1
-# T128 584 -> 294 ms); fp32 (MKL, no kernel per size) unchanged, so left unpadded. The padded rows are zeros
-# and are never read back: the outputs and gradients are those of the unpadded call.
+# first steps and found afterwards. Side by side on an AMX Xeon (benchmarks/bench_moe.py, 2026-12-02,
+# benchmarks/RESULTS.md): the bf16 trainwise-moe-small step 1276 -> 615 ms; fp32 (MKL, no kernel per size)
+# not faster, so left unpadded. The padded rows are zeros and are never read back: the outputs and
+# gradients are those of the unpadded call.
 GROUP_SIZES = 64
 
 
@@ -170,7 +170,8 @@ class MoE(nn.Module):
             order, counts = self.apply_capacity(order, counts, tokens.shape[0])
         token_of = order // self.top_k  # (S',) the token of each grouped assignment
         # (S', H) the dispatch buffer. index_select, not tokens[token_of]: its gradient is index_add_, where
-        # indexing's (index_put_ accumulating) ran 20-70x slower on a CPU (3.8 vs 0.05 ms per layer, 4096 rows)
+        # indexing's (index_put_, accumulating) took 3.8 ms per layer on a CPU at 4096 rows of 256 (profiler,
+        # `moe T512` of benchmarks/time_model.py: 15 ms of its step; index_add_ there: 0.1 ms per layer)
         grouped = tokens.index_select(0, token_of)
         if self.use_grouped_mm(grouped):
             y = self.experts_grouped(grouped, counts, chosen.flatten()[order])
@@ -212,7 +213,7 @@ class MoE(nn.Module):
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         x, rows = x.to(dtype), None
-        if self.pad_groups and pads_groups(device, dtype):  # group sizes from a few, so that their kernels are found (GROUP_SIZES)
+        if self.pad_groups and pads_groups(device, dtype):  # a few group sizes, their kernels found (GROUP_SIZES)
             multiple = pad_multiple(x.shape[0])
             counts, rows = padded_groups(counts, multiple)
             # a buffer of the same size at every call (the most padding there can be), so that the allocator
