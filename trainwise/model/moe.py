@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from trainwise.config import ModelConfig
 from trainwise.model.layers import ACTIVATION_FNS, MLP
@@ -45,7 +46,6 @@ def pads_groups(device_type: str, dtype: torch.dtype) -> bool:
     fake tensors: measurements of the model's own work), runs its groups as routed."""
     if device_type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or torch.compiler.is_compiling():
         return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
     return _get_current_dispatch_mode() is None
 
 
@@ -220,7 +220,8 @@ class MoE(nn.Module):
             # reuses its memory: one of each call's own size faulted in fresh pages (2 MB zeroed in 2.2 ms)
             buffer = x.new_zeros(x.shape[0] + counts.numel() * multiple, x.shape[1])
             x = buffer[:int(counts.sum())].index_copy_(0, rows, x)
-            expert_of = torch.arange(counts.numel(), device=x.device).repeat_interleave(counts)
+            if self.experts_fc.bias is not None or self.experts_proj.bias is not None:  # the padded rows' experts
+                expert_of = torch.arange(counts.numel(), device=x.device).repeat_interleave(counts)
         offsets = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's group
         with torch.autocast(device, enabled=False):  # autocast does not cover _grouped_mm: cast by hand
             h = torch._grouped_mm(x, self.experts_fc.weight.to(dtype), offs=offsets)  # (S', 2F)
