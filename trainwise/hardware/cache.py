@@ -25,7 +25,7 @@ import torch
 
 CALIBRATION = "calibration.json"
 KERNELS = "kernels.json"
-PROFILE_VERSION = 11  # the calibration's format: a cached calibration of another version is measured again
+PROFILE_VERSION = 12  # the calibration's format: a cached calibration of another version is measured again
 
 
 def cache_root(root: str | Path | None = None) -> Path:
@@ -112,10 +112,12 @@ def link_key(backend: str, world: int) -> str:
     return f"link|{backend}|world={world}|{cpu_model()}|torch={torch.__version__}"
 
 
-def cached_link(backend: str, world: int) -> list[float] | None:
-    """[latency s, bytes/s] of this machine's collectives over `world` ranks, if calibrate_link ran."""
+def cached_link(backend: str, world: int) -> dict | None:
+    """This machine's collectives over `world` ranks as calibrate_link measured them, or None: "link"
+    [latency s, bytes/s] of collectives alone, and over gloo "strategies" {strategy: {"link": ...}} (as a
+    training step runs them). An entry from before the strategies were measured reads as none, over gloo."""
     entry = read_json(calibration_path()).get(link_key(backend, world))
-    return entry["link"] if entry else None
+    return entry if entry and (backend != "gloo" or "strategies" in entry) else None
 
 
 def cached(device: torch.device | str) -> dict | None:
