@@ -5,8 +5,9 @@ this machine's calibration) and then run for real: single-process ones in this p
 trainer's own step (trainwise.runtime.step.train_step, compiled with train.parallelize.apply_compile
 where marked), built afresh for each of --rounds rounds over all configurations (one model in the
 process at a time, as in a run), two warm-up steps, each keeping its fastest round's median step;
-ddp/fsdp ones through `torchrun --nproc_per_node 2 -m trainwise train` (gloo, one thread per rank),
-the lower quartile of the logged step times after the first two.
+ddp/fsdp ones through `torchrun --nproc_per_node 2 -m trainwise train` (gloo, one thread per rank; the
+collectives calibrated first, `torchrun --nproc_per_node 2 -m trainwise hardware --calibrate`), the lower
+quartile of the logged step times after the first two.
 error = measured / predicted - 1, against the prediction as calibrated and against the prediction for
 the machine as probed (cost.steptime.probed_seconds: the trainer's speed probe of the calibration's
 reference steps, taken right before each round of each configuration, as a run takes it right before
@@ -40,7 +41,7 @@ import torch
 
 from trainwise.config import ModelConfig, RunConfig, TrainConfig, apply_overrides, save_config
 from trainwise.cost.steptime import PROBE_NOISE, probed_seconds, settled_probe
-from trainwise.hardware.cache import cpu_model
+from trainwise.hardware.cache import cached_link, cpu_model
 from trainwise.measure.calibrate import calibrate
 from trainwise.measure.reference import probe_speed
 from trainwise.planner.plan import plan_for_run, plan_run
@@ -268,6 +269,10 @@ def main() -> int:
     calibrate("cpu")
     if any(c.strategy != "none" for c in cases):
         calibrate("cpu", threads=1)  # what each of the 2 torchrun ranks runs with (OMP_NUM_THREADS=1)
+        if cached_link("gloo", 2) is None:  # the collectives, as a torchrun run measures them when it finds none
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            "-m", "trainwise", "hardware", "--calibrate"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                           check=True, capture_output=True, timeout=600)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}; load average at start "
           f"{load0[0]:.2f} (1 min); calibration ready after {time.time() - t0:.0f} s")
     references = calibrate("cpu")["profile"]["probe_baseline_s"]

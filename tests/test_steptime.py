@@ -10,7 +10,7 @@ from trainwise.cost.comm import comm_seconds, exposed_comm, ring_seconds
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.ops import Op, for_cuda
 from trainwise.cost.steptime import (PROBE_NOISE, PROBE_WARN, StepTime, predict_step, probed_seconds, scale_batch,
-                                     settled_probe)
+                                     settled_probe, step_time)
 from trainwise.cost.time import fit_linear
 from trainwise.hardware.profile import Profile
 from trainwise.measure.record import step_ops
@@ -95,6 +95,27 @@ def test_ring_collectives_and_strategies():
     assert exposed_comm(fsdp, 0.2, overlaps=True) == pytest.approx(0.052)
 
 
+def test_fsdp_is_priced_at_its_collectives_as_its_steps_ran_them_ddp_at_the_collectives_alone():
+    """Over gloo the link calibration fits each FSDP2 strategy's collectives to what they added to real
+    steps (measure.reference.strategy_links); a strategy without such a fit (ddp, zero1) takes the link of
+    the collectives timed alone."""
+    p = profile()
+    p.link, p.link_source = [1e-4, 1e9], "calibrated (gloo, 2 ranks)"
+    p.strategy_links = {"fsdp": [2e-3, 4e8], "zero2": [1e-3, 5e8]}
+    mm = Op("aten.mm", "matmul", "forward", "fp32", (1, 512, 512, 512), 4, 4 * 2 * 512**3, 4 * 3 * 4 * 512**2)
+    common = dict(n_layers=3, n_param_tensors=4, n_params=25_000_000, grad_accum=1, compute_dtype="fp32",
+                  optimizer="adamw", dp=2, grad_bytes=100_000_000, param_bytes=100_000_000)
+    fsdp = step_time([mm], p, zero=3, **common)
+    assert fsdp.comm == comm_seconds("fsdp", 2, 1e8, 1e8, 3, 1, [2e-3, 4e8])
+    assert fsdp.comm_s == pytest.approx(sum(fsdp.comm.values()))  # a CPU: all of it shows
+    assert "as the strategy's training steps ran them" in fsdp.comm_how and "2,000 us per hop" in fsdp.comm_how
+    for zero, strategy in ((0, "ddp"), (1, "zero1")):
+        st = step_time([mm], p, zero=zero, **common)
+        assert st.comm == comm_seconds(strategy, 2, 1e8, 1e8, 3, 1, p.link)
+        assert "alone, calibrated (gloo, 2 ranks)" in st.comm_how
+    assert step_time([mm], p, zero=3, **{**common, "dp": 1}).comm_how == ""  # one rank: nothing to say
+
+
 def test_operator_list_counts_what_the_planner_counts():
     B, T = 2, 16
     ops = step_ops(TINY, B, T)
@@ -146,31 +167,42 @@ def test_the_worked_example_still_comes_out_exactly():
 
 def test_collectives_are_calibrated_under_torchrun_and_used_by_the_plan(tmp_path):
     """`torchrun --nproc_per_node 2 -m trainwise hardware --calibrate` measures gloo's all-reduce,
-    all-gather and reduce-scatter, fits the ring model's latency and bandwidth, and caches them."""
+    all-gather and reduce-scatter alone, fits the ring model's latency and bandwidth, then FSDP2's
+    collectives as real sharded steps run them (two reference models against their unsharded steps),
+    and caches both; the plan prices FSDP2 at the second."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     from trainwise.hardware.cache import cached_link
+    from trainwise.measure.reference import STRATEGY_REFERENCES
     from trainwise.planner.hardware import _use_measured_link
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRAINWISE_CACHE": str(tmp_path), "PYTHONPATH": str(root)}
+    env = {**os.environ, "TRAINWISE_CACHE": str(tmp_path), "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "trainwise", "hardware", "--calibrate"], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "gloo collectives over 2 ranks" in proc.stdout
+    assert "gloo collectives over 2 ranks" in proc.stdout and "fsdp as its training steps run them" in proc.stdout
     os.environ["TRAINWISE_CACHE"], old = str(tmp_path), os.environ.get("TRAINWISE_CACHE")
     try:
-        latency, bandwidth = cached_link("gloo", 2)
+        entry = cached_link("gloo", 2)
         p = profile()
         _use_measured_link(p, "gloo", 2)
     finally:
         os.environ["TRAINWISE_CACHE"] = old
+    latency, bandwidth = entry["link"]
     assert 0 <= latency < 0.1 and 1e6 < bandwidth < 1e12
-    assert p.link == [latency, bandwidth] and p.link_source == "calibrated (gloo, 2 ranks)"
+    assert p.link == [latency, bandwidth] and p.link_source.startswith("calibrated (gloo, 2 ranks, ")
+    assert set(p.strategy_links) == {"zero2", "fsdp"}
+    for strategy, fit in entry["strategies"].items():
+        assert len(fit["rows"]) == len(STRATEGY_REFERENCES) and all(r[2] > 0 for r in fit["rows"])
+        # a sharded step's collectives cost more than the same collectives on idle ranks (copies in and out,
+        # waits at every block, gloo's threads on computing cores): the larger reference, priced both ways
+        units, bytes_, _ = fit["rows"][-1]
+        assert units * fit["link"][0] + bytes_ / fit["link"][1] > units * latency + bytes_ / bandwidth, strategy
 
 
 def test_element_wise_work_is_priced_at_the_rate_of_its_size():

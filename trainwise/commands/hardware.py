@@ -101,4 +101,7 @@ def _cmd_calibrate_link(args) -> int:
         else:
             print(f"{r['backend']} collectives over {r['world']} ranks: latency {r['link'][0] * 1e6:,.1f} us per hop, "
                   f"bandwidth {r['link'][1] / 1e9:,.2f} GB/s (ring model, cached for `trainwise plan`)")
+            for strategy, fit in r.get("strategies", {}).items():
+                print(f"  {strategy} as its training steps run them: {fit['link'][0] * 1e6:,.1f} us per hop, "
+                      f"{fit['link'][1] / 1e9:,.3g} GB/s")
     return 0

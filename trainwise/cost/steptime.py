@@ -113,6 +113,7 @@ class StepTime:
     source: str
     compiled: bool
     comm: dict[str, float] = field(default_factory=dict)  # every collective's seconds, exposed or not
+    comm_how: str = ""  # the link the collectives were priced at, and where it comes from
 
     def by_phase(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
@@ -267,12 +268,18 @@ def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors
         n_params = n_params // dp
     base = predict_step(ops, profile, tensors, n_params, compiled, 0.0, optimizer, async_launch=cuda,
                         precision=precision)
-    comm = comm_seconds(strategy_for(zero, dp), dp, grad_bytes, param_bytes, n_layers, grad_accum, profile.link,
+    strategy = strategy_for(zero, dp)
+    link = profile.strategy_links.get(strategy, profile.link)
+    comm = comm_seconds(strategy, dp, grad_bytes, param_bytes, n_layers, grad_accum, link,
                         param_bytes // 2 if precision != "fp32" and zero >= 2 else None)
     phases = base.by_phase()
     exposed = exposed_comm(comm, phases.get("backward", 0.0) + phases.get("forward", 0.0), overlaps=cuda)
     base.comm_s, base.seconds = exposed, base.seconds + exposed
     base.comm = comm
+    if comm:
+        measured = "as the strategy's training steps ran them" if link is not profile.link else "alone"
+        base.comm_how = (f"ring model at {link[0] * 1e6:,.0f} us per hop and {link[1] / 1e9:.3g} GB/s: {strategy}'s "
+                         f"collectives {measured}, {profile.link_source}")
     return base
 
 

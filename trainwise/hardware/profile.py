@@ -28,6 +28,9 @@ class Profile:
     source: str  # "calibrated"
     link: list[float] = field(default_factory=lambda: [5e-5, 1e9])  # collectives: [latency s, bytes/s]
     link_source: str = "default"
+    # per data-parallel strategy, its collectives as a training step runs them (calibrated under torchrun
+    # over gloo: measure.reference.strategy_links): {strategy: [latency s, bytes/s]}, else `link`
+    strategy_links: dict[str, list[float]] = field(default_factory=dict)
     in_step: float = 1.0  # a real step's kernels take this times their time alone (calibrated: step_fit)
     # seconds per call of matmuls and attention at given shapes (kernel_key); with `device` set, the
     # calls a plan needs and the table lacks are measured on this device (`threads` torch threads)

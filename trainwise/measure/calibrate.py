@@ -28,7 +28,7 @@ from trainwise.hardware import cache
 from trainwise.hardware.cache import PROFILE_VERSION, machine_key
 from trainwise.hardware.profile import Profile
 from trainwise.measure import kernels as K
-from trainwise.measure.reference import ReferenceSteps, reference_speed
+from trainwise.measure.reference import ReferenceSteps, reference_speed, strategy_links
 from trainwise.runtime.allocator import keep_freed_memory
 from trainwise.runtime.precision import DTYPES
 
@@ -314,9 +314,12 @@ def _measure_and_cache_unseeded(device: torch.device, path: Path, key: str, old:
 
 def calibrate_link() -> dict:
     """Under torchrun (every rank calls it, process group initialised): measure the collectives
-    (kernels.collective_fit) and cache them; rank 0 writes. `trainwise hardware --calibrate` under
-    torchrun does this."""
+    (kernels.collective_fit) and, over gloo, each data-parallel strategy's communication as a training
+    step runs it (reference.strategy_links), and cache them; rank 0 writes. `trainwise hardware --calibrate`
+    under torchrun does this, and so does a CPU run under torchrun that finds none cached."""
     result = {**K.collective_fit(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if result["backend"] == "gloo":
+        result["strategies"] = strategy_links()
     if result["rank"] == 0:
         cache.update_json(cache.calibration_path(),
                           lambda entries: entries.update({cache.link_key(result["backend"], result["world"]): result}))

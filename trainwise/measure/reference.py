@@ -1,6 +1,7 @@
 """Reference steps: real eager training steps of small models, timed over a calibration, from which the
 step-time model learns what a real step adds to its kernels timed one by one (per-step and per-op
-overhead, the in-step factor), and the speed probe that says how far the machine moved since.
+overhead, the in-step factor), and the speed probe that says how far the machine moved since; under
+torchrun on CPUs, reference steps of each data-parallel strategy for its communication as a step runs it.
 """
 
 from __future__ import annotations
@@ -9,11 +10,16 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from trainwise.config import ModelConfig, TrainConfig
+from trainwise.cost.comm import comm_seconds
+from trainwise.cost.params import params as count_params
 from trainwise.cost.steptime import kernels_to_time, op_seconds
+from trainwise.cost.time import fit_linear
 from trainwise.measure.kernels import time_kernel_pass
 from trainwise.measure.record import step_ops
+from trainwise.runtime.distributed import Dist
 from trainwise.runtime.step import build_model, build_step, random_batches
 
 # Reference steps the step fit runs: unlike the configurations benchmarks/time_model.py checks, and from
@@ -142,3 +148,72 @@ def probe_speed(device: torch.device, calibrated_s: list[float], seconds: float 
     return {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "unix": time.time(), "now_s": now, "calibrated_s": calibrated_s,
             "overhead_ratio": sum(now[:split]) / sum(calibrated_s[:split]),
             "kernel_ratio": sum(now[split:]) / sum(calibrated_s[split:]), "ratio": sum(now) / sum(calibrated_s)}
+
+
+# Two reference models for the data-parallel strategies' communication as a training step runs it: the
+# same depth (so the same number of collectives), parameter bytes 7x apart (the per-byte term); unlike
+# the configurations benchmarks/time_model.py checks. (model, micro-batch, T), bf16 as the default recipe.
+STRATEGY_REFERENCES = (
+    (dict(vocab_size=1024, d_model=128, n_layers=2, n_heads=2, n_kv_heads=2, ffn_hidden=384), 4, 128),
+    (dict(vocab_size=2048, d_model=384, n_layers=2, n_heads=6, n_kv_heads=2, ffn_hidden=1024), 4, 128),
+)
+# The FSDP2 strategies, whose collectives run block by block between the compute. DDP (and zero1) all-reduce
+# the gradients once, in one bucket after the backward of a model under 25 MiB of gradients: priced at the
+# collectives timed alone (kernels.collective_fit); its excess over the unsharded reference steps, 1-9 ms,
+# was within their noise, and a fit to it read 0.0035 s per hop at unbounded bandwidth (RESULTS.md, ibid.).
+STRATEGIES_FITTED = ("zero2", "fsdp")
+
+
+def strategy_links(rounds: int = 3, steps: int = 4) -> dict:
+    """Under torchrun on CPUs (every rank calls it, the gloo process group initialised): for each of
+    STRATEGIES_FITTED (FSDP2's), [latency s, bytes/s] of cost.comm.comm_seconds's ring model fitted to what
+    the strategy adds to the forward and backward of STRATEGY_REFERENCES (trainwise's own step, sharded as
+    the trainer shards it) over the same step unsharded, both ranks computing at once. A collective timed
+    alone on idle ranks (kernels.collective_fit) leaves out what a step's collectives cost on cores that
+    also compute: FSDP2 copies each block's parameters in and out of its gathered buffer, casts them,
+    waits for the slower rank at every block, and gloo's threads share the cores with the kernels. On an
+    AMX Xeon, 2 ranks of one thread: FSDP2 added 75-130 ms to a 4.0M-parameter bf16 step whose 15
+    collectives the default link priced at 17 ms, this fit at 63-70 ms (benchmarks/RESULTS.md,
+    "Collectives as a step runs them"). Unsharded and sharded steps are timed in turns over `rounds` (a
+    VM's speed moves), each the fastest of `steps` after a warm-up, the slower rank's. Returns
+    {strategy: {"link": [s, bytes/s], "rows": [[L, B, excess s], ...]}}: excess = L x latency + B /
+    bandwidth (L, B: comm_seconds at unit latency and at unit inverse bandwidth)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows: dict[str, list] = {s: [] for s in STRATEGIES_FITTED}
+    with torch.random.fork_rng():  # a run that calibrates here draws the same numbers as one that did not
+        for model, batch, seq in STRATEGY_REFERENCES:
+            _strategy_rows(ModelConfig(**model, max_seq_len=seq), batch, seq, rank, world, rounds, steps, rows)
+    out = {}
+    for strategy, table in rows.items():
+        latency, inv_bw = fit_linear([(r[:2], max(r[2], 1e-6)) for r in table])
+        out[strategy] = {"link": [latency, 1.0 / inv_bw if inv_bw > 0 else 1e30], "rows": table}
+    return out
+
+
+def _strategy_rows(cfg: ModelConfig, batch: int, seq: int, rank: int, world: int, rounds: int, steps: int,
+                   rows: dict[str, list]) -> None:
+    """One reference of strategy_links: its unsharded and sharded steps timed in turns, a row per strategy."""
+    cpu = torch.device("cpu")
+    batches = random_batches(cfg.vocab_size, batch, seq, 1, cpu, seed=rank)
+    steps_of = {}
+    for strategy in ("none", *STRATEGIES_FITTED):
+        torch.manual_seed(0)
+        steps_of[strategy] = build_step(build_model(cfg, cpu), TrainConfig(), cpu, "bf16", optimizer=False,
+                                        dist=Dist(strategy, rank, world, rank) if strategy != "none" else None)
+        steps_of[strategy](batches)  # warm-up
+    best = dict.fromkeys(steps_of, float("inf"))
+    for _ in range(rounds):
+        for strategy, step in steps_of.items():
+            for _ in range(steps):
+                dist.barrier()
+                start = time.perf_counter()
+                step(batches)
+                best[strategy] = min(best[strategy], time.perf_counter() - start)
+    slowest = torch.tensor([best[s] for s in steps_of], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slower rank is what a step waits for
+    seconds = dict(zip(steps_of, slowest.tolist()))
+    n = count_params(cfg).total
+    for strategy in STRATEGIES_FITTED:
+        terms = [sum(comm_seconds(strategy, world, 4 * n, 4 * n, cfg.n_layers, 1, link, 2 * n).values())
+                 for link in ([1.0, float("inf")], [0.0, 1.0])]
+        rows[strategy].append([*terms, max(seconds[strategy] - seconds["none"], 0.0)])

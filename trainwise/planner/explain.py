@@ -48,6 +48,8 @@ def explain_step(p) -> str:
         f"{st.comm_s:.4g} s exposed" + (f" (of {sum(st.comm.values()):.4g} s: "
                                         + ", ".join(f"{k} {v:.4g} s" for k, v in st.comm.items()) + ")" if st.comm else "")
         + f" = {st.seconds:.4g} s per step")
+    if st.comm_how:
+        add(f"   communication: {st.comm_how}")
     _throughput(add, p, st.seconds)
     return "\n".join(out)
 

@@ -124,9 +124,11 @@ def device_hardware(device: torch.device, dtype: str) -> Hardware:
 
 
 def _use_measured_link(profile: Profile | None, backend: str, world: int | None) -> None:
-    """The collectives as `trainwise hardware --calibrate` measured them under torchrun, if it did."""
-    if profile is not None and world and world > 1 and (link := cached_link(backend, world)):
-        profile.link, profile.link_source = link, f"calibrated ({backend}, {world} ranks)"
+    """The collectives as `trainwise hardware --calibrate` (or a CPU run) measured them under torchrun, if
+    it did: alone, and over gloo each strategy's as a training step runs them."""
+    if profile is not None and world and world > 1 and (entry := cached_link(backend, world)):
+        profile.link, profile.link_source = entry["link"], f"calibrated ({backend}, {world} ranks, {entry['measured_at']})"
+        profile.strategy_links = {s: v["link"] for s, v in entry.get("strategies", {}).items()}
 
 
 def _node(hw: Hardware, gpus: int, gpus_per_node: int | None, intra: float | None, inter: float | None) -> Node | None:

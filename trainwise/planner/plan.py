@@ -168,6 +168,8 @@ class Plan:
                "step_seconds": self.step_seconds, "tokens_per_s": self.tokens_per_step / self.step_seconds,
                "mfu": self.mfu, "source": self.time_source,
                **({"cost_usd": self.cost} if self.price is not None else {})}
+        if self.step is not None and self.step.comm:  # a data-parallel step's collectives, and their link
+            out["comm"] = {"collectives_s": self.step.comm, "exposed_s": self.step.comm_s, "how": self.step.comm_how}
         if self.cluster is not None:  # exposed seconds per step by term (they add up) and per operator/collective
             out.update(breakdown=self.cluster.breakdown, ops=self.cluster.ops, source_detail=self.hardware.kernel_source)
         return out

@@ -19,7 +19,8 @@ from trainwise.config import RunConfig
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.params import params as count_params
 from trainwise.cost.steptime import PROBE_WARN, probed_seconds, settled_probe
-from trainwise.hardware.cache import cached, save_probe
+from trainwise.hardware.cache import cached, cached_link, save_probe
+from trainwise.measure.calibrate import calibrate_link
 from trainwise.measure.reference import probe_speed, reference_speed
 from trainwise.planner.hardware import device_hardware
 from trainwise.planner.plan import Plan, plan_for_run
@@ -54,6 +55,10 @@ class RunReporter:
         # the plan is the data-parallel one (tokens per step = dp replicas' batches); a tensor- or pipeline-
         # parallel replica's per-rank shares are trainwise.cost.rank's (verify.json's per_rank)
         self.dp = dp or self.world_size
+        if self.dp > 1 and device.type == "cpu" and cached_link("gloo", self.world_size) is None:
+            say(f"measuring the gloo collectives over {self.world_size} ranks, alone and as training steps run them "
+                "(about 15 s, once per machine: `trainwise hardware --calibrate` under torchrun)")
+            calibrate_link()  # every rank: they are collectives
         self.probe = self._probe()  # the machine's speed now against its calibration (about a second)
         # a divided model's rank holds some of it (pipeline stages): the planner's count of the whole
         built = sum(p.numel() for p in model.parameters()) if self.dp == self.world_size else self.counts.total
