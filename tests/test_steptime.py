@@ -108,12 +108,13 @@ def test_fsdp_is_priced_at_its_collectives_as_its_steps_ran_them_ddp_at_the_coll
     fsdp = step_time([mm], p, zero=3, **common)
     assert fsdp.comm == comm_seconds("fsdp", 2, 1e8, 1e8, 3, 1, [2e-3, 4e8])
     assert fsdp.comm_s == pytest.approx(sum(fsdp.comm.values()))  # a CPU: all of it shows
-    assert "as the strategy's training steps ran them" in fsdp.comm_how and "2,000 us per hop" in fsdp.comm_how
+    assert "fsdp's collectives as its training steps ran them" in fsdp.comm_how and "2,000 us per hop" in fsdp.comm_how
     for zero, strategy in ((0, "ddp"), (1, "zero1")):
         st = step_time([mm], p, zero=zero, **common)
         assert st.comm == comm_seconds(strategy, 2, 1e8, 1e8, 3, 1, p.link)
         assert "alone, calibrated (gloo, 2 ranks)" in st.comm_how
     assert step_time([mm], p, zero=3, **{**common, "dp": 1}).comm_how == ""  # one rank: nothing to say
+    assert "the default link" in step_time([mm], profile(), zero=0, **common).comm_how  # no link calibrated
 
 
 def test_operator_list_counts_what_the_planner_counts():

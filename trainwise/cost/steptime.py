@@ -277,9 +277,10 @@ def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors
     base.comm_s, base.seconds = exposed, base.seconds + exposed
     base.comm = comm
     if comm:
-        measured = "as the strategy's training steps ran them" if link is not profile.link else "alone"
-        base.comm_how = (f"ring model at {link[0] * 1e6:,.0f} us per hop and {link[1] / 1e9:.3g} GB/s: {strategy}'s "
-                         f"collectives {measured}, {profile.link_source}")
+        how = "as its training steps ran them" if strategy in profile.strategy_links else "alone"
+        source = ("the default link (`trainwise hardware --calibrate` under torchrun measures this machine's)"
+                  if profile.link_source == "default" else f"{strategy}'s collectives {how}, {profile.link_source}")
+        base.comm_how = f"ring model at {link[0] * 1e6:,.0f} us per hop and {link[1] / 1e9:.3g} GB/s: {source}"
     return base
 
 

@@ -159,7 +159,7 @@ STRATEGY_REFERENCES = (
 )
 # The FSDP2 strategies, whose collectives run block by block between the compute. DDP (and zero1) all-reduce
 # the gradients once, in one bucket after the backward of a model under 25 MiB of gradients: priced at the
-# collectives timed alone (kernels.collective_fit); its excess over the unsharded reference steps, 1-9 ms,
+# collectives timed alone (kernels.collective_fit); its excess over the unsharded reference steps, 1-15 ms,
 # was within their noise, and a fit to it read 0.0035 s per hop at unbounded bandwidth (RESULTS.md, ibid.).
 STRATEGIES_FITTED = ("zero2", "fsdp")
 
@@ -173,9 +173,10 @@ def strategy_links(rounds: int = 3, steps: int = 4) -> dict:
     also compute: FSDP2 copies each block's parameters in and out of its gathered buffer, casts them,
     waits for the slower rank at every block, and gloo's threads share the cores with the kernels. On an
     AMX Xeon, 2 ranks of one thread: FSDP2 added 75-130 ms to a 4.0M-parameter bf16 step whose 15
-    collectives the default link priced at 17 ms, this fit at 63-70 ms (benchmarks/RESULTS.md,
-    "Collectives as a step runs them"). Unsharded and sharded steps are timed in turns over `rounds` (a
-    VM's speed moves), each the fastest of `steps` after a warm-up, the slower rank's. Returns
+    collectives the default link priced at 17 ms, this fit at 63-70 ms (benchmarks/RESULTS.md, "The
+    optimizer's operands in memory; collectives as a step runs them"). Unsharded and sharded steps are
+    timed in turns over `rounds` (a VM's speed moves), each the fastest of `steps` after a warm-up, the
+    slower rank's. Returns
     {strategy: {"link": [s, bytes/s], "rows": [[L, B, excess s], ...]}}: excess = L x latency + B /
     bandwidth (L, B: comm_seconds at unit latency and at unit inverse bandwidth)."""
     rank, world = dist.get_rank(), dist.get_world_size()
