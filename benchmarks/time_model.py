@@ -201,7 +201,8 @@ def fit_compiled(rounds: int) -> int:
         st, prof = plan.step, plan.hardware.profile
         fused = [t for t in st.ops if t.op.cls not in ("matmul", "attention") and t.op.phase != "optimizer"]
         rest = st.seconds - sum(t.seconds for t in fused)
-        eager = prof.in_step * sum(op_seconds(t.op, prof)[0] for t in fused)  # (the plan's: x the factor)
+        # (the plan's: x the factor of the step's compute precision)
+        eager = prof.in_step_for(case.precision) * sum(op_seconds(t.op, prof)[0] for t in fused)
         f = (measured - rest) / eager
         fs.append(f)
         print(f"{case.name}: measured {measured:.4f} s = {rest:.4f} s (matmuls, optimizer, overhead) + "
@@ -224,6 +225,7 @@ def figures(cal: dict) -> dict[str, float]:
     out["optimizer s/tensor"], out["optimizer s/param"] = p["optimizer"]
     out["overhead s/step"], out["overhead s/op"] = p["overhead"]
     out["in-step factor"] = p["in_step"]
+    out.update({f"in-step factor {prec}": x for prec, x in p.get("in_step_by", {}).items()})
     return out
 
 

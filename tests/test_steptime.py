@@ -245,6 +245,35 @@ def test_kernels_timed_at_their_shape_override_the_fit_and_in_step_scales_all():
     assert st.ops[0].seconds == pytest.approx(0.075) and "timed at its shape" in st.ops[0].how
     # another layout of the same shape is another kernel (x.t() @ dy runs 1.5-2x slower here)
     assert predict_step([Op(**{**mm.__dict__, "layout": "TN"})], p, 0, 0).ops[0].seconds == pytest.approx(fit * 1.25)
+    # calibrated per compute precision: a bf16 step's kernels lose more in a step than an fp32 step's;
+    # fp16 autocast takes bf16's; a precision the calibration has no reference for takes in_step
+    p.in_step_by = {"fp32": 1.1, "bf16": 1.3}
+    for precision, factor in (("bf16", 1.3), ("fp16", 1.3), ("fp32", 1.1)):
+        st = predict_step([mm], p, 0, 0, precision=precision)
+        assert st.ops[0].seconds == pytest.approx(0.06 * factor)
+        assert f"x{factor:.3g} in a {precision} step" in st.ops[0].how
+    p.in_step_by = {"bf16": 1.3}
+    assert predict_step([mm], p, 0, 0, precision="fp32").ops[0].seconds == pytest.approx(0.075)
+
+
+def test_the_calibration_fits_an_in_step_factor_per_compute_precision(calibrated):
+    """Real reference steps of both compute precisions: a factor for each, from that precision's references,
+    and the step's plan prices its kernels with its own (in_step: the median of all, for older readers)."""
+    import statistics
+
+    from trainwise.hardware.cache import calibration_path, read_json
+    from trainwise.measure.reference import OVERHEAD_REFERENCES, REFERENCE_STEPS
+
+    entry = next(v for v in read_json(calibration_path()).values() if "profile" in v)
+    prof = entry["profile"]
+    assert set(prof["in_step_by"]) == {r[3] for r in REFERENCE_STEPS[OVERHEAD_REFERENCES:]} == {"fp32", "bf16"}
+    per_step, per_op = prof["overhead"]
+    ratios = {}
+    for (_, _, _, precision), (_, t, kernels, calls) in zip(REFERENCE_STEPS[OVERHEAD_REFERENCES:],
+                                                             prof["reference_steps"][OVERHEAD_REFERENCES:]):
+        ratios.setdefault(precision, []).append(max((t - per_step - per_op * calls) / kernels, 0.5))
+    assert prof["in_step_by"] == pytest.approx({k: statistics.median(v) for k, v in ratios.items()})
+    assert prof["in_step"] == pytest.approx(statistics.median([r for v in ratios.values() for r in v]))
 
 
 def test_a_new_calibration_starts_a_new_kernel_table():

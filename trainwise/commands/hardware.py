@@ -76,8 +76,9 @@ def _cmd_calibrate(args) -> int:
                       f"{att['backward'][1] / 1e9:,.1f} GFLOP/s")
             print(f"  optimizer step {prof['optimizer'][0] * 1e6:,.1f} us per tensor + {prof['optimizer'][1] * 1e9:,.2f} "
                   f"ns per parameter; eager overhead {prof['overhead'][0] * 1e3:,.2f} ms per step + "
-                  f"{prof['overhead'][1] * 1e6:,.1f} us per op; kernels in a real step x{prof.get('in_step', 1.0):.3g} "
-                  "their time alone")
+                  f"{prof['overhead'][1] * 1e6:,.1f} us per op; kernels in a real step "
+                  + (", ".join(f"x{x:.3g} ({prec})" for prec, x in prof["in_step_by"].items()) if prof.get("in_step_by")
+                     else f"x{prof.get('in_step', 1.0):.3g}") + " their time alone")
             if "calibration_s" in r:
                 print(f"  calibration took {r['calibration_s']:.1f} s")
         if note := busy_note(r):

@@ -8,7 +8,8 @@ communication per strategy, plus a fixed per-step cost.
                                                its bytes per call q, at most its rate from memory)
     optimizer         a x tensors + b x parameters      (clip + AdamW step, timed as the trainer runs it)
     eager overhead    per-op x calls + per-step          (Python, dispatch, autograd; from reference steps)
-    in a step         the eager operators' times x in_step (what kernels lose in a real step; ibid.)
+    in a step         the eager operators' times x in_step of the step's compute precision (what kernels
+                      lose in a real step; ibid.)
 
 A device's calibration (`trainwise hardware --calibrate`, source "calibrated") holds the fits; the kernel
 table holds matmuls and attention calls timed at the shapes of the steps planned on it (the planner
@@ -32,12 +33,13 @@ from trainwise.hardware.profile import Profile
 
 # A compiled CPU step runs the eager step's matmuls (timed as in eager) and inductor's generated kernels
 # for the rest, which fuse chains of element-wise ops: the fused work costs COMPILED_ELEMENTWISE x the
-# eager element-wise time (priced as op_seconds prices it: operands from memory), fitted on two compiled
-# configurations unlike those benchmarks/time_model.py checks (`python benchmarks/time_model.py
-# --fit-compiled`, per compute precision of the step): on an AMX Xeon, 2026-12-01, two fits in a row gave
-# bf16 0.84 / 0.85 and fp32 1.21 / 1.00 (their means; RESULTS.md, "Operands in memory"). Under the
-# earlier pricing (hot element-wise rates) the same fit gave 1.29 / 1.02.
-COMPILED_ELEMENTWISE = {"fp32": 1.11, "bf16": 0.84, "fp16": 0.84}
+# eager element-wise time (priced as op_seconds prices it: operands from memory, x the in-step factor of
+# the step's precision), fitted on two compiled configurations unlike those benchmarks/time_model.py
+# checks (`python benchmarks/time_model.py --fit-compiled`, per compute precision of the step): on an AMX
+# Xeon, 2026-12-02, four fits in a row gave bf16 0.83 / 0.73 / 0.74 / 0.72 and fp32 1.23 / 0.96 / 1.08 /
+# 1.05 (their means; RESULTS.md, "One in-step factor per compute precision"). With one in-step factor for
+# both precisions the same fit gave bf16 0.84 / 0.85 and fp32 1.21 / 1.00.
+COMPILED_ELEMENTWISE = {"fp32": 1.08, "bf16": 0.75, "fp16": 0.75}
 
 def elementwise_rate(grid: list[list[float]], nbytes: float) -> float:
     """Bytes/s of an element-wise call moving nbytes, from a class's calibrated [[bytes, bytes/s], ...]:
@@ -167,7 +169,7 @@ def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int,
     """Predicted seconds of one optimizer step whose operators are `ops` (measure.record.step_ops), run in
     compute precision `precision`. Matmul and attention calls are priced from the profile's kernel
     table where it has them (time them first to use their own times), else from its fits."""
-    timed = []
+    timed, in_step = [], p.in_step_for(precision)
     opt_ops = [o for o in ops if o.phase == "optimizer"]
     opt_bytes = sum(o.bytes for o in opt_ops) or 1.0
     opt_total = p.optimizer[0] * n_param_tensors + p.optimizer[1] * n_params if optimizer == "adamw" else None
@@ -176,8 +178,8 @@ def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int,
             timed.append(OpTime(op, opt_total * op.bytes / opt_bytes, "optimizer a*tensors + b*params, by bytes"))
         else:
             seconds, how = op_seconds(op, p, compiled, precision)
-            how = how if p.in_step == 1 else f"{how}, x{p.in_step:.3g} in a step"
-            timed.append(OpTime(op, seconds * p.in_step, how))
+            how = how if in_step == 1 else f"{how}, x{in_step:.3g} in a {precision} step"
+            timed.append(OpTime(op, seconds * in_step, how))
     compute = sum(t.seconds for t in timed)
     eager_calls = sum(o.calls for o in ops if o.phase != "optimizer" and (not compiled or o.cls == "matmul"))
     if opt_total is None:  # optimizer ops priced one by one: they pay the eager per-op cost too

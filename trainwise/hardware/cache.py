@@ -25,7 +25,7 @@ import torch
 
 CALIBRATION = "calibration.json"
 KERNELS = "kernels.json"
-PROFILE_VERSION = 12  # the calibration's format: a cached calibration of another version is measured again
+PROFILE_VERSION = 13  # the calibration's format: a cached calibration of another version is measured again
 
 
 def cache_root(root: str | Path | None = None) -> Path:

@@ -32,6 +32,8 @@ class Profile:
     # over gloo: measure.reference.strategy_links): {strategy: [latency s, bytes/s]}, else `link`
     strategy_links: dict[str, list[float]] = field(default_factory=dict)
     in_step: float = 1.0  # a real step's kernels take this times their time alone (calibrated: step_fit)
+    # the same per compute precision of the step ({"fp32": x, "bf16": x}: measure.reference.ReferenceSteps.fit)
+    in_step_by: dict[str, float] = field(default_factory=dict)
     # seconds per call of matmuls and attention at given shapes (kernel_key); with `device` set, the
     # calls a plan needs and the table lacks are measured on this device (`threads` torch threads)
     kernels: dict[str, float] = field(default_factory=dict)
@@ -44,7 +46,11 @@ class Profile:
     def from_json(cls, d: dict) -> Profile:
         return cls(**{k: d[k] for k in ("matmul", "elementwise", "attention", "optimizer", "overhead", "source")},
                    link=d.get("link", [5e-5, 1e9]), link_source=d.get("link_source", "default"),
-                   in_step=d.get("in_step", 1.0))
+                   in_step=d.get("in_step", 1.0), in_step_by=d.get("in_step_by", {}))
+
+    def in_step_for(self, precision: str) -> float:
+        """The in-step factor of a step computed in `precision` (fp16 autocast takes bf16's), else in_step."""
+        return self.in_step_by.get("bf16" if precision == "fp16" else precision, self.in_step)
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("kernels", "device", "threads", "new_kernels")}

@@ -184,6 +184,7 @@ def device_profile(device: torch.device, bandwidth: float | None = None, peak_ro
     took["probe"] += time.perf_counter() - clock
     return {"matmul": matmul, "matmul_grid": grids, "elementwise": elementwise, "attention": attention,
             "optimizer": optimizer, "overhead": steps["overhead"], "in_step": steps["in_step"],
+            "in_step_by": steps["in_step_by"],
             "reference_steps": steps["rows"], "reference_fastest_s": steps["fastest"],
             # the speed probe's own reading at calibration (the same protocol as every later probe: a
             # fastest over many samples is faster than one over a probe's few, so only like compares),

@@ -91,12 +91,17 @@ class ReferenceSteps:
         return list(map(min, zip(*self.times)))
 
     def fit(self, profile) -> dict:
-        """{"overhead": [s per step, s per op], "in_step": x, "rows": [[name, s, kernels s, calls], ...],
+        """{"overhead": [s per step, s per op], "in_step": x, "in_step_by": {precision: x},
+        "rows": [[name, s, kernels s, calls], ...],
         "fastest": [s, ...]} (rows: without the optimizer update; fastest: whole steps), in two
         stages, each well determined (one fit of the three traded its terms off, in_step 0.9-1.7 between
         calibrations): the overhead-bound references (d_model 16, the first OVERHEAD_REFERENCES) give the
         per-step and per-op costs (Python, dispatch, autograd); the others, in_step: what their kernels
-        lose inside a step (operands evicted by the step's other work, allocation), their median."""
+        lose inside a step (operands evicted by the step's other work, allocation), their median, and
+        "in_step_by" the median of each compute precision's. The two differ by precision on an AMX Xeon:
+        bf16 references lost 1.11-1.33x, the fp32 one 1.03-1.11x in the same calibrations, and one
+        factor for both priced fp32 steps long and bf16 steps short (benchmarks/RESULTS.md, "One in-step
+        factor per compute precision")."""
         profile.kernels.update(self.kernels)
         profile.new_kernels.update(self.kernels)
         table = []
@@ -106,9 +111,14 @@ class ReferenceSteps:
             table.append([name, t - t_opt, sum(op_seconds(op, profile)[0] for op in ops), sum(op.calls for op in ops)])
         profile.save_kernels()
         per_step, per_op = overhead_fit([(calls, t - kernels) for _, t, kernels, calls in table[:OVERHEAD_REFERENCES]])
-        ratios = [(t - per_step - per_op * calls) / kernels for _, t, kernels, calls in table[OVERHEAD_REFERENCES:]]
-        in_step = statistics.median(ratios) if ratios else 1.0
-        return {"overhead": [per_step, per_op], "in_step": max(in_step, 0.5), "rows": table, "fastest": fastest}
+        by_precision: dict[str, list[float]] = {}
+        for (_, _, _, precision), (_, t, kernels, calls) in zip(REFERENCE_STEPS[OVERHEAD_REFERENCES:],
+                                                                 table[OVERHEAD_REFERENCES:]):
+            by_precision.setdefault(precision, []).append(max((t - per_step - per_op * calls) / kernels, 0.5))
+        ratios = [r for rs in by_precision.values() for r in rs]
+        return {"overhead": [per_step, per_op], "in_step": statistics.median(ratios) if ratios else 1.0,
+                "in_step_by": {precision: statistics.median(rs) for precision, rs in by_precision.items()},
+                "rows": table, "fastest": fastest}
 
 
 def overhead_fit(rows: list[tuple[int, float]]) -> list[float]:

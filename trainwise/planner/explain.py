@@ -18,12 +18,13 @@ SOURCES = {"calibrated": "calibrated on this machine (`trainwise hardware --cali
 def explain_step(p) -> str:
     st, out = p.step, []
     add = out.append
+    in_step = p.hardware.profile.in_step_for(p.recipe.compute_dtype) if p.hardware.profile else 1.0
     add(f"4. Time per step = sum over the step's operators + eager overhead + exposed communication "
         f"({SOURCES.get(st.source, st.source)})")
     add("   matmul and attention: timed at their shape and layout on this device (else F/P, F/R), + Q/BW: their "
         "operands from memory (timed hot, a step's kernel finds them evicted); other ops: Q/BW(q) of their class "
-        "at their bytes per call q, at most at its rate from memory" + (f"; x{p.hardware.profile.in_step:.3g}, what "
-        "kernels lose inside a real step" if p.hardware.profile and p.hardware.profile.in_step != 1 else "")
+        "at their bytes per call q, at most at its rate from memory" + (f"; x{in_step:.3g}, what kernels lose "
+        f"inside a real {p.recipe.compute_dtype} step" if in_step != 1 else "")
         + (f"; compiled: fused element-wise work at {COMPILED_ELEMENTWISE.get(p.recipe.compute_dtype, 1.0)} x its "
            "eager time" if st.compiled else ""))
     add("   (a matmul's shape: M x K x N, or batch x M x K x N, and its operands' layout, N row-major or T "

@@ -273,7 +273,7 @@ def predicted_by_name(model_cfg, micro_batch: int, seq_len: int, precision: str,
     priced time plus its calls x the calibrated per-call overhead."""
     ops = step_ops(model_cfg, micro_batch, seq_len, precision, checkpointing)
     time_new_kernels(ops, profile)
-    step = predict_step(ops, profile, param_tensors(model_cfg), params(model_cfg).total)
+    step = predict_step(ops, profile, param_tensors(model_cfg), params(model_cfg).total, precision=precision)
     out: dict[str, float] = defaultdict(float)
     for t in step.ops:
         extra = profile.overhead[1] * t.op.calls if t.op.phase != "optimizer" else 0.0
