@@ -351,6 +351,46 @@ def test_a_probe_inside_its_band_keeps_the_calibrated_prediction():
     assert probed_seconds(step, fast) == pytest.approx(0.2 * 0.5 + 0.7 * 0.84 + 0.1)
 
 
+def test_other_processes_share_of_the_cores_lengthens_the_probed_step_inside_the_band_too():
+    """measure.load.load_factor: others' core-seconds per second on the cores our threads use, x, cost a step
+    that waits on its slowest thread 1 / (1 - x); nothing below LOAD_MIN_CORES, on cores we leave free or
+    without a reading. probed_seconds multiplies the step (not its communication) by it, whatever the band."""
+    from trainwise.measure.load import LOAD_MAX_SHARE, LOAD_MIN_CORES, load_factor
+
+    assert load_factor(0.065, threads=2, cores=2) == pytest.approx(1 / (1 - 0.13))
+    assert load_factor(LOAD_MIN_CORES / 2 * 0.99, threads=2, cores=2) == 1.0 and load_factor(None, 2, 2) == 1.0
+    assert load_factor(0.25, threads=1, cores=2) == 1.0  # half of 2 cores: the core we leave free
+    assert load_factor(0.75, threads=1, cores=2) == pytest.approx(2.0)  # 1.5 cores: half of ours
+    assert load_factor(0.9, threads=2, cores=2) == pytest.approx(1 / (1 - LOAD_MAX_SHARE))
+    step = StepTime(seconds=1.0, compute_s=0.7, overhead_s=0.2, comm_s=0.1, ops=[], source="calibrated",
+                    compiled=False)
+    near = {"ratio": 1.02, "overhead_ratio": 1.0, "kernel_ratio": 1.03, "load_factor": 1.25}
+    assert probed_seconds(step, near) == pytest.approx(0.9 * 1.25 + 0.1)
+    moved = {"ratio": 1.2, "overhead_ratio": 1.5, "kernel_ratio": 1.15, "load_factor": 1.25}
+    assert probed_seconds(step, moved) == pytest.approx((0.2 * 1.5 + 0.7 * 1.15) * 1.25 + 0.1)
+
+
+def test_a_probe_reads_a_real_background_process_as_load():
+    """measure.reference.probe_speed on this machine with one process spinning: it reads others' share of
+    the cores and a load factor above 1 (a spinner shares a core with one of our threads: x ~ 0.5)."""
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from trainwise.measure.reference import REFERENCE_STEPS, probe_speed
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        probe = probe_speed(torch.device("cpu"), [1.0] * len(REFERENCE_STEPS), seconds=0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert probe["others_share"] > 0.1 and probe["load_factor"] > 1.2
+
+
 def test_a_move_counts_only_when_the_probe_at_the_end_shows_it_too():
     """settled_probe: a slow reading at the start and a calibrated one at the end (a VM's slow spell of a
     few seconds) settle on the end's, which leaves the calibrated prediction; slow at both ends stays slow."""

@@ -114,4 +114,4 @@ def test_a_slow_start_that_the_end_does_not_confirm_leaves_the_calibrated_predic
         if moved:
             assert seconds == pytest.approx(1.2) and "read the probed prediction" in text
         else:
-            assert seconds == 1.0 and "the calibrated prediction stands" in text and "probed prediction (" not in text
+            assert seconds == 1.0 and "the calibrated speed stands" in text and "probed prediction (" not in text

@@ -204,7 +204,10 @@ def probed_seconds(step: StepTime, probe: dict, band: float = PROBE_WARN) -> flo
     """The predicted step on the machine as a speed probe found it (measure.reference.probe_speed): the
     eager overhead scaled as the overhead-bound reference steps moved since the calibration, the
     operators as the kernel-bound ones moved; communication as predicted. A reading within `band` of the
-    calibration is read as the calibrated machine: the calibrated step.
+    calibration is read as the calibrated machine: the calibrated step. Either way the step is then
+    multiplied by the probe's load factor (measure.load.load_factor): the share of the cores other
+    processes held while it ran, which the reference steps' fastest samples step around and a run's
+    steps do not (1.0 on a quiet machine).
 
     The band depends on what the prediction is held against. A run's step time is the mean of its steps,
     slow spells included, and its probes bracket them (settled_probe: a move counts when both ends show
@@ -212,9 +215,10 @@ def probed_seconds(step: StepTime, probe: dict, band: float = PROBE_WARN) -> flo
     calibrated errors followed their probes' readings in order: benchmarks/RESULTS.md). A benchmark that
     keeps a configuration's fastest round (benchmarks/time_model.py) selects the machine at its best,
     apart from the probe's moment: only a reading beyond the probe's own noise, PROBE_NOISE, describes it."""
+    load = probe.get("load_factor", 1.0)
     if abs(probe["ratio"] - 1) <= band:
-        return step.seconds
-    return step.overhead_s * probe["overhead_ratio"] + step.compute_s * probe["kernel_ratio"] + step.comm_s
+        return (step.seconds - step.comm_s) * load + step.comm_s
+    return (step.overhead_s * probe["overhead_ratio"] + step.compute_s * probe["kernel_ratio"]) * load + step.comm_s
 
 
 def settled_probe(first: dict, *later: dict) -> dict:

@@ -16,7 +16,6 @@ per core ~50%. Above BUSY_OTHERS the result says so (busy_note), wherever it is 
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +27,8 @@ from trainwise.hardware import cache
 from trainwise.hardware.cache import PROFILE_VERSION, machine_key
 from trainwise.hardware.profile import Profile
 from trainwise.measure import kernels as K
+from trainwise.measure.load import cpu_busy_jiffies as _cpu_busy_jiffies
+from trainwise.measure.load import others_share
 from trainwise.measure.reference import ReferenceSteps, reference_speed, strategy_links
 from trainwise.runtime.allocator import keep_freed_memory
 from trainwise.runtime.precision import DTYPES
@@ -114,27 +115,6 @@ def bandwidth_bytes_per_s(device: torch.device, n_bytes: int = 256 << 20, second
         _sync(device)
         times.append(time.perf_counter() - start)
     return 2 * n_bytes / statistics.median(times)
-
-
-def _cpu_busy_jiffies() -> tuple[float, float] | None:
-    """(busy seconds of all CPUs since boot, this process's CPU seconds) from /proc, or None off Linux."""
-    try:
-        fields = [float(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), time.process_time()
-
-
-def others_share(before: tuple[float, float] | None, after: tuple[float, float] | None, wall: float,
-                 cores: int | None = None) -> float | None:
-    """Share of the usable cores that OTHER processes kept busy between two _cpu_busy_jiffies readings:
-    (all CPUs' busy time - ours) / (wall x cores). Independent of how many threads our own kernels use
-    (a small matmul may run on one), so a quiet machine reads ~0 however the measurement runs."""
-    if before is None or after is None or wall <= 0:
-        return None
-    cores = cores or os.cpu_count() or 1
-    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (wall * cores))
 
 
 def device_profile(device: torch.device, bandwidth: float | None = None, peak_rounds: list | None = None) -> dict:

@@ -18,6 +18,7 @@ from trainwise.cost.params import params as count_params
 from trainwise.cost.steptime import kernels_to_time, op_seconds
 from trainwise.cost.time import fit_linear
 from trainwise.measure.kernels import time_kernel_pass
+from trainwise.measure.load import cpu_busy_jiffies, load_factor, others_share
 from trainwise.measure.record import step_ops
 from trainwise.runtime.distributed import Dist
 from trainwise.runtime.step import build_model, build_step, random_batches
@@ -151,13 +152,18 @@ def reference_speed(device: torch.device, seconds: float = PROBE_S) -> list[floa
 
 def probe_speed(device: torch.device, calibrated_s: list[float], seconds: float = PROBE_S) -> dict:
     """A speed probe (about a second): the reference steps now against their calibrated fastest, as
-    ratios (now / then) for the overhead-bound references, the kernel-bound ones and all of them
-    (cost.steptime.probed_seconds scales a prediction by them)."""
+    ratios (now / then) for the overhead-bound references, the kernel-bound ones and all of them, and on
+    a CPU the share of the cores other processes kept busy meanwhile with what it costs a step
+    (measure.load.load_factor: the fastest samples step around it, a run's steps do not;
+    cost.steptime.probed_seconds scales a prediction by them)."""
+    before, wall = cpu_busy_jiffies(), time.perf_counter()
     now = reference_speed(device, seconds)
+    share = others_share(before, cpu_busy_jiffies(), time.perf_counter() - wall) if device.type == "cpu" else None
     split = OVERHEAD_REFERENCES
     return {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "unix": time.time(), "now_s": now, "calibrated_s": calibrated_s,
             "overhead_ratio": sum(now[:split]) / sum(calibrated_s[:split]),
-            "kernel_ratio": sum(now[split:]) / sum(calibrated_s[split:]), "ratio": sum(now) / sum(calibrated_s)}
+            "kernel_ratio": sum(now[split:]) / sum(calibrated_s[split:]), "ratio": sum(now) / sum(calibrated_s),
+            "others_share": share, "load_factor": load_factor(share, torch.get_num_threads())}
 
 
 # Two reference models for the data-parallel strategies' communication as a training step runs it: the

@@ -87,7 +87,8 @@ class RunReporter:
         plan = self.plan()
         out = plan.to_json()
         if self.probe is not None and plan.step is not None:
-            out["time"]["probe"] = {**{k: self.probe[k] for k in ("at", "ratio", "overhead_ratio", "kernel_ratio")},
+            keys = ("at", "ratio", "overhead_ratio", "kernel_ratio", "others_share", "load_factor")
+            out["time"]["probe"] = {**{k: self.probe[k] for k in keys if k in self.probe},
                                     "step_seconds": probed_seconds(plan.step, self.probe)}
         return out
 

@@ -170,12 +170,15 @@ def probe_line(probed: dict, calibrated_s: float) -> str:
             f"the calibration (eager overhead {probed['overhead_ratio'] - 1:+.1%}, kernels "
             f"{probed['kernel_ratio'] - 1:+.1%}): {probed['step_seconds']:.4g} s per step predicted for the machine "
             f"as probed, {calibrated_s:.4g} s as calibrated")
+    if probed.get("load_factor", 1.0) != 1.0:  # measure.load.load_factor
+        text += (f"; other processes kept {probed['others_share']:.0%} of the cores busy meanwhile, which a step "
+                 f"waiting on its slowest thread pays x{probed['load_factor']:.3g} (in the probed prediction)")
     if abs(probed["ratio"] - 1) > PROBE_WARN:  # the band a run reads its probes by (cost.steptime.probed_seconds)
         text += (f"; this machine runs more than {PROBE_WARN:.0%} away from its calibration now: read the probed "
                  "prediction (`trainwise hardware --calibrate` measures it anew)")
     elif len(readings) > 1:
         text += (f"; the start read more than {PROBE_WARN:.0%} away and the end nearer: a move counts only when "
-                 "both ends show it, so the calibrated prediction stands")
+                 "both ends show it, so the calibrated speed stands")
     return text
 
 
