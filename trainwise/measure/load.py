@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 # Other processes' use of the cores below which it is the machine's own housekeeping, not load (in cores:
-# a quiet AMX Xeon read 0.01-0.02 of a core during calibrations and probes; a process that keeps one core
-# 25% busy read 0.13: benchmarks/RESULTS.md, "Other processes' share of the cores").
+# a quiet AMX Xeon read 0.01 of a core during probes and step timings; a process that keeps one core 25%
+# busy read 0.08-0.14: benchmarks/RESULTS.md, "One in-step factor per compute precision; other processes'
+# share of the cores").
 LOAD_MIN_CORES = 0.05
 LOAD_MAX_SHARE = 0.75  # at most 4x: past that the fair-share picture (one other process per core) is off
 
