@@ -16,13 +16,8 @@ import torch
 from trainwise.cli import main
 from trainwise.hardware.cache import busy_note, calibration_note
 from trainwise.measure import calibrate as calibrate_module
-from trainwise.measure.calibrate import (
-    BUSY_OTHERS,
-    _cpu_busy_jiffies,
-    calibrate,
-    measure_peak,
-    others_share,
-)
+from trainwise.measure.calibrate import BUSY_OTHERS, calibrate, measure_peak
+from trainwise.measure.load import cpu_busy_jiffies, others_share
 
 
 @contextmanager
@@ -40,9 +35,9 @@ def busy_cpu():
 
 def machine_is_busy(seconds: float = 1.0) -> bool:
     """Others (not this test) keep the cores busy right now: the quiet outcome cannot be shown then."""
-    before, start = _cpu_busy_jiffies(), time.perf_counter()
+    before, start = cpu_busy_jiffies(), time.perf_counter()
     time.sleep(seconds)
-    share = others_share(before, _cpu_busy_jiffies(), time.perf_counter() - start)
+    share = others_share(before, cpu_busy_jiffies(), time.perf_counter() - start)
     return share is None or share > BUSY_OTHERS / 2
 
 

@@ -27,8 +27,7 @@ from trainwise.hardware import cache
 from trainwise.hardware.cache import PROFILE_VERSION, machine_key
 from trainwise.hardware.profile import Profile
 from trainwise.measure import kernels as K
-from trainwise.measure.load import cpu_busy_jiffies as _cpu_busy_jiffies
-from trainwise.measure.load import others_share
+from trainwise.measure.load import cpu_busy_jiffies, others_share
 from trainwise.measure.reference import ReferenceSteps, reference_speed, strategy_links
 from trainwise.runtime.allocator import keep_freed_memory
 from trainwise.runtime.precision import DTYPES
@@ -85,7 +84,7 @@ def peak_round(device: torch.device) -> dict:
     our threads' lowest CPU share, "others": other processes' share of the cores meanwhile (or None)}."""
     kind = "cuda" if device.type == "cuda" else "cpu"
     dtypes = ["fp32", "bf16"] + (["fp16"] if kind == "cuda" else [])
-    wall, before = time.perf_counter(), _cpu_busy_jiffies()
+    wall, before = time.perf_counter(), cpu_busy_jiffies()
     rates, shares = {}, []
     for name in dtypes:
         rates[name] = []
@@ -93,7 +92,7 @@ def peak_round(device: torch.device) -> dict:
             r, share = matmul_rates(device, DTYPES[name], n, 0.2 if name == "fp32" else 0.15)
             rates[name] += r
             shares.append(share)
-    return {"rates": rates, "share": min(shares), "others": others_share(before, _cpu_busy_jiffies(),
+    return {"rates": rates, "share": min(shares), "others": others_share(before, cpu_busy_jiffies(),
                                                                           time.perf_counter() - wall)}
 
 
@@ -221,9 +220,9 @@ def calibrate(device: torch.device | str = "cpu", refresh: bool = False, threads
 
 def quiet_now(seconds: float = QUIET_CHECK_S) -> bool:
     """Other processes keep at most BUSY_OTHERS of the cores busy over the next `seconds` (True off Linux)."""
-    before, start = _cpu_busy_jiffies(), time.perf_counter()
+    before, start = cpu_busy_jiffies(), time.perf_counter()
     time.sleep(seconds)
-    share = others_share(before, _cpu_busy_jiffies(), time.perf_counter() - start)
+    share = others_share(before, cpu_busy_jiffies(), time.perf_counter() - start)
     return share is None or share <= BUSY_OTHERS
 
 

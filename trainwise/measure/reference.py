@@ -100,7 +100,7 @@ class ReferenceSteps:
         per-step and per-op costs (Python, dispatch, autograd); the others, in_step: what their kernels
         lose inside a step (operands evicted by the step's other work, allocation), their median, and
         "in_step_by" the median of each compute precision's. The two differ by precision on an AMX Xeon:
-        bf16 references lost 1.11-1.33x, the fp32 one 1.03-1.11x in the same calibrations, and one
+        bf16 references lost 1.04-1.33x, the fp32 one 0.98-1.11x in the same calibrations, and one
         factor for both priced fp32 steps long and bf16 steps short (benchmarks/RESULTS.md, "One in-step
         factor per compute precision")."""
         profile.kernels.update(self.kernels)
