@@ -11,11 +11,10 @@ quartile of the logged step times after the first two.
 error = measured / predicted - 1, against the prediction as calibrated and against the prediction for
 the machine as probed (cost.steptime.probed_seconds: the trainer's speed probe of the calibration's
 reference steps, taken right before each round of each configuration, as a run takes it right before
-its steps, and again after the round where it read outside the probe's noise, as a run does at its end:
+its steps, and again after the round where it read outside the band, as a run does at its end:
 cost.steptime.settled_probe; a figure is paired with its round's probe; torchrun ones, whose ranks run
-one thread each, the calibrated prediction). A figure here is a fastest round, the machine at its best,
-so a probe moves its prediction only beyond the probe's own noise (cost.steptime.PROBE_NOISE); a run's
-closing table, whose figure is the mean of its steps, moves beyond PROBE_WARN (probed_seconds).
+one thread each, the calibrated prediction). The probe moves a prediction beyond the band a run's
+closing table reads it by, cost.steptime.PROBE_WARN.
 
     python benchmarks/time_model.py                 # all configurations (~5-10 min on a quiet 2-core CPU)
     python benchmarks/time_model.py --only 1,19     # a few, by number
@@ -40,7 +39,7 @@ from pathlib import Path
 import torch
 
 from trainwise.config import ModelConfig, RunConfig, TrainConfig, apply_overrides, save_config
-from trainwise.cost.steptime import PROBE_NOISE, probed_seconds, settled_probe
+from trainwise.cost.steptime import PROBE_WARN, probed_seconds, settled_probe
 from trainwise.hardware.cache import cached_link, cpu_model
 from trainwise.measure.calibrate import calibrate
 from trainwise.measure.reference import probe_speed
@@ -142,10 +141,10 @@ class LocalRun:
 
 def probed_round(run: LocalRun, references: list[float]) -> tuple[float, dict]:
     """One round of a configuration with the speed probe a run takes: before it, and after it where the
-    first reading is outside the probe's noise (cost.steptime.settled_probe, as the trainer does)."""
+    first reading is outside PROBE_WARN (cost.steptime.settled_probe, as the trainer does)."""
     probe = probe_speed(torch.device("cpu"), references)
     seconds = run.round()
-    if abs(probe["ratio"] - 1) > PROBE_NOISE:  # the band this benchmark reads a probe by (probed_seconds)
+    if abs(probe["ratio"] - 1) > PROBE_WARN:  # the band probed_seconds reads a probe by
         probe = settled_probe(probe, probe_speed(torch.device("cpu"), references))
     return seconds, probe
 
@@ -321,7 +320,7 @@ def main() -> int:
             measured, probe, probed = measure_torchrun(case), None, predicted
         else:
             measured, probe = min(rounds[id(case)], key=lambda r: r[0])
-            probed = probed_seconds(plan.step, probe, PROBE_NOISE)  # its fastest round: the probe's noise
+            probed = probed_seconds(plan.step, probe)
         err, err_probed = measured / predicted - 1, measured / probed - 1
         errors.append(abs(err))
         probed_errors.append(abs(err_probed))

@@ -190,33 +190,30 @@ def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int,
     return StepTime(busy + comm_s, compute, overhead, comm_s, timed, p.source, compiled)
 
 
-PROBE_WARN = 0.15  # a machine running more than this far from its calibration is said so
-# The probe's own noise. 420 probes taken right before the rounds of four benchmarks/time_model.py runs on
-# a quiet AMD EPYC (2026-12-01, benchmarks/RESULTS.md) read 0.92-1.37 of the calibration, 99% of them
-# within 1.28, and the rounds right after them ran at the same speed whatever the reading (correlation of
-# measured/predicted with the reading: +0.28, -0.07, -0.03, +0.02): inside this band a reading says nothing
-# about the fastest round that follows it (benchmarks/time_model.py's figure), and moving the prediction
-# with it made that figure worse (median 12.5% vs 6.4%).
-PROBE_NOISE = 0.28
+# A machine running more than this far from its calibration is said so, and priced as probed. One band
+# for a run's closing table (the mean of its steps) and for benchmarks/time_model.py (each configuration's
+# fastest round): ten 25-step runs on two CPU kinds, whose calibrated errors followed their probes' readings
+# in order, and on an AMX Xeon a benchmark run whose probes read a median 1.19 while its rounds ran 1.18x
+# as long as the same rounds 33 minutes later (probes 1.03), its calibration having caught a fast spell
+# (benchmarks/RESULTS.md, "One band for the probe"). A wider band for the benchmark (0.28, 2026-12-01) was
+# set when the probe's baseline was the fastest of its three readings at calibration (format 10), which
+# later readings rarely reached: a quiet AMD EPYC's read 0.92-1.37 and said nothing about the rounds that
+# followed; the baseline has been their median since (format 11), and quiet readings centre near 1.0.
+PROBE_WARN = 0.15
 
 
-def probed_seconds(step: StepTime, probe: dict, band: float = PROBE_WARN) -> float:
+def probed_seconds(step: StepTime, probe: dict) -> float:
     """The predicted step on the machine as a speed probe found it (measure.reference.probe_speed): the
     eager overhead scaled as the overhead-bound reference steps moved since the calibration, the
-    operators as the kernel-bound ones moved; communication as predicted. A reading within `band` of the
-    calibration is read as the calibrated machine: the calibrated step. Either way the step is then
+    operators as the kernel-bound ones moved; communication as predicted. A reading within PROBE_WARN of
+    the calibration is read as the calibrated machine: the calibrated step. Either way the step is then
     multiplied by the probe's load factor (measure.load.load_factor): the share of the cores other
     processes held while it ran, which the reference steps' fastest samples step around and a run's
-    steps do not (1.0 on a quiet machine).
-
-    The band depends on what the prediction is held against. A run's step time is the mean of its steps,
-    slow spells included, and its probes bracket them (settled_probe: a move counts when both ends show
-    it): beyond PROBE_WARN the run ran on a moved machine (ten 25-step runs on two CPU kinds, whose
-    calibrated errors followed their probes' readings in order: benchmarks/RESULTS.md). A benchmark that
-    keeps a configuration's fastest round (benchmarks/time_model.py) selects the machine at its best,
-    apart from the probe's moment: only a reading beyond the probe's own noise, PROBE_NOISE, describes it."""
+    steps do not (1.0 on a quiet machine). A single probe (~1 s) reads a VM's state of the moment: a run
+    and the benchmark take a second one after their steps where the first reads outside the band, and
+    keep the nearer (settled_probe)."""
     load = probe.get("load_factor", 1.0)
-    if abs(probe["ratio"] - 1) <= band:
+    if abs(probe["ratio"] - 1) <= PROBE_WARN:
         return (step.seconds - step.comm_s) * load + step.comm_s
     return (step.overhead_s * probe["overhead_ratio"] + step.compute_s * probe["kernel_ratio"]) * load + step.comm_s
 
