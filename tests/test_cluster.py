@@ -11,7 +11,7 @@ import pytest
 from trainwise.cli import main
 from trainwise.config import ModelConfig
 from trainwise.cost import comm as C
-from trainwise.cost.cluster import BREAKDOWN
+from trainwise.cost.cluster import BREAKDOWN, _tier
 from trainwise.cost.gpu import attention_rate, matmul_seconds
 from trainwise.cost.layout import (bubble_fraction, chunk_layers, in_flight_factor, layer_bytes_per_token,
                                    make_layout, placement, rank_memory, stage_layers)
@@ -56,9 +56,24 @@ def test_each_collective_by_the_nccl_tests_formulas():
     assert C.collective_seconds("all_reduce", gib, 1, nvlink) == 0
     assert C.bytes_sent("all_reduce", 1000, 8) == 1750 and C.bytes_sent("all_gather", 1000, 4) == 750
     # across nodes a ring's slowest hop is the network: one GPU per node -> its NIC's share of the node's busbw
-    net = C.group_tier(1, 4, 8, 300e9, 25e9, 235e9, 210e9, 192e9, 24e9)
+    dgx = NODES["dgx-a100"]
+    net = C.group_tier(1, 4, dgx)
     assert net.name == "network" and net.ring_busbw == 24e9 and net.alltoall_busbw == 24e9
-    assert C.group_tier(4, 2, 8, 300e9, 25e9, 235e9, 210e9, 192e9, 24e9).ring_busbw == 96e9
+    assert C.group_tier(4, 2, dgx).ring_busbw == 96e9
+    assert C.group_tier(2, 1, dgx, bridged_pair=True).ring_busbw == 235e9  # no bridge on a DGX: NVLink
+
+
+def test_a_bridged_pair_reaches_its_bridge_and_larger_groups_cross_pcie():
+    """H100 PCIe cards joined in pairs by NVLink bridges: tp 2 over a pair's two cards runs at the bridge's
+    measured 116 GB/s, tp 4 over PCIe Gen5 x16 (0.82 x 63 GB/s); a dp pair two cards apart has no bridge."""
+    node = NODES["pcie-h100"]
+    assert placement(make_layout(8, tp=2), "tp", 8).stride == 1
+    assert _tier(make_layout(8, tp=2), "tp", node).name == "bridge"
+    assert _tier(make_layout(8, tp=2), "tp", node).ring_busbw == 116e9
+    four = _tier(make_layout(8, tp=4), "tp", node)
+    assert four.name == "pcie" and four.ring_busbw == pytest.approx(0.82 * 63e9)
+    assert _tier(make_layout(4, tp=2), "dp", node).name == "pcie"  # ranks 0 and 2: different pairs
+    assert _tier(make_layout(16, tp=8), "dp", node).name == "network"
 
 
 def test_groups_sit_in_megatrons_order_tp_innermost():

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from trainwise.hardware.cache import busy_note
-from trainwise.hardware.table import ACCELERATORS, lookup_cuda_device
+from trainwise.hardware.table import ACCELERATORS, NODES, lookup_cuda_device
 from trainwise.measure.calibrate import calibrate, calibrate_link
 from trainwise.units import fmt_bytes
 
@@ -28,16 +29,24 @@ def cmd_hardware(args: argparse.Namespace) -> int:
         return _cmd_calibrate(args)
     if args.json:
         print(json.dumps({k: {"name": a.name, "peak_flops": a.peak_flops, "bandwidth_bytes_per_s": a.bandwidth_bytes_per_s,
-                              "memory_bytes": a.memory_bytes} for k, a in ACCELERATORS.items()}, indent=2))
+                              "memory_bytes": a.memory_bytes, "node": a.node and asdict(NODES[a.node])}
+                          for k, a in ACCELERATORS.items()}, indent=2))
         return 0
-    print(f"{'key':<10} {'name':<18} {'bf16 TFLOP/s':>12} {'fp32 TFLOP/s':>12} {'GB/s':>7} {'memory':>26}")
+    print(f"{'key':<10} {'name':<18} {'16-bit TFLOP/s':>14} {'fp32 TFLOP/s':>12} {'GB/s':>7} {'memory':>26}  node")
     for k, a in ACCELERATORS.items():
-        bf16 = a.peak_flops.get("bf16", a.peak_flops.get("fp16"))
+        half = a.peak_flops.get("bf16", a.peak_flops.get("fp16"))
         fp32 = a.peak_flops.get("fp32")
-        print(f"{k:<10} {a.name:<18} {bf16 / 1e12 if bf16 else float('nan'):>12.1f} "
-              f"{fp32 / 1e12 if fp32 else float('nan'):>12.1f} {a.bandwidth_bytes_per_s / 1e9:>7.0f} "
-              f"{fmt_bytes(a.memory_bytes):>26}")
+        node = NODES[a.node] if a.node else None
+        where = (f"{node.gpus} per node, {node.fabric}{' + bridged pairs' if node.pair_busbw else ''}" if node else
+                 "one chip (no node in the table)")
+        print(f"{k:<10} {a.name:<18} {_tflops(half):>14} {_tflops(fp32):>12} {a.bandwidth_bytes_per_s / 1e9:>7.0f} "
+              f"{fmt_bytes(a.memory_bytes):>26}  {where}")
+    print("16-bit: bf16, or fp16 where the device has no bf16 (V100); dense (no sparsity); '-': not published")
     return 0
+
+
+def _tflops(flops: float | None) -> str:
+    return "-" if flops is None else f"{flops / 1e12:.1f}"
 
 
 def _cmd_calibrate(args) -> int:

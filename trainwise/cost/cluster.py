@@ -68,11 +68,11 @@ class ClusterStep:
 
 
 def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, rank_params: RankParams, *, acc: Accelerator,
-                 node: Node, micro_batch: int, seq_len: int, checkpointing: str, act_bytes: int, grad_bytes: int,
+                 node: Node | None, micro_batch: int, seq_len: int, checkpointing: str, act_bytes: int, grad_bytes: int,
                  param_bytes: int, tp_overlap: bool = False) -> ClusterStep:
     """The step (module docstring). act_bytes: bytes per element of the activations sent (2 in bf16/fp16);
     grad_bytes / param_bytes: per parameter, of what the data-parallel collectives move."""
-    tiers = {d: _tier(layout, d, node) for d in ("tp", "cp", "ep", "dp", "pp")}
+    tiers = {d: _tier(layout, d, node) for d in ("tp", "cp", "ep", "dp", "pp")} if node else {}  # one GPU: no links
     m, v, p = layout.micro_batches, layout.vpp, layout.pp
     layers = chunk_layers(cfg.n_layers, p * v)
     stage_idx = [[i for c in range(r, p * v, p) for i in range(sum(layers[:c]), sum(layers[:c + 1]))]
@@ -175,9 +175,7 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
 
 def _tier(layout: Layout, dim: str, node: Node) -> C.Tier:
     g = placement(layout, dim, node.gpus)
-    return C.group_tier(g.per_node, g.nodes, node.gpus, node.intra_bytes_per_s, node.inter_bytes_per_s,
-                        node.allreduce_busbw_intra, node.alltoall_busbw_intra, node.allreduce_busbw_inter,
-                        node.alltoall_busbw_inter)
+    return C.group_tier(g.per_node, g.nodes, node, bridged_pair=g.size == 2 and g.stride == 1)
 
 
 def _stage_key(cfg: ModelConfig, idx: list[int], r: int, p: int) -> tuple:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainwise.config import STRATEGY_OF_STAGE
+from trainwise.hardware.table import Node
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 
@@ -86,17 +87,20 @@ class Tier:
     p2p_bytes_per_s: float
 
 
-def group_tier(per_node: int, nodes: int, gpus_per_node: int, intra_bytes_per_s: float, inter_bytes_per_s: float,
-               allreduce_busbw_intra: float, alltoall_busbw_intra: float, allreduce_busbw_inter: float,
-               alltoall_busbw_inter: float) -> Tier:
-    """The tier of a group with `per_node` ranks on each of `nodes` nodes. Inside a node: the node's NCCL
-    bus bandwidths. Across nodes a ring's slowest hop is the network, each rank through its own NIC: the
-    node's measured cross-node busbw x per_node / gpus_per_node; all-to-all reaches one NIC's worth
-    whatever the ranks per node (nccl-tests issue #267); send/recv one NIC."""
+def group_tier(per_node: int, nodes: int, node: Node, bridged_pair: bool = False) -> Tier:
+    """The tier of a group with `per_node` ranks on each of `nodes` nodes of `node`. Inside a node: the
+    node's NCCL bus bandwidths over its fabric, or over the bridge when the group is the two cards of a
+    bridged pair (`bridged_pair`: two neighbours). Across nodes a ring's slowest hop is the network, each
+    rank through its share of the NICs: the node's measured cross-node busbw x per_node / gpus per node;
+    all-to-all reaches one NIC's worth whatever the ranks per node (nccl-tests issue #267); send/recv one
+    GPU's share."""
+    if nodes <= 1 and bridged_pair and node.pair_busbw:
+        return Tier("bridge", node.pair_busbw, node.pair_busbw, P2P_FRACTION * node.pair_bytes_per_s)
     if nodes <= 1:
-        return Tier("nvlink", allreduce_busbw_intra, alltoall_busbw_intra, P2P_FRACTION * intra_bytes_per_s)
-    return Tier("network", allreduce_busbw_inter * per_node / gpus_per_node, alltoall_busbw_inter,
-                allreduce_busbw_inter / gpus_per_node)
+        return Tier(node.fabric, node.allreduce_busbw_intra, node.alltoall_busbw_intra,
+                    P2P_FRACTION * node.intra_bytes_per_s)
+    return Tier("network", node.allreduce_busbw_inter * per_node / node.gpus, node.alltoall_busbw_inter,
+                node.allreduce_busbw_inter / node.gpus)
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, tier: Tier) -> float:

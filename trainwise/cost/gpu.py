@@ -15,6 +15,7 @@
 Compute dtype fp32 runs on the non-tensor-core rate (trainwise leaves TF32 off), scaled by the same
 MAMF share of peak. A GPU without published FlashAttention-2 rates takes the A100's, scaled by its
 MAMF over the A100's (an inference, said in the op's rule).
+A device without a published core count (the TPUs) runs every matmul at the large-matmul rate, without waves.
 """
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ from trainwise.hardware.table import ACCELERATORS, ATTENTION_TFLOPS, Accelerator
 TILES = ((256, 128), (128, 256))  # cuBLAS's most efficient tiles (the guide above)
 DEFAULT_COPY_FRACTION = 0.75  # where a GPU has no published copy figure: H100 SXM's (hardware.table)
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP32_AS_BF16_PASSES = 6  # an fp32 matmul on a device with bf16 units only (jax.lax.Precision.HIGHEST on TPUs)
 
 
 def matmul_rate(acc: Accelerator, dtype: str) -> float:
     """FLOP/s a large well-shaped matmul reaches: MAMF (bf16/fp16), or the fp32 peak at MAMF's share."""
     half = acc.peak("bf16")
     mamf = acc.mamf or half * 0.8  # no MAMF published: 80%, the H100's (hardware.table)
-    return mamf if dtype in ("bf16", "fp16") else acc.peak("fp32") * mamf / half
+    if dtype in ("bf16", "fp16"):
+        return mamf
+    if "fp32" not in acc.peak_flops:  # the TPUs: XLA's HIGHEST precision, fp32 as 6 bf16 passes (jax.lax.Precision)
+        return mamf / FP32_AS_BF16_PASSES
+    return acc.peak("fp32") * mamf / half
 
 
 def copy_bandwidth(acc: Accelerator) -> float:
@@ -44,10 +50,12 @@ def copy_bandwidth(acc: Accelerator) -> float:
 def matmul_seconds(batch: int, m: int, k: int, n: int, acc: Accelerator, dtype: str) -> float:
     """One (batched) matmul (batch, M, K) x (batch, K, N): tile waves at the MAMF rate (module docstring),
     at least its operands and result moved once at the copy bandwidth."""
-    sms = acc.sms or 108
-    per_sm = matmul_rate(acc, dtype) / sms
-    waves = min(math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / sms) for tm, tn in TILES)
-    compute = waves * 2.0 * TILES[0][0] * TILES[0][1] * k / per_sm
+    if acc.sms is None:  # no published count of its cores (the TPUs): no waves, the rate throughout
+        compute = 2.0 * batch * m * k * n / matmul_rate(acc, dtype)
+    else:
+        per_sm = matmul_rate(acc, dtype) / acc.sms
+        waves = min(math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / acc.sms) for tm, tn in TILES)
+        compute = waves * 2.0 * TILES[0][0] * TILES[0][1] * k / per_sm
     nbytes = ELEMENT_BYTES.get(dtype, 4) * batch * (m * k + k * n + m * n)
     return max(compute, nbytes / copy_bandwidth(acc))
 

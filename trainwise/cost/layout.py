@@ -194,6 +194,7 @@ class GroupPlacement:
     size: int  # ranks in the group
     per_node: int  # of them on one node
     nodes: int  # nodes the group spans
+    stride: int = 1  # global ranks between two neighbours of the group
 
     @property
     def crosses_nodes(self) -> bool:
@@ -210,7 +211,7 @@ def placement(layout: Layout, dim: str, gpus_per_node: int) -> GroupPlacement:
     else:
         size, stride = sizes[dim], math.prod(sizes[d] for d in order[:order.index(dim)])
     per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
-    return GroupPlacement(size, per_node, math.ceil(size / per_node))
+    return GroupPlacement(size, per_node, math.ceil(size / per_node), stride)
 
 
 # ---------------------------------------------------------------------------------------------------

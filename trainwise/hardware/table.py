@@ -55,7 +55,8 @@ class Accelerator:
 ACCELERATORS: dict[str, Accelerator] = {
     # V100 SXM2 32GB: "up to 125 Tensor TFLOPS" FP16 (developer.nvidia.com "Programming Tensor Cores");
     # FP32 15.7 (Cornell CVW); 900 GB/s, 32 GB (scaling-book gpus.md). No bf16 tensor cores.
-    "v100": Accelerator("V100", {"fp16": 125 * T, "fp32": 15.7 * T}, 900 * GB, 32 * GB),
+    # 80 SMs (NVIDIA Tesla V100 GPU architecture whitepaper); comes in the DGX-1 (NODES).
+    "v100": Accelerator("V100", {"fp16": 125 * T, "fp32": 15.7 * T}, 900 * GB, 32 * GB, sms=80, node="dgx-1v"),
     # A100 SXM 40GB: NVIDIA A100 datasheet via glennklockwood.com/garden/processors/A100:
     # BF16 312, TF32 156, FP32 19.5 TFLOP/s; 1,555 GB/s HBM2 (upb-pc2 wiki); 40 GB.
     "a100-40gb": Accelerator("A100 40GB", {"bf16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T}, 1555 * GB, 40 * GB,
@@ -73,8 +74,9 @@ ACCELERATORS: dict[str, Accelerator] = {
                             3.35e12, 80 * GB, sms=132, mamf=794.5 * T, copy_fraction=0.75, attention="fa2-h100",
                             node="dgx-h100"),
     # H100 PCIe: same NVIDIA table: BF16 756, TF32 378, FP8 1,513, FP32 51; 2.0 TB/s HBM2e; 80 GB.
+    # 114 SMs (hpctech.co.jp copy of the NVIDIA table).
     "h100-pcie": Accelerator("H100 PCIe", {"bf16": 756 * T, "tf32": 378 * T, "fp8": 1513 * T, "fp32": 51 * T},
-                             2.0e12, 80 * GB),
+                             2.0e12, 80 * GB, sms=114, node="pcie-h100"),
     # H200 SXM: NVIDIA H200 spec (lzwjava copy; scaling-book): BF16 989, FP8 1,979 dense; 4.8 TB/s; 141 GB.
     # Kernels as H100 SXM (MAMF: "H200 is the same"); copy fraction of H100 (no H200 copy figure found).
     "h200": Accelerator("H200", {"bf16": 989 * T, "tf32": 494.7 * T, "fp8": 1979 * T, "fp32": 67 * T},
@@ -93,21 +95,28 @@ ACCELERATORS: dict[str, Accelerator] = {
                         8.0e12, 192 * GB, sms=148, mamf=1745 * T, copy_fraction=0.73, node="dgx-b200"),
     # L4: NVIDIA L4 datasheet (nanochat 121e12; sourcecode.com listing): BF16 121, TF32 60, FP8 242.5,
     # FP32 30.3; 300 GB/s GDDR6; 24 GB.
-    "l4": Accelerator("L4", {"bf16": 121 * T, "tf32": 60 * T, "fp8": 242.5 * T, "fp32": 30.3 * T}, 300 * GB, 24 * GB),
+    # 58 SMs (NVIDIA Ada GPU architecture whitepaper, AD104 as L4).
+    "l4": Accelerator("L4", {"bf16": 121 * T, "tf32": 60 * T, "fp8": 242.5 * T, "fp32": 30.3 * T}, 300 * GB, 24 * GB,
+                      sms=58, node="pcie-l4"),
     # L40S: NVIDIA L40S datasheet (mullet.se copy): BF16 362.05, TF32 183, FP8 733, FP32 91.6; 864 GB/s; 48 GB.
+    # 142 SMs (NVIDIA L40S datasheet).
     "l40s": Accelerator("L40S", {"bf16": 362.05 * T, "tf32": 183 * T, "fp8": 733 * T, "fp32": 91.6 * T},
-                        864 * GB, 48 * GB),
+                        864 * GB, 48 * GB, sms=142, node="pcie-l40s"),
     # RTX 3090: 71 TFLOP/s FP16 with FP32 accumulate (nanochat; GA102 whitepaper not read), FP32 35.6
     # (holynerdvana); 936 GB/s GDDR6X; 24 GB.
+    # 82 SMs (NVIDIA Ampere GA102 whitepaper).
     "rtx3090": Accelerator("RTX 3090", {"bf16": 71 * T, "fp32": 35.6 * T}, 936 * GB, 24 * GB,
-                           note="bf16 figure from nanochat only"),
+                           note="bf16 figure from nanochat only", sms=82, node="pcie-rtx3090"),
     # RTX 4090: 165.2 TFLOP/s FP16/BF16 with FP32 accumulate, FP32 82.6 (gigagpu.com, waredb.com);
     # 1,008 GB/s GDDR6X; 24 GB.
-    "rtx4090": Accelerator("RTX 4090", {"bf16": 165.2 * T, "tf32": 82.6 * T, "fp32": 82.6 * T}, 1008 * GB, 24 * GB),
+    # 128 SMs (NVIDIA Ada GPU architecture whitepaper).
+    "rtx4090": Accelerator("RTX 4090", {"bf16": 165.2 * T, "tf32": 82.6 * T, "fp32": 82.6 * T}, 1008 * GB, 24 * GB,
+                           sms=128, node="pcie-rtx4090"),
     # MI250X per GCD (PyTorch sees each of the 2 GCDs as a device): AMD MI250X table (zexron.com copy)
     # 383 BF16 / 47.9 FP32 vector per OAM, 3.2 TB/s, 128 GB -> halved per GCD (torchtitan 191.5e12).
+    # 110 compute units per GCD (AMD CDNA 2 whitepaper: 220 per MI250X).
     "mi250x": Accelerator("MI250X (per GCD)", {"bf16": 191.5 * T, "fp32": 23.95 * T}, 1.6e12, 64 * GB,
-                          note="per GCD = half an OAM module"),
+                          note="per GCD = half an OAM module", sms=110, node="mi250x-node"),
     # MI300X: AMD spec (nanochat 1.3074e15): BF16 1,307.4, FP8 2,614.9, TF32 653.7, FP32 163.4;
     # 5.3 TB/s HBM3; 192 GB.
     # Kernels: MAMF 668.4 TFLOP/s bf16 (51.4%, TunableOp; AMD's own hipblaslt figure is 708: ROCm blog
@@ -126,20 +135,47 @@ ACCELERATORS: dict[str, Accelerator] = {
 
 @dataclass(frozen=True)
 class Node:
-    """A server of `gpus` accelerators: per GPU and per direction, its NVLink (or other GPU-to-GPU fabric)
-    and network bandwidth, and the NCCL bus bandwidth measured on it (nccl-tests busbw, large messages):
-    all-reduce (ring; the same wire for all-gather and reduce-scatter) and all-to-all, inside one node
-    and across nodes (all 8 GPUs of each node in the collective: `inter_*` are per node)."""
+    """A server of `gpus` accelerators: per GPU and per direction, its GPU-to-GPU fabric (NVLink, PCIe or
+    Infinity Fabric) and network bandwidth, and the NCCL bus bandwidth measured on it (nccl-tests busbw,
+    large messages): all-reduce (ring; the same wire for all-gather and reduce-scatter) and all-to-all, inside
+    one node and across nodes (all GPUs of each node in the collective: `inter_*` are per node). Cards joined
+    in pairs by a bridge (`pair_*`) reach that bandwidth in a group of the two neighbours of a pair only; any
+    larger group crosses the fabric."""
 
     name: str
     gpus: int
     intra_bytes_per_s: float  # GPU-to-GPU line rate per GPU per direction
-    inter_bytes_per_s: float  # network per GPU per direction (its own NIC)
+    inter_bytes_per_s: float  # network per GPU per direction (its share of the node's NICs)
     allreduce_busbw_intra: float
     alltoall_busbw_intra: float
     allreduce_busbw_inter: float  # per node, all its GPUs in the ring
     alltoall_busbw_inter: float  # across nodes all-to-all reaches one NIC's worth (nccl-tests issue #267)
     source: str = ""
+    fabric: str = "nvlink"  # what a group inside one node crosses: nvlink | pcie | infinity-fabric
+    pair_bytes_per_s: float | None = None  # a bridge between the two cards of a pair, per direction
+    pair_busbw: float | None = None  # NCCL bus bandwidth of a 2-GPU group over that bridge
+
+
+# PCIe x16 line rate per direction: 16 (Gen4) or 32 (Gen5) GT/s x 16 lanes x 128b/130b (PCI-SIG).
+PCIE4_BYTES_PER_S, PCIE5_BYTES_PER_S = 31.5 * GB, 63 * GB
+# NCCL's share of a link's line rate: 370 GB/s busbw on NVLink4's 450 ("protocol overhead ~20%", NCCL
+# maintainer, nccl-tests issue #212). Over PCIe 4 RTX 4090s reached 25.9 GB/s all-reduce busbw at 1-2 GiB
+# on Gen4 x16 (tinygrad/open-gpu-kernel-modules issue #36): the same 0.82 of 31.5. Used where a node has no
+# measured busbw of its own; a PCIe box whose CPU root complex is the limit reaches less (8 RTX 5090s on
+# Gen5: 28 GB/s, NVIDIA/nccl issue #1639): --intra-node-bw describes such a box.
+NCCL_LINK_SHARE = 0.82
+# Across nodes NCCL reaches ~24 GB/s per 200 Gb/s NIC, ~12 per 100 Gb/s (NCCL maintainer, nccl-tests
+# issue #119): 0.96 of the NIC's line rate.
+NIC_SHARE = 0.96
+
+
+def _node_over(name: str, gpus: int, fabric: str, line: float, nic_per_node: float, source: str,
+               pair: float | None = None, pair_busbw: float | None = None) -> Node:
+    """A node without published NCCL figures: busbw = NCCL_LINK_SHARE x the fabric's line rate inside it,
+    NIC_SHARE x its NICs across nodes (all-to-all across nodes: each GPU's share of the NICs)."""
+    nic = NIC_SHARE * nic_per_node
+    return Node(name, gpus, line, nic_per_node / gpus, NCCL_LINK_SHARE * line, NCCL_LINK_SHARE * line, nic,
+                nic / gpus, source, fabric, pair, pair_busbw or (pair and NCCL_LINK_SHARE * pair))
 
 
 NODES: dict[str, Node] = {
@@ -147,12 +183,12 @@ NODES: dict[str, Node] = {
     # 2022 section 6); busbw: all-reduce 235 GB/s in a node (nccl-tests sweep, 16 GiB; ml-engineering
     # network/README.md l.1216-1283), across nodes 192 GB/s; all-to-all 210 in a node, 24 across (NCCL-GTC).
     "dgx-a100": Node("DGX A100", 8, 300 * GB, 25 * GB, 235 * GB, 210 * GB, 192 * GB, 24 * GB,
-                     "NVLink3 + 8x HDR 200 Gb/s"),
+                     "NVLink3 + 8x HDR 200 Gb/s; busbw measured (nccl-tests, NVIDIA GTC)"),
     # DGX H100 / HGX H100: NVLink4 450 GB/s per direction, 8x ConnectX-7 NDR 400 Gb/s (DGX BasePOD RA);
     # busbw: ring all-reduce ~370 in a node (NCCL maintainer, nccl-tests issue #212; 367 measured on H200),
     # 370 across nodes; all-to-all 320 in a node, 48 across (NCCL-GTC 2025).
     "dgx-h100": Node("DGX H100", 8, 450 * GB, 50 * GB, 370 * GB, 320 * GB, 370 * GB, 48 * GB,
-                     "NVLink4 + 8x NDR 400 Gb/s"),
+                     "NVLink4 + 8x NDR 400 Gb/s; busbw measured (nccl-tests, NVIDIA GTC)"),
     "hgx-h200": Node("HGX H200", 8, 450 * GB, 50 * GB, 367 * GB, 320 * GB, 370 * GB, 48 * GB,
                      "NVLink4 + 8x NDR 400 Gb/s; ring all-reduce 367.2 GB/s measured (ml-engineering l.974)"),
     # H800: NVLink cut to 400 GB/s bidirectional; DeepSeek-V3 report section 3.2.2: "NVLink offers 160 GB/s,
@@ -163,11 +199,40 @@ NODES: dict[str, Node] = {
     # 682 GB/s in a node (8 GiB, NVLS off; ml-engineering l.933-941), all-to-all 640 (NCCL-GTC 2025);
     # across nodes as DGX H100 (same NICs).
     "dgx-b200": Node("DGX B200", 8, 900 * GB, 50 * GB, 682 * GB, 640 * GB, 370 * GB, 48 * GB,
-                     "NVLink5 + 8x ConnectX-7 400 Gb/s"),
+                     "NVLink5 + 8x ConnectX-7 400 Gb/s; busbw measured (nccl-tests, NVIDIA GTC)"),
     # MI300X platform: Infinity Fabric, 7 links x 64 GB/s per direction per GPU (AMD); all-reduce 313 GB/s
     # on 8 GPUs (4 GiB, ml-engineering network/README.md l.230); NICs not published: 8x 400 Gb/s assumed.
     "mi300x-platform": Node("MI300X platform", 8, 448 * GB, 50 * GB, 313 * GB, 313 * GB, 370 * GB, 48 * GB,
-                            "Infinity Fabric; NICs assumed 8x 400 Gb/s"),
+                            "Infinity Fabric; NICs assumed 8x 400 Gb/s", "infinity-fabric"),
+    # DGX-1 with V100 SXM2: 6 NVLink2 links x 25 GB/s per direction per GPU in a hybrid cube-mesh, 4x EDR
+    # InfiniBand 100 Gb/s per node (NVIDIA DGX-1 system architecture whitepaper); no busbw figure found.
+    "dgx-1v": _node_over("DGX-1 (V100)", 8, "nvlink", 150 * GB, 4 * 12.5 * GB,
+                         "NVLink2 cube-mesh + 4x EDR 100 Gb/s; busbw derived from the line rates"),
+    # 8-card PCIe servers, one NIC per node. H100 PCIe: Gen5 x16; NVLink bridges join pairs of cards at
+    # 600 GB/s bidirectional (NVIDIA H100 PCIe product brief), 116 GB/s all-reduce busbw measured on a
+    # bridged pair (NVIDIA/nccl issue #1161). NIC assumed: 200 Gb/s.
+    "pcie-h100": _node_over("8x H100 PCIe server", 8, "pcie", PCIE5_BYTES_PER_S, 25 * GB,
+                            "PCIe Gen5 x16, NVLink bridge per pair; one 200 Gb/s NIC assumed", 300 * GB, 116 * GB),
+    # L40S: Gen4 x16, no NVLink; AWS g6e.48xlarge: 8 L40S and 400 Gb/s of network.
+    "pcie-l40s": _node_over("8x L40S server", 8, "pcie", PCIE4_BYTES_PER_S, 50 * GB,
+                            "PCIe Gen4 x16, no NVLink; 400 Gb/s network (AWS g6e.48xlarge)"),
+    # L4: Gen4 x16, no NVLink; Google Cloud g2-standard-96: 8 L4 and 100 Gb/s of network.
+    "pcie-l4": _node_over("8x L4 server", 8, "pcie", PCIE4_BYTES_PER_S, 12.5 * GB,
+                          "PCIe Gen4 x16, no NVLink; 100 Gb/s network (Google Cloud g2-standard-96)"),
+    # RTX 3090: Gen4 x16; an NVLink bridge joins pairs at 112.5 GB/s bidirectional (NVIDIA GA102
+    # whitepaper). NIC assumed: 100 Gb/s.
+    "pcie-rtx3090": _node_over("8x RTX 3090 server", 8, "pcie", PCIE4_BYTES_PER_S, 12.5 * GB,
+                               "PCIe Gen4 x16, NVLink bridge per pair; one 100 Gb/s NIC assumed", 56.25 * GB),
+    # RTX 4090: Gen4 x16, no NVLink and no peer-to-peer: NCCL passes through host memory, which the measured
+    # PCIe share (NCCL_LINK_SHARE, 4 RTX 4090s) already includes. NIC assumed: 100 Gb/s.
+    "pcie-rtx4090": _node_over("8x RTX 4090 server", 8, "pcie", PCIE4_BYTES_PER_S, 12.5 * GB,
+                               "PCIe Gen4 x16 through host memory (no P2P); one 100 Gb/s NIC assumed"),
+    # MI250X node (HPE Cray EX235a, OLCF Frontier User Guide): 4 MI250X = 8 GCDs; the two GCDs of one MI250X
+    # joined at 200 GB/s, GCDs of different MI250X by 50-100 GB/s links (a ring over 8 GCDs at its slowest
+    # hop, 50); 4 Slingshot-11 200 Gb/s NICs per node. No RCCL busbw figure found.
+    "mi250x-node": _node_over("MI250X node (4 OAM, 8 GCD)", 8, "infinity-fabric", 50 * GB, 4 * 25 * GB,
+                              "Infinity Fabric + 4x Slingshot 200 Gb/s; busbw derived from the line rates",
+                              200 * GB),
 }
 
 

@@ -40,9 +40,11 @@ class Hardware:
                    "no published MAMF: matmuls at 80% of peak (the H100's share)")
         attention = ("FlashAttention-2 published rates (Dao 2023)" if a.attention else
                      "attention at the A100's FlashAttention-2 rates x MAMF ratio (none published)")
-        node = (f"{self.node.name}: NCCL busbw {self.node.allreduce_busbw_intra / 1e9:.0f} GB/s in a node, "
-                f"{self.node.allreduce_busbw_inter / 1e9:.0f} GB/s per node across nodes (nccl-tests, NVIDIA GTC)"
-                if self.node else "one GPU, no node")
+        n = self.node
+        node = (f"{n.name}: NCCL all-reduce busbw {n.allreduce_busbw_intra / 1e9:.0f} GB/s in a node over {n.fabric}"
+                + (f" ({n.pair_busbw / 1e9:.0f} GB/s in a bridged pair)" if n.pair_busbw else "")
+                + f", {n.allreduce_busbw_inter / 1e9:.0f} GB/s per node across nodes ({n.source})"
+                if n else "one device, no collectives")
         return f"{a.name}: {kernels}; {attention}; element-wise at {a.copy_fraction or 0.75:.0%} of HBM; {node}"
 
     @property
@@ -74,6 +76,10 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
                       calibration=measured)
         _use_measured_link(hw.profile, "gloo", threads and (os.cpu_count() or 1) // threads)
     elif gpu and gpu.lower() == "cuda":  # this machine's GPU
+        if not torch.cuda.is_available():
+            raise TrainwiseError("--gpu cuda means this machine's GPU, and PyTorch sees none here (a CPU build of "
+                                 "torch, or no GPU): plan a GPU of the table by name (--gpu h100-sxm, see "
+                                 "`trainwise hardware`), or this machine's CPU with --gpu cpu.")
         hw = _this_gpu(dtype)
     elif gpu:
         acc = get_accelerator(gpu)
@@ -138,8 +144,11 @@ def _node(hw: Hardware, gpus: int, gpus_per_node: int | None, intra: float | Non
     if node is None:
         if gpus > 1 and not (gpus_per_node and intra and inter):
             raise TrainwiseError(
-                f"{hw.name} has no node in trainwise's table, so a {gpus}-device step cannot price its communication: "
-                "give --gpus-per-node N, --intra-node-bw B and --inter-node-bw B (bytes/s per GPU per direction).")
+                f"--gpu {hw.accelerator.name} with --gpus {gpus}: trainwise's cluster model prices the collectives "
+                f"of GPU nodes (NCCL over NVLink, PCIe or Infinity Fabric, and their NICs), and the table has no "
+                f"node of {hw.accelerator.name} (a TPU pod's ICI torus is not modelled). Plan one device (--gpus 1), "
+                "or describe a node with --gpus-per-node N, --intra-node-bw B and --inter-node-bw B (bytes/s per "
+                "device per direction).")
         if not (gpus_per_node and intra and inter):
             return None
         node = Node("custom", gpus_per_node, intra, inter, 0.78 * intra, 0.7 * intra, 0.96 * gpus_per_node * inter,
