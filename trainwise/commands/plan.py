@@ -34,7 +34,9 @@ def register(sub, help_text: str) -> None:
     p = sub.add_parser("plan", help=help_text, epilog=PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="preset name, trainwise TOML, or Hugging Face config.json")
     p.add_argument("--params", type=number, help="parameter count N alone (6ND rule; activations unknown)")
-    p.add_argument("--tokens", type=number, default=None, help="training tokens D")
+    p.add_argument("--tokens", type=number, default=None,
+                   help="training tokens D (without it: everything per step, no total time or cost; a trainwise "
+                        "TOML's run length by default)")
     p.add_argument("--seq-len", type=whole_number, help="sequence length T")
     p.add_argument("--micro-batch", type=whole_number, help="sequences per micro-batch B")
     p.add_argument("--grad-accum", type=whole_number, help="gradient accumulation steps K")
@@ -91,8 +93,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.tokens = 1.0  # --simulate is about one step; time figures then cover one token
         if not args.gpu and not args.peak_flops:
             args.peak_flops = 1e12  # no time figures are shown; any peak will do
-    if args.tokens is None and not args.fit:
-        raise TrainwiseError("give --tokens D, the number of training tokens.")
     run = dict(seq_len=2048 if model is None else min(2048, model.max_seq_len), micro_batch=1, grad_accum=1,
                precision="bf16", optimizer="adamw", checkpointing="none")
     run.update(train)
@@ -115,7 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     memory_budget=budget, price=args.price, **run, **hw, **layout)
     if args.simulate:
         return _cmd_simulate(args, model, run, plan)
-    scaling = _scaling_prediction(args.model, model, args.tokens)
+    scaling = _scaling_prediction(args.model, model, args.tokens) if args.tokens else None
     if args.json:
         print(json.dumps({**plan.to_json(), **({"predicted_loss": scaling} if scaling else {})}, indent=2))
     elif args.explain:
@@ -176,7 +176,7 @@ def _cmd_fit(args, model, run, budget, hw, layout) -> int:
     if args.json:
         print(json.dumps({"global_batch": {"sequences": gb, "tokens": gb * seq, "seq_len": seq, "note": note},
                           "best": [c.__dict__ for c in good[:3]], "rejected": [c.__dict__ for c in bad]}, indent=2))
-        return 0 if good else 1
+        return 0
     if note:
         print(f"note: {note}")
     print(f"fit: {gb} sequences x {seq} tokens per step, budget {fmt_bytes(budget)} per device; "
@@ -196,13 +196,25 @@ def _cmd_fit(args, model, run, budget, hw, layout) -> int:
               f"checkpointing, ZeRO-{b.zero}: {b.tokens_per_s:,.0f} tokens/s predicted "
               f"({'step-time model' if args.mfu is None and args.gpu and not args.peak_flops else 'assumed MFU'})")
     if not good:
-        print("no candidate fits; raise --gpus, --tp/--pp or the budget.")
+        print(f"no candidate fits: {_short_of(bad, budget)}; raise --gpus, --tp/--pp or the budget.")
     print(f"rejected ({len(bad)}):")
     for c in bad[:20]:
         print(f"  B={c.micro_batch} K={c.grad_accum} {c.checkpointing} ZeRO-{c.zero}: {c.reason}")
     if len(bad) > 20:
         print(f"  ... and {len(bad) - 20} more (use --json for all)")
-    return 0 if good else 1
+    return 0  # no candidate that fits is an answer too
+
+
+def _short_of(bad: list, budget: int) -> str:
+    """How far the smallest candidate is from the budget: what a user must find to make one fit."""
+    sized = [c for c in bad if c.per_device_bytes]
+    if not sized:
+        return "none can be planned (see the reasons below)"
+    least = min(c.per_device_bytes for c in sized)
+    if least <= budget:
+        return "the ones within the memory budget cannot run for the reasons below"
+    return (f"does not fit by {(least - budget) / 2**30:.2f} GiB: the smallest needs {least / 2**30:.2f} GiB per "
+            f"device of {budget / 2**30:.2f} GiB")
 
 
 def _cmd_fit_layouts(args, model, run, budget, layout) -> int:
@@ -218,7 +230,7 @@ def _cmd_fit_layouts(args, model, run, budget, layout) -> int:
         print(json.dumps({"global_batch": {"sequences": gb, "tokens": gb * seq, "seq_len": seq, "note": note},
                           "best": [c.to_json() for c in good[:5]], "fitting": len(good),
                           "rejected": [c.to_json() for c in bad]}, indent=2))
-        return 0 if good else 1
+        return 0
     print(f"fit: {model.name} on {args.gpus} x {args.gpu}, {gb} sequences x {seq} tokens per step, "
           f"{fmt_bytes(budget)} per GPU; {len(good) + len(bad)} layouts, {len(good)} fit")
     head = f"{'dp':>4} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'B':>3} {'K':>4} {'ckpt':>9}"
@@ -241,7 +253,7 @@ def _cmd_fit_layouts(args, model, run, budget, layout) -> int:
             print(f"slower: tp {tp} pp {pp} at best {c.step_seconds:.4g} s ({c.step_seconds / best.step_seconds - 1:+.0%}): "
                   + ", ".join(f"{k[:-2]} {d:+.3g} s" for d, k in grow if d > 0))
     else:
-        print("no layout fits; raise --gpus or the budget, or use checkpointing/ZeRO.")
+        print(f"no layout fits: {_short_of(bad, budget)}; raise --gpus or the budget, or use checkpointing/ZeRO.")
     reasons: dict[str, list] = {}
     for c in bad:
         key = "do not fit in memory" if "GiB per GPU" in c.reason else c.reason[:110]
@@ -252,7 +264,7 @@ def _cmd_fit_layouts(args, model, run, budget, layout) -> int:
         example = (f" (the smallest: tp {c.layout['tp']} pp {c.layout['pp']} B {c.micro_batch} {c.checkpointing}: "
                    f"{c.reason})" if reason.startswith("do not fit") else "")
         print(f"  {len(cands):>5} {reason}{example}")
-    return 0 if good else 1
+    return 0
 
 
 def _gpu_capacity(name: str) -> int:

@@ -12,6 +12,10 @@ NO_HARDWARE = ("no hardware given, so no time: add --gpu NAME (see `trainwise ha
                "machine, measured) or --peak-flops P (FLOP/s per device)")
 
 
+NO_TOKENS = ("no --tokens D given, so everything is per step: the run's total FLOPs, time and cost need the number of "
+             "training tokens D (--tokens 1e10)")
+
+
 SOURCES = {"calibrated": "calibrated on this machine (`trainwise hardware --calibrate`)"}
 
 
@@ -93,7 +97,7 @@ def explain_plan(p) -> str:
     """The derivation of a plan (trainwise.planner.plan.Plan), section by section."""
     c, r, out = p.counts, p.recipe, []
     add = out.append
-    add(f"Plan for {p.name}: {p.tokens:.4g} tokens, seq_len T={p.seq_len}, micro-batch B={p.micro_batch}, "
+    add(f"Plan for {p.name}: {_tokens(p)}, seq_len T={p.seq_len}, micro-batch B={p.micro_batch}, "
         f"grad-accum K={p.grad_accum}, {p.gpus} device(s) (tp={p.tp}, pp={p.pp}, dp={p.dp})")
     add("")
     add("1. Parameters")
@@ -124,7 +128,8 @@ def explain_plan(p) -> str:
     else:
         add(f"   per token = 6N = 6 x {N:,} = {p.model_flops_per_token:.4g}"
             + (" (+2N recompute, full checkpointing)" if p.checkpointing == "full" else ""))
-    add(f"   total C = per token x D = {p.flops_per_token:.4g} x {D:.4g} = {p.total_flops:.4g} FLOPs")
+    add(f"   total C = per token x D = {p.flops_per_token:.4g} x {D:.4g} = {p.total_flops:.4g} FLOPs" if D else
+        f"   total C = per token x D: {NO_TOKENS}")
     add("")
     s = p.states
     mp = p.tp * p.pp
@@ -138,9 +143,9 @@ def explain_plan(p) -> str:
     add(f"   states     = {fmt_bytes(s.total)}")
     add(f"   activations ({p.checkpointing} checkpointing, B x T = {p.micro_batch * p.seq_len:,} tokens, "
         f"incl. fp32 logits B*T*V) = {fmt_bytes(p.activations_bytes)}")
-    add(f"   per device = {fmt_bytes(p.per_device_bytes)}; budget {fmt_bytes(p.budget)} -> fits: {p.fits}")
+    add(f"   per device = {fmt_bytes(p.per_device_bytes)}; budget {fmt_bytes(p.budget)} -> fits: {fits_text(p)}")
     add("")
-    if p.time is None:
+    if p.hardware is None:
         add("4. Time")
         add(f"   {NO_HARDWARE}")
         out += [f"note: {n}" for n in p.notes]
@@ -149,11 +154,15 @@ def explain_plan(p) -> str:
         add(explain_cluster(p))
     elif p.step is not None:
         add(explain_step(p))
+    elif p.time is None:
+        add("4. Time per step = step FLOPs / (G x peak x MFU)   (assumed MFU: a what-if, not a prediction)")
+        add(f"   = {p.flops_per_token:.4g} x {p.tokens_per_step:,} / ({p.gpus} x {p.hardware.peak_flops:.4g} x {p.mfu})"
+            f" = {p.step_seconds:.4g} s; {NO_TOKENS}")
     else:
         add("4. Time = C / (G x peak x MFU)   (assumed MFU: a what-if, not a prediction)")
         add(f"   = {p.total_flops:.4g} / ({p.gpus} x {p.hardware.peak_flops:.4g} x {p.mfu}) = {p.time.seconds:.4g} s"
             f" = {p.time.days:.2f} days = {p.time.device_hours:,.1f} device-hours")
-    if p.price is not None:
+    if p.price is not None and p.time is not None:
         add(f"   cost = {p.time.device_hours:,.1f} device-hours x ${p.price}/h = ${p.cost:,.0f}")
     for n in p.notes:
         add(f"note: {n}")
@@ -166,13 +175,16 @@ def plan_table(plan) -> str:
     mdl, fl, mem, t = j["model"], j["flops"], j["memory"], j["time"]
     rows += [("model", mdl["name"]), ("params total", f"{mdl['params_total']:,}"),
              ("params active", f"{mdl['params_active']:,}"), ("params embedding", f"{mdl['params_embedding']:,}"),
-             ("params non-embedding", f"{mdl['params_non_embedding']:,}"), ("tokens", f"{j['tokens']:.4g}"),
+             ("params non-embedding", f"{mdl['params_non_embedding']:,}"), ("tokens", _tokens(plan)),
              ("FLOPs / token (train)", f"{fl['per_token_train']:.4g} FLOPs ({fl['convention']})"),
-             ("FLOPs total", f"{fl['total']:.4g} FLOPs")]
+             ("FLOPs / step", f"{fl['per_token_train'] * plan.tokens_per_step:.4g} FLOPs (all devices, "
+                              f"{plan.tokens_per_step:,} tokens)")]
+    if fl["total"] is not None:
+        rows.append(("FLOPs total", f"{fl['total']:.4g} FLOPs"))
     for key in ("params", "grads", "optimizer", "master", "states", "activations"):
         rows.append((f"{key} / device", fmt_bytes(mem[f"{key}_bytes"])))
     rows += [("total / device", fmt_bytes(mem["per_device_bytes"])), ("budget / device", fmt_bytes(mem["budget_bytes"])),
-             ("fits", {True: "yes", False: "NO", None: "unknown"}[mem["fits"]])]
+             ("fits", fits_text(plan))]
     if plan.hardware is None:
         rows.append(("time", t["note"]))
     else:
@@ -180,13 +192,28 @@ def plan_table(plan) -> str:
         rows += [("hardware", f"{plan.gpus} x {hw.name} @ {hw.peak_flops:.4g} FLOP/s"),
                  ("step time", f"{t['step_seconds']:.4g} s per step of {plan.tokens_per_step:,} tokens, "
                                f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} ({time_source(t['source'])})"),
-                 ("time", f"{t['seconds']:.4g} s = {t['days']:.2f} days = {t['device_hours']:,.1f} device-hours")]
+                 ("time", f"{t['seconds']:.4g} s = {t['days']:.2f} days = {t['device_hours']:,.1f} device-hours"
+                          if t["seconds"] is not None else t["note"])]
         if hw.calibration:
             rows += calibration_rows(j["hardware"])
-    if "cost_usd" in t:
+    if t.get("cost_usd") is not None:
         rows.append(("cost", f"${t['cost_usd']:,.0f}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows + [("note", n) for n in plan.notes])
+
+
+def fits_text(plan) -> str:
+    """Whether the plan fits its budget, and by how much it does not."""
+    if plan.fits is None:
+        return "unknown" + ("" if plan.budget else " (no budget: give --gpu NAME or --memory-budget)")
+    if plan.fits:
+        return "yes"
+    over = plan.over_budget_bytes
+    return f"NO: does not fit by {over / 2**30:.2f} GiB ({over / 1e9:.2f} GB) per device"
+
+
+def _tokens(plan) -> str:
+    return "not given (--tokens D): per step only" if plan.tokens is None else f"{plan.tokens:.4g} tokens"
 
 
 def time_source(source: str) -> str:
@@ -212,5 +239,8 @@ def _throughput(add, p, step_s: float) -> None:
     tps = p.tokens_per_step / step_s
     add(f"   tokens/s = {p.tokens_per_step:,} tokens per step / {step_s:.4g} s = {tps:,.0f}; "
         f"MFU = {p.model_flops_per_token:.4g} x {tps:,.0f} / ({p.gpus} x {p.hardware.peak_flops:.4g}) = {p.mfu:.2%}")
+    if p.time is None:
+        add(f"   time: {NO_TOKENS}")
+        return
     add(f"   time = D / tokens/s = {p.tokens:.4g} / {tps:,.0f} = {p.time.seconds:.4g} s = {p.time.days:.2f} days "
         f"= {p.time.device_hours:,.1f} device-hours")

@@ -18,7 +18,7 @@ from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time
 from trainwise.errors import TrainwiseError
 from trainwise.planner.cluster import predict_cluster_step
-from trainwise.planner.explain import NO_HARDWARE, explain_plan
+from trainwise.planner.explain import NO_HARDWARE, NO_TOKENS, explain_plan
 from trainwise.planner.hardware import Hardware, resolve_hardware
 from trainwise.planner.step import predict_step_time
 from trainwise.runtime.parallelize import resolve_compile
@@ -29,7 +29,7 @@ class Plan:
     name: str
     model: ModelConfig | None
     counts: ParamCount
-    tokens: float
+    tokens: float | None  # D, the run's training tokens; None: everything per step, no total time or cost
     seq_len: int
     micro_batch: int
     grad_accum: int
@@ -50,7 +50,7 @@ class Plan:
     states: M.StateBytes
     activations_bytes: int | None
     memory_budget: int | None
-    time: TimeEstimate | None  # None without hardware
+    time: TimeEstimate | None  # the whole run's; None without hardware or without tokens
     price: float | None = None
     notes: list[str] = field(default_factory=list)
     compiled: bool = False  # torch.compile: what autograd saves changes (memory.compiled_block_bytes_per_token)
@@ -80,8 +80,8 @@ class Plan:
         return self.layout.dp if self.layout else self.gpus // (self.tp * self.pp)
 
     @property
-    def total_flops(self) -> float:
-        return self.flops_per_token * self.tokens
+    def total_flops(self) -> float | None:
+        return None if self.tokens is None else self.flops_per_token * self.tokens
 
     @property
     def per_device_bytes(self) -> int:
@@ -103,6 +103,11 @@ class Plan:
         return self.memory_budget or (self.hardware.memory_bytes if self.hardware else None)
 
     @property
+    def over_budget_bytes(self) -> int | None:
+        """Bytes per device beyond the budget (what `does not fit by` says); None when it fits or is unknown."""
+        return self.per_device_bytes - self.budget if self.fits is False else None
+
+    @property
     def fits(self) -> bool | None:
         if self.budget is None:
             return None
@@ -119,7 +124,7 @@ class Plan:
         return {
             "model": {"name": self.name, "params_total": c.total, "params_active": c.active,
                       "params_embedding": c.embedding, "params_non_embedding": c.non_embedding},
-            "tokens": float(self.tokens),
+            "tokens": None if self.tokens is None else float(self.tokens),
             "flops": {"per_token_train": self.flops_per_token, "total": self.total_flops,
                       "convention": self.convention, "model_flops_per_token": self.model_flops_per_token,
                       "causal_halving": self.causal_halving},
@@ -128,7 +133,8 @@ class Plan:
                        "states_bytes": self.states.total, "activations_bytes": self.activations_bytes,
                        "total_bytes": self.per_device_bytes * self.gpus, "per_device_bytes": self.per_device_bytes,
                        "peak_bytes": self.peak_bytes,
-                       "fits": self.fits, "budget_bytes": self.budget, "precision": self.recipe.name,
+                       "fits": self.fits, "over_budget_bytes": self.over_budget_bytes, "budget_bytes": self.budget,
+                       "precision": self.recipe.name,
                        "optimizer": self.optimizer, "checkpointing": self.checkpointing, "zero": self.zero,
                        "compiled": self.compiled,
                        "scope": "per device except total_bytes (all devices)"},
@@ -160,14 +166,17 @@ class Plan:
         return explain_plan(self)
 
     def _time_json(self) -> dict[str, Any]:
-        """Without hardware the keys stay, null, with a note saying what to give (JSON contract: same keys)."""
-        if self.time is None:
+        """Without hardware the keys stay, null, with a note saying what to give (JSON contract: same keys);
+        without tokens the step's figures are there and the run's totals null, with a note."""
+        if self.hardware is None:
             return {"seconds": None, "days": None, "device_hours": None, "step_seconds": None, "tokens_per_s": None,
                     "mfu": None, "source": self.time_source, "note": NO_HARDWARE}
-        out = {"seconds": self.time.seconds, "days": self.time.days, "device_hours": self.time.device_hours,
+        t = self.time
+        out = {"seconds": t and t.seconds, "days": t and t.days, "device_hours": t and t.device_hours,
                "step_seconds": self.step_seconds, "tokens_per_s": self.tokens_per_step / self.step_seconds,
                "mfu": self.mfu, "source": self.time_source,
-               **({"cost_usd": self.cost} if self.price is not None else {})}
+               **({"cost_usd": self.cost} if self.price is not None else {}),
+               **({} if t else {"note": NO_TOKENS})}
         if self.step is not None and self.step.comm:  # a data-parallel step's collectives, and their link
             out["comm"] = {"collectives_s": self.step.comm, "exposed_s": self.step.comm_s, "how": self.step.comm_how}
         if self.cluster is not None:  # exposed seconds per step by term (they add up) and per operator/collective
@@ -209,7 +218,7 @@ def plan_for_run(cfg: RunConfig, precision: str, peak_flops: float, device: str 
                     **train_settings(t, precision))
 
 
-def plan_run(model: ModelConfig | None = None, *, params_count: float | None = None, tokens: float,
+def plan_run(model: ModelConfig | None = None, *, params_count: float | None = None, tokens: float | None = None,
              seq_len: int = 2048, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16",
              optimizer: str = "adamw", checkpointing: str = "none", zero: int = 0, tp: int = 1, pp: int = 1,
              gpus: int = 1, gpu: str | None = None, peak_flops: float | None = None,
@@ -225,11 +234,15 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
     bandwidths, the pipeline's bubble); on a calibrated device (--gpu cpu) the step-time model
     (cost.steptime); else total FLOPs / (G x peak x MFU), MFU = `mfu` or DEFAULT_MFU (a what-if).
     Layout: tp, pp (vpp virtual stages), cp, ep, sequence parallelism (default on with tp > 1), ZeRO
-    `zero` over the data-parallel ranks (cost.layout)."""
+    `zero` over the data-parallel ranks (cost.layout). Without `tokens` everything is per step: no total
+    FLOPs, time or cost."""
     for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--micro-batch", micro_batch),
                         ("--grad-accum", grad_accum), ("--tp", tp), ("--pp", pp), ("--gpus", gpus),
                         ("--params", params_count), ("--price", price)):
         positive(name, value)
+    if mfu is not None and not 0 < mfu < 1:
+        raise TrainwiseError(f"--mfu {mfu} must be a fraction of the peak between 0 and 1 (no step runs every FLOP "
+                             "at peak), e.g. 0.4.")
     layout = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, zero=zero,
                          micro_batches=grad_accum, dp_overlap=dp_overlap, attention_impl=attention_impl)
     if model is None and params_count is None:
@@ -281,7 +294,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         source = "published microbenchmarks"
         tokens_per_s = seq_len * micro_batch * grad_accum * dp / cluster.seconds
         mfu = model_fpt * tokens_per_s / (gpus * hw.peak_flops)
-        t = TimeEstimate(tokens / tokens_per_s, gpus)
+        t = TimeEstimate(tokens / tokens_per_s, gpus) if tokens else None
     elif mfu is None and model is not None and hw.profile is not None and not model_parallel:
         step = predict_step_time(model, hw.profile, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
                          compute_dtype=recipe.compute_dtype, checkpointing=checkpointing, optimizer=optimizer,
@@ -290,15 +303,15 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         source = hw.profile.source
         tokens_per_s = seq_len * micro_batch * grad_accum * dp / step.seconds
         mfu = model_fpt * tokens_per_s / (gpus * hw.peak_flops)
-        t = TimeEstimate(tokens / tokens_per_s, gpus)
+        t = TimeEstimate(tokens / tokens_per_s, gpus) if tokens else None
     else:
         if mfu is None and model is not None and hw.profile is not None:
             notes.append("a model-parallel layout on this machine's calibration (tp/pp/cp/ep) is not modelled per "
                          "operator: time from the assumed MFU; plan it on a table GPU (--gpu a100-80gb ...)")
         mfu = DEFAULT_MFU if mfu is None else mfu
-        t = estimate_time(fpt * tokens, gpus, hw.peak_flops, mfu)
+        t = estimate_time(fpt * tokens, gpus, hw.peak_flops, mfu) if tokens else None
     mfu = DEFAULT_MFU if mfu is None else mfu
-    return Plan(name=name, model=model, counts=counts, tokens=float(tokens), seq_len=seq_len,
+    return Plan(name=name, model=model, counts=counts, tokens=tokens and float(tokens), seq_len=seq_len,
                 micro_batch=micro_batch, grad_accum=grad_accum, recipe=recipe, optimizer=optimizer,
                 checkpointing=checkpointing, zero=zero, tp=tp, pp=pp, gpus=gpus, hardware=hw, mfu=mfu,
                 causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
