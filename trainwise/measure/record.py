@@ -162,10 +162,6 @@ def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpoin
             model = build_model(model_cfg)
         finally:
             torch.set_default_dtype(default)
-        if precision == "fp32" and pure is None:  # fake tensors have no fp32 _grouped_mm: experts one by one, same FLOPs and bytes
-            for block in model.blocks:
-                if hasattr(block.mlp, "grouped_mm"):
-                    block.mlp.grouped_mm = False
         if compiled:  # what a compiled CPU step runs instead of SDPA (the rest is the eager step's operators)
             use_compiled_attention(model, only_when_compiling=False)
         elif attention == "unfused":

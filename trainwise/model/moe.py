@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from trainwise.config import ModelConfig
@@ -203,6 +204,8 @@ class MoE(nn.Module):
                 return False
         elif device != "cpu":
             return False
+        if dtype != torch.bfloat16 and is_fake(grouped):  # its meta kernel takes bf16 only (the CUDA rule), so
+            return False  # fake tensors (the planner's records, `plan --simulate`) loop: same FLOPs and bytes
         widths = (grouped.shape[1], self.experts_proj.weight.shape[1], self.experts_fc.weight.shape[2])
         return all(w * dtype.itemsize % 16 == 0 for w in widths)
 
