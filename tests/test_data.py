@@ -116,7 +116,7 @@ def test_bad_jsonl_names_file_and_line(tmp_path, line, needle):
 
 
 def test_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = tmp_path / "d.parquet"

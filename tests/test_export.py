@@ -15,7 +15,7 @@ from trainwise.export.hf import choose_family, load_hf_dir, load_into, save_hf
 from trainwise.model import Transformer
 from trainwise.tokenizer import Tokenizer
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=32",
         "train.seq_len=32", "train.micro_batch=4", "tokenizer.vocab_size=300", "train.eval_every=5",

@@ -11,7 +11,7 @@ from trainwise.cost.params import params
 from trainwise.errors import TrainwiseError
 from trainwise.hf_config import ALIASES, PUBLISHED, config_name, from_hf_dict, load_hf_config
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 
 def hf_count(d: dict, exclude_embeddings: bool = False) -> int:

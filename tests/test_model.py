@@ -1,6 +1,7 @@
 """The Transformer itself: every option runs, gradients are right, generation is consistent."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from trainwise.config import ModelConfig, TrainConfig
 from trainwise.model import Transformer
+from trainwise.model.layers import apply_rope, rope_tables
 from trainwise.runtime.optim import build_optimizer, lr_at
 from trainwise.runtime.parallelize import apply_activation_checkpointing
 
@@ -41,14 +43,126 @@ def test_every_option_runs_forward_and_backward(activation, norm, position):
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
 
 
-@pytest.mark.parametrize("kw", [dict(n_kv_heads=1), dict(n_kv_heads=4), dict(qk_norm=True, qkv_bias=True),
-                                dict(tie_embeddings=False), dict(dropout=0.1)])
-def test_attention_variants(kw):
+def reference_attention(attn, cfg: ModelConfig, x: torch.Tensor, qk_norm: bool | None = None) -> torch.Tensor:
+    """Causal attention written out head by head from the module's own weights: q, k and v from its qkv
+    matmul (nh, nkv, nkv heads, in that order), each q and k head RMS-normed when qk_norm, RoPE in its
+    reference form, and query head h reading key/value head h // (nh / nkv) (GQA's sharing)."""
+    T, nh, nkv, hd = x.shape[1], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q, k, v = (t.unflatten(-1, (-1, hd)).transpose(1, 2)  # (B, heads, T, hd)
+               for t in F.linear(x, attn.qkv.weight, attn.qkv.bias).split([nh * hd, nkv * hd, nkv * hd], -1))
+    if cfg.qk_norm if qk_norm is None else qk_norm:
+        q = F.rms_norm(q, (hd,), attn.q_norm.weight, cfg.norm_eps)
+        k = F.rms_norm(k, (hd,), attn.k_norm.weight, cfg.norm_eps)
+    cos, sin = rope_tables(hd, T, cfg.rope_theta)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    heads = []
+    for h in range(nh):
+        g = h // (nh // nkv)
+        scores = (q[:, h] @ k[:, g].transpose(-1, -2)) * hd ** -0.5
+        heads.append(scores.masked_fill(future, float("-inf")).softmax(-1) @ v[:, g])
+    return attn.out(torch.cat(heads, dim=-1))
+
+
+def check_kv_heads(model, cfg, x):
+    """MQA (one key/value head for all four query heads) and MHA (one each): the qkv matmul makes nkv key
+    and value heads, and each query head reads its group's (reference_attention; a model that kept the
+    default two would have another qkv width and pair the heads otherwise)."""
+    attn = model.blocks[0].attn
+    assert attn.n_kv_heads == cfg.n_kv_heads
+    assert attn.qkv.out_features == (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+
+
+def check_qk_norm_and_qkv_bias(model, cfg, x):
+    """Qwen's variants: biases on the q/k/v matmul only (not on the output projection), an RMSNorm on each
+    q and k head whose weights count; without the norm the block computes something else."""
+    attn = model.blocks[0].attn
+    assert attn.qkv.bias is not None and attn.out.bias is None
+    assert attn.q_norm is not None and attn.k_norm is not None
+    with torch.no_grad():
+        want = attn(x, rope_of(model, x))
+        assert (want - reference_attention(attn, cfg, x, qk_norm=False)).abs().max() > 100 * TOL["atol"]
+
+
+def check_untied_head(model, cfg, x):
+    """An LM head of its own: logits are the final hidden states times the head's weights, not the token
+    table's, and the two get different gradients."""
+    assert model.lm_head.weight is not model.embed.weight
+    assert model.lm_head.weight.grad is not None and model.embed.weight.grad is not None
+    assert not torch.equal(model.lm_head.weight.grad, model.embed.weight.grad)
+    ids, _ = batch(cfg)
+    with torch.no_grad():
+        hidden = model.hidden_states(ids)
+        torch.testing.assert_close(model(ids), hidden @ model.lm_head.weight.T)
+        assert (model(ids) - hidden @ model.embed.weight.T).abs().max() > 1e-3
+
+
+def check_dropout(model, cfg, x):
+    """Dropout in training only: two training forwards draw different masks (the same seed, the same
+    ones), attention's own dropout included; in eval the model is the same weights without dropout."""
+    ids, _ = batch(cfg)
+    model.train()
+    torch.manual_seed(1)
+    first = model(ids)
+    torch.manual_seed(1)
+    assert torch.equal(model(ids), first)
+    assert not torch.equal(model(ids), first), "no dropout in training"
+    attn, rope = model.blocks[0].attn, rope_of(model, x)
+    assert not torch.equal(attn(x, rope), attn(x, rope)), "no dropout in attention"
+    plain = Transformer(tiny()).eval()
+    plain.load_state_dict(model.state_dict())
+    model.eval()
+    torch.testing.assert_close(model(ids), plain(ids))
+
+
+def rope_of(model, x):
+    return model.rope_cos[:x.shape[1]], model.rope_sin[:x.shape[1]]
+
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+VARIANTS = {"mqa": (dict(n_kv_heads=1), check_kv_heads), "mha": (dict(n_kv_heads=4), check_kv_heads),
+            "qk_norm_qkv_bias": (dict(qk_norm=True, qkv_bias=True), check_qk_norm_and_qkv_bias),
+            "untied": (dict(tie_embeddings=False), check_untied_head), "dropout": (dict(dropout=0.1), check_dropout)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_attention_variants(variant):
+    """Each variant trains from a uniform start (loss near ln V, a finite non-zero gradient on every
+    parameter), has the parameters the planner counts, stays causal, and its first block's attention is
+    the head-by-head reference; then what the variant is for (VARIANTS' check)."""
+    from trainwise.cost.params import params
+
+    kw, check = VARIANTS[variant]
     torch.manual_seed(0)
     cfg = tiny(**kw)
     model = Transformer(cfg)
-    x, y = batch(cfg)
-    model(x, y).backward()
+    ids, targets = batch(cfg)
+    loss = model(ids, targets)
+    loss.backward()
+    assert torch.isfinite(loss) and abs(loss.item() - math.log(cfg.vocab_size)) < 0.3
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    assert sum(p.numel() for p in model.parameters()) == params(cfg).total
+
+    model.eval()
+    changed = ids.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        logits, after = model(ids), model(changed)
+    torch.testing.assert_close(logits[:, :10], after[:, :10])  # the past does not see the future
+    assert (logits[:, 10:] - after[:, 10:]).abs().max() > 1e-3  # and the comparison can tell
+
+    # Init leaves biases at zero and norm weights at one, where a forward that skipped them would still
+    # match the reference: draw them at random first.
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            if "bias" in name or "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn(p.shape))
+    x = torch.randn(2, 12, cfg.d_model, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, rope_of(model, x)), reference_attention(attn, cfg, x), **TOL)
+    check(model, cfg, x)
 
 
 def test_parameter_count_matches_planner():

@@ -12,7 +12,7 @@ from trainwise.hf_config import PUBLISHED
 from trainwise.planner.plan import plan_run
 from trainwise.presets import PRESETS, get_preset
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 REQUIRED = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-2-7b", "llama-3-8b", "llama-3-70b",
             "llama-3.1-405b", "mistral-7b", "mixtral-8x7b", "qwen2.5-7b", "deepseek-v3", "qwen3-30b-a3b",

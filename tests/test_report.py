@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from chromium import chromium_command, needs_chromium
+from chromium import chromium_command
 
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides
@@ -78,7 +78,6 @@ def test_report_of_a_run_without_verify_or_sample_says_what_is_missing(run_dir, 
     assert main(["report", str(tmp_path / "nothing")]) == 2  # not a run directory: a message, no traceback
 
 
-@needs_chromium
 def test_every_plot_loads_in_headless_chromium(run_dir, tmp_path):
     page = (run_dir / "report.html").read_text(encoding="utf-8")
     # After load, a script writes into the title how many <img> decoded to a non-empty bitmap.

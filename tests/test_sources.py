@@ -141,7 +141,7 @@ def test_compressed_files_are_streamed(tmp_path, suffix, opener):
     for name, payload in (("plain.txt", text), ("rows.jsonl", records)):
         path = tmp_path / (name + suffix)
         if opener is None:
-            zstandard = pytest.importorskip("zstandard")
+            import zstandard
             path.write_bytes(zstandard.ZstdCompressor().compress(payload.encode("gb18030")))
         else:
             with opener(path, "wb") as f:
@@ -165,7 +165,7 @@ def test_csv_tsv_and_nested_jsonl_fields(tmp_path):
 
 
 def test_parquet_arrow_and_a_datasets_folder(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = [ZH, JA, KO, FR]
@@ -176,7 +176,7 @@ def test_parquet_arrow_and_a_datasets_folder(tmp_path):
     assert list(iter_texts(DataConfig(paths=[str(tmp_path / "shard-0")]))) == rows[:2]
     assert list(iter_texts(DataConfig(paths=[str(tmp_path / "shard-1.arrow")], text_field="doc.body"))) == rows[2:]
 
-    datasets = pytest.importorskip("datasets")
+    import datasets
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": rows}),
                                "test": datasets.Dataset.from_dict({"text": ["held out"]})})
     dd.save_to_disk(str(tmp_path / "hf"))
@@ -212,11 +212,11 @@ def test_fifo_in_a_folder_is_skipped_not_waited_on(tmp_path):
 def test_compressed_and_table_formats_train_and_round_trip(tmp_path):
     """Each compression, Parquet, Arrow and a save_to_disk folder in one corpus: a run trains on it and
     every document comes back from the run's tokens."""
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    zstandard = pytest.importorskip("zstandard")
-    datasets = pytest.importorskip("datasets")
+    import zstandard
+    import datasets
     root = tmp_path / "corpus"
     root.mkdir()
     texts = {"gz": EN * 3, "bz2": FR * 3, "xz": KO * 3, "zst": JA * 3}
