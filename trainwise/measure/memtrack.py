@@ -22,6 +22,11 @@ its last step in it (verify.json's peak, per rank under torchrun).
 
 from __future__ import annotations
 
+import atexit
+import os
+import re
+import sys
+import threading
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -158,6 +163,7 @@ class StepPeakMeter:
         self.foreign = foreign
         self.peak_bytes: int | None = None
         self._prof = None
+        self._filter: _StderrFilter | None = None
         self._base: dict[int, int] = {}
         self._late: dict[int, int] = {}
 
@@ -170,6 +176,7 @@ class StepPeakMeter:
 
         self._base = {ptr: n for ptr, n in _storages(live_tensors(), self.device).items() if ptr not in self.foreign}
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._filter = _StderrFilter(_UNKNOWN_BLOCK)  # over the whole stretch: see _UNKNOWN_BLOCK
         _quiet_stderr(self._prof.__enter__)
 
     def resident(self, tensors) -> None:
@@ -183,6 +190,8 @@ class StepPeakMeter:
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
             return self.peak_bytes
         _quiet_stderr(lambda: self._prof.__exit__(None, None, None))
+        self._filter.close()
+        self._filter = None
         events = _allocations(self._prof)
         allocated = {ptr for _, _, ptr in events}
         base = sum(self._base.values()) + sum(n for ptr, n in self._late.items()
@@ -196,12 +205,83 @@ class StepPeakMeter:
         return self.peak_bytes
 
 
+# While the profiler records memory, freeing a block allocated before it started makes PyTorch's CPU
+# allocator log "[W... CPUAllocator.cpp:...] Memory block of unknown size was allocated before the profiling
+# started, ..." (c10's LOG(WARNING): written to file descriptor 2 by C++, not a Python warning, on the first
+# such free in the process and every 1000th after). A training step frees such blocks all the time (the
+# previous step's gradients and batch); the meter has no use for those frees (the blocks are in the bytes
+# resident at start), and a user can do nothing about the line, which lands in the middle of the progress bar.
+_UNKNOWN_BLOCK = re.compile(rb"\[W[^\n]*?Memory block of unknown size[^\n]*\n")
+
+
+class _StderrFilter:
+    """File descriptor 2 through a pipe until close(): a thread passes everything on to the real stderr at
+    once (a progress bar keeps moving, a traceback still shows), except the lines that match `drop`.
+
+    Should close() never come (an exception in the measured step), the thread keeps passing everything on,
+    and at exit the descriptor is put back and the pipe drained, so nothing written meanwhile is lost."""
+
+    def __init__(self, drop: re.Pattern):
+        self.drop, self.thread = drop, None
+        _flush_stderr()  # what Python wrote before goes straight out
+        try:
+            self.real = os.dup(2)
+        except OSError:  # no descriptor 2 to filter
+            return
+        try:
+            read, self.write = os.pipe()
+        except OSError:  # out of descriptors: the line may show, the measurement goes on
+            os.close(self.real)
+            return
+        os.dup2(self.write, 2)
+        self.thread = threading.Thread(target=self._pass_on, args=(read,), name="trainwise-stderr", daemon=True)
+        self.thread.start()
+        atexit.register(self.close)
+
+    def _pass_on(self, read: int) -> None:
+        pending = b""
+        with open(read, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(1 << 16):
+                pending = self.drop.sub(b"", pending + chunk)
+                # a log line may arrive in pieces: hold back from its "[W" until its newline has come
+                cut = pending.rfind(b"[W")
+                if cut < 0 or b"\n" in pending[cut:]:
+                    cut = len(pending)
+                self._out(pending[:cut])
+                pending = pending[cut:]
+        self._out(self.drop.sub(b"", pending))
+
+    def _out(self, data: bytes) -> None:
+        while data:
+            try:
+                data = data[os.write(self.real, data):]
+            except OSError:  # the real stderr went away: nothing to pass on to
+                return
+
+    def close(self) -> None:
+        """Put the real stderr back and pass on what is still in the pipe."""
+        if self.thread is None:
+            return
+        thread, self.thread = self.thread, None
+        atexit.unregister(self.close)
+        _flush_stderr()
+        os.dup2(self.real, 2)
+        os.close(self.write)  # the pipe ends here, unless a process started meanwhile inherited it
+        thread.join(timeout=1.0)
+        if not thread.is_alive():  # else it keeps passing on that process's output, to the real stderr
+            os.close(self.real)
+
+
+def _flush_stderr() -> None:
+    try:
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # no sys.stderr (pythonw), or a closed one
+        pass
+
+
 def _quiet_stderr(fn):
     """Run fn with file descriptor 2 on /dev/null: the profiler's C++ side (kineto) logs every start and
     stop to stderr, which would land in the middle of a training run's output."""
-    import os
-    import sys
-
     sys.stderr.flush()
     saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
