@@ -14,6 +14,7 @@ from trainwise import rundir
 from trainwise.config import RunConfig, load_config
 from trainwise.errors import TrainwiseError
 from trainwise.model import Transformer
+from trainwise.model.transformer import NonFiniteLogits
 from trainwise.runtime import checkpoint as ckpt
 from trainwise.runtime.precision import resolve_device
 from trainwise.runtime.step import build_model
@@ -63,6 +64,9 @@ def sample_text(model: torch.nn.Module, tokenizer: Tokenizer, device: torch.devi
     generator = torch.Generator(device=device).manual_seed(seed)
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     idx = torch.tensor([ids], dtype=torch.long, device=device)
-    out = model.generate(idx, n_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    try:
+        out = model.generate(idx, n_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    except NonFiniteLogits as err:  # a diverged run still ends with its report: the sample says why there is none
+        return f"(no sample: {err})"
     new = out[0, len(ids):].tolist() if not prompt else out[0].tolist()
     return tokenizer.decode(new)

@@ -6,6 +6,7 @@ bytes) wherever a person reads a size; JSON holds plain bytes.
 
 from __future__ import annotations
 
+import math
 import re
 
 from trainwise.errors import TrainwiseError
@@ -26,8 +27,8 @@ def parse_bytes(text: str | int | float) -> int:
             value = float(m.group(1)) * _UNITS[m.group(2).lower()]
         except ValueError:
             raise TrainwiseError(f"memory size '{text}' is not a number followed by a unit (e.g. 80GiB).") from None
-    if value <= 0:
-        raise TrainwiseError(f"memory size '{text}' must be positive.")
+    if not value > 0 or value == float("inf"):
+        raise TrainwiseError(f"memory size '{text}' must be a positive, finite number of bytes (e.g. 80GiB).")
     return int(value)
 
 
@@ -39,3 +40,8 @@ def fmt_bytes(n: float | None) -> str:
         if n >= si:
             return f"{n / si:,.2f} {unit}B ({n / bi:,.2f} {unit}iB)"
     return f"{n:,.0f} B"
+
+
+def fmt_finite(x: float, spec: str = ".4f") -> str:
+    """x formatted, or 'not finite' for nan and inf (a diverged run's loss), which a reader cannot act on as a number."""
+    return format(x, spec) if math.isfinite(x) else "not finite"

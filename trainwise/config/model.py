@@ -88,8 +88,6 @@ class ModelConfig:
                 raise TrainwiseError(
                     f"model.attention = 'mla' needs model.{key} > 0 (DeepSeek-V3: kv_lora_rank 512, qk_rope_head_dim "
                     "64, v_head_dim 128; a small one: 32, 16, 32).")
-        if self.qk_nope_head_dim < 0 or self.q_lora_rank < 0:
-            raise TrainwiseError("model.qk_nope_head_dim and model.q_lora_rank must not be negative.")
         if self.v_head_dim > self.qk_nope_head_dim + self.qk_rope_head_dim:
             raise TrainwiseError(
                 f"model.v_head_dim = {self.v_head_dim} exceeds qk_nope_head_dim + qk_rope_head_dim = "
@@ -102,6 +100,29 @@ class ModelConfig:
             raise TrainwiseError(
                 f"model.head_dim = {self.head_dim} must equal model.qk_rope_head_dim = {self.qk_rope_head_dim} under "
                 "model.attention = 'mla' (RoPE's tables have the rotated part's width); leave it 0.")
+
+    def _validate_ranges(self) -> None:
+        """The keys that are not sizes, each in its range whether or not the model uses it (a dense model
+        with moe_every = 0 is as wrong a file as an MoE one): a value outside would reach the weights as
+        nan, or fail inside PyTorch without naming the key."""
+        for key, usual in (("norm_eps", "1e-5"), ("rope_theta", "10000"), ("init_std", "0.02"),
+                           ("routed_scaling_factor", "1.0; DeepSeek-V3: 2.5")):
+            if not getattr(self, key) > 0:
+                raise TrainwiseError(f"model.{key} = {getattr(self, key)} must be positive (e.g. {usual}).")
+        if not self.capacity_factor > 0:
+            raise TrainwiseError(
+                f"model.capacity_factor = {self.capacity_factor} must be > 0 (e.g. 1.25); for routing "
+                "without a capacity limit set model.dropless=true instead."
+            )
+        for key in ("aux_loss_coef", "z_loss_coef"):
+            if not getattr(self, key) >= 0:  # a negative weight would reward the imbalance the loss penalises
+                raise TrainwiseError(f"model.{key} = {getattr(self, key)} must not be negative (0 = off).")
+        if not self.router_bias_rate >= 0:
+            raise TrainwiseError(f"model.router_bias_rate = {self.router_bias_rate} must be >= 0 (DeepSeek-V3: "
+                                 "0.001; 0 keeps the choice bias fixed).")
+        for key in ("moe_every", "router_groups", "router_group_top_k"):
+            if getattr(self, key) < 1:
+                raise TrainwiseError(f"model.{key} = {getattr(self, key)} must be at least 1 (1 = the default).")
 
     @property
     def gated(self) -> bool:
@@ -127,9 +148,11 @@ class ModelConfig:
                     f"--set model.{key}=N (for example the default {getattr(ModelConfig, key)})."
                 )
         for key in ("n_kv_heads", "head_dim", "ffn_hidden", "n_experts", "top_k", "expert_ffn_hidden",
-                    "n_shared_experts", "first_dense_layers", "loss_chunk_tokens"):
+                    "n_shared_experts", "first_dense_layers", "loss_chunk_tokens", "q_lora_rank", "kv_lora_rank",
+                    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if getattr(self, key) < 0:
                 raise TrainwiseError(f"model.{key} = {getattr(self, key)} must not be negative.")
+        self._validate_ranges()
         choice("model.activation", self.activation, ACTIVATIONS)
         choice("model.norm", self.norm, NORMS)
         choice("model.position", self.position, POSITIONS)
@@ -156,8 +179,13 @@ class ModelConfig:
                 f"attention shares each k/v head among n_heads / n_kv_heads query heads. Pick one of "
                 f"{divisors(self.n_heads)}."
             )
-        if self.position == "rope" and (self.head_dim or self.d_model // self.n_heads) % 2:
-            raise TrainwiseError("RoPE rotates pairs of dimensions, so the head dimension must be even.")
+        rotated = self.head_dim or self.d_model // self.n_heads  # MLA's rotated part: _validate_mla checks it
+        if self.attention == "mha" and self.position == "rope" and rotated % 2:
+            which = (f"model.head_dim = {self.head_dim}" if self.head_dim else
+                     f"the head dimension model.d_model / model.n_heads = {self.d_model} / {self.n_heads} = "
+                     f"{rotated}")
+            raise TrainwiseError(f"{which} is odd, but model.position = 'rope' rotates pairs of dimensions: "
+                                 "make it even, or set model.position=learned.")
         if not 0.0 <= self.dropout < 1.0:
             raise TrainwiseError(f"model.dropout = {self.dropout} must be in [0, 1).")
         if self.top_k and not self.n_experts:
@@ -168,16 +196,6 @@ class ModelConfig:
                     f"model.top_k = {self.top_k} must be between 1 and model.n_experts = {self.n_experts}: "
                     "each token is sent to top_k of the n_experts routed experts."
                 )
-            if self.capacity_factor <= 0:
-                raise TrainwiseError(
-                    f"model.capacity_factor = {self.capacity_factor} must be > 0 (e.g. 1.25); for routing "
-                    "without a capacity limit set model.dropless=true instead."
-                )
-            if self.moe_every < 1:
-                raise TrainwiseError("model.moe_every must be >= 1.")
-            if self.router_bias_rate < 0:
-                raise TrainwiseError(f"model.router_bias_rate = {self.router_bias_rate} must be >= 0 (DeepSeek-V3: "
-                                     "0.001; 0 keeps the choice bias fixed).")
 
 
 def default_ffn_hidden(d_model: int, activation: str) -> int:

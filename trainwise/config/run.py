@@ -67,11 +67,16 @@ class TrainConfig:
             if getattr(self, key) <= 0:
                 raise TrainwiseError(f"train.{key} = {getattr(self, key)} must be a positive integer.")
         for key in ("warmup_steps", "eval_every", "checkpoint_every", "keep_checkpoints", "grad_clip",
-                    "weight_decay", "min_lr"):
+                    "weight_decay", "min_lr", "sample_tokens"):
             if getattr(self, key) < 0:
                 raise TrainwiseError(f"train.{key} = {getattr(self, key)} must not be negative.")
         if self.lr <= 0:
             raise TrainwiseError(f"train.lr = {self.lr} must be positive (e.g. 1e-3).")
+        for key in ("beta1", "beta2", "momentum"):  # torch's optimizers refuse others without naming the key
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise TrainwiseError(f"train.{key} = {getattr(self, key)} must be in [0, 1) (e.g. 0.9).")
+        if not 0 <= self.seed < 2**32:  # Python, NumPy and torch are all seeded with it; NumPy takes 32 bits
+            raise TrainwiseError(f"train.seed = {self.seed} must be between 0 and 2**32 - 1 = {2**32 - 1}.")
         choice("train.optimizer", self.optimizer, OPTIMIZERS)
         choice("train.precision", self.precision, PRECISIONS)
         choice("train.activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)

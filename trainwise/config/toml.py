@@ -4,6 +4,7 @@ keys and bad values raise TrainwiseError naming the key and the closest valid on
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -44,10 +45,17 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     cfg = RunConfig(**parts)
     model_vocab = data.get("model", {}).get("vocab_size")
     tokenizer_vocab = data.get("tokenizer", {}).get("vocab_size")
+    # One vocab_size set: the other follows it, and a bad value is reported under the key the user set
     if model_vocab is None and tokenizer_vocab is not None:
+        cfg.tokenizer.validate()
         cfg.model.vocab_size = cfg.tokenizer.vocab_size  # the model's vocab follows the tokenizer
     elif tokenizer_vocab is None and model_vocab is not None:
         cfg.tokenizer.vocab_size = cfg.model.vocab_size
+        try:
+            cfg.tokenizer.validate()
+        except TrainwiseError as err:
+            raise TrainwiseError(f"model.vocab_size = {cfg.model.vocab_size} sets tokenizer.vocab_size too, and "
+                                 f"{err}") from None
     return cfg
 
 
@@ -149,18 +157,25 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return value.lower() in ("true", "1", "yes")
         raise TrainwiseError(f"{where} = {value!r} must be true or false.")
     if hint is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        # TOML reads nan and inf as floats; int() of them would raise rather than say which key is wrong
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or int(value) != value):
             raise TrainwiseError(f"{where} = {value!r} must be an integer.")
         return int(value)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TrainwiseError(f"{where} = {value!r} must be a number.")
+        if not math.isfinite(value):  # no setting means nan or inf; one would reach the weights as nan
+            raise TrainwiseError(f"{where} = {value!r} must be a finite number.")
         return float(value)
     if hint is str:
         if isinstance(value, bool):  # --set train.activation_checkpointing=true, train.compile=false
             if where.endswith("activation_checkpointing"):
                 return "full" if value else "none"
             return "true" if value else "false"
+        if isinstance(value, (list, dict)):  # str() would make a name of "[1, 2]" without a word
+            raise TrainwiseError(f"{where} = {_toml_value(value)} must be a single value, not a "
+                                 f"{'list' if isinstance(value, list) else 'table'}.")
         return str(value)
     if "dict" in str(hint):  # data.sources: a list of tables
         if isinstance(value, dict):

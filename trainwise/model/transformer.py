@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainwise.config import ModelConfig
+from trainwise.errors import TrainwiseError
 from trainwise.model.attention import Attention, KVCache, LatentAttention
 from trainwise.model.layers import MLP, make_norm, rope_tables
 from trainwise.model.loss import chunked_cross_entropy
@@ -136,9 +137,16 @@ class Transformer(nn.Module):
         return idx
 
 
+class NonFiniteLogits(TrainwiseError):
+    """Sampling from a model whose outputs are nan or inf."""
+
+
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                 generator: torch.Generator | None) -> torch.Tensor:
     """logits (B, V) -> token ids (B, 1). temperature 0 = greedy; top-k then nucleus (top-p) filtering."""
+    if not torch.isfinite(logits).all():
+        raise NonFiniteLogits("the model's next-token logits are not finite: its weights diverged (a learning rate "
+                              "or weight decay too large), so there is no distribution to sample from")
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature

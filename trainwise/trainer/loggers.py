@@ -74,9 +74,14 @@ class WandbLogger:
         id_file = log_dir / "trainwise-run-id"
         if not id_file.is_file():
             id_file.write_text(secrets.token_hex(8), encoding="utf-8")  # W&B ids: [a-z0-9]
-        self.run = wandb.init(project=cfg.log.wandb_project, name=run_dir.resolve().name, dir=str(run_dir),
-                              id=id_file.read_text(encoding="utf-8").strip(), resume="allow",
-                              config=config_to_dict(cfg))  # WANDB_MODE etc. are read by wandb itself
+        try:
+            self.run = wandb.init(project=cfg.log.wandb_project, name=run_dir.resolve().name, dir=str(run_dir),
+                                  id=id_file.read_text(encoding="utf-8").strip(), resume="allow",
+                                  config=config_to_dict(cfg))  # WANDB_MODE etc. are read by wandb itself
+        except wandb.errors.UsageError as err:  # no API key, most often: the user's to fix, and said so
+            raise TrainwiseError(f"log.wandb = true, and W&B did not start: {str(err).rstrip('.')}. Run `wandb "
+                                 "login`, or set WANDB_MODE=offline to keep the W&B run in the run directory, or set "
+                                 "log.wandb=false; then run the same command again.") from None
 
     def log(self, row: dict) -> None:
         self.run.log(scalars(row), step=row["step"])

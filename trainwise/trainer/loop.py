@@ -46,7 +46,7 @@ from trainwise.tokenizer import Tokenizer
 from trainwise.trainer import relaunch
 from trainwise.trainer.loggers import RunLog, require_wandb
 from trainwise.trainer.memcheck import check_memory
-from trainwise.trainer.report import RunReporter, expert_counts, nonfinite_diagnostic, numbered_blocks
+from trainwise.trainer.report import RunReporter, expert_counts, final_losses, nonfinite_diagnostic, numbered_blocks
 from trainwise.verify.per_rank import format_per_rank, per_rank_verify
 
 
@@ -476,11 +476,7 @@ def _finish(run: _Run, reporter: RunReporter, out: Path, tokenizer: Tokenizer, t
         remove_compile(distributed.unwrap(model))
     unigram = data_mod.unigram_loss(tokens)
     sample = sample_text(model, tokenizer, device, cfg.train.sample_tokens, seed=cfg.train.seed)
-    bpb = ""
-    if run.val_bytes:
-        bpb = f", {bits_per_byte(progress.val_loss * run.val_bytes[0], run.val_bytes[1]):.4f} bits/byte"
-    say(f"\nfinal: train loss {progress.last_loss:.4f}, val loss {progress.val_loss:.4f} nats/token{bpb} "
-        f"(unigram baseline {unigram:.4f}; {unigram - progress.val_loss:+.3f} better)")
+    say(final_losses(progress.last_loss, progress.val_loss, unigram, run.val_bytes))
     say("sample (temperature 0.8, top-k 50):\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
     # Distributed: verify measures one step of the gathered model with a fresh optimizer, in one process;
     # the per-rank shards were measured above and are checked against the ZeRO plan.

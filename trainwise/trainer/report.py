@@ -16,6 +16,7 @@ import torch
 
 from trainwise import rundir
 from trainwise.config import RunConfig
+from trainwise.data.bpb import bits_per_byte
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.params import params as count_params
 from trainwise.cost.steptime import PROBE_WARN, probed_seconds, settled_probe
@@ -24,7 +25,7 @@ from trainwise.measure.calibrate import calibrate_link
 from trainwise.measure.reference import probe_speed, reference_speed
 from trainwise.planner.hardware import device_hardware
 from trainwise.planner.plan import Plan, plan_for_run
-from trainwise.units import fmt_bytes
+from trainwise.units import fmt_bytes, fmt_finite
 from trainwise.verify.verify import (
     build_verify,
     entry,
@@ -185,3 +186,11 @@ def expert_counts(model: torch.nn.Module) -> dict[str, list[int]]:
     """Tokens each MoE layer routed to each expert in the last forward, by layer index."""
     return {i: block.mlp.last_expert_counts.tolist() for i, block in numbered_blocks(model)
             if getattr(block.mlp, "last_expert_counts", None) is not None}
+
+
+def final_losses(train_loss: float, val_loss: float, unigram: float, val_bytes: tuple[int, int] | None) -> str:
+    """The run's closing line: its last losses (and bits per byte of the validation text) beside the unigram
+    baseline; a diverged run's losses read 'not finite'."""
+    bpb = f", {fmt_finite(bits_per_byte(val_loss * val_bytes[0], val_bytes[1]))} bits/byte" if val_bytes else ""
+    return (f"\nfinal: train loss {fmt_finite(train_loss)}, val loss {fmt_finite(val_loss)} nats/token{bpb} "
+            f"(unigram baseline {unigram:.4f}; {fmt_finite(unigram - val_loss, '+.3f')} better)")
