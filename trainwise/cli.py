@@ -31,10 +31,20 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-paragraph error: the flag, what is wrong, and where the usage is (not the whole
+    usage block, which buries the one line that matters)."""
+
+    def error(self, message: str):
+        text = f"{self.prog}: error: {message.rstrip('.')}. See `{self.prog} --help` for the options and examples."
+        text = textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)
+        self.exit(2, text + "\n")
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser for `argv`: every command is listed, and the one argv names gets its full parser (its
     module, and what it imports, is loaded only then)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="trainwise",
         description="Train language models and account for what training costs.",
         formatter_class=argparse.RawDescriptionHelpFormatter,

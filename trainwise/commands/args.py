@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import math
 
+from trainwise.errors import TrainwiseError
+from trainwise.units import parse_bytes
+
 
 def number(text: str) -> float:
     try:
@@ -21,3 +24,11 @@ def whole_number(text: str) -> int:
     if value != int(value):
         raise argparse.ArgumentTypeError(f"'{text}' must be a whole number")
     return int(value)
+
+
+def byte_size(text: str) -> int:
+    """A memory size as people type it (80GiB, 24GB, 1e9): argparse then names the flag in its error."""
+    try:
+        return parse_bytes(text)
+    except TrainwiseError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None

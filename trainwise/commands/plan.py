@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from trainwise.commands.args import number, whole_number
+from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import load_config
 from trainwise.cost.memory import OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES
 from trainwise.cost.time import DEFAULT_MFU
@@ -18,7 +18,7 @@ from trainwise.planner.layouts import fit_layouts
 from trainwise.planner.plan import plan_run
 from trainwise.planner.spec import load_model
 from trainwise.scale.fitting import plan_prediction
-from trainwise.units import fmt_bytes, parse_bytes
+from trainwise.units import fmt_bytes
 from trainwise.verify.simulate import simulate_report, simulate_step
 
 PLAN_EXAMPLES = """examples:
@@ -63,8 +63,8 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--gpu", help="accelerator name (see `trainwise hardware`)")
     p.add_argument("--peak-flops", type=number, help="peak FLOP/s per device (overrides --gpu)")
     p.add_argument("--bandwidth", type=number, help="memory bandwidth, bytes/s")
-    p.add_argument("--memory", help="device memory capacity (bytes or 80GiB)")
-    p.add_argument("--memory-budget", help="per-device budget for `fits` (bytes, 80GiB or 80GB)")
+    p.add_argument("--memory", type=byte_size, help="device memory capacity (bytes or 80GiB)")
+    p.add_argument("--memory-budget", type=byte_size, help="per-device budget for `fits` (bytes, 80GiB or 80GB)")
     p.add_argument("--mfu", type=number, default=None,
                    help="what-if: time at this model FLOP utilisation instead of the step-time model (which "
                         f"prices each operator on --gpu cpu or a table GPU; else {DEFAULT_MFU} is assumed)")
@@ -99,7 +99,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for key in run:
         if getattr(args, key, None) is not None:
             run[key] = getattr(args, key)
-    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    budget = args.memory_budget
     hw = dict(gpu=args.gpu, peak_flops=args.peak_flops, tp=args.tp, pp=args.pp, gpus=args.gpus, mfu=args.mfu,
               causal_halving=args.causal_halving)
     layout = dict(vpp=args.vpp, cp=args.cp, ep=args.ep, sequence_parallel=args.sequence_parallel,
@@ -111,7 +111,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         run["grad_accum"] = accumulation_for(args.global_batch, run["micro_batch"], args.gpus // (args.tp * args.pp * args.cp),
                                              args.grad_accum)
     plan = plan_run(model, params_count=args.params if model is None else None, tokens=args.tokens, zero=args.zero,
-                    bandwidth=args.bandwidth, memory=parse_bytes(args.memory) if args.memory else None,
+                    bandwidth=args.bandwidth, memory=args.memory,
                     memory_budget=budget, price=args.price, **run, **hw, **layout)
     if args.simulate:
         return _cmd_simulate(args, model, run, plan)
