@@ -43,5 +43,5 @@ def fmt_bytes(n: float | None) -> str:
 
 
 def fmt_finite(x: float, spec: str = ".4f") -> str:
-    """x formatted, or 'not finite' for nan and inf (a diverged run's loss), which a reader cannot act on as a number."""
+    """x formatted, or 'not finite' for nan and inf (a diverged run's loss): no number a reader can act on."""
     return format(x, spec) if math.isfinite(x) else "not finite"
