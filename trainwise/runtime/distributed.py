@@ -247,6 +247,9 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     if _is_zero(optimizer):  # collective: every rank sends its states to rank 0
         optimizer.consolidate_state_dict(to=0)
         named = {} if dist.get_rank() else _by_name(optimizer.state_dict(), _param_names(model, optimizer))
+        # ZeroRedundancyOptimizer keeps the consolidated copy of every rank's states on rank 0 until the next
+        # consolidation: a ZeRO-1 rank 0 would hold the whole optimizer state from its first checkpoint on
+        optimizer._all_state_dicts = []
         return get_model_state_dict(model, options=_FULL), named
     return get_model_state_dict(model, options=_FULL), get_optimizer_state_dict(model, optimizer, options=_FULL)
 
