@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,12 @@ from trainwise.api import load
 from trainwise.cli import main
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank: 2 ranks on 2 cores
+
+
+def rank_env() -> dict:
+    """The ranks' environment, read when they start: one thread per rank (2 ranks on 2 cores), and the
+    session's cache (tests/conftest.py), so the 1-thread calibration and the link are measured once per session."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def sets(corpus: Path, *extra: str) -> list[str]:
@@ -30,19 +36,42 @@ def losses(run: Path) -> list[float]:
 
 def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([*TORCHRUN, "-m", "trainwise", "train", "--quiet", *args], capture_output=True, text=True,
-                          timeout=timeout, env=ENV)
+                          timeout=timeout, env=rank_env())
+
+
+@pytest.fixture(scope="module")
+def one_process(corpus, tmp_path_factory):
+    """The single-process run of a list of overrides, trained once for the strategies compared with it."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(*overrides: str) -> Path:
+        if overrides not in runs:
+            runs[overrides] = tmp_path_factory.mktemp("single") / "run"
+            assert main(["train", "--out", str(runs[overrides]), "--quiet", *sets(corpus, *overrides)]) == 0
+        return runs[overrides]
+    return run
+
+
+@pytest.fixture(scope="module")
+def two_ranks(corpus, tmp_path_factory):
+    """Each strategy's 5-step run on 2 ranks (checkpoints at steps 3 and 5), launched once for the tests of it."""
+    runs: dict[str, Path] = {}
+
+    def run(strategy: str) -> Path:
+        if strategy not in runs:
+            runs[strategy] = tmp_path_factory.mktemp(strategy) / "run"
+            extra = ("train.max_steps=5", "train.micro_batch=2", "train.checkpoint_every=3", f"parallel.strategy={strategy}")
+            proc = torchrun("--out", str(runs[strategy]), *sets(corpus, *extra))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        return runs[strategy]
+    return run
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
-def test_two_ranks_equal_one_process_with_grad_accum(corpus, tmp_path, strategy):
+def test_two_ranks_equal_one_process_with_grad_accum(strategy, one_process, two_ranks):
     """micro-batch b on 2 ranks == micro-batch b x grad_accum 2 in one process, on the same data."""
-    single = tmp_path / "single"
-    assert main(["train", "--out", str(single), "--quiet",
-                 *sets(corpus, "train.max_steps=5", "train.micro_batch=2", "train.grad_accum_steps=2")]) == 0
-    multi = tmp_path / strategy
-    proc = torchrun("--out", str(multi), *sets(corpus, "train.max_steps=5", "train.micro_batch=2",
-                                               f"parallel.strategy={strategy}"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = one_process("train.max_steps=5", "train.micro_batch=2", "train.grad_accum_steps=2")
+    multi = two_ranks(strategy)
     assert losses(multi) == pytest.approx(losses(single), rel=1e-5)
     # the gathered checkpoint loads into one process and matches the single-process weights
     a = load_file(single / "checkpoints/step_00000005/model.safetensors")
@@ -63,10 +92,9 @@ def test_two_ranks_equal_one_process_with_grad_accum(corpus, tmp_path, strategy)
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
-def test_grad_accum_composes_with_fsdp_and_checkpointing(corpus, tmp_path, strategy):
-    single = tmp_path / "single"
+def test_grad_accum_composes_with_fsdp_and_checkpointing(corpus, tmp_path, strategy, one_process):
     extra = ("train.max_steps=3", "train.micro_batch=1", "train.activation_checkpointing=full")
-    assert main(["train", "--out", str(single), "--quiet", *sets(corpus, *extra, "train.grad_accum_steps=4")]) == 0
+    single = one_process(*extra, "train.grad_accum_steps=4")
     multi = tmp_path / "multi"
     proc = torchrun("--out", str(multi), *sets(corpus, *extra, "train.grad_accum_steps=2", f"parallel.strategy={strategy}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -95,7 +123,7 @@ def straight_losses(corpus, tmp_path_factory) -> list[float]:
 def signal_one_rank_mid_run(run: Path, corpus: Path, sig: int) -> tuple[int, str]:
     """Start SIGNAL_RUN on 2 ranks, send `sig` to the rank started last after 12 steps; (exit code, stderr)."""
     proc = subprocess.Popen([*TORCHRUN, "-m", "trainwise", "train", "--quiet", "--out", str(run),
-                             *sets(corpus, *SIGNAL_RUN)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                             *sets(corpus, *SIGNAL_RUN)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank_env())
     metrics = run / "metrics.jsonl"
     while proc.poll() is None and (not metrics.exists() or len(metrics.read_text().splitlines()) < 12):
         time.sleep(0.01)
@@ -108,7 +136,7 @@ def signal_one_rank_mid_run(run: Path, corpus: Path, sig: int) -> tuple[int, str
 
 def resume(run: Path) -> None:
     resumed = subprocess.run([*TORCHRUN, "-m", "trainwise", "train", "--quiet", "--resume", str(run)],
-                             capture_output=True, text=True, timeout=300, env=ENV)
+                             capture_output=True, text=True, timeout=300, env=rank_env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
 
@@ -136,14 +164,12 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(corp
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
-def test_sharded_checkpoint_resumes_exactly_and_loads_in_one_process(corpus, tmp_path, strategy):
+def test_sharded_checkpoint_resumes_exactly_and_loads_in_one_process(tmp_path, strategy, two_ranks):
     """Sharded optimizer states (whole tensors on their owner ranks under ZeRO-1, FSDP2 shards under
     zero2): the checkpoint gathers them to rank 0 in the single-process format, and a resume hands
     each rank its own states back."""
     run = tmp_path / "run"
-    extra = ("train.max_steps=5", "train.micro_batch=2", f"parallel.strategy={strategy}", "train.checkpoint_every=3")
-    proc = torchrun("--out", str(run), *sets(corpus, *extra))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(two_ranks(strategy), run)  # a copy: the run's own tests read it as it ended
     straight = losses(run)
     optimizer = torch.load(run / "checkpoints/step_00000005/optimizer.pt", weights_only=True)
     names = {name for name, _ in load(run).model.named_parameters()}
@@ -164,7 +190,7 @@ def test_three_ranks_per_rank_peak_within_ten_percent(corpus, tmp_path, strategy
     proc = subprocess.run([*TORCHRUN[:-1], "3", "-m", "trainwise", "train", "--quiet", "--out", str(run),
                            *sets(corpus, "train.max_steps=3", "train.micro_batch=2", "train.grad_accum_steps=2",
                                  f"parallel.strategy={strategy}")],
-                          capture_output=True, text=True, timeout=600, env=ENV)
+                          capture_output=True, text=True, timeout=600, env=rank_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = json.loads((run / "verify.json").read_text())["per_rank"]["ranks"]
     assert len(ranks) == 3

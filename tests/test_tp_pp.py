@@ -31,7 +31,14 @@ from trainwise.verify.per_rank import predicted_ranks
 
 WORKER = Path(__file__).with_name("tp_pp_worker.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank: 4 ranks on 2 cores
+
+
+def rank_env() -> dict:
+    """The ranks' environment, read when they start: one thread per rank (4 ranks on 2 cores), and the
+    session's cache (tests/conftest.py), so the 1-thread calibration and the link are measured once per session."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "moe_tp"]
 FOUR_RANKS = ["fsdp_tp", "pp_tp"]
 
@@ -39,7 +46,7 @@ FOUR_RANKS = ["fsdp_tp", "pp_tp"]
 def _launch(n: int, out: Path, cases: list[str], timeout: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run([*TORCHRUN, "--nproc-per-node", str(n), str(WORKER), str(out), *cases],
-                          capture_output=True, text=True, timeout=timeout, env=ENV)
+                          capture_output=True, text=True, timeout=timeout, env=rank_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {case: [json.loads((out / f"{case}.rank{r}.json").read_text()) for r in range(n)] for case in cases}
 
@@ -180,7 +187,7 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
     run = tmp_path / "tp"
     proc = subprocess.run([*TORCHRUN, "--nproc-per-node", "2", "-m", "trainwise", "train", "--quiet", "--out", str(run),
                            *set_args(corpus, *extra, "parallel.tp=2")], capture_output=True, text=True, timeout=300,
-                          env=ENV)
+                          env=rank_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert losses(run) == pytest.approx(losses(single), rel=1e-4)
     assert (run / "checkpoints/step_00000003/dcp/.metadata").is_file()

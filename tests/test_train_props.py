@@ -38,7 +38,7 @@ from trainwise.config.run import PP_SCHEDULES
 
 # Examples of the default-suite test and of the slow one: most draws are refused before any model is built;
 # about one in ten is valid and trains one step of the tiny model.
-DEFAULT_EXAMPLES = 50
+DEFAULT_EXAMPLES = 30
 SLOW_EXAMPLES = 300
 
 # What every example starts from: one fp32 step of a 2-layer d_model 32 model on 32-token sequences, with
@@ -295,7 +295,7 @@ def runs(tmp_path_factory, calibrated) -> Path:
 @settings(max_examples=DEFAULT_EXAMPLES)
 @given(mutations=draws())
 def test_train_set_refuses_bad_values_cleanly_and_trains_good_ones(corpus, runs, mutations):
-    """50 seeded examples (DEFAULT_EXAMPLES; conftest.py's profile derandomizes them): the contract of
+    """30 seeded examples (DEFAULT_EXAMPLES; conftest.py's profile derandomizes them): the contract of
     the module docstring for each."""
     check_train(corpus, runs, mutations)
 
