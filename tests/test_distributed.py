@@ -39,6 +39,37 @@ def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, env=rank_env())
 
 
+def test_collectives_are_calibrated_under_torchrun_and_used_by_the_plan():
+    """`torchrun --nproc_per_node 2 -m trainwise hardware --calibrate` measures gloo's all-reduce,
+    all-gather and reduce-scatter alone, fits the ring model's latency and bandwidth, then FSDP2's
+    collectives as real sharded steps run them (two reference models against their unsharded steps),
+    and caches both; the plan prices FSDP2 at the second. First in this file: the session's cache then
+    holds the link the 2-rank runs below price their steps with, measured once."""
+    from test_steptime import profile
+
+    from trainwise.hardware.cache import cached_link
+    from trainwise.measure.reference import STRATEGY_REFERENCES
+    from trainwise.planner.hardware import _use_measured_link
+
+    proc = subprocess.run([*TORCHRUN, "-m", "trainwise", "hardware", "--calibrate"], env=rank_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gloo collectives over 2 ranks" in proc.stdout and "fsdp as its training steps run them" in proc.stdout
+    entry = cached_link("gloo", 2)
+    p = profile()
+    _use_measured_link(p, "gloo", 2)
+    latency, bandwidth = entry["link"]
+    assert 0 <= latency < 0.1 and 1e6 < bandwidth < 1e12
+    assert p.link == [latency, bandwidth] and p.link_source.startswith("calibrated (gloo, 2 ranks, ")
+    assert set(p.strategy_links) == {"zero2", "fsdp"}
+    for strategy, fit in entry["strategies"].items():
+        assert len(fit["rows"]) == len(STRATEGY_REFERENCES) and all(r[2] > 0 for r in fit["rows"])
+        # a sharded step's collectives cost more than the same collectives on idle ranks (copies in and out,
+        # waits at every block, gloo's threads on computing cores): the larger reference, priced both ways
+        units, bytes_, _ = fit["rows"][-1]
+        assert units * fit["link"][0] + bytes_ / fit["link"][1] > units * latency + bytes_ / bandwidth, strategy
+
+
 @pytest.fixture(scope="module")
 def one_process(corpus, tmp_path_factory):
     """The single-process run of a list of overrides, trained once for the strategies compared with it."""

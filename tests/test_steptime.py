@@ -166,46 +166,6 @@ def test_the_worked_example_still_comes_out_exactly():
     assert p.time.seconds == 1.5e6 and math.isclose(p.time.days, 17.36, abs_tol=5e-3)
 
 
-def test_collectives_are_calibrated_under_torchrun_and_used_by_the_plan(tmp_path):
-    """`torchrun --nproc_per_node 2 -m trainwise hardware --calibrate` measures gloo's all-reduce,
-    all-gather and reduce-scatter alone, fits the ring model's latency and bandwidth, then FSDP2's
-    collectives as real sharded steps run them (two reference models against their unsharded steps),
-    and caches both; the plan prices FSDP2 at the second."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from trainwise.hardware.cache import cached_link
-    from trainwise.measure.reference import STRATEGY_REFERENCES
-    from trainwise.planner.hardware import _use_measured_link
-
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRAINWISE_CACHE": str(tmp_path), "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "trainwise", "hardware", "--calibrate"], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "gloo collectives over 2 ranks" in proc.stdout and "fsdp as its training steps run them" in proc.stdout
-    os.environ["TRAINWISE_CACHE"], old = str(tmp_path), os.environ.get("TRAINWISE_CACHE")
-    try:
-        entry = cached_link("gloo", 2)
-        p = profile()
-        _use_measured_link(p, "gloo", 2)
-    finally:
-        os.environ["TRAINWISE_CACHE"] = old
-    latency, bandwidth = entry["link"]
-    assert 0 <= latency < 0.1 and 1e6 < bandwidth < 1e12
-    assert p.link == [latency, bandwidth] and p.link_source.startswith("calibrated (gloo, 2 ranks, ")
-    assert set(p.strategy_links) == {"zero2", "fsdp"}
-    for strategy, fit in entry["strategies"].items():
-        assert len(fit["rows"]) == len(STRATEGY_REFERENCES) and all(r[2] > 0 for r in fit["rows"])
-        # a sharded step's collectives cost more than the same collectives on idle ranks (copies in and out,
-        # waits at every block, gloo's threads on computing cores): the larger reference, priced both ways
-        units, bytes_, _ = fit["rows"][-1]
-        assert units * fit["link"][0] + bytes_ / fit["link"][1] > units * latency + bytes_ / bandwidth, strategy
-
-
 def test_element_wise_work_is_priced_at_the_rate_of_its_size():
     """A class's rate is calibrated at several sizes per call; between them seconds per byte are
     interpolated linearly in log(bytes), and held at the ends."""
