@@ -110,14 +110,11 @@ def plot_roofline(points: list[OpPoint], peak: float, bw: float, path: str, titl
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return
-    colors = {cls: f"C{i}" for i, (cls, _) in enumerate(CLASSES + (("elementwise/other", ()),))}
-    for p in points:
-        if p.flops and p.bytes:
-            ax.scatter(p.intensity(), attainable_flops(p.intensity(), peak, bw), color=colors[p.cls], s=30,
-                       label=p.cls)
-    handles, labels = ax.get_legend_handles_labels()
-    uniq = dict(zip(labels, handles))
-    ax.legend(uniq.values(), uniq.keys(), loc="lower right")
+    for i, (cls, _) in enumerate(CLASSES + (("elementwise/other", ()),)):  # one scatter (and legend entry) a class
+        xs = [p.intensity() for p in points if p.cls == cls]
+        if xs:
+            ax.scatter(xs, [attainable_flops(x, peak, bw) for x in xs], color=f"C{i}", s=30, label=cls)
+    ax.legend(loc="lower right")
     _log_axes(ax, "attainable performance (FLOP/s)", title or "roofline of one training step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
