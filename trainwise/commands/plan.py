@@ -12,7 +12,7 @@ from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.memory import cpu_available_bytes
 from trainwise.hardware.table import get_accelerator
-from trainwise.planner.explain import plan_table
+from trainwise.planner.explain import does_not_fit, plan_table
 from trainwise.planner.fit import fit, global_batch_sequences
 from trainwise.planner.layouts import fit_layouts
 from trainwise.planner.plan import plan_run
@@ -213,8 +213,8 @@ def _short_of(bad: list, budget: int) -> str:
     least = min(c.per_device_bytes for c in sized)
     if least <= budget:
         return "the ones within the memory budget cannot run for the reasons below"
-    return (f"does not fit by {(least - budget) / 2**30:.2f} GiB: the smallest needs {least / 2**30:.2f} GiB per "
-            f"device of {budget / 2**30:.2f} GiB")
+    return (f"{does_not_fit(least - budget)}: the smallest needs {least / 2**30:.2f} GiB per device of "
+            f"{budget / 2**30:.2f} GiB")
 
 
 def _cmd_fit_layouts(args, model, run, budget, layout) -> int:

@@ -208,8 +208,12 @@ def fits_text(plan) -> str:
         return "unknown" + ("" if plan.budget else " (no budget: give --gpu NAME or --memory-budget)")
     if plan.fits:
         return "yes"
-    over = plan.over_budget_bytes
-    return f"NO: does not fit by {over / 2**30:.2f} GiB ({over / 1e9:.2f} GB) per device"
+    return f"NO: {does_not_fit(plan.over_budget_bytes)} per device"
+
+
+def does_not_fit(over_bytes: int) -> str:
+    """How far over its budget a plan is, as every 'does not fit' line says it."""
+    return f"does not fit by {over_bytes / 2**30:.2f} GiB ({over_bytes / 1e9:.2f} GB)"
 
 
 def _tokens(plan) -> str:
