@@ -68,8 +68,8 @@ class ClusterStep:
 
 
 def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, rank_params: RankParams, *, acc: Accelerator,
-                 node: Node | None, micro_batch: int, seq_len: int, checkpointing: str, act_bytes: int, grad_bytes: int,
-                 param_bytes: int, tp_overlap: bool = False) -> ClusterStep:
+                 node: Node | None, micro_batch: int, seq_len: int, checkpointing: str, act_bytes: int,
+                 grad_bytes: int, param_bytes: int, tp_overlap: bool = False) -> ClusterStep:
     """The step (module docstring). act_bytes: bytes per element of the activations sent (2 in bf16/fp16);
     grad_bytes / param_bytes: per parameter, of what the data-parallel collectives move."""
     tiers = {d: _tier(layout, d, node) for d in ("tp", "cp", "ep", "dp", "pp")} if node else {}  # one GPU: no links

@@ -169,8 +169,8 @@ NCCL_LINK_SHARE = 0.82
 NIC_SHARE = 0.96
 
 
-def _node_over(name: str, gpus: int, fabric: str, line: float, nic_per_node: float, source: str,
-               pair: float | None = None, pair_busbw: float | None = None) -> Node:
+def node_from_line_rates(name: str, gpus: int, fabric: str, line: float, nic_per_node: float, source: str,
+                         pair: float | None = None, pair_busbw: float | None = None) -> Node:
     """A node without published NCCL figures: busbw = NCCL_LINK_SHARE x the fabric's line rate inside it,
     NIC_SHARE x its NICs across nodes (all-to-all across nodes: each GPU's share of the NICs)."""
     nic = NIC_SHARE * nic_per_node
@@ -206,33 +206,39 @@ NODES: dict[str, Node] = {
                             "Infinity Fabric; NICs assumed 8x 400 Gb/s", "infinity-fabric"),
     # DGX-1 with V100 SXM2: 6 NVLink2 links x 25 GB/s per direction per GPU in a hybrid cube-mesh, 4x EDR
     # InfiniBand 100 Gb/s per node (NVIDIA DGX-1 system architecture whitepaper); no busbw figure found.
-    "dgx-1v": _node_over("DGX-1 (V100)", 8, "nvlink", 150 * GB, 4 * 12.5 * GB,
-                         "NVLink2 cube-mesh + 4x EDR 100 Gb/s; busbw derived from the line rates"),
+    "dgx-1v": node_from_line_rates(
+        "DGX-1 (V100)", 8, "nvlink", 150 * GB, 4 * 12.5 * GB,
+        "NVLink2 cube-mesh + 4x EDR 100 Gb/s; busbw derived from the line rates"),
     # 8-card PCIe servers, one NIC per node. H100 PCIe: Gen5 x16; NVLink bridges join pairs of cards at
     # 600 GB/s bidirectional (NVIDIA H100 PCIe product brief), 116 GB/s all-reduce busbw measured on a
     # bridged pair (NVIDIA/nccl issue #1161). NIC assumed: 200 Gb/s.
-    "pcie-h100": _node_over("8x H100 PCIe server", 8, "pcie", PCIE5_BYTES_PER_S, 25 * GB,
-                            "PCIe Gen5 x16, NVLink bridge per pair; one 200 Gb/s NIC assumed", 300 * GB, 116 * GB),
+    "pcie-h100": node_from_line_rates(
+        "8x H100 PCIe server", 8, "pcie", PCIE5_BYTES_PER_S, 25 * GB,
+        "PCIe Gen5 x16, NVLink bridge per pair; one 200 Gb/s NIC assumed", 300 * GB, 116 * GB),
     # L40S: Gen4 x16, no NVLink; AWS g6e.48xlarge: 8 L40S and 400 Gb/s of network.
-    "pcie-l40s": _node_over("8x L40S server", 8, "pcie", PCIE4_BYTES_PER_S, 50 * GB,
-                            "PCIe Gen4 x16, no NVLink; 400 Gb/s network (AWS g6e.48xlarge)"),
+    "pcie-l40s": node_from_line_rates(
+        "8x L40S server", 8, "pcie", PCIE4_BYTES_PER_S, 50 * GB,
+        "PCIe Gen4 x16, no NVLink; 400 Gb/s network (AWS g6e.48xlarge)"),
     # L4: Gen4 x16, no NVLink; Google Cloud g2-standard-96: 8 L4 and 100 Gb/s of network.
-    "pcie-l4": _node_over("8x L4 server", 8, "pcie", PCIE4_BYTES_PER_S, 12.5 * GB,
-                          "PCIe Gen4 x16, no NVLink; 100 Gb/s network (Google Cloud g2-standard-96)"),
+    "pcie-l4": node_from_line_rates(
+        "8x L4 server", 8, "pcie", PCIE4_BYTES_PER_S, 12.5 * GB,
+        "PCIe Gen4 x16, no NVLink; 100 Gb/s network (Google Cloud g2-standard-96)"),
     # RTX 3090: Gen4 x16; an NVLink bridge joins pairs at 112.5 GB/s bidirectional (NVIDIA GA102
     # whitepaper). NIC assumed: 100 Gb/s.
-    "pcie-rtx3090": _node_over("8x RTX 3090 server", 8, "pcie", PCIE4_BYTES_PER_S, 12.5 * GB,
-                               "PCIe Gen4 x16, NVLink bridge per pair; one 100 Gb/s NIC assumed", 56.25 * GB),
+    "pcie-rtx3090": node_from_line_rates(
+        "8x RTX 3090 server", 8, "pcie", PCIE4_BYTES_PER_S, 12.5 * GB,
+        "PCIe Gen4 x16, NVLink bridge per pair; one 100 Gb/s NIC assumed", 56.25 * GB),
     # RTX 4090: Gen4 x16, no NVLink and no peer-to-peer: NCCL passes through host memory, which the measured
     # PCIe share (NCCL_LINK_SHARE, 4 RTX 4090s) already includes. NIC assumed: 100 Gb/s.
-    "pcie-rtx4090": _node_over("8x RTX 4090 server", 8, "pcie", PCIE4_BYTES_PER_S, 12.5 * GB,
-                               "PCIe Gen4 x16 through host memory (no P2P); one 100 Gb/s NIC assumed"),
+    "pcie-rtx4090": node_from_line_rates(
+        "8x RTX 4090 server", 8, "pcie", PCIE4_BYTES_PER_S, 12.5 * GB,
+        "PCIe Gen4 x16 through host memory (no P2P); one 100 Gb/s NIC assumed"),
     # MI250X node (HPE Cray EX235a, OLCF Frontier User Guide): 4 MI250X = 8 GCDs; the two GCDs of one MI250X
     # joined at 200 GB/s, GCDs of different MI250X by 50-100 GB/s links (a ring over 8 GCDs at its slowest
     # hop, 50); 4 Slingshot-11 200 Gb/s NICs per node. No RCCL busbw figure found.
-    "mi250x-node": _node_over("MI250X node (4 OAM, 8 GCD)", 8, "infinity-fabric", 50 * GB, 4 * 25 * GB,
-                              "Infinity Fabric + 4x Slingshot 200 Gb/s; busbw derived from the line rates",
-                              200 * GB),
+    "mi250x-node": node_from_line_rates(
+        "MI250X node (4 OAM, 8 GCD)", 8, "infinity-fabric", 50 * GB, 4 * 25 * GB,
+        "Infinity Fabric + 4x Slingshot 200 Gb/s; busbw derived from the line rates", 200 * GB),
 }
 
 

@@ -13,7 +13,8 @@ import torch
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.cache import cached, cached_link, calibration_note
 from trainwise.hardware.profile import Profile
-from trainwise.hardware.table import Accelerator, Node, get_accelerator, get_node, lookup_cuda_device
+from trainwise.hardware.table import (Accelerator, Node, get_accelerator, get_node, lookup_cuda_device,
+                                      node_from_line_rates)
 from trainwise.measure.calibrate import calibrate
 
 
@@ -146,13 +147,13 @@ def _node(hw: Hardware, gpus: int, gpus_per_node: int | None, intra: float | Non
             raise TrainwiseError(
                 f"--gpu {hw.accelerator.name} with --gpus {gpus}: trainwise's cluster model prices the collectives "
                 f"of GPU nodes (NCCL over NVLink, PCIe or Infinity Fabric, and their NICs), and the table has no "
-                f"node of {hw.accelerator.name} (a TPU pod's ICI torus is not modelled). Plan one device (--gpus 1), "
-                "or describe a node with --gpus-per-node N, --intra-node-bw B and --inter-node-bw B (bytes/s per "
-                "device per direction).")
+                f"node of {hw.accelerator.name} (a TPU pod's ICI torus is not modelled). Plan one device "
+                "(--gpus 1), or describe a node with --gpus-per-node N, --intra-node-bw B and --inter-node-bw B "
+                "(bytes/s per device per direction).")
         if not (gpus_per_node and intra and inter):
             return None
-        node = Node("custom", gpus_per_node, intra, inter, 0.78 * intra, 0.7 * intra, 0.96 * gpus_per_node * inter,
-                    0.96 * inter, "given; NCCL efficiencies of a DGX A100 (hardware.table)")
+        node = node_from_line_rates("given node", gpus_per_node, "given links", intra, inter * gpus_per_node,
+                                    "--gpus-per-node, --intra-node-bw, --inter-node-bw; NCCL's share of each")
     for name, value in (("--gpus-per-node", gpus_per_node), ("--intra-node-bw", intra), ("--inter-node-bw", inter)):
         if value is not None and value <= 0:
             raise TrainwiseError(f"{name} = {value} must be positive.")
