@@ -70,9 +70,6 @@ def test_collectives_are_calibrated_under_torchrun_and_used_by_the_plan():
         assert units * fit["link"][0] + bytes_ / fit["link"][1] > units * latency + bytes_ / bandwidth, strategy
 
 
-ACCUMULATED = ("train.max_steps=5", "train.micro_batch=1", "train.activation_checkpointing=full")
-
-
 @pytest.fixture(scope="module")
 def one_process(corpus, tmp_path_factory):
     """The single-process run of a list of overrides, trained once for the strategies compared with it."""
@@ -88,14 +85,13 @@ def one_process(corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(corpus, tmp_path_factory):
-    """Each strategy's 5-step run on 2 ranks, 2 micro-batches of 1 a step each, full activation checkpointing
-    (checkpoints at steps 3 and 5), launched once for the tests of it."""
+    """Each strategy's 5-step run on 2 ranks (checkpoints at steps 3 and 5), launched once for the tests of it."""
     runs: dict[str, Path] = {}
 
     def run(strategy: str) -> Path:
         if strategy not in runs:
             runs[strategy] = tmp_path_factory.mktemp(strategy) / "run"
-            extra = (*ACCUMULATED, "train.grad_accum_steps=2", "train.checkpoint_every=3", f"parallel.strategy={strategy}")
+            extra = ("train.max_steps=5", "train.micro_batch=2", "train.checkpoint_every=3", f"parallel.strategy={strategy}")
             proc = torchrun("--out", str(runs[strategy]), *sets(corpus, *extra))
             assert proc.returncode == 0, proc.stderr[-3000:]
         return runs[strategy]
@@ -104,9 +100,8 @@ def two_ranks(corpus, tmp_path_factory):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
 def test_two_ranks_equal_one_process_with_grad_accum(strategy, one_process, two_ranks):
-    """2 ranks x 2 accumulated micro-batches == 4 accumulated micro-batches in one process, on the same data,
-    under full activation checkpointing: gradient accumulation composes with every strategy."""
-    single = one_process(*ACCUMULATED, "train.grad_accum_steps=4")
+    """micro-batch b on 2 ranks == micro-batch b x grad_accum 2 in one process, on the same data."""
+    single = one_process("train.max_steps=5", "train.micro_batch=2", "train.grad_accum_steps=2")
     multi = two_ranks(strategy)
     assert losses(multi) == pytest.approx(losses(single), rel=1e-5)
     # the gathered checkpoint loads into one process and matches the single-process weights
@@ -125,6 +120,16 @@ def test_two_ranks_equal_one_process_with_grad_accum(strategy, one_process, two_
         assert abs(rank["peak_memory_bytes"]["error"]) < 0.10, rank["peak_memory_bytes"]
     assert main(["verify", str(multi)]) == 0
     assert f"Per rank: {strategy} on 2 ranks" in (multi / "report.html").read_text()
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_grad_accum_composes_with_fsdp_and_checkpointing(corpus, tmp_path, strategy, one_process):
+    extra = ("train.max_steps=3", "train.micro_batch=1", "train.activation_checkpointing=full")
+    single = one_process(*extra, "train.grad_accum_steps=4")
+    multi = tmp_path / "multi"
+    proc = torchrun("--out", str(multi), *sets(corpus, *extra, "train.grad_accum_steps=2", f"parallel.strategy={strategy}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(multi) == pytest.approx(losses(single), rel=1e-5)
 
 
 def test_strategy_none_under_torchrun_is_a_clear_error(corpus, tmp_path):
