@@ -13,6 +13,7 @@ import torch.distributed as dist
 from trainwise.hardware.cache import busy_note
 from trainwise.hardware.table import ACCELERATORS, NODES, lookup_cuda_device
 from trainwise.measure.calibrate import calibrate, calibrate_link
+from trainwise.runtime.distributed import exit_worker
 from trainwise.units import fmt_bytes
 
 
@@ -114,4 +115,4 @@ def _cmd_calibrate_link(args) -> int:
             for strategy, fit in r.get("strategies", {}).items():
                 print(f"  {strategy} as its training steps run them: {fit['link'][0] * 1e6:,.1f} us per hop, "
                       f"{fit['link'][1] / 1e9:,.3g} GB/s")
-    return 0
+    exit_worker(0)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from torch.distributed import DistError
 
 from trainwise.config import RunConfig, apply_overrides, load_config
 from trainwise.errors import TrainwiseError
 from trainwise.presets import get_preset
+from trainwise.runtime.distributed import exit_worker
 from trainwise.trainer.loop import train
 
 EPILOG = """examples:
@@ -59,13 +59,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if world_size == 1:
         return _train(args)
     try:
-        code = _train(args)
-        # Leave without the interpreter's teardown: under load, a torch.distributed worker thread that
-        # outlives destroy_process_group() can abort the process at exit ("terminate called without an
-        # active exception"), turning a finished run into a failed job. Every file is closed by now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_worker(_train(args))
     except RuntimeError as err:  # a collective failed: another rank died or hung past the timeout
         text = str(err)
         if not isinstance(err, DistError) and not any(w in text for w in ("gloo", "Connection", "NCCL", "imed out")):

@@ -353,8 +353,8 @@ def collective_fit(sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23)) -> dict
         full = torch.ones(nbytes // 4, device=device)
         shard = torch.ones(nbytes // 4 // world, device=device)
         calls = {"all_reduce": (lambda: dist.all_reduce(full), 2),
-                 "all_gather": (lambda: dist.all_gather_into_tensor(full[: shard.numel() * world], shard), 1),
-                 "reduce_scatter": (lambda: dist.reduce_scatter_tensor(shard, full[: shard.numel() * world]), 1)}
+                 "all_gather": (lambda: dist.all_gather_single(full[: shard.numel() * world], shard), 1),
+                 "reduce_scatter": (lambda: dist.reduce_scatter_single(shard, full[: shard.numel() * world]), 1)}
         for kind, (fn, factor) in calls.items():
             dist.barrier()
             # a fixed count on every rank (a time budget would give each rank its own count: a deadlock)
