@@ -10,6 +10,7 @@ On a CPU the peak is this machine's measured matmul peak (`trainwise hardware --
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +39,9 @@ from trainwise.verify.verify import (
 
 # The speed probe after a run (RunReporter.machine_speed) costs ~1 s: only runs whose steps took this long
 PROBE_MIN_RUN_S = 30.0
+# A speed probe at most this old (the previous run's, in a sweep of short runs or a test session) stands
+# for the machine's speed now: the probe at a run's start already predates its steps by the run's length
+PROBE_REUSE_S = 60.0
 
 
 class RunReporter:
@@ -94,11 +98,15 @@ class RunReporter:
         return out
 
     def _probe(self) -> dict | None:
-        """A speed probe of this machine (measure.reference.probe_speed), kept with its calibration; None where
-        the device has no calibrated reference steps (a table GPU, torchrun ranks of one thread each)."""
+        """A speed probe of this machine (measure.reference.probe_speed), kept with its calibration, or the one
+        kept there if it is under PROBE_REUSE_S old; None where the device has no calibrated reference steps
+        (a table GPU, torchrun ranks of one thread each)."""
         calibrated = ((self.hardware.calibration or {}).get("profile") or {}).get("probe_baseline_s")
         if self.world_size > 1 or not calibrated:
             return None
+        last = (self.hardware.calibration or {}).get("last_probe") or {}
+        if last.get("calibrated_s") == calibrated and 0 <= time.time() - last.get("unix", 0) < PROBE_REUSE_S:
+            return last
         reading = probe_speed(self.device, calibrated)
         save_probe(self.device, reading)
         return reading
