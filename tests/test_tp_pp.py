@@ -1,9 +1,9 @@
 """Tensor, sequence and pipeline parallelism under torchrun on gloo (issue 30): the same losses as one process,
-a DCP checkpoint of step 10 that resumes to the same losses and reshards, every rank's states, peak and
+a DCP checkpoint mid-run that resumes to the same losses and reshards, every rank's states, peak and
 messages as trainwise.cost.rank plans them, and layouts that cannot work refused before anything starts.
 
 Two torchrun launches (tests/tp_pp_worker.py: the step builder, the comm counter and the peak meter the
-trainer uses) train every layout 20 steps with the checkpoint at step 10 and its resumption; one trainer
+trainer uses) train every layout 12 steps with the checkpoint at step 6 and its resumption; one trainer
 run goes through the CLI end to end."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def plan(case: str, world: int) -> list[dict]:
 
 @pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)
 def test_losses_equal_one_process_with_the_same_global_batch(runs, case):
-    """fp32, 20 steps: every rank's losses within 1e-4 of one process's on the same dp x K micro-batches."""
+    """fp32, STEPS steps: every rank's losses within 1e-4 of one process's on the same dp x K micro-batches."""
     reference = runs[case][0]["reference"]
     assert len(reference) == STEPS
     for rank in runs[case]:
@@ -76,7 +76,7 @@ def test_losses_equal_one_process_with_the_same_global_batch(runs, case):
 
 @pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)
 def test_the_checkpoint_of_step_ten_resumes_to_the_same_losses(runs, case):
-    """A fresh model of the same layout loads the DCP checkpoint of step 10: steps 11-20 within 1e-6."""
+    """A fresh model of the same layout loads the DCP checkpoint of step SAVE_AT: the steps after it within 1e-6."""
     for rank in runs[case]:
         assert rank["resumed"] == pytest.approx(rank["losses"][SAVE_AT:], rel=1e-6)
 
@@ -91,7 +91,8 @@ def test_moe_routing_under_tp_is_one_process_routing(runs):
 @pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)
 def test_each_rank_holds_and_sends_what_the_plan_says(runs, case):
     """params, grads and optimizer bytes and every collective's calls and bytes equal cost.rank's plan for
-    that rank; the step's peak within 10% (the least of steps 8-10: see tp_pp_worker.train; GPipe aside)."""
+    that rank; the step's peak within 10% (the least of the MEASURED steps before SAVE_AT: see
+    tp_pp_worker.train; GPipe aside)."""
     predicted = plan(case, len(runs[case]))
     for r, (p, rank) in enumerate(zip(predicted, runs[case])):
         m = rank["measured"]
@@ -166,11 +167,11 @@ def test_fsdp_tp_messages_worked_by_hand():
 
 
 def test_dcp_checkpoint_reshards_and_loads_in_one_process(runs):
-    """tp 2's checkpoint of step 10 loaded into pp 2 (DCP reshards) and into one process: step 11's loss."""
+    """tp 2's checkpoint of step SAVE_AT loaded into pp 2 (DCP reshards) and into one process: the next step's loss."""
     for rank in runs["reshard"]:
-        assert rank["pp_step11"] == pytest.approx(rank["tp_step11"], rel=1e-4)
+        assert rank["pp_next_step"] == pytest.approx(rank["tp_next_step"], rel=1e-4)
     one = runs["reshard"][0]
-    assert one["one_process_step11"] == pytest.approx(one["tp_step11"], rel=1e-4)
+    assert one["one_process_next_step"] == pytest.approx(one["tp_next_step"], rel=1e-4)
 
 
 def losses(run: Path) -> list[float]:

@@ -1,7 +1,7 @@
 """Run by tests/test_tp_pp.py under torchrun (gloo, one thread per rank): tensor- and pipeline-parallel
-layouts built by trainwise's one step builder, each trained 20 steps on seeded batches, with a DCP
-checkpoint at step 10 resumed into a fresh model for steps 11-20, and every rank's states, peak and
-messages of steps 8-10 measured as the trainer measures its last step. Rank 0 also trains one process on the
+layouts built by trainwise's one step builder, each trained STEPS steps on seeded batches, with a DCP
+checkpoint at step SAVE_AT resumed into a fresh model for the steps after it, and every rank's states, peak
+and messages of the MEASURED steps before it measured as the trainer measures its last step. Rank 0 also trains one process on the
 same global batch (dp x K micro-batches a step) from the same seed.
 
     python -m torch.distributed.run --nproc-per-node N tests/tp_pp_worker.py OUT CASE [CASE ...]
@@ -25,7 +25,7 @@ from trainwise.runtime import distributed
 from trainwise.runtime.comms import CommCounter
 from trainwise.runtime.step import build_model, build_step
 
-STEPS, SAVE_AT = 20, 10
+STEPS, SAVE_AT = 12, 6
 MEASURED = 3  # steady-state steps whose peak is read (the least taken: see train)
 TINY = dict(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 MOE = dict(n_experts=4, top_k=2, n_shared_experts=1, router_bias=True, first_dense_layers=1)
@@ -119,8 +119,8 @@ def save(out: Path, name: str, d, step) -> Path:
 
 
 def run(name: str, out: Path) -> None:
-    """20 steps straight with a checkpoint after step 10 (steps 8-10 measured), then steps 11-20 again
-    from that checkpoint in a freshly built model; rank 0 adds the one-process run."""
+    """STEPS steps straight with a checkpoint after step SAVE_AT (the MEASURED steps before it measured), then
+    the steps after it again from that checkpoint in a freshly built model; rank 0 adds the one-process run."""
     cfg = config(name)
     foreign = foreign_storages(torch.device("cpu"))
     d, step = fresh(cfg)
@@ -138,7 +138,7 @@ def run(name: str, out: Path) -> None:
 
 
 def reshard(out: Path) -> None:
-    """DCP across layouts: tp 2's checkpoint of step 10 (case "tp", untied) loaded into pp 2, and into one
+    """DCP across layouts: tp 2's checkpoint of step SAVE_AT (case "tp", untied) loaded into pp 2, and into one
     process."""
     cfg = config("tp")
     cfg.model = ModelConfig(**{**TINY, "tie_embeddings": False})
@@ -151,14 +151,14 @@ def reshard(out: Path) -> None:
     ckpt.load_sharded(path, step.model, step.optimizer)
     after, _ = train(cfg, d, step, range(SAVE_AT, SAVE_AT + 1))
     one = None
-    if d.is_main:  # the whole model in one process, from the shards: step 11's loss before its update
+    if d.is_main:  # the whole model in one process, from the shards: the next step's loss before its update
         torch.manual_seed(0)
         model = build_model(cfg.model)
         ckpt.load_weights(model, path)
         with torch.no_grad():
             batches = global_batches(cfg, 1, SAVE_AT)
             one = sum(model(x, y).item() for x, y in batches) / len(batches)
-    result = {"tp_step11": losses[0], "pp_step11": after[0], "one_process_step11": one}
+    result = {"tp_next_step": losses[0], "pp_next_step": after[0], "one_process_next_step": one}
     (out / f"reshard.rank{d.rank}.json").write_text(json.dumps(result))
 
 
