@@ -17,8 +17,8 @@ def earlier_objects_frozen():
     """What the files before this one left alive (imported modules, session fixtures: most of the process's
     objects) goes to the collector's permanent generation while this file runs (gc.freeze), so each
     collection a run makes walks only this file's objects: the peak meter collects and scans the heap at a
-    run's start and before its measured step, and in one long pytest process each of those had grown to
-    ~0.3 s. The meter leaves those objects out either way (foreign to the run, already resident)."""
+    run's start and before its measured step, which in one long pytest process walk ever more objects. The
+    meter leaves those objects out either way (foreign to the run, already resident)."""
     gc.collect()
     gc.freeze()
     yield

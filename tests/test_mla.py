@@ -204,7 +204,7 @@ def test_a_small_v3_model_trains_resumes_bitwise_and_verifies(tmp_path, calibrat
     assert all(torch.equal(weights[k], again[k]) for k in weights)
 
 
-# cpu times V3's ~45 matmul shapes on this CPU (~13 s): under -m slow; the operator model of MLA and MoE on
+# cpu times V3's ~45 matmul shapes on this CPU: under -m slow; the operator model of MLA and MoE on
 # this CPU is held by test_a_small_v3_model_trains_resumes_bitwise_and_verifies in the default suite
 @pytest.mark.parametrize("device", ["h100-sxm", pytest.param("cpu", marks=pytest.mark.slow)])
 def test_plan_deepseek_v3_prints_a_step_time_from_the_operator_model(device, calibrated, capsys):

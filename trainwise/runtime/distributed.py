@@ -356,8 +356,8 @@ def exit_worker(code: int) -> NoReturn:
     """End a torchrun worker once its process group is destroyed, without the interpreter's teardown:
     objects left in reference cycles (FSDP2 modules, their hooks and pending work) are then freed after the
     process group, and a gloo worker thread destroyed that late aborts the process ("terminate called
-    without an active exception", SIGABRT), turning a finished job into a failed one; seen on one
-    `hardware --calibrate` in eight. Every file is closed by now; the streams are flushed here."""
+    without an active exception", SIGABRT), turning a finished job into a failed one. Every file is closed
+    by now; the streams are flushed here."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
