@@ -25,6 +25,7 @@ from typing import Any
 
 from trainwise.config import RunConfig, save_config
 from trainwise.errors import TrainwiseError
+from trainwise.files import write_atomic, write_json_atomic
 
 CONFIG = "config.toml"
 TOKENIZER = "tokenizer.json"
@@ -92,9 +93,7 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
         except (ValueError, KeyError):
             break  # a torn last line
     if len(kept) != len(rows):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        tmp.replace(path)
+        write_atomic(path, "".join(kept))
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -161,6 +160,4 @@ def best_checkpoint(run_dir: Path) -> dict[str, Any] | None:
 def mark_best(run_dir: Path, step: int, val_loss: float) -> None:
     """Record step's (already saved) checkpoint as the best one, atomically."""
     path = checkpoint_dir(run_dir) / "best.json"
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"name": checkpoint_name(step), "step": step, "val_loss": val_loss}), encoding="utf-8")
-    os.replace(tmp, path)
+    write_json_atomic(path, {"name": checkpoint_name(step), "step": step, "val_loss": val_loss}, indent=None)

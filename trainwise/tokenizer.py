@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,6 +35,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from trainwise.errors import TrainwiseError
+from trainwise.files import write_atomic
 
 EOT = "<|endoftext|>"
 # end-of-sequence names of the common open tokenizers, tried in this order when none is declared:
@@ -142,10 +142,7 @@ class Tokenizer:
         """Write tokenizer.json, and the side files beside it, atomically (temporary file, then rename)."""
         path = Path(path)
         for name, text in [(path.name, self.to_json()), *self.side_files.items()]:
-            target = path.with_name(name)
-            tmp = target.with_name(f".{name}.{os.getpid()}.tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, target)
+            write_atomic(path.with_name(name), text)
 
     def to_json(self) -> str:
         return self._hf.to_str()

@@ -12,6 +12,7 @@ from trainwise.commands.args import number
 from trainwise.config import DataConfig, RunConfig, load_config
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
+from trainwise.files import write_atomic
 from trainwise.planner.explain import plan_table
 from trainwise.planner.plan import plan_run, train_settings
 from trainwise.presets import get_preset
@@ -115,7 +116,7 @@ def _plot(record: dict, out: str) -> None:
 
     groups = [(r["name"], r.get("seed"), np.array([[r["n_params"], d, l] for d, l in r["points"]]))
               for r in record["runs"]]
-    Path(out).write_bytes(fit_chart(groups, law_of(record)))
+    write_atomic(out, fit_chart(groups, law_of(record)))
     print(f"plot: {out}")
 
 

@@ -19,6 +19,7 @@ from trainwise.config.checks import suggest
 from trainwise.config.model import default_ffn_hidden
 from trainwise.config.run import SECTIONS, RunConfig
 from trainwise.errors import TrainwiseError
+from trainwise.files import write_atomic
 
 
 def section_from_dict(cls: type, values: dict[str, Any], where: str) -> Any:
@@ -114,7 +115,7 @@ def _explicit_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(to_toml(config_to_dict(cfg)), encoding="utf-8")
+    write_atomic(path, to_toml(config_to_dict(cfg)))
 
 
 def to_toml(data: dict[str, dict[str, Any]]) -> str:

@@ -40,6 +40,7 @@ from trainwise.data.formats import (
 )
 from trainwise.data.sources import SourceFile
 from trainwise.errors import TrainwiseError
+from trainwise.files import write_json_atomic
 from trainwise.tokenizer import Tokenizer
 
 SHARD_BYTES = 32 * 2**20  # a unit of work (and of redone work after a kill)
@@ -234,6 +235,5 @@ def tokenize_shard(partial: Path, index: int, parts: list[Part], eot_id: int, vo
     stats.replaced_bytes = reading.replaced_bytes
     os.replace(tmp, _shard_bin(partial, index))
     marker = partial / "shards" / f"{index:05d}.json"
-    marker.with_suffix(".json.tmp").write_text(json.dumps(asdict(stats)), encoding="utf-8")
-    os.replace(marker.with_suffix(".json.tmp"), marker)
+    write_json_atomic(marker, asdict(stats), indent=None)
     return stats

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from trainwise.files import write_json_atomic
+
 CALIBRATION = "calibration.json"
 KERNELS = "kernels.json"
 PROFILE_VERSION = 13  # the calibration's format: a cached calibration of another version is measured again
@@ -79,13 +81,6 @@ def file_lock(path: Path):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write JSON through a temporary file and a rename: a reader never sees half a file."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def update_json(path: Path, change) -> None:

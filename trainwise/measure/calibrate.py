@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainwise.files import write_json_atomic
 from trainwise.hardware import cache
 from trainwise.hardware.cache import PROFILE_VERSION, machine_key
 from trainwise.hardware.profile import Profile
@@ -286,7 +287,7 @@ def _measure_and_cache_unseeded(device: torch.device, path: Path, key: str, old:
     cached[key] = result
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_json_atomic(path, cached)
+        write_json_atomic(path, cached)
     except OSError:
         pass  # a read-only home still gets a measured peak, just not a cached one
     return result

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 from trainwise import rundir
 from trainwise.config import config_to_dict, load_config
 from trainwise.errors import TrainwiseError
+from trainwise.files import write_atomic
 from trainwise.report import plots
 from trainwise.report.html import CSS, _error_cell, _img, _json, _si, fmt_value
 
@@ -233,9 +233,7 @@ def build_compare(runs: list[RunData]) -> str:
 def write_compare(run_dirs: list[str], out: str | Path) -> tuple[Path, list[RunData]]:
     runs = load_runs(run_dirs)
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(build_compare(runs), encoding="utf-8")
-    os.replace(tmp, out)
+    write_atomic(out, build_compare(runs))
     return out, runs
 
 

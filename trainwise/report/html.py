@@ -10,13 +10,13 @@ from __future__ import annotations
 import base64
 import html
 import json
-import os
 import time
 from pathlib import Path
 
 from trainwise import rundir
 from trainwise.config import load_config
 from trainwise.errors import TrainwiseError
+from trainwise.files import write_atomic
 from trainwise.planner.hardware import resolve_hardware
 from trainwise.report import plots
 from trainwise.verify.roofline import roofline_ops
@@ -218,7 +218,5 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = Path(run_dir)
     out = Path(out) if out else run_dir / rundir.REPORT
     text = build_report(run_dir)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)
+    write_atomic(out, text)
     return out

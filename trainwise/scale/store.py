@@ -15,6 +15,7 @@ from pathlib import Path
 from trainwise.config import DataConfig
 from trainwise.data.corpus import corpus_key, describe
 from trainwise.errors import TrainwiseError
+from trainwise.files import write_json_atomic
 from trainwise.hardware import cache
 from trainwise.tokenizer import Tokenizer
 
@@ -35,9 +36,7 @@ def save_fit(record: dict, data_cfg: DataConfig, tokenizer: Tokenizer, cache_roo
               "vocab_size": tokenizer.vocab_size, "tokenizer_fingerprint": tokenizer.fingerprint()})
     path = fits_dir(cache_root) / f"{fit_key(data_cfg, tokenizer)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
-    tmp.replace(path)
+    write_json_atomic(path, record)
     return path
 
 

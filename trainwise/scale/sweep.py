@@ -51,6 +51,7 @@ from trainwise.cost.flops import flops_per_token_train
 from trainwise.data.corpus import prepare_tokenizer
 from trainwise.data.sources import STDLIB_CORPUS
 from trainwise.errors import TrainwiseError
+from trainwise.files import write_json_atomic
 from trainwise.planner.hardware import device_hardware
 from trainwise.planner.plan import plan_run, train_settings
 from trainwise.runtime.precision import resolve_device, resolve_precision
@@ -228,7 +229,7 @@ def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, sa
         mark = time.perf_counter()
         state["runs"] = [_run_state(r) for r in runs]
         out.mkdir(parents=True, exist_ok=True)
-        state_path.write_text(json.dumps(state, indent=1), encoding="utf-8")
+        write_json_atomic(state_path, state)
 
     def train_one(run: SweepRun, label: str) -> None:
         nonlocal trained

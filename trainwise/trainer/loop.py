@@ -30,6 +30,7 @@ from trainwise.data.batches import BatchSampler
 from trainwise.data.bpb import VAL_SEED, bits_per_byte, val_window_bytes
 from trainwise.errors import TrainwiseError
 from trainwise.export.hf import load_hf_dir, load_into
+from trainwise.files import write_atomic, write_json_atomic
 from trainwise.inference import load_run, sample_text
 from trainwise.measure.memtrack import StepPeakMeter, foreign_storages
 from trainwise.report.html import write_report
@@ -486,10 +487,10 @@ def _finish(run: _Run, reporter: RunReporter, out: Path, tokenizer: Tokenizer, t
     if per_rank is not None and (out / rundir.VERIFY).is_file():
         result = json.loads((out / rundir.VERIFY).read_text(encoding="utf-8"))
         result["per_rank"] = per_rank
-        (out / rundir.VERIFY).write_text(json.dumps(result, indent=1), encoding="utf-8")
+        write_json_atomic(out / rundir.VERIFY, result)
         say(format_per_rank(per_rank))
     if d.is_main:
-        (out / rundir.SAMPLE).write_text(sample, encoding="utf-8")
+        write_atomic(out / rundir.SAMPLE, sample)
         say(f"report: {write_report(out)}")
     say(f"run saved in {out}")
     return TrainResult(out, progress.step, progress.last_loss, progress.val_loss, unigram, sample)

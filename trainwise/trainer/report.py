@@ -9,7 +9,6 @@ On a CPU the peak is this machine's measured matmul peak (`trainwise hardware --
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from trainwise.data.bpb import bits_per_byte
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.params import params as count_params
 from trainwise.cost.steptime import PROBE_WARN, probed_seconds, settled_probe
+from trainwise.files import write_json_atomic
 from trainwise.hardware.cache import cached, cached_link, save_probe
 from trainwise.measure.calibrate import calibrate_link
 from trainwise.measure.reference import probe_speed, reference_speed
@@ -166,7 +166,7 @@ class RunReporter:
                          "dp": self.dp}
         if step_time and step_time * step >= PROBE_MIN_RUN_S and (speed := self.machine_speed()) is not None:
             result["machine_speed"] = speed
-        (out / rundir.VERIFY).write_text(json.dumps(result, indent=1), encoding="utf-8")
+        write_json_atomic(out / rundir.VERIFY, result)
         self.say("\npredicted vs measured (verify.json):\n" + format_table(result))
         return result
 
