@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainwise.config import ModelConfig
+from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 from trainwise.planner.plan import Plan, plan_run
 
@@ -69,7 +70,8 @@ def fit_layouts(model: ModelConfig, *, gpus: int, gpu: str, global_batch: int, s
     """Every candidate layout planned (plan_run: the one memory model and the cluster model) and
     (fitting ones fastest first, the others with their reason)."""
     base = plan_run(model, tokens=tokens, seq_len=seq_len, gpus=gpus, gpu=gpu, precision=precision, optimizer=optimizer,
-                    mfu=0.4, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
+                    mfu=DEFAULT_MFU, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
+                    inter_node_bw=inter_node_bw)
     node = base.hardware.node
     if node is None and gpus > 1:
         raise TrainwiseError(f"--fit over layouts needs the GPUs' node: give --gpus-per-node with --gpu {gpu}.")
@@ -79,7 +81,7 @@ def fit_layouts(model: ModelConfig, *, gpus: int, gpu: str, global_batch: int, s
                   memory_budget=memory_budget, attention_impl=attention_impl, gpus_per_node=gpus_per_node,
                   intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, dp_overlap=dp_overlap, **c)
         try:
-            plan = plan_run(model, mfu=0.4, **kw)  # memory first: an assumed MFU prices nothing
+            plan = plan_run(model, mfu=DEFAULT_MFU, **kw)  # memory first: an assumed MFU prices nothing
         except TrainwiseError as err:
             bad.append(LayoutCandidate(_layout_json(c, gpus), c["micro_batch"], c["checkpointing"], 0, False,
                                        reason=str(err).split(";")[0]))

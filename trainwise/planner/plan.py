@@ -15,7 +15,7 @@ from trainwise.cost.cluster import ClusterStep
 from trainwise.cost.layout import Layout, RankMemory, check_layout, make_layout, rank_memory
 from trainwise.cost.params import ParamCount, params
 from trainwise.cost.steptime import StepTime
-from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time
+from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time, model_flops_utilization
 from trainwise.errors import TrainwiseError
 from trainwise.planner.cluster import predict_cluster_step
 from trainwise.planner.explain import NO_HARDWARE, NO_TOKENS, explain_plan
@@ -293,7 +293,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
                                        optimizer=optimizer, tp_overlap=tp_overlap)
         source = "published microbenchmarks"
         tokens_per_s = seq_len * micro_batch * grad_accum * dp / cluster.seconds
-        mfu = model_fpt * tokens_per_s / (gpus * hw.peak_flops)
+        mfu = model_flops_utilization(model_fpt * tokens_per_s, hw.peak_flops, gpus)
         t = TimeEstimate(tokens / tokens_per_s, gpus) if tokens else None
     elif mfu is None and model is not None and hw.profile is not None and not model_parallel:
         step = predict_step_time(model, hw.profile, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
@@ -302,7 +302,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
                          param_bytes=4 * counts.total, compiled=compiled, cuda=hw.cuda)
         source = hw.profile.source
         tokens_per_s = seq_len * micro_batch * grad_accum * dp / step.seconds
-        mfu = model_fpt * tokens_per_s / (gpus * hw.peak_flops)
+        mfu = model_flops_utilization(model_fpt * tokens_per_s, hw.peak_flops, gpus)
         t = TimeEstimate(tokens / tokens_per_s, gpus) if tokens else None
     else:
         if mfu is None and model is not None and hw.profile is not None:

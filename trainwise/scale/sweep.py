@@ -48,6 +48,7 @@ import torch
 
 from trainwise.config import RunConfig, apply_overrides
 from trainwise.cost.flops import flops_per_token_train
+from trainwise.cost.time import model_flops_utilization
 from trainwise.data.corpus import prepare_tokenizer
 from trainwise.data.sources import STDLIB_CORPUS
 from trainwise.errors import TrainwiseError
@@ -121,7 +122,7 @@ def measure_mfu(cfg: RunConfig, peak_flops: float, steps: int = 3) -> float:
     for _ in range(steps):
         step(batches).loss.item()
     seconds = (time.perf_counter() - start) / steps
-    return flops_per_token(cfg) * cfg.train.tokens_per_step / seconds / peak_flops
+    return model_flops_utilization(flops_per_token(cfg) * cfg.train.tokens_per_step / seconds, peak_flops)
 
 
 @dataclass

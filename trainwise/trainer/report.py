@@ -20,6 +20,7 @@ from trainwise.data.bpb import bits_per_byte
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.params import params as count_params
 from trainwise.cost.steptime import PROBE_WARN, probed_seconds, settled_probe
+from trainwise.cost.time import model_flops_utilization
 from trainwise.files import write_json_atomic
 from trainwise.hardware.cache import cached, cached_link, save_probe
 from trainwise.measure.calibrate import calibrate_link
@@ -131,10 +132,11 @@ class RunReporter:
         row = {
             "step": step, "tokens": tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "step_time_s": step_time_s, "tokens_per_s": tokens_per_s, "flops_per_s": flops_per_s,
-            "mfu": flops_per_s / self.peak_flops,
+            "mfu": model_flops_utilization(flops_per_s, self.peak_flops),
         }
         if self.hardware_flops_per_token != self.model_flops_per_token:
-            row["hfu"] = self.hardware_flops_per_token * tokens_per_s / self.peak_flops
+            # HFU: the same ratio with the FLOPs the hardware ran, recomputation included
+            row["hfu"] = model_flops_utilization(self.hardware_flops_per_token * tokens_per_s, self.peak_flops)
         return row
 
     @staticmethod
