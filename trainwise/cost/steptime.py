@@ -35,10 +35,9 @@ from trainwise.hardware.profile import Profile
 # for the rest, which fuse chains of element-wise ops: the fused work costs COMPILED_ELEMENTWISE x the
 # eager element-wise time (priced as op_seconds prices it: operands from memory, x the in-step factor of
 # the step's precision), fitted on two compiled configurations unlike those benchmarks/time_model.py
-# checks (`python benchmarks/time_model.py --fit-compiled`, per compute precision of the step): on an AMX
-# Xeon, 2026-12-02, four fits in a row gave bf16 0.83 / 0.73 / 0.74 / 0.72 and fp32 1.23 / 0.96 / 1.08 /
-# 1.05 (their means; RESULTS.md, "One in-step factor per compute precision"). With one in-step factor for
-# both precisions the same fit gave bf16 0.84 / 0.85 and fp32 1.21 / 1.00.
+# checks (`python benchmarks/time_model.py --fit-compiled`, per compute precision of the step): fp32 and
+# bf16 are the means of repeated fits (benchmarks/RESULTS.md, "One in-step factor per compute precision");
+# fp16 has no fit of its own (CPUs train in bf16) and takes bf16's, the other 16-bit format.
 COMPILED_ELEMENTWISE = {"fp32": 1.08, "bf16": 0.75, "fp16": 0.75}
 
 def elementwise_rate(grid: list[list[float]], nbytes: float) -> float:
@@ -138,10 +137,9 @@ def op_seconds(op: Op, p: Profile, compiled: bool = False, precision: str = "fp3
     In a step an operator finds its operands in memory, not in cache: the step's other work has evicted
     them since they were written. Kernels are timed hot (the same operands call after call), so a matmul or
     attention call timed alone pays, on top, its bytes streamed once at the copy bandwidth, and element-wise
-    work moves at most at its class's rate far past the shared cache (the grid's largest size). On an AMX
-    Xeon, where hot bf16 kernels are fastest, the SwiGLU product ran at 12 GB/s in a step against 45 GB/s
-    hot at its size, and the reference steps' in-step factor fell from 1.82 to 1.17 with this rule
-    (benchmarks/RESULTS.md, "Operands in memory")."""
+    work moves at most at its class's rate far past the shared cache (the grid's largest size): without
+    this rule the reference steps' in-step factor absorbed the difference, most where hot bf16 kernels are
+    fastest (benchmarks/RESULTS.md, "Operands in memory")."""
     if op.cls in ("matmul", "attention"):
         per_call = kernel_seconds(op, p)
         if per_call is not None:
@@ -192,13 +190,10 @@ def predict_step(ops: list[Op], p: Profile, n_param_tensors: int, n_params: int,
 
 # A machine running more than this far from its calibration is said so, and priced as probed. One band
 # for a run's closing table (the mean of its steps) and for benchmarks/time_model.py (each configuration's
-# fastest round): ten 25-step runs on two CPU kinds, whose calibrated errors followed their probes' readings
-# in order, and on an AMX Xeon a benchmark run whose probes read a median 1.19 while its rounds ran 1.18x
-# as long as the same rounds 33 minutes later (probes 1.03), its calibration having caught a fast spell
-# (benchmarks/RESULTS.md, "One band for the probe"). A wider band for the benchmark (0.28, 2026-12-01) was
-# set when the probe's baseline was the fastest of its three readings at calibration (format 10), which
-# later readings rarely reached: a quiet AMD EPYC's read 0.92-1.37 and said nothing about the rounds that
-# followed; the baseline has been their median since (format 11), and quiet readings centre near 1.0.
+# fastest round): runs on two CPU kinds whose calibrated errors followed their probes' readings in order,
+# and a benchmark run whose calibration had caught a fast spell, which its probes said
+# (benchmarks/RESULTS.md, "One band for the probe"). The probe's baseline is the median of its readings at
+# calibration, so quiet readings centre near 1.0 and one band serves both.
 PROBE_WARN = 0.15
 
 

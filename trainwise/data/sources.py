@@ -44,7 +44,7 @@ BUILTIN_CORPUS_DESCRIPTION = (
     "pydoc_data.topics (about 80 topics, 0.5-0.7 MB of text, depending on the Python version)"
 )
 DOCS_CORPUS = "builtin:docs"  # the default corpus by name (an empty data.paths reads the same)
-# A second built-in corpus, named as a data path: big enough for a scaling-law sweep (issue 31), present
+# A second built-in corpus, named as a data path: big enough for a scaling-law sweep, present
 # wherever Python is. `trainwise train` keeps the one above as its default; `trainwise scale sweep` takes this.
 STDLIB_CORPUS = "builtin:stdlib"
 STDLIB_SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages"}  # tests and installed packages

@@ -45,8 +45,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# Square sizes per dtype that keep every thread busy: fp32 sustains its rate from 2048 on; AMX bf16 needs
-# 2048-4096, where a 1024 matmul ran on one thread only (benchmarks/RESULTS.md).
+# Square sizes per dtype that keep every thread busy: fp32 sustains its rate from 2048 on; bf16 on AMX tiles
+# needs 2048-4096, where oneDNN runs a 1024 matmul on one thread only (benchmarks/RESULTS.md).
 PEAK_SIZES = {"cpu": {"fp32": (2048,), "bf16": (2048, 3072, 4096)},
               "cuda": {"fp32": (4096, 8192), "bf16": (4096, 8192), "fp16": (4096, 8192)}}
 
@@ -170,11 +170,8 @@ def device_profile(device: torch.device, bandwidth: float | None = None, peak_ro
             # fastest over many samples is faster than one over a probe's few, so only like compares),
             # each reference's median of three readings spread over the calibration: a VM switches
             # between a fast and a slow state for seconds at a time (ReferenceSteps), one ~1 s reading
-            # lands in either (1.01-1.25x apart within a minute on an AMD EPYC). The fastest of the three
-            # (format 10) set a baseline that later probes, one reading each, rarely reached: on an AMX Xeon
-            # one calibration's baseline read 1.2-2.1x faster than every probe of the next half hour while
-            # the calibrated prediction held (benchmarks/RESULTS.md, run A2), and a run reads its probes
-            # by a 15% band (cost.steptime.probed_seconds)
+            # lands in either. The fastest of the three would be a baseline later probes, one reading each,
+            # rarely reach, while a run reads its probes by a 15% band (cost.steptime.probed_seconds)
             "probe_baseline_s": [statistics.median(t) for t in zip(*probes)], "probe_readings_s": probes,
             "reference_samples": len(refs.times), "source": "calibrated",
             "seconds": took, "version": PROFILE_VERSION}

@@ -52,8 +52,7 @@ def fast_seconds(fn, budget_s: float = 0.06, min_reps: int = 5, max_reps: int = 
     for about budget_s (at least min_reps). A VM's speed can drift by 20-30% over seconds and
     interference only adds time, so the fast end is the figure that repeats from one calibration to the
     next (the median moved with the drift). Kernels are timed hot; in_step carries what a step adds.
-    (Tried: overwriting the core's cache before each call: inconclusive on a drifting machine, not kept;
-    benchmarks/RESULTS.md.) mean=True: the mean instead, for calls whose cost varies by design (each
+    mean=True: the mean instead, for calls whose cost varies by design (each
     grouped matmul call with its own routing: some build a kernel, some find one)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
     fn()
@@ -242,10 +241,8 @@ def time_kernel_pass(todo: dict[str, Op], device: str, timed: dict[str, float], 
 def time_new_kernels(ops: list[Op], p: Profile) -> None:
     """Time, on this device, the matmul and attention calls of `ops` the kernel table lacks (when the
     profile is this device's: Profile.on_device), in KERNEL_PASSES passes keeping each one's fastest,
-    and cache them (Profile.save_kernels).
-    (Tried: scaling each pass by how much slower a few of the calibration's own matmuls ran beside it.
-    In a VM's slow state the small anchor matmuls slowed more than a step's larger ones, and the default
-    step was planned 40% short: benchmarks/RESULTS.md; not kept.)"""
+    and cache them (Profile.save_kernels). Each pass keeps its own reading: small anchor matmuls timed
+    beside it slow down more than a step's larger ones in a VM's slow state, so they cannot rescale it."""
     todo = kernels_to_time(ops, p.kernels)
     if p.device is None or not todo:
         return
@@ -312,10 +309,9 @@ def optimizer_fit(device: torch.device, reps: int = 8) -> list[float]:
     """[seconds per tensor, seconds per element] of clip_grad_norm_ + AdamW(fused).step() + zero_grad,
     the trainer's CPU update (runtime.optim.build_optimizer), from three parameter sets, each call
     timed with its operands in memory (the caches overwritten first): in a step the backward has evicted
-    the gradients, parameters and states since the last update. Timed hot, on an AMX Xeon whose 480 MiB
-    last-level cache holds the sets whole, the update took 0.35-0.98 ns per parameter; with its operands in
-    memory 1.6-2.9, and the update of a 4.0M-parameter model in its training step 6 ms, 1.5 ns per
-    parameter (benchmarks/RESULTS.md, "The optimizer's operands in memory")."""
+    the gradients, parameters and states since the last update. Timed hot on a CPU whose last-level cache
+    holds the sets whole, the update reads several times faster than it runs in a step (benchmarks/RESULTS.md,
+    "The optimizer's operands in memory")."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     evict = evicting_write(device)
     rows = []

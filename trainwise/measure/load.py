@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 # Other processes' use of the cores below which it is the machine's own housekeeping, not load (in cores:
-# a quiet AMX Xeon read 0.01 of a core during probes and step timings; a process that keeps one core 25%
-# busy read 0.08-0.14: benchmarks/RESULTS.md, "One in-step factor per compute precision; other processes'
-# share of the cores").
+# a quiet machine reads about a fifth of it, a process keeping one core 25% busy twice it or more:
+# benchmarks/RESULTS.md, "One in-step factor per compute precision; other processes' share of the cores").
 LOAD_MIN_CORES = 0.05
 LOAD_MAX_SHARE = 0.75  # at most 4x: past that the fair-share picture (one other process per core) is off
 
@@ -48,8 +47,8 @@ def load_factor(share: float | None, threads: int, cores: int | None = None) -> 
     threads use (beyond the cores we leave free). Derivation: another process sharing a core with one of
     our threads gets half of it, so it runs there for twice the CPU time it uses (a fraction 2x of the
     wall), and our step, which waits on that thread, moves at half speed meanwhile: 1 - 2x/2 of full
-    speed. On an AMX Xeon, one process keeping a core 25% busy read x = 0.13 (factor 1.15) while the
-    default step ran 1.18-1.24x its quiet time (RESULTS.md, ibid.). 1.0 below LOAD_MIN_CORES."""
+    speed: a lower bound, since a shared core also loses its caches (benchmarks/RESULTS.md compares it with
+    measured steps). 1.0 below LOAD_MIN_CORES."""
     cores = cores or os.cpu_count() or 1
     if share is None:
         return 1.0

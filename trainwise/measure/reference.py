@@ -47,8 +47,7 @@ class ReferenceSteps:
 
     Why samples spread so widely: a VM can switch between a fast and a slow state for seconds to tens
     of seconds at a time, in one process with nothing else running, and small kernels lose most in the
-    slow state; a step fitted in a slow spell predicted the default model's step 15-20% long
-    (benchmarks/RESULTS.md, "On an AMD EPYC")."""
+    slow state; a step fitted in a slow spell predicts long (benchmarks/RESULTS.md has the figures)."""
 
     def __init__(self, device: torch.device, time_kernels: bool = True):
         """time_kernels=False: the steps only (a speed probe), without their operator lists."""
@@ -99,10 +98,9 @@ class ReferenceSteps:
         calibrations): the overhead-bound references (d_model 16, the first OVERHEAD_REFERENCES) give the
         per-step and per-op costs (Python, dispatch, autograd); the others, in_step: what their kernels
         lose inside a step (operands evicted by the step's other work, allocation), their median, and
-        "in_step_by" the median of each compute precision's. The two differ by precision on an AMX Xeon:
-        bf16 references lost 1.04-1.33x, the fp32 one 0.98-1.11x in the same calibrations, and one
-        factor for both priced fp32 steps long and bf16 steps short (benchmarks/RESULTS.md, "One in-step
-        factor per compute precision")."""
+        "in_step_by" the median of each compute precision's: bf16 and fp32 kernels lose different shares
+        inside a step on some CPUs, and one factor for both priced fp32 steps long and bf16 steps short
+        (benchmarks/RESULTS.md, "One in-step factor per compute precision")."""
         profile.kernels.update(self.kernels)
         profile.new_kernels.update(self.kernels)
         table = []
@@ -126,9 +124,8 @@ def overhead_fit(rows: list[tuple[int, float]]) -> list[float]:
     """[s per step, s per op call] from the overhead-bound references' (op calls, step - its kernels): the
     per-call cost is the slope between the fewest and the most calls, the per-step cost what is left at
     the fewest (at least 0). The kernels of a reference step are priced one by one and can come to more
-    than its whole step (a fresh calibration on an AMD EPYC: 1.21 ms of kernels in a 1.06 ms step): a fit
-    in relative error, with that row floored at 1 us, then put both costs at 0 and the smallest steps of
-    benchmarks/time_model.py 27% short; the slope between the two rows (4.6 us per call there) holds."""
+    than its whole step: a fit in relative error, with that row floored at 1 us, puts both costs at 0 and
+    prices the smallest steps of benchmarks/time_model.py short; the slope between the two rows holds."""
     (c0, r0), (c1, r1) = min(rows), max(rows)
     per_op = max((r1 - r0) / (c1 - c0), 0.0) if c1 > c0 else max(r1, 0.0) / max(c1, 1)
     return [max(r0 - per_op * c0, 0.0), per_op]
@@ -187,10 +184,9 @@ def strategy_links(rounds: int = 3, steps: int = 4) -> dict:
     the trainer shards it) over the same step unsharded, both ranks computing at once. A collective timed
     alone on idle ranks (kernels.collective_fit) leaves out what a step's collectives cost on cores that
     also compute: FSDP2 copies each block's parameters in and out of its gathered buffer, casts them,
-    waits for the slower rank at every block, and gloo's threads share the cores with the kernels. On an
-    AMX Xeon, 2 ranks of one thread: FSDP2 added 75-130 ms to a 4.0M-parameter bf16 step whose 15
-    collectives the default link priced at 17 ms, this fit at 63-70 ms (benchmarks/RESULTS.md, "The
-    optimizer's operands in memory; collectives as a step runs them"). Unsharded and sharded steps are
+    waits for the slower rank at every block, and gloo's threads share the cores with the kernels: several
+    times what the link timed alone prices (benchmarks/RESULTS.md, "The optimizer's operands in memory;
+    collectives as a step runs them"). Unsharded and sharded steps are
     timed in turns over `rounds` (a VM's speed moves), each the fastest of `steps` after a warm-up, the
     slower rank's. Returns
     {strategy: {"link": [s, bytes/s], "rows": [[L, B, excess s], ...]}}: excess = L x latency + B /

@@ -29,10 +29,9 @@ from trainwise.model.layers import ACTIVATION_FNS, MLP
 # every new group size (milliseconds each) and keeps at most 1024 of them: with routing new at every step,
 # nearly every grouped call built kernels. Each group is padded with zero rows to a multiple of 1/GROUP_SIZES
 # of the call's rows (16 at least), so that a matmul meets at most GROUP_SIZES + 1 sizes, built in a run's
-# first steps and found afterwards. Side by side on an AMX Xeon (benchmarks/bench_moe.py, 2026-12-02,
-# benchmarks/RESULTS.md): the bf16 trainwise-moe-small step 1276 -> 615 ms; fp32 (MKL, no kernel per size)
-# not faster, so left unpadded. The padded rows are zeros and are never read back: the outputs and
-# gradients are those of the unpadded call.
+# first steps and found afterwards (benchmarks/bench_moe.py measures the step with and without; its figures
+# are in benchmarks/RESULTS.md). fp32 runs on MKL, which builds no kernel per size: left unpadded. The
+# padded rows are zeros and are never read back: the outputs and gradients are those of the unpadded call.
 GROUP_SIZES = 64
 
 

@@ -48,7 +48,7 @@ SEARCHED = ("A", "B", "E", "alpha", "beta")  # the parameter each row of BOUNDS 
 # Identified: the bootstrap's 5-95% interval stays further than this share of the box's width from both
 # bounds (on the searched scale: log E, log A, log B, alpha, beta) and spans at most IDENTIFIED_SPAN x.
 BOUND_MARGIN = 0.01
-IDENTIFIED_SPAN = 10.0  # "more than an order of magnitude" (issue 31)
+IDENTIFIED_SPAN = 10.0  # identified: the interval spans no more than an order of magnitude
 
 
 @dataclass(frozen=True)

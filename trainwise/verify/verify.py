@@ -55,7 +55,7 @@ def measure_step(cfg: RunConfig, model: torch.nn.Module, optimizer_state: dict |
             step(batches[:1])
         # FLOPs and memory on two steps: FlopCounterMode's module tracking keeps each micro-batch's
         # checkpointed activations alive into the next, which made a K = 4, full-checkpointing step
-        # read 2x its true peak (issue 17).
+        # read 2x its true peak.
         flops = count_train_step(step, batches)
         memory = track_train_step(step, batches)
     return StepMeasurement(flops, memory)
