@@ -17,7 +17,8 @@ zero_grad(set_to_none=True). Variants, all at the same model shape and the same 
                    n_kv_heads = n_heads // 2) at the same vocab / d_model / layers / heads, bf16
 
 `tw-* compile` variants are built as `trainwise train` compiles (build_step(..., compile=True): the
-compiled CPU attention, then torch.compile of the whole model). Ratios are reported against every nanoGPT variant in the run (per round, median).
+compiled CPU attention, then torch.compile of the whole model). Ratios are reported against every nanoGPT
+variant in the run (per round, median).
 
 The matmul-only bound of a trainwise variant (--bound): the matmuls one step runs, recorded with their
 shapes, strides and dtypes by a dispatch mode on one eager step, each shape then timed alone on this
@@ -353,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         from trainwise.hardware.cache import cpu_model
 
-        payload = json.dumps({"cpu": cpu_model(), "allocator": args.allocator, "peaks": peaks, "torch": torch.__version__,
-                              "threads": torch.get_num_threads(), "loadavg": Path("/proc/loadavg").read_text().split()[:3],
-                              "results": results}, indent=1)
+        payload = json.dumps({"cpu": cpu_model(), "allocator": args.allocator, "peaks": peaks,
+                              "torch": torch.__version__, "threads": torch.get_num_threads(),
+                              "loadavg": Path("/proc/loadavg").read_text().split()[:3], "results": results}, indent=1)
         if args.json == "-":
             print(payload)
         else:

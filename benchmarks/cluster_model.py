@@ -109,9 +109,10 @@ def main() -> int:
             err = p.step_seconds / published - 1
             errors.append(abs(err))
             got[ckpt] = p.step_seconds
-            rows.append({"run": f"Korthikanti {name} {setting}", "published_s": published, "predicted_s": p.step_seconds,
-                         "error": err, "breakdown": p.cluster.breakdown, "mfu": p.mfu})
-            print(f"{name:>6} {setting:<24} {published:>11.2f} {p.step_seconds:>11.2f} {err:>+7.1%}  {terms(p)}", flush=True)
+            rows.append({"run": f"Korthikanti {name} {setting}", "published_s": published,
+                         "predicted_s": p.step_seconds, "error": err, "breakdown": p.cluster.breakdown, "mfu": p.mfu})
+            print(f"{name:>6} {setting:<24} {published:>11.2f} {p.step_seconds:>11.2f} {err:>+7.1%}  {terms(p)}",
+                  flush=True)
         speedup, published_speedup = got["full"] / got["selective"] - 1, full_s / sel_s - 1
         speedups.append((name, speedup, published_speedup))
         print(f"{'':>6} speed-up of selective + SP over full recompute: predicted {speedup:+.1%}, published "
@@ -122,13 +123,15 @@ def main() -> int:
                      sequence_parallel=sp, dp_overlap=False)
             # Figure 1 counts 12 l h^2 parameters per stage, no embedding: a rank that holds layers only
             # (the second; the only one without pipelining, embedding and all)
-            states_got = rank_memory(cfg, p.layout, p.recipe, "adamw", mbs, 2048, ckpt, rank=min(1, pp - 1)).states.total
+            states_got = rank_memory(cfg, p.layout, p.recipe, "adamw", mbs, 2048, ckpt,
+                                     rank=min(1, pp - 1)).states.total
             s_err = states_got / GiB / states - 1
             a_err = p.rank.activations / GiB / published_act - 1
             memory.append({"model": name, "setting": setting, "states_gib": states_got / GiB,
                            "first_rank_states_gib": p.rank.states.total / GiB,
                            "published_states_gib": states, "activations_gib": p.rank.activations / GiB,
-                           "published_activations_gib": published_act, "states_error": s_err, "activations_error": a_err})
+                           "published_activations_gib": published_act, "states_error": s_err,
+                           "activations_error": a_err})
             print(f"{'':>6} memory, {setting:<17} params + optimizer {states_got / GiB:6.2f} vs {states:6.2f} "
                   f"({s_err:+.1%}); activations {p.rank.activations / GiB:7.2f} vs {published_act:7.2f} ({a_err:+.1%})")
     worst_mem = max(max(abs(m["states_error"]), abs(m["activations_error"])) for m in memory)

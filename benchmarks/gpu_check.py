@@ -82,7 +82,8 @@ def sdpa_backend(run_dir: Path, device: str, precision: str) -> dict:
     kernel = ("flash" if "flash" in joined else "efficient" if "efficient" in joined or "mem_eff" in joined or
               "fmha" in joined else "cudnn" if "cudnn" in joined else "math")
     flags = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
-             for name in ("flash", "mem_efficient", "math", "cudnn") if hasattr(torch.backends.cuda, f"{name}_sdp_enabled")}
+             for name in ("flash", "mem_efficient", "math", "cudnn")
+             if hasattr(torch.backends.cuda, f"{name}_sdp_enabled")}
     return {"backend": kernel, "profiled_ops": names, "enabled_flags": flags}
 
 

@@ -66,7 +66,8 @@ def sweep_and_fit(args, out: Path, deadline: float) -> dict | None:
         return None
     sweep_s = json.loads((out / "sweep" / SWEEP_STATE).read_text(encoding="utf-8"))["spent_s"]
     dirs = [str(r.run_dir) for r in runs]
-    return {"cpu": cpu_model(), "load_after": load(), "minutes": args.minutes, "sweep_s": sweep_s, "fit": fit_and_store(dirs, base),
+    return {"cpu": cpu_model(), "load_after": load(), "minutes": args.minutes, "sweep_s": sweep_s,
+            "fit": fit_and_store(dirs, base),
             "sweep": [{"model": r.config.model.name, "seed": r.config.train.seed, "run_dir": str(r.run_dir),
                        "n_params": non_embedding_params(r.config), "tokens": r.tokens,
                        "flops": r.tokens * flops_per_token(r.config), "predicted_s": r.predicted_s,
@@ -165,8 +166,8 @@ def main() -> None:
     record = state["fit"]
     (out / "fit.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
     _plot(record, str(out / "fit.png"))
-    print(f"\nsweep on {state['cpu']}: {state['sweep_s'] / 60:.1f} min of sizing and training (budget {state['minutes']:g}), "
-          f"load average after it {state['load_after']}")
+    print(f"\nsweep on {state['cpu']}: {state['sweep_s'] / 60:.1f} min of sizing and training "
+          f"(budget {state['minutes']:g}), load average after it {state['load_after']}")
     print(f"{'run':<22} {'N (non-emb)':>12} {'D tokens':>11} {'pred s':>7} {'meas s':>7} {'val loss':>9}")
     for s in state["sweep"]:
         final = next(r for r in record["runs"] if r["run_dir"] == s["run_dir"])["points"][-1][1]
@@ -210,7 +211,8 @@ def main() -> None:
                 check["losses"][key] = loss
                 state_path.write_text(json.dumps(state, indent=1), encoding="utf-8")
             loss = check["losses"][key]
-            print(f"  seed {seed}: final val loss {loss:.4f} nats/token (prediction error {check['predicted'] / loss - 1:+.2%})")
+            print(f"  seed {seed}: final val loss {loss:.4f} nats/token "
+                  f"(prediction error {check['predicted'] / loss - 1:+.2%})")
         losses = list(check["losses"].values())
         check["measured"] = sum(losses) / len(losses)
         check["error"] = check["predicted"] / check["measured"] - 1

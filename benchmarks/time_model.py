@@ -57,8 +57,10 @@ GPT2ISH = dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4
 MOE = dict(SMALL, n_experts=4, top_k=2, expert_ffn_hidden=352)
 MOE8 = dict(SMALL, n_experts=8, top_k=2, expert_ffn_hidden=352, max_seq_len=1024)
 LONG = dict(SMALL, max_seq_len=1024)
-SHALLOW_WIDE = dict(vocab_size=4096, d_model=768, n_layers=1, n_heads=12, n_kv_heads=4, ffn_hidden=2048, max_seq_len=512)
-DEEP_NARROW = dict(vocab_size=4096, d_model=128, n_layers=12, n_heads=4, n_kv_heads=2, ffn_hidden=384, max_seq_len=512)
+SHALLOW_WIDE = dict(vocab_size=4096, d_model=768, n_layers=1, n_heads=12, n_kv_heads=4, ffn_hidden=2048,
+                    max_seq_len=512)
+DEEP_NARROW = dict(vocab_size=4096, d_model=128, n_layers=12, n_heads=4, n_kv_heads=2, ffn_hidden=384,
+                   max_seq_len=512)
 
 
 @dataclass
@@ -89,7 +91,8 @@ CASES = [
     Case("small fp32 compiled", SMALL, 8, 256, precision="fp32", compiled=True),
     Case("tiny compiled", TINY, 8, 128, compiled=True), Case("medium K4", MEDIUM, 4, 256, grad_accum=4),
     Case("gpt2-style", GPT2ISH, 8, 256), Case("small ddp", SMALL, 8, 256, strategy="ddp"),
-    Case("small fsdp", SMALL, 8, 256, strategy="fsdp"), Case("tiny ddp fp32", TINY, 8, 128, precision="fp32", strategy="ddp"),
+    Case("small fsdp", SMALL, 8, 256, strategy="fsdp"),
+    Case("tiny ddp fp32", TINY, 8, 128, precision="fp32", strategy="ddp"),
     # settings beyond the defaults: MoE (top-1 and top-2, 4-8 experts, T 128-1024), fp32 shapes, checkpointing
     # x accumulation, long sequences
     Case("moe E8 top1 T128", dict(MOE8, top_k=1), 16, 128), Case("moe E8 T1024", MOE8, 2, 1024),
@@ -98,7 +101,8 @@ CASES = [
     Case("shallow-wide fp32", SHALLOW_WIDE, 8, 128, precision="fp32"),
     Case("deep-narrow fp32", DEEP_NARROW, 8, 256, precision="fp32"),
     Case("small selective K4", SMALL, 4, 256, 4, "selective"), Case("medium full K2", MEDIUM, 4, 256, 2, "full"),
-    Case("small full K4", SMALL, 4, 256, 4, "full"), Case("deep-narrow selective K2", DEEP_NARROW, 8, 256, 2, "selective"),
+    Case("small full K4", SMALL, 4, 256, 4, "full"),
+    Case("deep-narrow selective K2", DEEP_NARROW, 8, 256, 2, "selective"),
     Case("small T1024", LONG, 2, 1024), Case("small T1024 full", LONG, 2, 1024, checkpointing="full"),
 ]
 
@@ -167,8 +171,8 @@ def measure_torchrun(case: Case, steps: int = 20) -> float:
         cfg_path = Path(tmp) / "run.toml"
         save_config(run_config(case, steps), cfg_path)
         env = dict(os.environ, PYTHONPATH=str(ROOT))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "trainwise",
-               "train", "--config", str(cfg_path), "--out", str(Path(tmp) / "run")]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "trainwise", "train", "--config", str(cfg_path), "--out", str(Path(tmp) / "run")]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode:
             raise RuntimeError(proc.stderr[-3000:])
@@ -340,8 +344,8 @@ def main() -> int:
     print(f"|error| against the probed prediction: median {statistics.median(probed_errors):.1%}, worst "
           f"{max(probed_errors):.1%} over {len(probed_errors)} configs"
           + (f"; MoE median {statistics.median(moe_errors):.1%} over {len(moe_errors)}" if moe_errors else ""))
-    print(f"|error| against the calibrated prediction: median {statistics.median(errors):.1%}, worst {max(errors):.1%}; "
-          f"load average at end {os.getloadavg()[0]:.2f}; {time.time() - t0:.0f} s in all")
+    print(f"|error| against the calibrated prediction: median {statistics.median(errors):.1%}, "
+          f"worst {max(errors):.1%}; load average at end {os.getloadavg()[0]:.2f}; {time.time() - t0:.0f} s in all")
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "probes": probes,
                                                "cases": [{"name": c.name, **c.results} for c in cases]}, indent=1))

@@ -1,4 +1,5 @@
-"""torchrun with DDP, ZeRO-1 and FSDP2 (zero2, fsdp) on 2 CPU ranks (gloo): same losses as one process, clean failure, resume."""
+"""torchrun with DDP, ZeRO-1 and FSDP2 (zero2, fsdp) on 2 CPU ranks (gloo): same losses as one process, clean failure,
+resume."""
 
 import json
 import os
@@ -91,7 +92,8 @@ def two_ranks(corpus, tmp_path_factory):
     def run(strategy: str) -> Path:
         if strategy not in runs:
             runs[strategy] = tmp_path_factory.mktemp(strategy) / "run"
-            extra = ("train.max_steps=5", "train.micro_batch=2", "train.checkpoint_every=3", f"parallel.strategy={strategy}")
+            extra = ("train.max_steps=5", "train.micro_batch=2", "train.checkpoint_every=3",
+                     f"parallel.strategy={strategy}")
             proc = torchrun("--out", str(runs[strategy]), *sets(corpus, *extra))
             assert proc.returncode == 0, proc.stderr[-3000:]
         return runs[strategy]
@@ -129,7 +131,8 @@ def test_grad_accum_composes_with_fsdp_and_checkpointing(corpus, tmp_path, strat
     extra = ("train.max_steps=3", "train.micro_batch=1", "train.activation_checkpointing=full")
     single = one_process(*extra, "train.grad_accum_steps=4")
     multi = tmp_path / "multi"
-    proc = torchrun("--out", str(multi), *sets(corpus, *extra, "train.grad_accum_steps=2", f"parallel.strategy={strategy}"))
+    proc = torchrun("--out", str(multi),
+                    *sets(corpus, *extra, "train.grad_accum_steps=2", f"parallel.strategy={strategy}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert losses(multi) == pytest.approx(losses(single), rel=1e-5)
 
@@ -156,7 +159,8 @@ def straight_losses(corpus, tmp_path_factory) -> list[float]:
 def signal_one_rank_mid_run(run: Path, corpus: Path, sig: int) -> tuple[int, str]:
     """Start SIGNAL_RUN on 2 ranks, send `sig` to the rank started last after 12 steps; (exit code, stderr)."""
     proc = subprocess.Popen([*TORCHRUN, "-m", "trainwise", "train", "--quiet", "--out", str(run),
-                             *sets(corpus, *SIGNAL_RUN)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank_env())
+                             *sets(corpus, *SIGNAL_RUN)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank_env())
     metrics = run / "metrics.jsonl"
     while proc.poll() is None and (not metrics.exists() or len(metrics.read_text().splitlines()) < 12):
         time.sleep(0.01)

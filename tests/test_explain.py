@@ -31,7 +31,8 @@ def run_json(capsys, *argv):
 def test_einsum_flops():
     assert einsum_flops("mk,kn->mn", (2, 3), (3, 4)) == ((2, 4), 48)  # 2MNK
     assert einsum_flops("ij,jk", (2, 3), (3, 4)) == ((2, 4), 48)  # implicit output
-    assert einsum_flops("bhtd,bhsd->bhts", (1, 8, 256, 32), (1, 8, 256, 32)) == ((1, 8, 256, 256), 2 * 8 * 256 * 256 * 32)
+    assert einsum_flops("bhtd,bhsd->bhts", (1, 8, 256, 32), (1, 8, 256, 32)) == (
+        (1, 8, 256, 256), 2 * 8 * 256 * 256 * 32)
     assert einsum_flops("ij,ij->ij", (3, 4), (3, 4)) == ((3, 4), 12)  # elementwise: one multiply each
     with pytest.raises(ValueError):
         einsum_flops("ij,jk->ik", (2, 3), (4, 5))

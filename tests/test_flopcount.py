@@ -31,7 +31,8 @@ def test_counted_step_matches_planner(activation, norm, position, bias, checkpoi
     if checkpointing != "none":
         apply_activation_checkpointing(model, checkpointing)
     batches = random_batches(cfg.vocab_size, 2, 16, 2, CPU)  # grad accumulation K = 2
-    counted = count_train_step(TrainingStep(model, torch.optim.AdamW(model.parameters(), foreach=True), CPU, "fp32"), batches)
+    counted = count_train_step(TrainingStep(model, torch.optim.AdamW(model.parameters(), foreach=True), CPU, "fp32"),
+                               batches)
     predicted = flops_per_token_train(cfg, 16, recompute=checkpointing) * 2 * 16 * 2
     assert counted.total == pytest.approx(predicted, rel=0.01)
     assert counted.by_op["aten._scaled_dot_product_flash_attention_for_cpu"] > 0  # torch alone counts 0

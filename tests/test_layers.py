@@ -128,6 +128,14 @@ def test_files_stay_small(path):
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES}): split it"
 
 
+def test_lines_stay_within_the_line_length():
+    """pyproject.toml's [tool.ruff] line-length, checked by ruff (E501): a long line is wrapped, not widened."""
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    done = subprocess.run([ruff, "check", "--select", "E501", "--output-format", "concise",
+                           "trainwise", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-12000:] + done.stderr[-2000:]
+
+
 def test_train_reads_as_phases():
     tree = ast.parse((PACKAGE / "trainer" / "loop.py").read_text(encoding="utf-8"))
     train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")

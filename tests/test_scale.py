@@ -190,7 +190,8 @@ def test_fit_cli_stores_per_corpus_and_plan_predict_optimal_read_it(corpus, tiny
     # a reduced form: E held, the other four fitted; a form that is none is refused before any work
     assert main(["scale", "fit", *map(str, tiny_runs), "--bootstrap", "4", "--form", "E=4", "--json"]) == 0
     held = json.loads(capsys.readouterr().out)
-    assert held["form"] == "E=4" and held["law"]["E"] == 4 and held["identification"]["parameters"]["E"]["identified"] is None
+    assert held["form"] == "E=4" and held["law"]["E"] == 4
+    assert held["identification"]["parameters"]["E"]["identified"] is None
     assert main(["scale", "sweep", "--minutes", "1", "--form", "E=none"]) == 2
     assert "is not a form of the law" in capsys.readouterr().err
 

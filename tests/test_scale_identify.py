@@ -82,7 +82,8 @@ def test_a_d_only_sweep_identifies_neither_n_nor_e_and_says_so(d_only):
         p = ident["parameters"][name]
         if p["identified"] is False:
             assert "reaches the search's bound" in p["why"] or "spans" in p["why"]
-    assert ident["terms"]["N"]["max"] - ident["terms"]["N"]["min"] < ident["terms"]["D"]["max"] - ident["terms"]["D"]["min"]
+    n, d = ident["terms"]["N"], ident["terms"]["D"]
+    assert n["max"] - n["min"] < d["max"] - d["min"]
 
 
 def test_predict_and_optimal_refuse_to_extrapolate_an_unidentified_axis_and_name_the_runs(d_only):

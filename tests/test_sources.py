@@ -20,7 +20,8 @@ from trainwise.errors import TrainwiseError
 from trainwise.tokenizer import Tokenizer
 
 ZH = "训练语言模型需要大量的文本数据。我们先把文本切分成词元，然后用神经网络预测下一个词元。梯度下降会慢慢降低损失。\n"
-ZH_T = "訓練語言模型需要大量的文本資料。我們先把文本切分成詞元，然後用神經網路預測下一個詞元。梯度下降會慢慢降低損失。\n"
+ZH_T = ("訓練語言模型需要大量的文本資料。我們先把文本切分成詞元，然後用神經網路預測下一個詞元。"
+        "梯度下降會慢慢降低損失。\n")
 JA = "言語モデルを訓練するには、たくさんの文章が必要です。まず文章をトークンに分けて、次のトークンを予測します。\n"
 KO = "언어 모델을 훈련하려면 많은 텍스트가 필요합니다. 먼저 텍스트를 토큰으로 나누고 다음 토큰을 예측합니다.\n"
 FR = "Le modèle apprend à prédire le mot suivant. « Très bien », dit l’élève — c’était déjà l’été; “voilà”.\n"
@@ -229,7 +230,8 @@ def test_compressed_and_table_formats_train_and_round_trip(tmp_path):
                 f.write(payload)
     rows = [ZH, ZH_T, EN + KO]
     pq.write_table(pa.table({"text": rows[:1]}), root / "rows.parquet")
-    with pa.OSFile(str(root / "rows.arrow"), "wb") as sink, pa.ipc.new_file(sink, pa.schema([("text", pa.string())])) as w:
+    with (pa.OSFile(str(root / "rows.arrow"), "wb") as sink,
+          pa.ipc.new_file(sink, pa.schema([("text", pa.string())])) as w):
         w.write_table(pa.table({"text": rows[1:2]}))
     datasets.Dataset.from_dict({"text": rows[2:]}).save_to_disk(str(root / "hf"))
     data, docs = train_and_decode(root, tmp_path)

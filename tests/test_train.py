@@ -47,7 +47,8 @@ def test_run_directory_contract(corpus, tmp_path):
     assert resolved.model.vocab_size == result_vocab(out)
     assert resolved.train.max_steps == 20
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["model"]["params_total"] == sum(t.numel() for t in load_file(checkpoints[-1] / "model.safetensors").values())
+    weights = load_file(checkpoints[-1] / "model.safetensors")
+    assert plan["model"]["params_total"] == sum(t.numel() for t in weights.values())
     assert result.val_loss == pytest.approx(rows[-1]["val_loss"])
 
 
@@ -170,7 +171,8 @@ def test_compile_setting_auto_compiles_only_long_dense_single_process_or_ddp_run
     # --set train.compile=true (a TOML bool) means "true"; anything else names the choices
     assert apply_overrides(RunConfig(), ["train.compile=true"]).train.compile == "true"
     assert apply_overrides(RunConfig(), ["train.compile=false"]).train.compile == "false"
-    assert apply_overrides(RunConfig(), ["train.activation_checkpointing=true"]).train.activation_checkpointing == "full"
+    checkpointing = apply_overrides(RunConfig(), ["train.activation_checkpointing=true"]).train.activation_checkpointing
+    assert checkpointing == "full"
     from trainwise.errors import TrainwiseError
 
     with pytest.raises(TrainwiseError, match="train.compile = 'sometimes' is not one of auto, true, false"):

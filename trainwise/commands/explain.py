@@ -23,7 +23,8 @@ def register(sub, help_text: str) -> None:
     p.set_defaults(func=cmd_explain, topic=None)
     sub = p.add_subparsers(dest="topic", metavar="TOPIC")
     for t in topics().values():
-        tp = sub.add_parser(t.name, help=t.summary["en"], description=f"{t.summary['en']}\n{t.term_zh}: {t.summary['zh']}",
+        tp = sub.add_parser(t.name, help=t.summary["en"],
+                            description=f"{t.summary['en']}\n{t.term_zh}: {t.summary['zh']}",
                             epilog=f"example:\n  {t.examples}" if t.examples else None,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         for arg in t.args:

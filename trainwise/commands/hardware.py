@@ -29,7 +29,8 @@ def cmd_hardware(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _cmd_calibrate(args)
     if args.json:
-        print(json.dumps({k: {"name": a.name, "peak_flops": a.peak_flops, "bandwidth_bytes_per_s": a.bandwidth_bytes_per_s,
+        print(json.dumps({k: {"name": a.name, "peak_flops": a.peak_flops,
+                              "bandwidth_bytes_per_s": a.bandwidth_bytes_per_s,
                               "memory_bytes": a.memory_bytes, "node": a.node and asdict(NODES[a.node])}
                           for k, a in ACCELERATORS.items()}, indent=2))
         return 0
@@ -84,8 +85,9 @@ def _cmd_calibrate(args) -> int:
             if att:
                 print(f"  bf16  attention kernel: forward {att['forward'][1] / 1e9:,.1f}, backward "
                       f"{att['backward'][1] / 1e9:,.1f} GFLOP/s")
-            print(f"  optimizer step {prof['optimizer'][0] * 1e6:,.1f} us per tensor + {prof['optimizer'][1] * 1e9:,.2f} "
-                  f"ns per parameter; eager overhead {prof['overhead'][0] * 1e3:,.2f} ms per step + "
+            print(f"  optimizer step {prof['optimizer'][0] * 1e6:,.1f} us per tensor + "
+                  f"{prof['optimizer'][1] * 1e9:,.2f} ns per parameter; "
+                  f"eager overhead {prof['overhead'][0] * 1e3:,.2f} ms per step + "
                   f"{prof['overhead'][1] * 1e6:,.1f} us per op; kernels in a real step "
                   + (", ".join(f"x{x:.3g} ({prec})" for prec, x in prof["in_step_by"].items()) if prof.get("in_step_by")
                      else f"x{prof.get('in_step', 1.0):.3g}") + " their time alone")

@@ -20,7 +20,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def register(sub, help_text: str) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("report", help=help_text,
-                       epilog="examples:\n  trainwise report runs/run-1\n  trainwise report runs/run-1 --out /tmp/r.html",
+                       epilog="examples:\n  trainwise report runs/run-1\n"
+                              "  trainwise report runs/run-1 --out /tmp/r.html",
                        formatter_class=fmt)
     p.add_argument("run_dir")
     p.add_argument("--out", help="where to write the HTML (default DIR/report.html)")

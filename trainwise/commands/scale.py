@@ -45,7 +45,8 @@ FORM_HELP = ("full (default: E, A, B, alpha, beta), alpha=beta (one exponent), o
 
 
 def register(sub_parsers, help_text: str) -> None:
-    p = sub_parsers.add_parser("scale", help=help_text, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub_parsers.add_parser("scale", help=help_text, epilog=EXAMPLES,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="action", metavar="<action>")
     sub.required = True
 
@@ -64,13 +65,15 @@ def register(sub_parsers, help_text: str) -> None:
         q = sub.add_parser(name, help=helptext)
         if name == "predict":
             q.add_argument("--model", required=True, help="preset name or trainwise TOML (its [data] picks the fit)")
-            q.add_argument("--tokens", type=number, help="training tokens D (default: a TOML's max_steps x tokens/step)")
+            q.add_argument("--tokens", type=number,
+                           help="training tokens D (default: a TOML's max_steps x tokens/step)")
         else:
             q.add_argument("--flops", type=number, required=True, help="compute budget C in FLOPs")
             q.add_argument("--gpu", default="cpu", help="hardware of the plan (default: this CPU, measured)")
             q.add_argument("--peak-flops", type=number, help="peak FLOP/s per device (overrides --gpu)")
             q.add_argument("--mfu", type=number, help="model FLOP utilisation of the plan (default the planner's)")
-        q.add_argument("--data", nargs="+", metavar="PATH", help=f"corpus of the fit (default: {SWEEP_DATA[0]}, the sweep's)")
+        q.add_argument("--data", nargs="+", metavar="PATH",
+                       help=f"corpus of the fit (default: {SWEEP_DATA[0]}, the sweep's)")
         q.add_argument("--vocab-size", type=int, help="tokenizer vocab size of the fit (default 4096 or the TOML's)")
         q.add_argument("--fit", metavar="FIT.json", help="a fit file instead of the stored fit of the corpus")
         q.add_argument("--json", action="store_true")
@@ -142,20 +145,21 @@ def format_fit(record: dict) -> str:
             p5, p95 = term["level_p5_p95"]
             lines.append(f"  {name} at {axis} = {term['at']:.3g} (the fitted range's centre): {term['level']:.3g} nats "
                          f"({p5:.3g}-{p95:.3g}): {'identified' if term['level_identified'] else 'NOT IDENTIFIED'}")
-    lines.append(f"  the loss over the fitted points spans {t['loss'][0]:.4f}-{t['loss'][1]:.4f} nats/token; each term's range "
-                 f"over them, as a share of that span: N term {t['N']['share_of_range']:.0%} "
+    lines.append(f"  the loss over the fitted points spans {t['loss'][0]:.4f}-{t['loss'][1]:.4f} nats/token; "
+                 f"each term's range over them, as a share of that span: N term {t['N']['share_of_range']:.0%} "
                  f"({t['N']['min']:.3g}-{t['N']['max']:.3g} nats), D term {t['D']['share_of_range']:.0%} "
                  f"({t['D']['min']:.3g}-{t['D']['max']:.3g}); E = {t['E']:.3g} is constant")
     unknown = [axis for axis, ok in ident["axes"].items() if not ok]
     if unknown:
-        lines.append(f"  the points do not identify the {' and '.join(unknown)} term: `scale predict` and `scale optimal` "
-                     f"will not extrapolate along {' or '.join(unknown)} beyond the fitted runs ({ident['rule']})")
+        lines.append(f"  the points do not identify the {' and '.join(unknown)} term: "
+                     f"`scale predict` and `scale optimal` will not extrapolate along {' or '.join(unknown)} "
+                     f"beyond the fitted runs ({ident['rule']})")
     if ident["parameters"]["E"]["identified"] is False:
         lines.append("  E is not identified: the law's floor is not known, and predictions far beyond the fitted runs "
                      "carry that")
     res = record["residuals"]
-    lines.append(f"  {res['points']} points from {len(record['runs'])} runs; fit vs observed: rms {res['rms_relative']:.2%},"
-                 f" max {res['max_abs_relative']:.2%}")
+    lines.append(f"  {res['points']} points from {len(record['runs'])} runs; "
+                 f"fit vs observed: rms {res['rms_relative']:.2%}, max {res['max_abs_relative']:.2%}")
     for r in record["runs"]:
         label = Path(r["run_dir"]).name
         label += "" if label == r["name"] else f" ({r['name']})"  # a seed's directory names its model
@@ -240,9 +244,9 @@ def cmd_optimal(args: argparse.Namespace) -> int:
         return 0
     s = out["six_nd"]
     print(f"compute-optimal for C = {out['flops']:.4g} FLOPs ({out['convention']}):")
-    print(f"  {out['model']} (d_model {out['d_model']}, {out['n_layers']} layers): N = {out['n_params']:,} non-embedding "
-          f"parameters, D = {out['tokens']:.4g} tokens ({out['tokens'] / out['n_params']:.1f} tokens/parameter), "
-          f"predicted loss {out['loss']:.4f} nats/token")
+    print(f"  {out['model']} (d_model {out['d_model']}, {out['n_layers']} layers): "
+          f"N = {out['n_params']:,} non-embedding parameters, D = {out['tokens']:.4g} tokens "
+          f"({out['tokens'] / out['n_params']:.1f} tokens/parameter), predicted loss {out['loss']:.4f} nats/token")
     if out["repetition_note"]:
         print(f"  warning: {out['repetition_note']}")
     if out["data_bound"]:
@@ -261,8 +265,8 @@ def cmd_optimal(args: argparse.Namespace) -> int:
     m, t = cfg.model, cfg.train
     sets = (f"model.d_model={m.d_model} model.n_layers={m.n_layers} model.n_heads={m.n_heads} "
             f"model.n_kv_heads={m.n_kv_heads} train.max_steps={t.max_steps} train.micro_batch={t.micro_batch} "
-            f"train.seq_len={t.seq_len} train.lr={t.lr:g} train.min_lr={t.min_lr:g} train.warmup_steps={t.warmup_steps} "
-            f"train.eval_steps={t.eval_steps}")
+            f"train.seq_len={t.seq_len} train.lr={t.lr:g} train.min_lr={t.min_lr:g} "
+            f"train.warmup_steps={t.warmup_steps} train.eval_steps={t.eval_steps}")
     print("\ntrain it with the fitted runs' recipe: trainwise train" + "".join(f" --set {s}" for s in sets.split()))
     print("\nplan:")
     print(plan_table(plan))

@@ -26,12 +26,12 @@ EPILOG = """examples:
 def register(sub, help_text: str) -> None:
     p = sub.add_parser("train", help=help_text, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML file with [model], [train], [data], [tokenizer] sections")
-    p.add_argument("--model", help="model preset name (trainwise-small, trainwise-gpt2-small, trainwise-moe-small, ...; "
-                   "an unknown name lists them all)")
-    p.add_argument("--data", nargs="+", metavar="PATH", help="files, folders or globs: text in any encoding, .jsonl, .csv/.tsv, "
-                   "Parquet, Arrow, datasets folders, compressed or not (see `trainwise data`)")
-    p.add_argument("--out", help="run directory to create (default runs/run-DATE-TIME); one that holds a run of the same "
-                   "config is continued from its latest checkpoint (train.resume=auto; never|always)")
+    p.add_argument("--model", help="model preset name (trainwise-small, trainwise-gpt2-small, trainwise-moe-small, "
+                   "...; an unknown name lists them all)")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="files, folders or globs: text in any encoding, .jsonl, "
+                   ".csv/.tsv, Parquet, Arrow, datasets folders, compressed or not (see `trainwise data`)")
+    p.add_argument("--out", help="run directory to create (default runs/run-DATE-TIME); one that holds a run of the "
+                   "same config is continued from its latest checkpoint (train.resume=auto; never|always)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config value")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     p.add_argument("--max-steps", type=int, help="train until this optimizer step")

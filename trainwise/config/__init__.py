@@ -37,7 +37,7 @@ from trainwise.config.toml import (
 )
 
 __all__ = ["ACTIVATIONS", "ATTENTIONS", "CHECKPOINTING", "COMPILE", "FSDP_STRATEGIES", "GATINGS", "NORMS", "OPTIMIZERS",
-           "POSITIONS", "PRECISIONS", "RESUME_POLICIES", "SECTIONS", "STRATEGIES", "STRATEGY_OF_STAGE", "ZERO_STAGE", "DataConfig", "LogConfig", "ModelConfig",
-           "ParallelConfig", "RunConfig", "SourceConfig", "TokenizerConfig", "TrainConfig", "apply_overrides",
-           "config_from_dict", "config_to_dict", "default_ffn_hidden", "load_config", "save_config",
-           "section_from_dict", "to_toml"]
+           "POSITIONS", "PRECISIONS", "RESUME_POLICIES", "SECTIONS", "STRATEGIES", "STRATEGY_OF_STAGE", "ZERO_STAGE",
+           "DataConfig", "LogConfig", "ModelConfig", "ParallelConfig", "RunConfig", "SourceConfig", "TokenizerConfig",
+           "TrainConfig", "apply_overrides", "config_from_dict", "config_to_dict", "default_ffn_hidden", "load_config",
+           "save_config", "section_from_dict", "to_toml"]

@@ -8,10 +8,10 @@ trainwise.data.formats; tokenizing into the cache, in parallel and resumably, is
 Documents are separated by the end-of-text token, appended after each one (nanoGPT's OpenWebText
 preparation does the same).
 
-Tokenized corpora are cached under `$TRAINWISE_CACHE/data/<key>/` (trainwise.hardware.cache.cache_root), keyed by a hash of the input files
-(path, size, mtime), the decisions made reading them (format, compression, encoding), the text field,
-the chunk size and the tokenizer.json; the train/validation split is just an offset into the cached
-file, so changing val_fraction reuses the cache.
+Tokenized corpora are cached under `$TRAINWISE_CACHE/data/<key>/` (trainwise.hardware.cache.cache_root), keyed by a hash
+of the input files (path, size, mtime), the decisions made reading them (format, compression, encoding), the text field,
+the chunk size and the tokenizer.json; the train/validation split is just an offset into the cached file, so changing
+val_fraction reuses the cache.
 
 A mixture (`[[data.sources]]`, each with paths and a weight) is tokenized source by source, each into
 its own cache entry, split into train and validation each, and sampled in proportion to the weights.
@@ -185,7 +185,8 @@ def prepare_data(data_cfg: DataConfig, tokenizer: Tokenizer, seq_len: int,
         return _prepare_mixture(data_cfg, tokenizer, seq_len, cache_root, chunk_chars, shard_bytes)
     corpus = corpus_of(data_cfg)
     key = hashlib.sha256(
-        f"{_corpus_key(corpus, data_cfg.text_field, chunk_chars)} {tokenizer.fingerprint()} eot={tokenizer.eot_id}".encode()
+        f"{_corpus_key(corpus, data_cfg.text_field, chunk_chars)} {tokenizer.fingerprint()} "
+        f"eot={tokenizer.eot_id}".encode()
     ).hexdigest()
     entry = cache.cache_root(cache_root) / "data" / key[:32]
     cache_hit = (entry / "meta.json").is_file()

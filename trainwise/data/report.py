@@ -67,8 +67,10 @@ def render(report: dict) -> str:
         lines += [f"{prefix}  {note}" for note in disc.get("notes", [])]
     t = report["tokenizer"]
     lines += [
-        f"documents: {report['documents']:,}; text: {report['chars']:,} characters, {report['text_bytes']:,} UTF-8 bytes"
-        + (f"; {report['replaced_bytes']:,} undecodable input bytes replaced by U+FFFD" if report["replaced_bytes"] else ""),
+        f"documents: {report['documents']:,}; text: {report['chars']:,} characters, "
+        f"{report['text_bytes']:,} UTF-8 bytes"
+        + (f"; {report['replaced_bytes']:,} undecodable input bytes replaced by U+FFFD"
+           if report["replaced_bytes"] else ""),
         f"tokens: {report['tokens']:,} (tokenizer with {t['vocab_size']:,} tokens, one end-of-text token per "
         f"document); {report['chars_per_token']:.2f} characters / token, {report['bytes_per_token']:.2f} bytes / token",
         "top tokens: " + ", ".join(f"{tok['text']!r} {tok['share']:.1%}" for tok in report["top_tokens"]),

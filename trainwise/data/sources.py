@@ -298,7 +298,8 @@ class _Discovery:
     def _refuse_empty(self) -> None:
         binary = self.corpus.binary
         if binary:
-            names = ", ".join(f"'{p}'" for p, _ in binary[:3]) + (f" and {len(binary) - 3} more" if len(binary) > 3 else "")
+            names = (", ".join(f"'{p}'" for p, _ in binary[:3])
+                     + (f" and {len(binary) - 3} more" if len(binary) > 3 else ""))
             raise TrainwiseError(
                 f"the data paths hold no text: all {len(binary)} file(s) found are binary ({names}). Point "
                 "data.paths at text (plain text in any encoding, .jsonl, .csv/.tsv, Parquet, Arrow, a "

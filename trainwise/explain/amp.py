@@ -31,9 +31,10 @@ AMP = {
                rcols=["recipe", "params", "grads", "m + v", "master", "total B/param", "activations MB", "MiB"],
                why="Autocast runs matmuls (Linear, attention) in the low precision and keeps reductions that lose "
                    "accuracy (losses, and on GPUs softmax and norms) in fp32; the weights and their gradients stay "
-                   "fp32. fp16 has only 5 exponent bits: nothing below 2^-24 (its smallest subnormal) is representable and gradients under half of it round to 0. GradScaler multiplies "
-                   "the loss by S before backward and divides the gradients by S before the optimizer step, skipping "
-                   "steps whose gradients overflowed. bf16 has fp32's range and needs no scaling.",
+                   "fp32. fp16 has only 5 exponent bits: nothing below 2^-24 (its smallest subnormal) is representable "
+                   "and gradients under half of it round to 0. GradScaler multiplies the loss by S before backward and "
+                   "divides the gradients by S before the optimizer step, skipping steps whose gradients overflowed. "
+                   "bf16 has fp32's range and needs no scaling.",
                run=["train.precision = auto picks {p} here ({why}); bf16 is the planner's 'amp' recipe: model states "
                     "stay 16 B/param with AdamW, only activations shrink.",
                     "On a GPU without bf16 the trainer uses fp16 with torch.amp.GradScaler, as here; "
@@ -51,8 +52,9 @@ AMP = {
                recipes_head="规划器各精度方案在 AdamW 下每个参数的字节数 (trainwise.cost.memory)，以及 trainwise-small "
                             "在 B = {b}、T = {t} 时保存的激活值：",
                rcols=["方案", "参数", "梯度", "m + v", "主权重", "合计 B/参数", "激活值 MB", "MiB"],
-               why="autocast 让矩阵乘法（Linear、注意力）用低精度计算，把会损失精度的归约（损失函数，GPU 上还有 softmax "
-                   "和归一化）保留在 fp32；权重和梯度仍是 fp32。fp16 只有 5 个指数位：小于 2^-24（最小的非正规数）的值无法表示，小于它一半的梯度会舍入为 0。"
+               why="autocast 让矩阵乘法（Linear、注意力）用低精度计算，把会损失精度的归约（损失函数，GPU 上还有 "
+                   "softmax 和归一化）保留在 fp32；权重和梯度仍是 fp32。"
+                   "fp16 只有 5 个指数位：小于 2^-24（最小的非正规数）的值无法表示，小于它一半的梯度会舍入为 0。"
                    "GradScaler（梯度缩放器）在反向传播前把损失乘以 S、在优化器更新前把梯度除以 S，并跳过梯度溢出的步。"
                    "bf16 的范围与 fp32 相同，不需要缩放。",
                run=["train.precision = auto 在这里选择 {p}（{why}）；bf16 就是规划器的 amp 方案：AdamW 下模型状态仍是 "
@@ -164,8 +166,10 @@ def amp(grad: float = 1e-8, scale: float = 65536.0, dtype: str | None = None, la
 
 TOPICS = [
     Topic("amp", "自动混合精度",
-          {"en": "autocast dtypes on this device (measured); an fp16 gradient lost, then kept by a GradScaler; bytes/param",
-           "zh": "本设备上的 autocast：各运算的数据类型（实测）；fp16 梯度下溢与 GradScaler；fp32/amp/bf16 方案每参数字节数"},
+          {"en": "autocast dtypes on this device (measured); an fp16 gradient lost, then kept by a GradScaler; "
+                 "bytes/param",
+           "zh": "本设备上的 autocast：各运算的数据类型（实测）；fp16 梯度下溢与 GradScaler；"
+                 "fp32/amp/bf16 方案每参数字节数"},
           amp,
           [Arg("--grad", dict(type=float, default=1e-8, help="the small gradient g (default 1e-8)")),
            Arg("--scale", dict(type=float, default=65536.0, help="GradScaler's scale S (default 65536 = 2^16)")),

@@ -137,7 +137,8 @@ def embedding(batch: int = 2, seq_len: int = 4, vocab_size: int = 4096, d_model:
     size = tensor_bytes(emb.weight.shape, "fp32")
     same = torch.equal(out[0, 0], emb.weight[ids[0, 0]])
     d = Doc(t["title"], lang)
-    d.step(t["ids"], "(B, T)", f"({batch}, {seq_len})", str(ids.tolist()[0][:8]) + (" ..." if batch > 1 or seq_len > 8 else ""))
+    d.step(t["ids"], "(B, T)", f"({batch}, {seq_len})",
+           str(ids.tolist()[0][:8]) + (" ..." if batch > 1 or seq_len > 8 else ""))
     d.step(t["table"], "weight (V, H)", f"({vocab_size}, {d_model})", str(tuple(emb.weight.shape)))
     d.step(t["out"], "embed(ids): (B, T) -> (B, T, H)", f"({batch}, {seq_len}) -> ({batch}, {seq_len}, {d_model})",
            str(tuple(out.shape)))

@@ -28,7 +28,8 @@ def _counted(fn) -> int:
 # ---------------------------------------------------------------------------------------------------
 MM = {
     "en": dict(title="Matrix multiplication: output shape and FLOPs", out="output shape", fwd="FLOPs",
-               counted="counted by FlopCounterMode", train="training, as a Linear layer", counted_train="counted (fwd+bwd)",
+               counted="counted by FlopCounterMode", train="training, as a Linear layer",
+               counted_train="counted (fwd+bwd)",
                why="Each of the M x N outputs is a dot product of length K: K multiplies + K adds = 2K FLOPs. "
                    "Backward needs two matmuls of the same size (dX = dY W^T, dW = X^T dY), so training is 3x forward.",
                run=["Almost all of a Transformer's FLOPs are matmuls like this: with M = tokens and K x N = the "
@@ -77,7 +78,8 @@ EIN = {
                why="One pass over every combination of the indices: (operands - 1) multiplies, + 1 add when an "
                    "index is summed away. Two operands with a contraction: 2 x product of all sizes, i.e. 2MNK.",
                run=["The default is the attention score matmul q k^T of trainwise-small at T = 256 "
-                    "(B=1, shapes (B, nh, T, hd)): the planner's attention core counts it (and the matching A V) per layer.",
+                    "(B=1, shapes (B, nh, T, hd)): the planner's attention core counts it "
+                    "(and the matching A V) per layer.",
                     "Attention in the model is written with SDPA; `trainwise.measure.flopcount` adds the FLOP "
                     "formula the CPU kernel lacks, so its count equals this one."]),
     "zh": dict(title="爱因斯坦求和 (einsum)：任意缩并的输出形状与 FLOPs", sizes="各下标大小", out="输出形状",
@@ -111,10 +113,12 @@ def einsum(equation: str = "bhtd,bhsd->bhts", shapes: list[list[int]] | None = N
     summed = [i for i in sizes if i not in out_idx]
     factor = flops // math.prod(sizes.values())
     d = Doc(t["title"], lang)
-    d.step(t["sizes"], equation, "  ".join(str(tuple(s)) for s in shapes), ", ".join(f"{k}={v}" for k, v in sizes.items()))
+    d.step(t["sizes"], equation, "  ".join(str(tuple(s)) for s in shapes),
+           ", ".join(f"{k}={v}" for k, v in sizes.items()))
     d.step(t["summed"], "", "", ", ".join(summed) or "-")
     d.step(t["out"], "torch.einsum(...).shape", "", str(torch_shape))
-    d.step(t["flops"], f"{factor} x prod(sizes)", f"{factor} x " + " x ".join(map(str, sizes.values())), f"{num(flops)} FLOPs")
+    d.step(t["flops"], f"{factor} x prod(sizes)", f"{factor} x " + " x ".join(map(str, sizes.values())),
+           f"{num(flops)} FLOPs")
     d.step(t["counted"], "torch.utils.flop_counter", "", f"{num(counted)} FLOPs")
     d.text()
     d.text(t["why"])
@@ -164,7 +168,8 @@ def dtype(overflow: float = 70000.0, underflow: float = 1e-8, lang: str = "en") 
         exponent = fi.bits - 1 - mantissa
         values[name] = dict(bits=fi.bits, exponent_bits=exponent, mantissa_bits=mantissa, max=fi.max,
                             smallest_normal=fi.smallest_normal, eps=fi.eps)
-        rows.append([name, fi.bits, 1, exponent, mantissa, f"{fi.max:.4g}", f"{fi.smallest_normal:.4g}", f"{fi.eps:.4g}"])
+        rows.append([name, fi.bits, 1, exponent, mantissa, f"{fi.max:.4g}", f"{fi.smallest_normal:.4g}",
+                     f"{fi.eps:.4g}"])
     d = Doc(t["title"], lang)
     d.table(t["cols"], rows)
     d.text()
@@ -195,13 +200,15 @@ RL = {
                    "the peak P nor than the bandwidth lets bytes arrive, I x BW: attainable = min(P, I x BW). "
                    "Below the ridge point P/BW it waits for memory.",
                run=["`trainwise roofline --model ...` places every operator of one of your training steps on this "
-                    "roofline: the big matmuls sit right of the ridge, norms, activations and the optimizer left of it.",
+                    "roofline: the big matmuls sit right of the ridge, "
+                    "norms, activations and the optimizer left of it.",
                     "Memory-bound operators are why MFU stays below 100% even when the GPU is busy."]),
     "zh": dict(title="屋顶线模型：计算受限还是访存受限？", ridge="脊点 (ridge point)", point="算术强度 I = {i}",
                mem="访存受限", comp="计算受限", ex="例子（{dt}，此硬件）",
                mm="矩阵乘法 {n}x{n}x{n}", add="{n} 个数的逐元素加法 (fp32)",
-               why="一个内核在 Q 字节上做 F 次浮点运算，其算术强度 I = F/Q。它既不能超过峰值 P，也不能超过带宽供数的速度 "
-                   "I x BW：可达性能 = min(P, I x BW)。算术强度低于脊点 P/BW 时，它在等待内存。",
+               why="一个内核在 Q 字节上做 F 次浮点运算，其算术强度 I = F/Q。"
+                   "它既不能超过峰值 P，也不能超过带宽供数的速度 I x BW：可达性能 = min(P, I x BW)。"
+                   "算术强度低于脊点 P/BW 时，它在等待内存。",
                run=["`trainwise roofline --model ...` 把你一步训练中的每个算子画在这条屋顶线上：大矩阵乘法在脊点右侧，"
                     "归一化、激活函数和优化器在左侧。",
                     "访存受限的算子正是 GPU 很忙时 MFU 仍低于 100% 的原因。"]),
@@ -277,12 +284,14 @@ def mfu(achieved_flops: float = 40e12, peak_flops: float = 100e12, devices: int 
     hfu = value * per_token_hw / per_token
     busy = attainable_flops(1 / 12, peak_flops, 1e12) / peak_flops  # fp32 add (1 FLOP per 12 bytes), 1 TB/s
     d = Doc(t["title"], lang)
-    d.step(t["mfu"], "achieved / (G x peak)", f"{num(achieved_flops)} / ({devices} x {num(peak_flops)})", f"{value:.1%}")
+    d.step(t["mfu"], "achieved / (G x peak)", f"{num(achieved_flops)} / ({devices} x {num(peak_flops)})",
+           f"{value:.1%}")
     d.step(t["from_tokens"], "tokens/s x FLOPs/token", f"{num(tokens_per_s)} x {num(per_token)}",
            f"{num(achieved_flops)} FLOP/s  ({cfg.name}, T={seq})")
-    d.step(t["hfu"], "MFU x (train + recompute) / train", f"{value:.3f} x {num(per_token_hw)} / {num(per_token)}", f"{hfu:.1%}")
-    d.step(t["busy"], "min(P, I x BW) / P, I = 1/12", f"min({num(peak_flops)}, {1 / 12:.4f} x 1e12) / {num(peak_flops)}",
-           f"{busy:.3%} (GPU util 100%)")
+    d.step(t["hfu"], "MFU x (train + recompute) / train", f"{value:.3f} x {num(per_token_hw)} / {num(per_token)}",
+           f"{hfu:.1%}")
+    d.step(t["busy"], "min(P, I x BW) / P, I = 1/12",
+           f"min({num(peak_flops)}, {1 / 12:.4f} x 1e12) / {num(peak_flops)}", f"{busy:.3%} (GPU util 100%)")
     d.text()
     d.text(t["why"])
     d.where(*t["run"])

@@ -101,7 +101,8 @@ def _by_hand(d: Doc, t: dict, gate: float, up: float) -> dict:
     d.step(f"GELU {t['at1']}", "x Phi(x)", f"1 x {_phi(1):.4f}", f"{_phi(1):.4f}   (torch {at1['gelu']:.4f})")
     d.step(f"GELU tanh {t['at1']}", "x/2 (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3)))",
            f"0.5 (1 + tanh({k * 1.044715:.4f}))", f"{gelu_tanh:.4f}   (torch {at1['gelu_tanh']:.4f})")
-    d.step(f"SiLU {t['at1']}", "x sigmoid(x)", f"1 x {_sigmoid(1):.4f}", f"{_sigmoid(1):.4f}   (torch {at1['silu']:.4f})")
+    d.step(f"SiLU {t['at1']}", "x sigmoid(x)", f"1 x {_sigmoid(1):.4f}",
+           f"{_sigmoid(1):.4f}   (torch {at1['silu']:.4f})")
     g = torch.tensor(gate, dtype=torch.float64, requires_grad=True)
     u = torch.tensor(up, dtype=torch.float64, requires_grad=True)
     s = ACTIVATION_FNS["swiglu"](g) * u  # what MLP.forward computes per element: act(gate) * up
@@ -167,16 +168,16 @@ EIN = {
                    "applies mean/sum/max over the axes that disappear; it always writes a new tensor.",
                run=["Attention.forward splits q, k, v with rearrange(q, \"b t (h d) -> b h t d\") and merges the "
                     "heads back with \"b h t d -> b t (h d)\" before the output projection: example 1 and 2.",
-                    "The loss flattens the (B, T, V) logits to (B T, V) for cross-entropy: example 3 (a view, no memory); "
-                    "`trainwise explain tensor` shows strides of any shape."]),
+                    "The loss flattens the (B, T, V) logits to (B T, V) for cross-entropy: "
+                    "example 3 (a view, no memory); `trainwise explain tensor` shows strides of any shape."]),
     "zh": dict(title="einops 张量重排：对 (B, T, H) 激活值做 rearrange 与 reduce",
                inputs="x = torch.arange(B T H).reshape(B, T, H)，B, T, H = {B}, {T}, {H}；头数 h = {h}，每头维度 "
                       "d = H / h = {d}；o 是注意力输出 (B, h, T, d)，和 SDPA 返回的一样是连续的。",
                torch="torch 等价写法", shape="形状", strides="步长 (stride)", equal="结果相同", storage="存储",
                view="与 {src} 共享存储：视图，不复制", copy="新的存储：复制",
-               why="rearrange 用名字而不是位置来指明维度：'(h d)' 把 H 拆成多个头，'b h t d' 移动维度，'(b t)' 合并维度。"
-                   "如果新维度只靠步长就能从原存储读出，结果是视图；如果合并的维度在内存中不相邻，就要复制。reduce 对消失的"
-                   "维度做 mean/sum/max，总是写出一个新张量。",
+               why="rearrange 用名字而不是位置来指明维度：'(h d)' 把 H 拆成多个头，'b h t d' 移动维度，"
+                   "'(b t)' 合并维度。如果新维度只靠步长就能从原存储读出，结果是视图；"
+                   "如果合并的维度在内存中不相邻，就要复制。reduce 对消失的维度做 mean/sum/max，总是写出一个新张量。",
                run=["Attention.forward 用 rearrange(q, \"b t (h d) -> b h t d\") 拆分 q、k、v 的多头，在输出投影前用 "
                     "\"b h t d -> b t (h d)\" 合并回来：即例 1 和例 2。",
                     "损失函数把 (B, T, V) 的 logits 展平为 (B T, V) 再算交叉熵：即例 3（视图，不占内存）；"
@@ -198,7 +199,8 @@ def _examples(B: int, T: int, H: int, h: int):
          f"o.transpose(1, 2).reshape({B}, {T}, {H})", o.transpose(1, 2).reshape(B, T, H)),
         ("x", x, 'rearrange(x, "b t h -> (b t) h")', rearrange(x, "b t h -> (b t) h"),
          f"x.view({B * T}, {H})", x.view(B * T, H)),
-        ("x", x, 'reduce(x, "b t h -> b h", "mean")', reduce(x, "b t h -> b h", "mean"), "x.mean(dim=1)", x.mean(dim=1)),
+        ("x", x, 'reduce(x, "b t h -> b h", "mean")', reduce(x, "b t h -> b h", "mean"),
+         "x.mean(dim=1)", x.mean(dim=1)),
     ]
 
 

@@ -59,11 +59,13 @@ def read_text(text: str | None, file: str | None) -> str:
     if file is not None:
         path = Path(file)
         if not path.is_file():
-            raise TrainwiseError(f"--file '{file}' does not exist; pass a UTF-8 text file, or the text itself with --text.")
+            raise TrainwiseError(f"--file '{file}' does not exist; pass a UTF-8 text file, "
+                                 "or the text itself with --text.")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
-            raise TrainwiseError(f"--file '{file}' is not UTF-8 text; convert it (e.g. iconv -t utf-8) or use --text.") from None
+            raise TrainwiseError(f"--file '{file}' is not UTF-8 text; "
+                                 "convert it (e.g. iconv -t utf-8) or use --text.") from None
     text = DEFAULT_TEXT if text is None else text
     if not text:
         raise TrainwiseError("the text is empty; pass one with --text \"...\" or --file PATH.")
@@ -193,6 +195,7 @@ TOPICS = [
           [Arg("--text", dict(default=None, help=f"the text (default: \"{DEFAULT_TEXT}\")")),
            Arg("--file", dict(default=None, help="read the text from this UTF-8 file instead")),
            Arg("--vocab-size", dict(type=int, default=300, help="vocabulary of the tiny tokenizer (default 300)")),
-           Arg("--run", dict(default=None, metavar="DIR", help="use the tokenizer.json of this run instead of training one"))],
+           Arg("--run", dict(default=None, metavar="DIR",
+                             help="use the tokenizer.json of this run instead of training one"))],
           "trainwise explain tokenizer --text \"低碳 low lower lowest\""),
 ]

@@ -163,9 +163,12 @@ def checkpointing(mode: str = "full", micro_batch: int = 2, seq_len: int = 32, d
     d.step(t["per_block"] + f" ({t['none']})", "memory.activation_bytes_per_token_layer", "", f"{num(per_block)} B")
     d.step(t["per_block"] + f" ({t['mode'].format(m='full')})", "s x H (block input)", f"4 x {cfg.d_model}",
            f"{4 * cfg.d_model} B")
-    d.step(t["saved"] + f", {t['none']}", f"{t['measured']}", "", f"{fmt_bytes(bytes_none)}   {t['planner']} {fmt_bytes(pred_none)}")
-    d.step(t["saved"] + f", {t['mode'].format(m=mode)}", f"{t['measured']}", "", f"{fmt_bytes(bytes_ck)}   {t['planner']} {fmt_bytes(pred_ck)}")
-    d.step(t["saving"], "1 - with / without", f"1 - {num(bytes_ck)} / {num(bytes_none)}", f"{1 - bytes_ck / bytes_none:.1%}")
+    d.step(t["saved"] + f", {t['none']}", f"{t['measured']}", "",
+           f"{fmt_bytes(bytes_none)}   {t['planner']} {fmt_bytes(pred_none)}")
+    d.step(t["saved"] + f", {t['mode'].format(m=mode)}", f"{t['measured']}", "",
+           f"{fmt_bytes(bytes_ck)}   {t['planner']} {fmt_bytes(pred_ck)}")
+    d.step(t["saving"], "1 - with / without", f"1 - {num(bytes_ck)} / {num(bytes_none)}",
+           f"{1 - bytes_ck / bytes_none:.1%}")
     d.step(t["flops"] + f", {t['none']}", "FlopCounterMode", "", f"{num(flops_none)} FLOPs")
     d.step(t["flops"] + f", {t['mode'].format(m=mode)}", "FlopCounterMode", "", f"{num(flops_ck)} FLOPs")
     d.step(t["recompute"], "with - without", f"{num(flops_ck)} - {num(flops_none)}",
@@ -222,8 +225,8 @@ def moe(model: str = "mixtral-8x7b", tokens: float = 1e12, lang: str = "en") -> 
     d = Doc(t["title"], lang)
     d.text(f"{cfg.name}: L={cfg.n_layers}, H={cfg.d_model}, n_experts={cfg.n_experts}, top_k={cfg.top_k}, "
            f"expert width F={cfg.expert_ffn_hidden}")
-    d.step(t["expert"], f"{3 if cfg.gated else 2} x H x F", f"{3 if cfg.gated else 2} x {cfg.d_model} x {cfg.expert_ffn_hidden}",
-           f"{expert:,}")
+    d.step(t["expert"], f"{3 if cfg.gated else 2} x H x F",
+           f"{3 if cfg.gated else 2} x {cfg.d_model} x {cfg.expert_ffn_hidden}", f"{expert:,}")
     d.step(t["total"], "params(cfg).total", "", f"{counts.total:,} = {counts.total / 1e9:.1f} B")
     d.step(t["active"], "total - L_moe x (E - k) x expert",
            f"{num(counts.total)} - {n_moe} x {cfg.n_experts - cfg.top_k} x {num(expert)}",
@@ -233,8 +236,10 @@ def moe(model: str = "mixtral-8x7b", tokens: float = 1e12, lang: str = "en") -> 
            f"{num(F.six_nd(counts.active, tokens))} FLOPs")
     d.step(t["c_total"], "6 x N_total x D", f"6 x {num(counts.total)} x {num(tokens)}",
            f"{num(F.six_nd(counts.total, tokens))} FLOPs (x{counts.total / counts.active:.2f})")
-    d.step(t["exact"].format(T=seq), "3 x forward (incl. attention)", "", f"{num(exact)} vs 6 N_active = {num(6 * counts.active)}")
-    d.step(t["states"], "N_total x 16 B (bf16 + fp32 master + AdamW)", f"{num(counts.total)} x 16", fmt_bytes(states.total))
+    d.step(t["exact"].format(T=seq), "3 x forward (incl. attention)", "",
+           f"{num(exact)} vs 6 N_active = {num(6 * counts.active)}")
+    d.step(t["states"], "N_total x 16 B (bf16 + fp32 master + AdamW)", f"{num(counts.total)} x 16",
+           fmt_bytes(states.total))
     assert counts.active == counts.total - unused
     d.text()
     d.text(t["why"])
@@ -252,7 +257,8 @@ BUDGET = {
                p="params", g="grads", o="optimizer", m="master", s="model states", c="compute", time="time",
                days="days",
                run=["`trainwise plan --params {N} --tokens {D} --peak-flops {P} --precision {r} --explain` prints this "
-                    "estimate (it is computed by the same plan_run); give --model PRESET for exact FLOPs and activations.",
+                    "estimate (it is computed by the same plan_run); "
+                    "give --model PRESET for exact FLOPs and activations.",
                     "`trainwise train` prints the plan of your run before it starts, and `trainwise verify` holds it "
                     "against the measurement."],
                layout="a concrete layout", shape="a Llama-style shape of N", layout_mfu="MFU it reaches",
@@ -265,14 +271,15 @@ BUDGET = {
     "zh": dict(title="训练预算：一次训练的显存、计算量与时间", params="参数量 N", tokens="训练 token 数 D",
                p="参数", g="梯度", o="优化器状态", m="主权重 (master)", s="模型状态", c="总计算量", time="训练时间",
                days="天数",
-               run=["`trainwise plan --params {N} --tokens {D} --peak-flops {P} --precision {r} --explain` 给出同样的估算"
-                    "（由同一个 plan_run 计算）；用 --model PRESET 可得到精确的 FLOPs 和激活值。",
+               run=["`trainwise plan --params {N} --tokens {D} --peak-flops {P} --precision {r} --explain` "
+                    "给出同样的估算（由同一个 plan_run 计算）；用 --model PRESET 可得到精确的 FLOPs 和激活值。",
                     "`trainwise train` 在开始前打印你这次训练的规划，`trainwise verify` 用实测值检验它。"],
                layout="具体的并行布局", shape="规模为 N 的 Llama 式结构", layout_mfu="它达到的 MFU",
                layout_days="按该 MFU 的天数",
-               layout_note="假设的 MFU 是决定答案的那个数。上一行用预测替换它：{model} 在 {G} x {gpu}（bf16 峰值 {P}）上，"
-                           "全局批量 {gbs} 条长度 {T} 的序列，采用 `plan --fit` 找到的最快布局（{layout}）；每个算子按已发表的"
-                           "内核速率、每个集合通信按已发表的 NCCL 带宽计时"
+               layout_note="假设的 MFU 是决定答案的那个数。"
+                           "上一行用预测替换它：{model} 在 {G} x {gpu}（bf16 峰值 {P}）上，"
+                           "全局批量 {gbs} 条长度 {T} 的序列，采用 `plan --fit` 找到的最快布局（{layout}）；"
+                           "每个算子按已发表的内核速率、每个集合通信按已发表的 NCCL 带宽计时"
                            "（`trainwise plan --model FILE --gpu {gpu_key} --gpus {G} --fit --explain` 逐项列出）。"),
 }
 
@@ -316,7 +323,8 @@ def budget(params_count: float = 1e9, tokens: float = 1e10, precision: str = "fp
     d.step(t["tokens"], "", "", f"{num(tokens)}")
     d.step(t["p"], f"N x {r.param_bytes} B", f"{num(N)} x {r.param_bytes}", fmt_bytes(s.params))
     d.step(t["g"], f"N x {r.grad_bytes} B", f"{num(N)} x {r.grad_bytes}", fmt_bytes(s.grads))
-    d.step(t["o"], f"N x {k} x {r.moment_bytes} B ({optimizer})", f"{num(N)} x {k * r.moment_bytes}", fmt_bytes(s.optimizer))
+    d.step(t["o"], f"N x {k} x {r.moment_bytes} B ({optimizer})", f"{num(N)} x {k * r.moment_bytes}",
+           fmt_bytes(s.optimizer))
     d.step(t["m"], f"N x {r.master_bytes} B", f"{num(N)} x {r.master_bytes}", fmt_bytes(s.master))
     d.step(t["s"], "sum", f"{num(N)} x {s.total / N:g}", fmt_bytes(s.total))
     d.step(t["c"], "C = 6 N D", f"6 x {num(N)} x {num(tokens)}", f"{num(p.total_flops)} FLOPs")
@@ -337,13 +345,15 @@ def budget(params_count: float = 1e9, tokens: float = 1e10, precision: str = "fp
         d.step(t["layout_days"], "C / (G x P_bf16 x MFU)",
                f"{num(p.total_flops)} / ({gpus} x {num(hw.peak_flops['bf16'])} x {best.mfu:.3f})", f"{days:.2f} days")
     d.text()
-    d.text(t["layout_note"].format(model=cfg.name, G=gpus, gpu=hw.name, gpu_key=gpu, P=f"{num(hw.peak_flops['bf16'])} FLOP/s",
+    d.text(t["layout_note"].format(model=cfg.name, G=gpus, gpu=hw.name, gpu_key=gpu,
+                                   P=f"{num(hw.peak_flops['bf16'])} FLOP/s",
                                    gbs=LAYOUT_BATCH_TOKENS // LAYOUT_SEQ, T=LAYOUT_SEQ, layout=where))
     d.where(*(line.format(N=num(N), D=num(tokens), P=num(peak_flops), r=r.name) for line in t["run"]))
     d.values = dict(layout_model=cfg.name, layout_gpu=gpu, layout=layout,
                     layout_micro_batch=best.micro_batch if best else None,
                     layout_checkpointing=best.checkpointing if best else None,
-                    layout_mfu=best.mfu if best else None, params=N, tokens=tokens, precision=r.name, optimizer=optimizer, peak_flops=peak_flops, mfu=mfu,
+                    layout_mfu=best.mfu if best else None, params=N, tokens=tokens, precision=r.name,
+                    optimizer=optimizer, peak_flops=peak_flops, mfu=mfu,
                     devices=gpus, params_bytes=s.params, grads_bytes=s.grads, optimizer_bytes=s.optimizer,
                     master_bytes=s.master, states_bytes=s.total, flops=p.total_flops, seconds=p.time.seconds,
                     days=p.time.days, device_hours=p.time.device_hours)
@@ -355,7 +365,8 @@ def concrete_layout(params_count: float, tokens: float, gpus: int, gpu: str):
     cfg = llama_shape(params_count)
     hw = get_accelerator(gpu)
     if not hw.memory_bytes:
-        raise TrainwiseError(f"explain budget --gpu '{gpu}': not a GPU of the hardware table; see `trainwise hardware`.")
+        raise TrainwiseError(f"explain budget --gpu '{gpu}': not a GPU of the hardware table; "
+                             "see `trainwise hardware`.")
     good, _ = fit_layouts(cfg, gpus=gpus, gpu=gpu, global_batch=max(gpus, LAYOUT_BATCH_TOKENS // LAYOUT_SEQ),
                           seq_len=LAYOUT_SEQ, memory_budget=hw.memory_bytes, tokens=tokens)
     return cfg, (good[0] if good else None)

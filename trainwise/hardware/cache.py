@@ -187,5 +187,5 @@ def busy_note(result: dict) -> str:
         return ""
     held = (f"other processes kept {result['others_share']:.0%} of the cores busy" if "others_share" in result
             else f"its matmul threads got {result['cpu_share']:.0%} of the wall time")
-    return (f"measured while other work held the CPU ({held}), so this peak is too low and MFU reads too high: run `trainwise hardware --calibrate` "
-            f"on a quiet machine (a run an hour later measures again on its own)")
+    return (f"measured while other work held the CPU ({held}), so this peak is too low and MFU reads too high: "
+            f"run `trainwise hardware --calibrate` on a quiet machine (a run an hour later measures again on its own)")

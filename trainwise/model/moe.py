@@ -180,7 +180,8 @@ class MoE(nn.Module):
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)  # (S', H)
         return torch.zeros(tokens.shape, dtype=y.dtype, device=y.device).index_add_(0, token_of, y)
 
-    def apply_capacity(self, order: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply_capacity(self, order: torch.Tensor, counts: torch.Tensor,
+                       n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the first `capacity` assignments of each expert in token order (Switch Transformer,
         section 2.2); capacity = ceil(capacity_factor * N * k / E). A dropped assignment adds nothing:
         the token passes on through the residual connection."""

@@ -106,8 +106,9 @@ def per_rank_table(section: dict) -> str:
     """Each rank's model states and step peak under torchrun against the planner's ZeRO stage (verify.json's
     per_rank; the peak is cost.memory.rank_peak_bytes vs the rank's last step, measure.memtrack.StepPeakMeter)."""
     label = {"peak_memory_bytes": "step peak"}
-    rows = [f"<tr><td>{rank}</td><td>{html.escape(label.get(name, name))}</td><td>{fmt_value('bytes', e['predicted'])}</td>"
-            f"<td>{fmt_value('bytes', e['measured'])}</td>{_error_cell(e['error'])}</tr>"
+    rows = [f"<tr><td>{rank}</td><td>{html.escape(label.get(name, name))}</td>"
+            f"<td>{fmt_value('bytes', e['predicted'])}</td><td>{fmt_value('bytes', e['measured'])}</td>"
+            f"{_error_cell(e['error'])}</tr>"
             for rank, entries in enumerate(section["ranks"]) for name, e in entries.items() if "predicted" in e]
     return (f"<h3>Per rank: {html.escape(section['strategy'])} on {section['world_size']} ranks vs the "
             f"ZeRO-{section['zero_stage_planned']} plan</h3>"
@@ -124,7 +125,8 @@ def summary_cards(rows: list[dict], plan: dict | None, verify: dict | None) -> s
             cards.append(("active / token", _si(m["params_active"])))
     if rows:
         last = rows[-1]
-        cards += [("steps", f"{last['step']:,}"), ("tokens", _si(last["tokens"])), ("train loss", f"{last['loss']:.4f}")]
+        cards += [("steps", f"{last['step']:,}"), ("tokens", _si(last["tokens"])),
+                  ("train loss", f"{last['loss']:.4f}")]
         val = [r["val_loss"] for r in rows if "val_loss" in r]
         if val:
             cards.append(("val loss", f"{val[-1]:.4f}"))
@@ -148,7 +150,8 @@ def roofline_section(run_dir: Path, plan: dict | None, verify: dict | None) -> s
         cfg = load_config(run_dir / rundir.CONFIG)
         hw = (plan or {}).get("hardware", {})
         peak = (verify or {}).get("run", {}).get("peak_flops") or hw.get("peak_flops")
-        bw = hw.get("bandwidth_bytes_per_s") or resolve_hardware((verify or {}).get("device", "cpu")).bandwidth_bytes_per_s
+        bw = (hw.get("bandwidth_bytes_per_s")
+              or resolve_hardware((verify or {}).get("device", "cpu")).bandwidth_bytes_per_s)
         if not peak or not bw:
             return '<p class="note">Roofline: the peak FLOP/s or memory bandwidth of the device is unknown.</p>'
         precision = (verify or {}).get("run", {}).get("precision", "fp32")
@@ -198,7 +201,8 @@ def build_report(run_dir: str | Path) -> str:
     parts.append('<div class="grid">'
                  f"<section><h2>Throughput and MFU</h2>{throughput}</section>"
                  f"<section><h2>Memory by category</h2>{memory_section(plan, verify)}</section></div>")
-    table = verify_table(verify) if verify else '<p class="note">No verify.json yet: run <code>trainwise verify DIR</code>.</p>'
+    table = (verify_table(verify) if verify
+             else '<p class="note">No verify.json yet: run <code>trainwise verify DIR</code>.</p>')
     parts.append(f"<section><h2>Plan vs measured</h2>{table}</section>")
     parts.append(f'<section class="roof"><h2>Roofline</h2>{roofline_section(run_dir, plan, verify)}</section>')
     config = (run_dir / rundir.CONFIG).read_text(encoding="utf-8")

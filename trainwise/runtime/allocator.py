@@ -4,10 +4,11 @@ PyTorch has no caching allocator for CPU tensors: each one is a malloc, and glib
 (above a threshold that starts at 128 KiB and adapts up to 32 MiB) by mmap, returning them to the OS on
 free. A training step allocates the same large activations, logits and gradients every step, so each
 step faulted its pages in afresh: the default run's compiled step took twice as long in a new process as
-once the threshold was set (benchmarks/RESULTS.md, "Host allocator"), and a step's time depended on what the process had allocated before, which no time model can follow. Setting the
-mmap threshold high and the trim threshold higher keeps the heap: the step's blocks are reused. The peak
-resident memory is the same (a step touches its peak anyway); memory is returned when the process ends.
-The same lever as running under jemalloc/tcmalloc, with nothing to install. Off glibc it does nothing.
+once the threshold was set (benchmarks/RESULTS.md, "Host allocator"), and a step's time depended on what the process had
+allocated before, which no time model can follow. Setting the mmap threshold high and the trim threshold higher keeps
+the heap: the step's blocks are reused. The peak resident memory is the same (a step touches its peak anyway); memory is
+returned when the process ends. The same lever as running under jemalloc/tcmalloc, with nothing to install. Off glibc it
+does nothing.
 """
 
 from __future__ import annotations

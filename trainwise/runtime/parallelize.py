@@ -59,8 +59,8 @@ def use_compiled_attention(model: nn.Module, only_when_compiling: bool = True) -
 def use_unfused_attention(model: nn.Module) -> None:
     """Attention as frameworks ran it before fused attention kernels (Megatron-LM's 2021-22 runs):
     the T x T scores in memory, a softmax and dropout between two batched matmuls (model.attention
-    .unfused_attention with the model's attention dropout). For the planner's records of such runs (`plan --attention-impl
-    unfused`); trainwise itself trains with SDPA's fused kernels."""
+    .unfused_attention with the model's attention dropout). For the planner's records of such runs
+    (`plan --attention-impl unfused`); trainwise itself trains with SDPA's fused kernels."""
     for block in model.blocks:
         attn = block.attn
         block.attn.core = lambda q, k, v, causal, attn=attn: unfused_attention(

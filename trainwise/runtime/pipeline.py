@@ -199,7 +199,8 @@ class Pipeline:
         return torch.stack([loads[id(m)] for m in modules])
 
 
-def split_stages(model: Transformer, layout: Layout, pp_rank: int, seq_shards: int = 1) -> tuple[list[StageModule], list[int]]:
+def split_stages(model: Transformer, layout: Layout, pp_rank: int,
+                 seq_shards: int = 1) -> tuple[list[StageModule], list[int]]:
     """This pipeline rank's stage modules (in stage order) and the layers they hold."""
     parts, layers = [], []
     for s in rank_stages(layout, pp_rank):

@@ -118,7 +118,8 @@ class TrainingStep:
         hook("step")
         self.optimizer.zero_grad(set_to_none=True)
         if load is not None:
-            load = distributed.mean_across_ranks(load.float(), self.dist, self.dist.dp_group if self.dist.active else None)
+            load = distributed.mean_across_ranks(load.float(), self.dist,
+                                                 self.dist.dp_group if self.dist.active else None)
             for m, layer_load in zip(self.balanced, load):
                 m.balance_expert_bias(layer_load)
         return StepResult(total / k, grad_norm, skipped)

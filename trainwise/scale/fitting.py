@@ -62,7 +62,8 @@ def fit_runs(run_dirs: list[str | Path], points: str = "auto", samples: int = 10
     recipes = {tuple(sorted(recipe_of(r.config, r.schedule).items())) for r in runs}
     record = {
         **fit_points(groups, form, samples, seed),
-        "conventions": {"N": N_CONVENTION, "D": "tokens seen at the validation row", "L": "validation loss, nats/token"},
+        "conventions": {"N": N_CONVENTION, "D": "tokens seen at the validation row",
+                        "L": "validation loss, nats/token"},
         "recipe": dict(recipes.pop()) if len(recipes) == 1 else None,
         "corpus_train_tokens": runs[0].unique_tokens,
         "max_passes": REPEAT_EPOCHS,  # rows past this many passes over the corpus are not fitted
@@ -113,7 +114,8 @@ def identify(record: dict) -> dict:
         p5, p95 = boot.term_interval(axis, centre[axis])
         level_ok = p5 > 0 and p95 / p5 <= IDENTIFIED_SPAN
         terms[axis] = {"min": lo, "max": hi, "share_of_range": (hi - lo) / span if span > 0 else 0.0,
-                       "at": centre[axis], "level": float(level), "level_p5_p95": [p5, p95], "level_identified": level_ok}
+                       "at": centre[axis], "level": float(level), "level_p5_p95": [p5, p95],
+                       "level_identified": level_ok}
         axes[axis] = level_ok and parameters[TERMS[axis][1]]["identified"] is not False
     return {"parameters": parameters, "axes": axes, "terms": terms,
             "rule": "not identified: a 5-95% interval at a bound of the search or wider than 10x; an axis needs its "
@@ -145,7 +147,8 @@ def refusal(record: dict, n_params: float, tokens: float) -> str | None:
         lo, hi = ranges[axis]
         coefficient, exponent = TERMS[axis]
         term = ident["terms"][axis]
-        why = [f"{exponent}: {ident['parameters'][exponent]['why']}"] * (ident["parameters"][exponent]["identified"] is False)
+        why = ([f"{exponent}: {ident['parameters'][exponent]['why']}"]
+               * (ident["parameters"][exponent]["identified"] is False))
         if not term["level_identified"]:
             p5, p95 = term["level_p5_p95"]
             why.append(f"the term at {axis} = {term['at']:,.0f} lies in {p5:.3g}-{p95:.3g} nats")

@@ -162,7 +162,8 @@ def _grid_values(log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray,
     """Every grid initialisation of the form as rows (a, b, e, alpha, beta) and its objective, vectorised."""
     starts = np.array(list(itertools.product(GRID["a"], GRID["b"], GRID["e"], GRID["alpha"], GRID["beta"])))
     if form.E is not None:
-        starts = np.unique(np.column_stack([starts[:, :2], np.full(len(starts), math.log(form.E)), starts[:, 3:]]), axis=0)
+        starts = np.unique(np.column_stack([starts[:, :2], np.full(len(starts), math.log(form.E)), starts[:, 3:]]),
+                           axis=0)
     if form.tied:
         starts = starts[starts[:, 3] == starts[:, 4]]
     a, b, e, alpha, beta = (starts[:, i:i + 1] for i in range(5))

@@ -17,8 +17,8 @@ Design (and why):
   between three seeds of one model, the fit's rms error 1.4%), and a prediction is for a run's expected
   loss, so the fit goes through every seed's curve.
 - Sizing: C is the largest compute whose predicted time fits the grid's share of the budget. The
-  planner predicts each run's time (cost/plan.py: FLOPs / (calibrated peak x MFU)) with the MFU of each model measured on a few
-  steps first (tiny models reach a small fraction of the peak the planner's default assumes), plus
+  planner predicts each run's time (cost/plan.py: FLOPs / (calibrated peak x MFU)) with the MFU of each model measured
+  on a few steps first (tiny models reach a small fraction of the peak the planner's default assumes), plus
   evaluation. After each run the measured wall time corrects the prediction of the ones left, and
   their tokens are resized to the time that is left. The probes count against the budget; a run never
   gets fewer than 4 x EVALS_PER_RUN steps, so a budget too small for that overruns.
@@ -280,8 +280,8 @@ def run_sweep(minutes: float, out: str | Path, base: RunConfig | None = None, sa
         for run in grid:
             if state["seeds_done"]:
                 break
-            again = next((r for r in runs if r.config.train.seed == seed and r.config.model.name == run.config.model.name),
-                         None)
+            again = next((r for r in runs
+                          if r.config.train.seed == seed and r.config.model.name == run.config.model.name), None)
             if again is not None and again.measured_s is not None:
                 continue
             if run.measured_s > state["minutes"] * 60 - state["spent_s"] - (time.perf_counter() - mark):

@@ -25,7 +25,8 @@ from trainwise.errors import TrainwiseError
 from trainwise.export.hf import read_hf_model_config
 from trainwise.runtime import distributed
 
-MAY_DIFFER = {"train.max_steps", "train.resume", "data.workers"}  # a longer run, another policy or core count: the same run
+# a longer run, another policy or core count: the same run
+MAY_DIFFER = {"train.max_steps", "train.resume", "data.workers"}
 MAX_LISTED = 8
 
 

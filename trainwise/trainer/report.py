@@ -189,7 +189,8 @@ def nonfinite_diagnostic(model: torch.nn.Module, step: int, loss: torch.Tensor) 
 def numbered_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(layer index, block) of the model, or of a pipeline rank's share (RankModel: indices as names)."""
     blocks = model.blocks
-    return list(blocks.items()) if isinstance(blocks, torch.nn.ModuleDict) else [(str(i), b) for i, b in enumerate(blocks)]
+    return (list(blocks.items()) if isinstance(blocks, torch.nn.ModuleDict)
+            else [(str(i), b) for i, b in enumerate(blocks)])
 
 
 def expert_counts(model: torch.nn.Module) -> dict[str, list[int]]:

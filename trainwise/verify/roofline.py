@@ -3,8 +3,8 @@
 The operators are measure.record.step_ops, the list the step-time model prices (one list, one FLOP count, one
 byte count): the step runs on fake tensors and each aten op is recorded with FLOPs from the FLOP
 counter's formulas (one per output element for non-matmul ops) and bytes = inputs read + outputs
-written (no cache reuse: a lower bound on intensity for fused kernels). Arithmetic intensity I = F/Q; ridge point = P/BW; an op is
-compute-bound when I >= ridge; its lower-bound time is max(F/P, Q/BW).
+written (no cache reuse: a lower bound on intensity for fused kernels). Arithmetic intensity I = F/Q;
+ridge point = P/BW; an op is compute-bound when I >= ridge; its lower-bound time is max(F/P, Q/BW).
 """
 
 from __future__ import annotations
@@ -212,14 +212,14 @@ def measured_table(measured: list[MeasuredOp], peak: float, bw: float) -> str:
     lines = ["measured: one real step (after a warm-up step) under torch.profiler; FLOPs from the trainwise "
              "counter, time = profiler self CPU time (incl. helper kernels the op calls), all calls in the step",
              f"peak {peak:.4g} FLOP/s, bandwidth {bw:.4g} B/s, ridge point {ridge_point(peak, bw):.3g} FLOPs/byte",
-             f"{'operator':<50} {'class':<22} {'FLOPs':>10} {'time ms':>9} {'predicted ms':>12} {'achieved FLOP/s':>15} "
-             f"{'attainable FLOP/s':>17} {'% bound':>8}"]
+             f"{'operator':<50} {'class':<22} {'FLOPs':>10} {'time ms':>9} {'predicted ms':>12} "
+             f"{'achieved FLOP/s':>15} {'attainable FLOP/s':>17} {'% bound':>8}"]
     tot_f = tot_t = tot_p = 0.0
     for m in measured:
         p = m.point
         pred = "n/a" if m.predicted_s is None else f"{m.predicted_s * 1e3:.3g}"
-        lines.append(f"{p.name:<50} {p.cls:<22} {p.flops:>10.3g} {m.time_s * 1e3:>9.3g} {pred:>12} {m.achieved():>15.3g} "
-                     f"{m.attainable(peak, bw):>17.3g} {100 * m.fraction(peak, bw):>7.1f}%")
+        lines.append(f"{p.name:<50} {p.cls:<22} {p.flops:>10.3g} {m.time_s * 1e3:>9.3g} {pred:>12} "
+                     f"{m.achieved():>15.3g} {m.attainable(peak, bw):>17.3g} {100 * m.fraction(peak, bw):>7.1f}%")
         tot_f += p.flops
         tot_t += m.time_s
         tot_p += m.predicted_s or 0.0

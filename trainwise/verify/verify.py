@@ -3,8 +3,9 @@
 `measure_step` runs two extra training steps on a copy of the trained model and optimizer (the run's
 weights, optimizer state, sampler and RNG are untouched), one under the FLOP counter and one under the
 memory tracker (by category). The peak is the run's own last step where the loop measured it
-(measure.memtrack.StepPeakMeter: compiled when the run compiles). `build_verify` pairs those with the plan and the logged step times into verify.json
-(DESIGN.md): every entry {"predicted", "measured", "error"}, error = measured / predicted - 1.
+(measure.memtrack.StepPeakMeter: compiled when the run compiles). `build_verify` pairs those with the plan and the
+logged step times into verify.json (DESIGN.md): every entry {"predicted", "measured", "error"},
+error = measured / predicted - 1.
 """
 
 from __future__ import annotations
@@ -201,14 +202,16 @@ def format_table(v: dict) -> str:
     lines.append(f"device: {v['device']}")
     if source := v.get("time_source"):
         lines.append(f"step time and MFU predicted from: {source}"
-                     + (" (step-time model, `trainwise plan --explain` itemises it)" if source != "assumed MFU (--mfu)" else ""))
+                     + (" (step-time model, `trainwise plan --explain` itemises it)"
+                        if source != "assumed MFU (--mfu)" else ""))
     if probed := v.get("step_time_probed_s"):
-        lines.append(probe_line({**probed["probe"], "step_seconds": probed["predicted"]}, v["step_time_s"]["predicted"]))
+        lines.append(probe_line({**probed["probe"], "step_seconds": probed["predicted"]},
+                                v["step_time_s"]["predicted"]))
     if speed := v.get("machine_speed"):
         lines.append(f"machine speed: the calibration's reference steps (small models) took {speed['measured']:.4g} s "
-                     f"after the run against {speed['predicted']:.4g} s when it was calibrated ({speed['error']:+.1%}): "
-                     "this machine's speed has moved by up to that much (small kernels move most), which every "
-                     "step-time error above includes")
+                     f"after the run against {speed['predicted']:.4g} s when it was calibrated "
+                     f"({speed['error']:+.1%}): this machine's speed has moved by up to that much (small kernels "
+                     "move most), which every step-time error above includes")
     return "\n".join(lines)
 
 
