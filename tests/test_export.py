@@ -1,6 +1,7 @@
 """Hugging Face export and import: logits and greedy generations equal transformers', the inverse is exact,
 what no HF family can represent is refused, and `--init-from` an exported run keeps its validation loss."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +12,8 @@ import torch
 from trainwise.cli import main
 from trainwise.config import DataConfig, ModelConfig, RunConfig, apply_overrides
 from trainwise.errors import TrainwiseError
-from trainwise.export.hf import choose_family, load_hf_dir, load_into, save_hf
+from trainwise.export.hf import choose_family, load_hf_dir, load_into, save_hf, write_hf_tokenizer
+from trainwise.hf_config import from_hf_dict, to_hf_dict
 from trainwise.model import Transformer
 from trainwise.tokenizer import Tokenizer
 
@@ -35,8 +37,10 @@ CASES = {
     "llama-bias-untied": (dict(n_kv_heads=2, bias=True, tie_embeddings=False), "LlamaForCausalLM"),
     "llama-qkv-bias-geglu": (dict(n_kv_heads=1, qkv_bias=True, activation="geglu"), "LlamaForCausalLM"),
     "qwen3-qk-norm": (dict(n_kv_heads=2, qk_norm=True), "Qwen3ForCausalLM"),
-    "gpt2": (dict(n_kv_heads=4, norm="layernorm", position="learned", activation="gelu_tanh", bias=True), "GPT2LMHeadModel"),
-    "gpt2-exact-gelu": (dict(n_kv_heads=4, norm="layernorm", position="learned", activation="gelu", bias=True), "GPT2LMHeadModel"),
+    "gpt2": (dict(n_kv_heads=4, norm="layernorm", position="learned", activation="gelu_tanh", bias=True),
+             "GPT2LMHeadModel"),
+    "gpt2-exact-gelu": (dict(n_kv_heads=4, norm="layernorm", position="learned", activation="gelu", bias=True),
+                        "GPT2LMHeadModel"),
     "gpt2-nobias-relu-untied": (dict(n_kv_heads=4, norm="layernorm", position="learned", activation="relu",
                                      tie_embeddings=False), "GPT2LMHeadModel"),
     "mixtral": (dict(n_kv_heads=2, n_experts=4, top_k=2), "MixtralForCausalLM"),
@@ -136,6 +140,117 @@ def test_unrepresentable_configs_are_refused_with_the_reason(overrides, reason):
         choose_family(cfg)
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_config_json_round_trip(name):
+    """ModelConfig -> config.json -> ModelConfig through the one translator gives the model back, to
+    --init-from (build=True) and to the planner alike (except llama's q/k/v-only biases, whose zero o_proj
+    bias the planner cannot count). The training settings export writes (init_std, dropout, aux_loss_coef)
+    are not read back: these models keep their defaults. A bias-free GPT-2 comes back with its biases, which
+    it exports as zeros; latent attention with n_kv_heads = n_heads, a field it does not use."""
+    cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, max_seq_len=64, **CASES[name][0])
+    family = choose_family(cfg)
+    d = json.loads(json.dumps(to_hf_dict(cfg, family, eos_id=0)))
+    want = dataclasses.replace(cfg, bias=cfg.bias or family == "gpt2",
+                               n_kv_heads=cfg.n_heads if cfg.attention == "mla" else cfg.n_kv_heads)
+    assert from_hf_dict(d, name=cfg.name, build=True) == want
+    if cfg.qkv_bias:
+        with pytest.raises(TrainwiseError, match="o_proj"):
+            from_hf_dict(d)
+    else:
+        assert from_hf_dict(d, name=cfg.name) == want
+
+
+def hf_checkpoint(config, tokenizer: Tokenizer, out: Path):
+    """A transformers model of `config` with norm gains and biases moved off their init, saved to `out`
+    as transformers saves it, with trainwise's tokenizer."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, t in [*hf.named_parameters(), *hf.named_buffers()]:
+            if t.dim() == 1 and "rotary" not in name:
+                t.add_(0.1 * torch.randn_like(t))
+    hf.save_pretrained(out)
+    write_hf_tokenizer(tokenizer, out, 64)
+    return hf
+
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64, initializer_range=0.2)
+# families --init-from reads that export does not write (it writes them as llama or mixtral)
+READ_ONLY = {
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "mistral-window-past-the-longest-sequence": dict(model_type="mistral", sliding_window=4096),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=8, num_experts=6, num_experts_per_tok=2,
+                      moe_intermediate_size=16, mlp_only_layers=[0], norm_topk_prob=False),
+    "qwen3_moe-renormalised": dict(model_type="qwen3_moe", head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=16, norm_topk_prob=True),
+}
+
+
+@pytest.mark.parametrize("name", list(READ_ONLY))
+def test_init_from_reads_the_planner_families_with_transformers_logits(name, tokenizer, tmp_path):
+    config = transformers.AutoConfig.for_model(**READ_ONLY[name], **SMALL, vocab_size=tokenizer.vocab_size)
+    hf = hf_checkpoint(config, tokenizer, tmp_path / "hf")
+    cfg, state, _ = load_hf_dir(tmp_path / "hf")
+    assert cfg == from_hf_dict(config.to_dict(), name="hf")  # as the planner reads it
+    model = Transformer(cfg).eval()
+    load_into(model, state)
+    ids = torch.tensor([tokenizer.encode(PROMPT)[:16]])
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max() < 1e-4
+
+
+def test_init_from_loads_q_k_v_biases_and_refuses_a_non_zero_o_proj_bias(tokenizer, tmp_path):
+    """Qwen3 with attention_bias = true biases o_proj too, which trainwise does not have: loaded when that
+    bias is zero (as export writes it), refused otherwise. The planner cannot count it either way."""
+    config = transformers.Qwen3Config(**SMALL, head_dim=8, attention_bias=True, vocab_size=tokenizer.vocab_size)
+    hf = hf_checkpoint(config, tokenizer, tmp_path / "nonzero")
+    with pytest.raises(TrainwiseError, match="non-zero o_proj bias"):
+        load_hf_dir(tmp_path / "nonzero")
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.bias.zero_()
+    hf.save_pretrained(tmp_path / "zero")
+    write_hf_tokenizer(tokenizer, tmp_path / "zero", 64)
+    cfg, state, _ = load_hf_dir(tmp_path / "zero")
+    assert cfg.qkv_bias and not cfg.bias
+    model = Transformer(cfg).eval()
+    load_into(model, state)
+    ids = torch.tensor([tokenizer.encode(PROMPT)[:16]])
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max() < 1e-4
+    with pytest.raises(TrainwiseError, match="o_proj"):
+        from_hf_dict(config.to_dict())
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(model_type="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+     "rope_type 'llama3'"),
+    (dict(model_type="qwen2", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
+     "rope_type 'yarn'"),
+    (dict(model_type="mistral", sliding_window=16), "sliding_window = 16 < max_position_embeddings = 64"),
+    (dict(model_type="qwen3", use_sliding_window=True, sliding_window=16), "sliding_window = 16"),
+    (dict(model_type="llama", hidden_act="gelu"), "exact GELU"),
+    (dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, scale_attn_by_inverse_layer_idx=True),
+     "attention scaling"),
+    (dict(model_type="bert"), "model_type 'bert', which is not supported"),
+    (dict(model_type="llama", hidden_size=None), "no 'hidden_size' field"),
+])
+def test_init_from_refuses_what_trainwise_does_not_build_naming_the_file(change, reason, tmp_path):
+    """A config.json trainwise plans but does not build (or does not read at all) is refused by --init-from
+    before any weight is read, in one message that names the file and what to change."""
+    (tmp_path / "hf").mkdir()
+    sizes = {} if change["model_type"] == "gpt2" else SMALL  # GPT-2's own names are in `change`
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**sizes, "vocab_size": 300, **change}))
+    with pytest.raises(TrainwiseError, match=reason) as err:
+        load_hf_dir(tmp_path / "hf")
+    assert str(err.value).startswith(str(tmp_path / "hf" / "config.json") + ": ")
+    if change["model_type"] != "bert" and "hidden_size" not in change:
+        from_hf_dict(json.loads((tmp_path / "hf" / "config.json").read_text()))  # the planner counts it
+
+
 def test_cli_export_and_init_from_keep_the_validation_loss(corpus, tmp_path, capsys):
     from trainwise.data import corpus as data_mod
     from trainwise.trainer.loop import evaluate, train
@@ -162,7 +277,8 @@ def test_cli_export_and_init_from_keep_the_validation_loss(corpus, tmp_path, cap
 
     # and `trainwise train --init-from` continues from it: config, tokenizer and weights come from HF_DIR
     assert main(["train", "--init-from", str(tmp_path / "hf"), "--data", str(corpus), "--out", str(tmp_path / "b"),
-                 "--quiet", "--max-steps", "2", *[a for s in TINY for a in ("--set", s) if not s.startswith("model.")]]) == 0
+                 "--quiet", "--max-steps", "2",
+                 *[a for s in TINY for a in ("--set", s) if not s.startswith("model.")]]) == 0
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     fresh = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["loss"] < fresh[0]["loss"] - 0.3  # starts trained, not from scratch
@@ -270,7 +386,8 @@ def test_the_document_separator_is_the_declared_eos_else_a_known_one_else_a_clea
     def save(special: list[str], declared: str | None) -> Path:
         hf = HFTokenizer(models.BPE())
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        hf.train_from_iterator([PROMPT], trainers.BpeTrainer(vocab_size=280, special_tokens=special, show_progress=False,
+        hf.train_from_iterator([PROMPT], trainers.BpeTrainer(vocab_size=280, special_tokens=special,
+                                                             show_progress=False,
                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
         folder = tmp_path / f"tok{len(list(tmp_path.iterdir()))}"
         folder.mkdir()
@@ -292,7 +409,6 @@ def test_init_from_a_deepseek_v3_saved_by_transformers_trains_and_exports_back(c
     --init-from reads it with transformers' logits, trains, and exports a directory transformers loads
     with the trained model's logits."""
     from trainwise.api import load
-    from trainwise.export.hf import write_hf_tokenizer
 
     torch.manual_seed(0)
     config = transformers.DeepseekV3Config(

@@ -239,3 +239,40 @@ def test_every_field_of_the_config_class(family):
             assert got == want, f"{family}: {name} = {change}"
             checked += 1
     assert checked >= 10
+
+
+# ---------------------------------------------------------------------------------------------------
+# One translator for `trainwise plan` and `trainwise train --init-from` (build=True)
+
+REAL = {**{f"tiny:{f}": tiny(f) for f in FAMILIES}, **{f"saved:{f}": SAVED_BY_4[f] for f in SAVED_FAMILIES},
+        **{f"published:{n}": d for n, d in PUBLISHED.items()}}
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_plan_and_init_from_read_a_config_alike(name):
+    """--init-from builds the model the planner counts, or refuses what trainwise does not build
+    (Mistral-7B's 4096-token sliding window, shorter than its 32768 positions)."""
+    planned = from_hf_dict(REAL[name])
+    if name == "published:mistral-7b":
+        with pytest.raises(TrainwiseError, match="sliding_window = 4096 < max_position_embeddings = 32768"):
+            from_hf_dict(REAL[name], build=True)
+    else:
+        assert from_hf_dict(REAL[name], build=True) == planned
+
+
+def test_gated_activations():
+    """Every hidden_act name of a gated MLP either reader knew: trainwise's geglu is the tanh GELU, so the
+    exact one ("gelu") is planned (same parameters and FLOPs) but not built."""
+    for act, ours in [("silu", "swiglu"), ("swish", "swiglu"), ("gelu_pytorch_tanh", "geglu"), ("gelu_new", "geglu")]:
+        d = dict(tiny("llama"), hidden_act=act)
+        assert from_hf_dict(d).activation == from_hf_dict(d, build=True).activation == ours
+    assert from_hf_dict(dict(tiny("llama"), hidden_act="gelu")).activation == "geglu"
+    with pytest.raises(TrainwiseError, match="exact GELU"):
+        from_hf_dict(dict(tiny("llama"), hidden_act="gelu"), build=True)
+
+
+def test_no_moe_layer_reads_as_a_dense_model():
+    for d in (dict(tiny("qwen3_moe"), mlp_only_layers=[0, 1, 2]), dict(tiny("deepseek_v3"), first_k_dense_replace=3)):
+        cfg = from_hf_dict(d)
+        assert not cfg.is_moe and cfg == from_hf_dict(d, build=True)
+        assert params(cfg).total == hf_count(d)

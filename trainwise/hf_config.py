@@ -1,12 +1,22 @@
-"""Hugging Face `config.json` -> ModelConfig, and the published presets built from embedded config dicts.
+"""Hugging Face `config.json` <-> ModelConfig: the one translator, in both directions.
 
-Supported `model_type`s: llama (Llama 1/2/3), mistral, mixtral, qwen2 (Qwen2/2.5), qwen3, qwen3_moe,
-gpt2, deepseek_v3. A config.json is read under every name transformers accepts for a field (the Hub's
-names, which transformers 4.x writes; the ones transformers 5 writes; each class's `attribute_map`),
-and an absent optional field takes the default of that family's transformers config class, so that a
-count made here equals `AutoModelForCausalLM.from_config(cfg).num_parameters()`. The sizes that say
-which model this is (vocab, width, depth, heads, MLP and expert widths, expert counts) are required:
-transformers would fill them with Llama-2-7B's, which is never what a user meant.
+Reading (`from_hf_dict`, `load_hf_config`) serves `trainwise plan --model config.json`, the published
+presets, and `trainwise train --init-from HF_DIR` (build=True, through trainwise.export.hf, which converts
+the weights), for the `model_type`s in FAMILIES. A field is read under every name transformers accepts for
+it (the Hub's names, which transformers 4.x writes; 5.x's; each class's `attribute_map`), and an absent
+optional field takes the default of the family's transformers config class, so that a count made here
+equals `AutoModelForCausalLM.from_config(cfg).num_parameters()`. The sizes that say which model this is
+(vocab, width, depth, heads, MLP and expert widths, expert counts) are required: transformers would fill
+them with Llama-2-7B's, which is never what a user meant.
+
+build=True reads the file for a model trainwise builds and loads the checkpoint's weights into. It also
+refuses what changes the computation but not the count (RoPE scaling, sliding windows, an exact-GELU gated
+MLP, GPT-2's attention-scaling variants), and reads attention_bias without MLP biases as q/k/v biases: the
+o_proj bias that comes with them is loaded only if it is zero (trainwise.export.hf checks it).
+
+Writing (`choose_family`, `to_hf_dict`) serves `trainwise export --format hf`: the family that represents a
+ModelConfig exactly (llama; qwen3: qk_norm; gpt2: LayerNorm, learned positions, biases, zero if absent; mixtral:
+MoE; deepseek_v3: latent attention) or every reason none does, then its config.json.
 """
 
 from __future__ import annotations
@@ -19,10 +29,21 @@ from trainwise.config import ModelConfig
 from trainwise.errors import TrainwiseError
 
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gpt2", "deepseek_v3")
+# the families export writes, and their transformers classes
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel",
+                 "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
-HF_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}  # gated MLP families
-GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
-                    "silu": "silu", "swish": "silu"}
+# HF activation -> trainwise activation: hidden_act of the gated MLPs, activation_function of GPT-2's plain
+# one. trainwise's geglu is the tanh GELU: a gated MLP with the exact "gelu" has the same parameters and
+# FLOPs, so the planner counts it, but it is not the model trainwise builds (build=True refuses it).
+GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu",
+                     "gelu": "geglu"}
+PLAIN_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                     "silu": "silu", "swish": "silu"}
+# trainwise activation -> the HF name export writes: its first name above
+GATED_NAMES = {ours: hf for hf, ours in reversed(GATED_ACTIVATIONS.items())}
+PLAIN_NAMES = {ours: hf for hf, ours in reversed(PLAIN_ACTIVATIONS.items())}
+
 
 # Other names transformers accepts for a field -> the name the Hub's config.json uses (read below).
 # From each class's `attribute_map` in transformers 5.24 (in 4.57 only GPT-2 has one), which is also
@@ -41,7 +62,7 @@ _GATED = dict(tie_word_embeddings=False, hidden_act="silu", num_key_value_heads=
               attention_bias=False, rms_norm_eps=1e-6, rope_theta=10000.0)
 DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(_GATED, max_position_embeddings=2048, mlp_bias=False),
-    "mistral": dict(_GATED, max_position_embeddings=131072, num_key_value_heads=8),
+    "mistral": dict(_GATED, max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096),
     "mixtral": dict(_GATED, max_position_embeddings=131072, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6),
     "qwen2": dict(_GATED, max_position_embeddings=32768, num_key_value_heads=32),
     "qwen3": dict(_GATED, max_position_embeddings=32768, num_key_value_heads=32, head_dim=128),
@@ -55,8 +76,17 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# ---------------------------------------------------------------------------------------------------
+# config.json -> ModelConfig
+
+
 def load_hf_config(path: str | Path) -> ModelConfig:
+    """A config.json file -> ModelConfig named after it (config_name); its errors name the file."""
     path = Path(path)
+    return from_hf_dict(read_hf_json(path), name=config_name(path), source=path)
+
+
+def read_hf_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -65,7 +95,7 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         raise TrainwiseError(f"'{path}' is not valid JSON ({err}); pass a Hugging Face config.json.") from None
     if not isinstance(data, dict):
         raise TrainwiseError(f"'{path}' must hold a JSON object (a Hugging Face config.json).")
-    return from_hf_dict(data, name=config_name(path))
+    return data
 
 
 def config_name(path: Path) -> str:
@@ -78,10 +108,9 @@ def config_name(path: Path) -> str:
 def canonical_fields(d: dict[str, Any]) -> dict[str, Any]:
     """The config dict under the Hub's field names, with the family's class defaults filled in."""
     family = d.get("model_type")
-    if family is None:
-        raise TrainwiseError("the config.json has no 'model_type' field; supported: " + ", ".join(FAMILIES) + ".")
     if family not in FAMILIES:
-        raise TrainwiseError(f"model_type '{family}' is not supported by the planner; supported: {', '.join(FAMILIES)}.")
+        said = "has no 'model_type' field" if family is None else f"has model_type '{family}', which is not supported"
+        raise TrainwiseError(f"the config.json {said}; trainwise reads the families {', '.join(FAMILIES)}.")
     out = dict(d)
     for alias, name in ALIASES.get(family, {}).items():
         if alias not in out:
@@ -103,107 +132,301 @@ def _need(d: dict, key: str, family: str) -> Any:
     if key not in d or d[key] is None:
         also = [alias for alias, name in ALIASES.get(family, {}).items() if name == key]
         raise TrainwiseError(
-            f"the {family} config.json has no '{key}' field{''.join(f' (or {a!r})' for a in also)}, which the "
-            "parameter count needs; add it (see the model's published config.json)."
-        )
+            f"the {family} config.json has no '{key}' field{''.join(f' (or {a!r})' for a in also)}, which "
+            "sizes the model; add it (see the model's published config.json).")
     return d[key]
 
 
-def from_hf_dict(d: dict[str, Any], name: str = "hf-model") -> ModelConfig:
-    """Translate a config.json dict into ModelConfig, raising TrainwiseError on missing/unsupported fields."""
-    d = canonical_fields(d)
+def from_hf_dict(d: dict[str, Any], name: str = "hf-model", build: bool = False,
+                 source: str | Path | None = None) -> ModelConfig:
+    """Translate a config.json dict into ModelConfig, raising TrainwiseError on missing/unsupported fields
+    (prefixed with `source`, the file, when given). build=True: for a model trainwise builds and loads the
+    checkpoint into (see the module's docstring)."""
+    try:
+        d = canonical_fields(d)
+        if build:
+            _check_buildable(d)
+        return _gpt2(d, name) if d["model_type"] == "gpt2" else _gated(d, name, build)
+    except TrainwiseError as err:
+        if source is None:
+            raise
+        raise TrainwiseError(f"{source}: {err}") from None
+
+
+def _gated(d: dict[str, Any], name: str, build: bool) -> ModelConfig:
+    """The families with RMSNorm, RoPE and gated MLPs."""
     family = d["model_type"]
-    if family == "gpt2":
-        return _gpt2(d, name)
     H = _need(d, "hidden_size", family)
     n_heads = _need(d, "num_attention_heads", family)
     mla = family == "deepseek_v3"
+    act = d["hidden_act"]
+    if act not in GATED_ACTIVATIONS:
+        raise TrainwiseError(f"hidden_act '{act}' is not supported for {family}; expected one of "
+                             f"{', '.join(GATED_ACTIVATIONS)}.")
     kw: dict[str, Any] = dict(
         name=name, vocab_size=_need(d, "vocab_size", family), d_model=H,
         n_layers=_need(d, "num_hidden_layers", family), n_heads=n_heads,
         # MLA makes keys and values from its latent (kv_lora_rank); num_key_value_heads builds nothing
         n_kv_heads=n_heads if mla else d["num_key_value_heads"] or n_heads,
-        ffn_hidden=_need(d, "intermediate_size", family), norm="rmsnorm", position="rope",
-        norm_eps=d["rms_norm_eps"], rope_theta=float(d["rope_theta"] or DEFAULTS[family]["rope_theta"]),
+        ffn_hidden=_need(d, "intermediate_size", family), activation=GATED_ACTIVATIONS[act], norm="rmsnorm",
+        position="rope", norm_eps=d["rms_norm_eps"],
+        rope_theta=float(d["rope_theta"] or DEFAULTS[family]["rope_theta"]),
         tie_embeddings=bool(d["tie_word_embeddings"]), max_seq_len=d["max_position_embeddings"],
+        qk_norm=family in ("qwen3", "qwen3_moe"), **_biases(d, family, build),
     )
-    act = d["hidden_act"]
-    if act not in HF_ACTIVATIONS:
-        raise TrainwiseError(f"hidden_act '{act}' is not supported for {family}; expected one of {', '.join(HF_ACTIVATIONS)}.")
-    kw["activation"] = HF_ACTIVATIONS[act]
     if d["head_dim"] and not mla:
         kw["head_dim"] = d["head_dim"]
     elif H % n_heads and not mla:
-        raise TrainwiseError(f"num_attention_heads = {n_heads} does not divide hidden_size = {H} and no head_dim is given.")
-    if family in ("llama",):
-        attn_bias, mlp_bias = bool(d["attention_bias"]), bool(d["mlp_bias"])
-        if attn_bias != mlp_bias:
-            raise TrainwiseError("attention_bias != mlp_bias is not representable in ModelConfig (bias applies to all linears).")
-        kw["bias"] = attn_bias
-    if family == "qwen2":
-        kw["qkv_bias"] = True
-    if family in ("qwen3", "qwen3_moe"):
-        kw["qk_norm"] = True
-        if d["attention_bias"]:  # Qwen3 puts attention_bias on q, k, v and o alike
-            raise TrainwiseError("attention_bias = true on Qwen3 (bias on o_proj too) is not supported.")
+        raise TrainwiseError(f"num_attention_heads = {n_heads} does not divide hidden_size = {H} and no head_dim "
+                             "is given; add head_dim to the config.json.")
     if family == "mixtral":
         kw.update(n_experts=_need(d, "num_local_experts", family), top_k=_need(d, "num_experts_per_tok", family),
                   expert_ffn_hidden=kw["ffn_hidden"])
     if family == "qwen3_moe":
         step, dense = d["decoder_sparse_step"], set(d["mlp_only_layers"] or [])
         sparse = [i not in dense and (i + 1) % step == 0 for i in range(kw["n_layers"])]
-        kw.update(n_experts=_need(d, "num_experts", family), top_k=_need(d, "num_experts_per_tok", family),
-                  expert_ffn_hidden=_need(d, "moe_intermediate_size", family),
-                  renormalize_top_k=bool(d["norm_topk_prob"]), **_moe_layout(sparse, family))
-    if family == "deepseek_v3":
-        if d["attention_bias"]:
-            raise TrainwiseError("deepseek_v3 attention_bias = true is not supported by the planner.")
+        kw.update(_moe_layout(sparse, family, dict(
+            n_experts=_need(d, "num_experts", family), top_k=_need(d, "num_experts_per_tok", family),
+            expert_ffn_hidden=_need(d, "moe_intermediate_size", family), renormalize_top_k=bool(d["norm_topk_prob"]))))
+    if mla:
         sparse = [i >= d["first_k_dense_replace"] for i in range(kw["n_layers"])]
         kw.update(attention="mla", q_lora_rank=d["q_lora_rank"] or 0,
                   kv_lora_rank=_need(d, "kv_lora_rank", family), qk_nope_head_dim=_need(d, "qk_nope_head_dim", family),
                   qk_rope_head_dim=_need(d, "qk_rope_head_dim", family), v_head_dim=_need(d, "v_head_dim", family),
-                  head_dim=d.get("qk_rope_head_dim"),
-                  n_experts=_need(d, "n_routed_experts", family), top_k=_need(d, "num_experts_per_tok", family),
-                  expert_ffn_hidden=_need(d, "moe_intermediate_size", family),
-                  n_shared_experts=d["n_shared_experts"] or 0, router_gating="sigmoid",
-                  # e_score_correction_bias: the choice bias (a buffer in both, set by a rule, not by
-                  # gradients). The multi-token-prediction module (num_nextn_predict_layers) is not built
-                  # by transformers, so not counted here either.
-                  router_bias=True, renormalize_top_k=bool(d["norm_topk_prob"]),
-                  routed_scaling_factor=float(d["routed_scaling_factor"]), router_groups=d["n_group"],
-                  router_group_top_k=d["topk_group"], **_moe_layout(sparse, family))
+                  head_dim=d.get("qk_rope_head_dim"))
+        kw.update(_moe_layout(sparse, family, dict(
+            n_experts=_need(d, "n_routed_experts", family), top_k=_need(d, "num_experts_per_tok", family),
+            expert_ffn_hidden=_need(d, "moe_intermediate_size", family),
+            n_shared_experts=d["n_shared_experts"] or 0, router_gating="sigmoid",
+            # e_score_correction_bias: the choice bias (a buffer in both, set by a rule, not by gradients). The
+            # multi-token prediction module (num_nextn_predict_layers): not built by transformers, nor here.
+            router_bias=True, renormalize_top_k=bool(d["norm_topk_prob"]),
+            routed_scaling_factor=float(d["routed_scaling_factor"]), router_groups=d["n_group"],
+            router_group_top_k=d["topk_group"])))
     return ModelConfig(**kw)
 
 
-def _moe_layout(sparse: list[bool], family: str) -> dict[str, int]:
-    """Which layers are MoE, as ModelConfig says it: dense up to the first MoE layer, then every n-th."""
+def _biases(d: dict[str, Any], family: str, build: bool) -> dict[str, bool]:
+    """ModelConfig's bias (on every linear) and qkv_bias (on q, k and v only) from the config.json's."""
+    if family == "qwen2":
+        return dict(qkv_bias=True)  # Qwen2: biases on q, k and v; none on o_proj or the MLP
+    attention = family in ("llama", "qwen3", "qwen3_moe", "deepseek_v3") and bool(d["attention_bias"])
+    mlp = family == "llama" and bool(d["mlp_bias"])
+    if family == "deepseek_v3" and attention:
+        raise TrainwiseError("deepseek_v3 attention_bias = true is not supported: trainwise's latent attention has "
+                             "no biases; set it to false.")
+    if mlp and not attention:
+        raise TrainwiseError("llama mlp_bias = true without attention_bias is not representable (trainwise's biases "
+                             "are on every linear, or on q/k/v only); set the two alike.")
+    if attention and not mlp and not build:
+        raise TrainwiseError(
+            f"{family} attention_bias = true{' without mlp_bias' if family == 'llama' else ''} puts biases on q, k, v "
+            "and o_proj, which the planner cannot count: ModelConfig has biases on q/k/v only (qkv_bias) or on every "
+            "linear (bias). Plan it with attention_bias = false; `trainwise train --init-from` loads such a "
+            "checkpoint when its o_proj bias is zero.")
+    return dict(bias=attention and mlp, qkv_bias=attention and not mlp)
+
+
+def _check_buildable(d: dict[str, Any]) -> None:
+    """What build=True refuses besides what from_hf_dict refuses: settings that keep the parameters but
+    compute something trainwise's layers do not."""
+    family = d["model_type"]
+    if family == "gpt2":
+        if d.get("scale_attn_by_inverse_layer_idx") or d.get("reorder_and_upcast_attn") \
+                or d.get("scale_attn_weights") is False:
+            raise TrainwiseError(
+                "this gpt2 config.json changes the attention scaling, which trainwise does not build; it needs "
+                "scale_attn_weights = true, scale_attn_by_inverse_layer_idx = false, reorder_and_upcast_attn = false.")
+        return
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5's name, 4.x's
+        rope = d.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise TrainwiseError(
+                f"{key} has rope_type '{kind}' (RoPE scaling), which trainwise does not build: it builds the "
+                "default RoPE only. Train from a checkpoint without RoPE scaling (trainwise plan counts this one).")
+    # a window as long as the longest sequence (max_position_embeddings, trainwise's max_seq_len) hides nothing
+    window = d.get("sliding_window") if d.get("use_sliding_window", family in ("mistral", "mixtral")) else None
+    if window and window < d["max_position_embeddings"]:
+        raise TrainwiseError(
+            f"the {family} config.json has sliding-window attention (sliding_window = {window} < "
+            f"max_position_embeddings = {d['max_position_embeddings']}), which trainwise does not build. Set "
+            "sliding_window to null (or use_sliding_window to false) to train it with full attention: the same "
+            f"model on sequences of up to {window} tokens.")
+    if d["hidden_act"] == "gelu":
+        raise TrainwiseError(
+            "hidden_act 'gelu' (the exact GELU) in a gated MLP is not built by trainwise, whose geglu uses the "
+            "tanh approximation (hidden_act 'gelu_pytorch_tanh'); train from a checkpoint with a supported "
+            f"hidden_act: {', '.join(a for a in GATED_ACTIVATIONS if a != 'gelu')}.")
+
+
+def _moe_layout(sparse: list[bool], family: str, moe: dict[str, Any]) -> dict[str, Any]:
+    """`moe` and ModelConfig's layout of the MoE layers (dense ones first, then every n-th); {} if none is."""
     layers = [i for i, s in enumerate(sparse) if s]
     if not layers:
-        return dict(first_dense_layers=len(sparse), moe_every=1)
+        return {}
     # one MoE layer: any stride that steps past the last layer says "no more"
     every = layers[1] - layers[0] if len(layers) > 1 else len(sparse) - layers[0]
     if layers != list(range(layers[0], len(sparse), every)):
         raise TrainwiseError(
             f"the {family} config.json puts MoE on layers {layers}, which is not 'dense layers first, then MoE "
-            "every n-th layer' (the layouts the planner models); change mlp_only_layers / decoder_sparse_step.")
-    return dict(first_dense_layers=layers[0], moe_every=every)
+            "every n-th layer' (the layouts trainwise models); change mlp_only_layers / decoder_sparse_step.")
+    return dict(moe, first_dense_layers=layers[0], moe_every=every)
 
 
 def _gpt2(d: dict[str, Any], name: str) -> ModelConfig:
     H = _need(d, "n_embd", "gpt2")
     act = d["activation_function"]
-    if act not in GPT2_ACTIVATIONS:
-        raise TrainwiseError(f"gpt2 activation_function '{act}' is not supported; expected one of {', '.join(GPT2_ACTIVATIONS)}.")
+    if act not in PLAIN_ACTIVATIONS:
+        raise TrainwiseError(f"gpt2 activation_function '{act}' is not supported; expected one of "
+                             f"{', '.join(PLAIN_ACTIVATIONS)}.")
     if d["add_cross_attention"]:
         raise TrainwiseError("gpt2 add_cross_attention = true adds an encoder-decoder cross-attention to every "
-                             "block; the planner models decoder-only language models. Set it to false.")
+                             "block; trainwise models decoder-only language models. Set it to false.")
     return ModelConfig(
         name=name, vocab_size=_need(d, "vocab_size", "gpt2"), d_model=H, n_layers=_need(d, "n_layer", "gpt2"),
         n_heads=_need(d, "n_head", "gpt2"), n_kv_heads=0, ffn_hidden=d["n_inner"] or 4 * H,
-        activation=GPT2_ACTIVATIONS[act], norm="layernorm", norm_eps=d["layer_norm_epsilon"],
+        activation=PLAIN_ACTIVATIONS[act], norm="layernorm", norm_eps=d["layer_norm_epsilon"],
         position="learned", tie_embeddings=bool(d["tie_word_embeddings"]), bias=True,
         max_seq_len=_need(d, "n_positions", "gpt2"),
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# ModelConfig -> config.json
+
+
+def choose_family(cfg: ModelConfig) -> str:
+    """The HF family that represents `cfg` exactly, or TrainwiseError naming every reason it can't."""
+    if cfg.attention == "mla":
+        family, problems = "deepseek_v3", _deepseek_problems(cfg)
+    elif cfg.is_moe:
+        family, problems = "mixtral", _mixtral_problems(cfg)
+    elif cfg.position == "learned" or cfg.norm == "layernorm":
+        family, problems = "gpt2", _gpt2_problems(cfg)
+    else:
+        family, problems = "qwen3" if cfg.qk_norm else "llama", _llama_problems(cfg)
+    if problems:
+        raise TrainwiseError(
+            f"this model cannot be exported as {ARCHITECTURES[family]} (the closest Hugging Face family): "
+            + "; ".join(problems) + ". Train with a config that family can represent, or keep the trainwise checkpoint."
+        )
+    return family
+
+
+def _llama_problems(cfg: ModelConfig) -> list[str]:
+    problems = []
+    if cfg.position != "rope":
+        problems.append("it uses learned positions; Llama-style models use RoPE")
+    if cfg.norm != "rmsnorm":
+        problems.append("it uses LayerNorm; Llama-style models use RMSNorm")
+    if not cfg.gated:
+        problems.append(f"activation '{cfg.activation}' is not gated; Llama-style MLPs are gated (swiglu or geglu)")
+    if cfg.qk_norm and cfg.bias:
+        problems.append("Qwen3 (qk_norm) has no MLP biases, but model.bias = true puts biases in the MLP")
+    return problems
+
+
+def _gpt2_problems(cfg: ModelConfig) -> list[str]:
+    problems = []
+    if cfg.position != "learned":
+        problems.append("it uses RoPE; GPT-2 uses learned positions")
+    if cfg.norm != "layernorm":
+        problems.append("it uses RMSNorm; GPT-2 uses LayerNorm")
+    if cfg.activation not in PLAIN_NAMES:
+        problems.append(f"activation '{cfg.activation}' is gated; GPT-2's MLP has two matrices (relu, gelu, "
+                        "gelu_tanh or silu)")
+    if cfg.n_kv_heads != cfg.n_heads:
+        problems.append(f"n_kv_heads = {cfg.n_kv_heads} != n_heads = {cfg.n_heads} (grouped-query attention); "
+                        "GPT-2 has one k/v head per query head")
+    if cfg.head_dim * cfg.n_heads != cfg.d_model:
+        problems.append(f"head_dim x n_heads = {cfg.head_dim * cfg.n_heads} != d_model = {cfg.d_model}")
+    if cfg.qk_norm:
+        problems.append("qk_norm has no GPT-2 counterpart")
+    return problems
+
+
+def _mixtral_problems(cfg: ModelConfig) -> list[str]:
+    problems = _llama_problems(cfg)
+    if cfg.activation != "swiglu":
+        problems = [p for p in problems if "not gated" not in p]
+        problems.append(f"activation '{cfg.activation}': Mixtral experts use swiglu")
+    if cfg.qk_norm:
+        problems.append("qk_norm has no Mixtral counterpart")
+    if cfg.bias or cfg.qkv_bias:
+        problems.append("Mixtral has no biases (model.bias / model.qkv_bias must be false)")
+    if cfg.first_dense_layers or cfg.moe_every != 1:
+        problems.append("every Mixtral layer is MoE (first_dense_layers = 0 and moe_every = 1)")
+    if cfg.n_shared_experts:
+        problems.append("Mixtral has no shared experts")
+    if cfg.router_gating != "softmax" or not cfg.renormalize_top_k:
+        problems.append("Mixtral routes with softmax gating and renormalised top-k weights")
+    if cfg.router_bias:
+        problems.append("Mixtral has no router bias")
+    if not cfg.dropless:
+        problems.append("Mixtral is dropless (model.dropless = true; no capacity factor)")
+    if cfg.expert_ffn_hidden != cfg.ffn_hidden:
+        problems.append("Mixtral's expert width is intermediate_size (expert_ffn_hidden must equal ffn_hidden)")
+    return problems
+
+
+def _deepseek_problems(cfg: ModelConfig) -> list[str]:
+    problems = []
+    if cfg.norm != "rmsnorm" or cfg.activation != "swiglu":
+        problems.append("DeepSeek-V3 uses RMSNorm and swiglu MLPs")
+    if cfg.bias or cfg.qkv_bias or cfg.qk_norm:
+        problems.append("DeepSeek-V3 has no biases and no qk_norm")
+    if cfg.is_moe:
+        if cfg.moe_every != 1:
+            problems.append("DeepSeek-V3 makes every layer after first_dense_layers MoE (moe_every = 1)")
+        if cfg.n_shared_experts < 1:
+            problems.append("DeepSeek-V3 has shared experts (model.n_shared_experts >= 1)")
+        if cfg.router_gating != "sigmoid" or not cfg.dropless:
+            problems.append("DeepSeek-V3 routes with sigmoid gating, dropless")
+    return problems
+
+
+def to_hf_dict(cfg: ModelConfig, family: str, eos_id: int, bos_id: int | None = None) -> dict[str, Any]:
+    """config.json of `family` (choose_family's) for `cfg`; bos_id defaults to eos_id (trainwise's
+    tokenizers have one special token, which both begins and ends a document)."""
+    bos_id = eos_id if bos_id is None else bos_id
+    common = {"architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": cfg.vocab_size,
+              "bos_token_id": bos_id, "eos_token_id": eos_id, "tie_word_embeddings": cfg.tie_embeddings,
+              "torch_dtype": "float32", "initializer_range": cfg.init_std}
+    if family == "gpt2":
+        return {**common, "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
+                "n_inner": cfg.ffn_hidden, "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len,
+                "activation_function": PLAIN_NAMES[cfg.activation],
+                "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+                "attn_pdrop": cfg.dropout, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                "reorder_and_upcast_attn": False}
+    out = {**common, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
+           "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+           "intermediate_size": cfg.ffn_hidden, "hidden_act": GATED_NAMES[cfg.activation],
+           "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+           "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+           "attention_dropout": cfg.dropout, "attention_bias": cfg.bias or cfg.qkv_bias}
+    if family == "deepseek_v3":  # every head has its own keys and values; head_dim: the rotated part's width
+        moe = cfg.is_moe
+        return {**out, "num_key_value_heads": cfg.n_heads, "head_dim": cfg.qk_rope_head_dim, "rope_interleave": False,
+                "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+                "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+                "v_head_dim": cfg.v_head_dim,
+                # a dense model: every layer before first_k_dense_replace, no MoE layer built
+                "first_k_dense_replace": cfg.first_dense_layers if moe else cfg.n_layers,
+                "n_routed_experts": cfg.n_experts if moe else 1, "num_experts_per_tok": cfg.top_k if moe else 1,
+                "moe_intermediate_size": cfg.expert_ffn_hidden if moe else cfg.ffn_hidden,
+                "n_shared_experts": cfg.n_shared_experts if moe else 1, "norm_topk_prob": cfg.renormalize_top_k,
+                "routed_scaling_factor": cfg.routed_scaling_factor, "n_group": cfg.router_groups,
+                "topk_group": cfg.router_group_top_k, "num_nextn_predict_layers": 0}
+    if family == "llama":
+        out["mlp_bias"] = cfg.bias
+    if family in ("qwen3", "mixtral"):
+        out.update(use_sliding_window=False, sliding_window=None)
+    if family == "mixtral":
+        out.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, router_jitter_noise=0.0,
+                   output_router_logits=False, router_aux_loss_coef=cfg.aux_loss_coef)
+    return out
 
 
 def _gpt2_cfg(n_embd: int, n_layer: int, n_head: int) -> dict:

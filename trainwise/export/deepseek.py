@@ -1,6 +1,7 @@
-"""The deepseek_v3 family (DeepseekV3ForCausalLM, transformers >= 4.57; checked with 5.24): multi-head
-latent attention, dense layers first, then sigmoid-routed MoE layers with shared experts, a choice bias
-(e_score_correction_bias), group-limited routing and a routed scaling factor.
+"""The weights of the deepseek_v3 family (DeepseekV3ForCausalLM, transformers >= 4.57; checked with 5.24):
+multi-head latent attention, dense layers first, then sigmoid-routed MoE layers with shared experts, a
+choice bias (e_score_correction_bias), group-limited routing and a routed scaling factor. Its config.json,
+both ways, is trainwise.hf_config's.
 
 Weight layouts (trainwise -> HF): attn.q_down/q_norm/q_up -> self_attn.q_a_proj/q_a_layernorm/q_b_proj
 (or attn.q_proj -> self_attn.q_proj), attn.kv_down/kv_norm/kv_up -> kv_a_proj_with_mqa/kv_a_layernorm/
@@ -15,69 +16,9 @@ transformers' DeepseekV3ForCausalLM does not build it: its tensors, if a checkpo
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from trainwise.config import ModelConfig
-from trainwise.errors import TrainwiseError
-from trainwise.hf_config import from_hf_dict
-
-
-def problems(cfg: ModelConfig) -> list[str]:
-    """What keeps `cfg` from being a DeepseekV3ForCausalLM exactly."""
-    out = []
-    if cfg.attention != "mla":
-        out.append("it uses multi-head attention; DeepSeek-V3 uses latent attention (model.attention = 'mla')")
-    if cfg.norm != "rmsnorm" or cfg.activation != "swiglu":
-        out.append("DeepSeek-V3 uses RMSNorm and swiglu MLPs")
-    if cfg.bias or cfg.qkv_bias or cfg.qk_norm:
-        out.append("DeepSeek-V3 has no biases and no qk_norm")
-    if cfg.is_moe:
-        if cfg.moe_every != 1:
-            out.append("DeepSeek-V3 makes every layer after first_dense_layers MoE (moe_every = 1)")
-        if cfg.n_shared_experts < 1:
-            out.append("DeepSeek-V3 has shared experts (model.n_shared_experts >= 1)")
-        if cfg.router_gating != "sigmoid" or not cfg.dropless:
-            out.append("DeepSeek-V3 routes with sigmoid gating, dropless")
-    return out
-
-
-def hf_config(cfg: ModelConfig, common: dict) -> dict:
-    """config.json of a DeepseekV3ForCausalLM for `cfg` (common: the keys every family shares)."""
-    moe = cfg.is_moe
-    return {**common, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_heads,
-            "intermediate_size": cfg.ffn_hidden, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_interleave": False,
-            "attention_bias": False, "attention_dropout": cfg.dropout,
-            "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
-            "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-            "v_head_dim": cfg.v_head_dim, "head_dim": cfg.qk_rope_head_dim,
-            # a dense model: every layer before first_k_dense_replace, no MoE layer built
-            "first_k_dense_replace": cfg.first_dense_layers if moe else cfg.n_layers,
-            "n_routed_experts": cfg.n_experts if moe else 1, "num_experts_per_tok": cfg.top_k if moe else 1,
-            "moe_intermediate_size": cfg.expert_ffn_hidden if moe else cfg.ffn_hidden,
-            "n_shared_experts": cfg.n_shared_experts if moe else 1, "norm_topk_prob": cfg.renormalize_top_k,
-            "routed_scaling_factor": cfg.routed_scaling_factor, "n_group": cfg.router_groups,
-            "topk_group": cfg.router_group_top_k, "num_nextn_predict_layers": 0}
-
-
-def model_config(d: dict, name: str) -> ModelConfig:
-    """A deepseek_v3 config.json -> the ModelConfig trainwise builds for it (trainwise.hf_config's reading,
-    the one the planner counts with), refusing what it does not build."""
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise TrainwiseError(f"rope_type '{rope.get('rope_type', rope.get('type'))}' (RoPE scaling, YaRN) is not built "
-                             "by trainwise; only the default RoPE.")
-    cfg = from_hf_dict(d, name)
-    return cfg if cfg.n_layers > cfg.first_dense_layers else _dense(cfg)
-
-
-def _dense(cfg: ModelConfig) -> ModelConfig:
-    return replace(cfg, n_experts=0, top_k=0, expert_ffn_hidden=0, n_shared_experts=0, first_dense_layers=0,
-                   router_bias=False, routed_scaling_factor=1.0, router_groups=1, router_group_top_k=1)
 
 
 def _rope_order(width: int) -> torch.Tensor:
@@ -140,9 +81,10 @@ _ATTENTION = {"attn.q_down.weight": "self_attn.q_a_proj.weight", "attn.q_norm.we
               "attn.out.weight": "self_attn.o_proj.weight"}
 
 
-def from_hf(cfg: ModelConfig, t: dict, take, interleaved: bool) -> dict:
+def from_hf(cfg: ModelConfig, t: dict, take, experts, interleaved: bool) -> dict:
     """DeepseekV3ForCausalLM tensors (Hub layout, or transformers 5's stacked experts) -> trainwise state dict.
-    take(t, key) reads a tensor or says which is missing."""
+    take(t, key) reads a tensor or says which is missing; experts(cfg, t, hf_prefix, prefix) reads an MoE
+    layer's router and experts (trainwise.export.hf's, shared with Mixtral and Qwen3-MoE)."""
     out = {"embed.weight": take(t, "model.embed_tokens.weight"), "norm.weight": take(t, "model.norm.weight")}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = take(t, "lm_head.weight")
@@ -163,23 +105,11 @@ def from_hf(cfg: ModelConfig, t: dict, take, interleaved: bool) -> dict:
             out[b + "attn.kv_down.weight"] = torch.cat([kv[:C], kv[C:][_rope_order(rope)]])
         if cfg.is_moe_layer(i):
             m = h + "mlp."
-            out[b + "mlp.router.weight"] = take(t, m + "gate.weight")
+            out.update(experts(cfg, t, m, b + "mlp."))
             out[b + "mlp.expert_bias"] = t.get(m + "gate.e_score_correction_bias", torch.zeros(cfg.n_experts))
-            out.update(_experts_from_hf(cfg, t, m, b + "mlp.", take))
             mlp, hf_mlp = b + "mlp.shared.", m + "shared_experts."
         else:
             mlp, hf_mlp = b + "mlp.", h + "mlp."
         out[mlp + "fc.weight"] = torch.cat([take(t, hf_mlp + "gate_proj.weight"), take(t, hf_mlp + "up_proj.weight")])
         out[mlp + "proj.weight"] = take(t, hf_mlp + "down_proj.weight")
     return out
-
-
-def _experts_from_hf(cfg: ModelConfig, t: dict, m: str, b: str, take) -> dict:
-    if m + "experts.gate_up_proj" in t:  # transformers 5 saves them stacked: (E, 2F, H) and (E, H, F)
-        return {b + "experts_fc.weight": t[m + "experts.gate_up_proj"].transpose(1, 2),
-                b + "experts_proj.weight": take(t, m + "experts.down_proj").transpose(1, 2)}
-    e_range = range(cfg.n_experts)
-    fc = [torch.cat([take(t, m + f"experts.{e}.gate_proj.weight"), take(t, m + f"experts.{e}.up_proj.weight")]).T
-          for e in e_range]
-    return {b + "experts_fc.weight": torch.stack(fc),
-            b + "experts_proj.weight": torch.stack([take(t, m + f"experts.{e}.down_proj.weight").T for e in e_range])}
