@@ -118,7 +118,7 @@ def test_two_ranks_equal_one_process_with_grad_accum(strategy, one_process, two_
     for rank in per_rank["ranks"]:
         for name in ("params", "grads", "optimizer"):
             assert abs(rank[name]["error"]) < 0.01, (name, rank[name])
-        # each rank's last step, measured as it ran, against cost.memory.rank_peak_bytes (issue 17)
+        # each rank's last step, measured as it ran, against cost.rank_memory.rank_peak
         assert abs(rank["peak_memory_bytes"]["error"]) < 0.10, rank["peak_memory_bytes"]
     assert main(["verify", str(multi)]) == 0
     assert f"Per rank: {strategy} on 2 ranks" in (multi / "report.html").read_text()

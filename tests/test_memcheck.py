@@ -9,14 +9,16 @@ from tiny import TINY, set_args
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides
 from trainwise.hardware.memory import ENV, available_bytes
-from trainwise.trainer.memcheck import planned_peak
+from trainwise.cost.layout import Layout
+from trainwise.cost.rank_memory import rank_peak
+from trainwise.trainer.memcheck import planned_run
 
 BIG = ("train.max_steps=2", "train.eval_every=0", "train.micro_batch=16", "train.grad_accum_steps=1")
 
 
 def tiny_peak(micro_batch: int) -> int:
     cfg = apply_overrides(RunConfig(), [*TINY, "model.vocab_size=300", "train.micro_batch=%d" % micro_batch])
-    return planned_peak(cfg, "fp32", "none", 1)
+    return rank_peak(planned_run(cfg, "fp32", Layout())).peak
 
 
 def test_run_that_does_not_fit_stops_with_a_proposal_that_trains(corpus, tmp_path, monkeypatch, capsys):

@@ -15,7 +15,8 @@ from trainwise.units import parse_bytes
 
 
 def test_fp32_adamw_16_bytes():
-    assert state_bytes(10**9, get_recipe("fp32"), "adamw").total == 16 * 10**9  # DESIGN.md worked example
+    # docs/ARCHITECTURE.md, "The worked example"
+    assert state_bytes(10**9, get_recipe("fp32"), "adamw").total == 16 * 10**9
 
 
 def test_zero_paper_mixed_precision():
@@ -107,10 +108,19 @@ def test_zero1_partition_is_whole_tensor_greedy_per_group():
 def test_rank_peak_terms_per_strategy():
     """Per-rank peaks order as the strategies shard: replicated DDP >= ZeRO-1 > FSDP (ZeRO-3); DDP's buckets
     hold the gradients at the start of backward even at K = 1; FSDP gathers two blocks + the root."""
-    from trainwise.cost.memory import peak_bytes, rank_peak_bytes
+    from trainwise.config import ZERO_STAGE
+    from trainwise.cost.layout import Layout, make_layout
+    from trainwise.cost.memory import peak_bytes
+    from trainwise.cost.rank_memory import rank_peak
+    from trainwise.cost.run import Run
 
     cfg, r = ModelConfig(n_heads=8, n_kv_heads=4), get_recipe("fp32")
-    peak = {s: rank_peak_bytes(cfg, r, "adamw", s, 4, 8, 256) for s in ("none", "ddp", "zero1", "zero2", "fsdp")}
+
+    def layout(strategy: str) -> Layout:
+        return Layout() if strategy == "none" else make_layout(4, zero=ZERO_STAGE[strategy])
+
+    peak = {s: rank_peak(Run(cfg, 8, 256, recipe=r, layout=layout(s))).peak
+            for s in ("none", "ddp", "zero1", "zero2", "fsdp")}
     assert peak["ddp"] >= peak["none"] and peak["ddp"] > peak["zero1"] > peak["fsdp"]
     assert peak["zero2"] > peak["fsdp"]  # zero2 keeps every gathered block until backward
     acts = activation_bytes(cfg, r, 8, 256)

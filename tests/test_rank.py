@@ -63,19 +63,25 @@ def test_pipeline_stages_hold_their_layers_the_embedding_and_the_head():
     layout = Layout(pp=2)
     assert R.rank_state_bytes(cfg, layout, 0, 2)["params"] == 4 * (9600 + 15424)
     assert R.rank_state_bytes(cfg, layout, 1, 2)["params"] == 4 * (15424 + 32 + 9600)
-    assert [list(R.stage_layers(5, 2, s)) for s in (0, 1)] == [[0, 1, 2], [3, 4]]  # cost.layout.chunk_layers: the last stage holds the head
+    # cost.layout.chunk_layers: the last stage holds the head
+    assert [list(R.stage_layers(5, 2, s)) for s in (0, 1)] == [[0, 1, 2], [3, 4]]
     assert R.rank_stages(Layout(pp=2, vpp=2, pp_schedule="interleaved"), 1) == [1, 3]
 
 
 def test_micro_batches_in_flight_per_schedule():
     """1F1B: rank r of pp holds pp - r micro-batches (PipeDream-Flush); GPipe all K; interleaved 1F1B
     (pp 2, vpp 2, K 4, 2 rounds of 2): rank 0 warms up with (2 - 1) x 2 + 2 x (2 - 1 - 0) = 4 forwards
-    (chunks 0, 0, 1, 1) and runs a fifth before its first backward; rank 1 warms up with 2."""
-    assert [len(in_flight(Layout(pp=4), r, 8)) for r in range(4)] == [4, 3, 2, 1]
-    assert len(in_flight(Layout(pp=2, pp_schedule="gpipe"), 1, 3)) == 3
+    (chunks 0, 0, 1, 1) and runs a fifth before its first backward; rank 1 warms up with 2. in_flight
+    lists the micro-batches in flight at each backward of the step; the most is the first."""
+    def most(layout: Layout, rank: int, k: int) -> list[int]:
+        return max(in_flight(layout, rank, k), key=len)
+
+    assert [len(most(Layout(pp=4), r, 8)) for r in range(4)] == [4, 3, 2, 1]
+    gpipe = in_flight(Layout(pp=2, pp_schedule="gpipe"), 1, 3)
+    assert [len(live) for live in gpipe] == [3, 2, 1]  # every forward first, then the backwards free them
     interleaved = Layout(pp=2, vpp=2, pp_schedule="interleaved")
-    assert in_flight(interleaved, 0, 4) == [[0], [0], [1], [1], [0]]
-    assert len(in_flight(interleaved, 1, 4)) == 3
+    assert sorted(most(interleaved, 0, 4)) == [0, 0, 0, 1, 1]
+    assert len(most(interleaved, 1, 4)) == 3
 
 
 def test_data_parallel_collectives_of_a_step():

@@ -91,8 +91,9 @@ def test_moe_routing_under_tp_is_one_process_routing(runs):
 @pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)
 def test_each_rank_holds_and_sends_what_the_plan_says(runs, case):
     """params, grads and optimizer bytes and every collective's calls and bytes equal cost.rank's plan for
-    that rank; the step's peak within 10% (the least of the MEASURED steps before SAVE_AT: see
-    tp_pp_worker.train; GPipe aside)."""
+    that rank; the step's peak within 10% of cost.rank_memory.rank_peak (the least of the MEASURED steps
+    before SAVE_AT: see tp_pp_worker.train), GPipe included: its first backward finds all K micro-batches
+    in flight but no gradients yet, its second one gradients and K - 1."""
     predicted = plan(case, len(runs[case]))
     for r, (p, rank) in enumerate(zip(predicted, runs[case])):
         m = rank["measured"]
@@ -100,8 +101,6 @@ def test_each_rank_holds_and_sends_what_the_plan_says(runs, case):
             assert m[name] == p[name], (r, name)
         assert m["comm"] == p["comm"], r
         error = m["peak_memory_bytes"] / p["peak_memory_bytes"] - 1
-        if case == "pp_gpipe":  # known gap: GPipe's last stage is planned 12% above what it holds (not in issue 30's list)
-            continue
         assert abs(error) < 0.10, (r, m["peak_memory_bytes"], p["peak_memory_bytes"])
 
 
@@ -200,7 +199,8 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
             assert rank[name]["error"] == 0, (name, rank[name])
         assert abs(rank["peak_memory_bytes"]["error"]) < 0.10, rank["peak_memory_bytes"]
         for kind, e in rank["comm"].items():
-            assert e["calls"]["measured"] == e["calls"]["predicted"] and e["bytes"]["measured"] == e["bytes"]["predicted"], kind
+            assert (e["calls"]["measured"] == e["calls"]["predicted"]
+                    and e["bytes"]["measured"] == e["bytes"]["predicted"]), kind
     assert main(["verify", str(run)]) == 0
     # export gathers the full weights: the same tensors as the one-process run's, within the losses' tolerance
     assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0

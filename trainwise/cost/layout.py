@@ -84,7 +84,8 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
             f"{_divisor_hint(gpus, tp, pp, cp)}.")
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
     return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=gpus // split, sequence_parallel=sp, zero=zero,
-                  micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl)
+                  micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl,
+                  pp_schedule="interleaved" if vpp > 1 else "1f1b")
 
 
 def _divisor_hint(gpus: int, tp: int, pp: int, cp: int) -> str:
@@ -111,7 +112,8 @@ def check_layout(cfg: ModelConfig, layout: Layout, seq_len: int) -> None:
             f"chunk needs at least one. Use pp x vpp <= {cfg.n_layers}, e.g. --pp {min(p, cfg.n_layers)} --vpp "
             f"{max(1, cfg.n_layers // min(p, cfg.n_layers))}.")
     if v > 1 and p == 1:
-        raise TrainwiseError(f"--vpp {v} needs pipeline parallelism (--pp > 1): virtual stages interleave pipeline ranks.")
+        raise TrainwiseError(
+            f"--vpp {v} needs pipeline parallelism (--pp > 1): virtual stages interleave pipeline ranks.")
     if v > 1 and m % p:
         raise TrainwiseError(
             f"the interleaved schedule (vpp = {v}) needs the micro-batches per step ({m}) to be a multiple of "
@@ -131,7 +133,8 @@ def check_layout(cfg: ModelConfig, layout: Layout, seq_len: int) -> None:
         if (layout.dp * layout.cp) % layout.ep:
             raise TrainwiseError(
                 f"ep = {layout.ep} must divide dp x cp = {layout.dp} x {layout.cp} = {layout.dp * layout.cp}: the "
-                "expert-parallel group is made of data/context-parallel ranks (Megatron-Core). Raise --gpus or lower --ep.")
+                "expert-parallel group is made of data/context-parallel ranks (Megatron-Core). "
+                "Raise --gpus or lower --ep.")
     if p > 1 and m < p:
         raise TrainwiseError(
             f"pp = {p} pipeline stages need at least {p} micro-batches per step to keep every stage busy (here "
@@ -254,7 +257,8 @@ def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
     return RankParams(layer=layer_params(share, dense) if dense is not None else 0, moe_layer=moe_layer,
                       moe_experts=experts, embedding=embedding_params(share),
                       # a tied LM head is the embedding's table, but a pipeline's last rank holds its own copy
-                      head=norm_params(cfg) + (0 if cfg.tie_embeddings and layout.pp == 1 else share.vocab_size * cfg.d_model))
+                      head=norm_params(cfg) + (0 if cfg.tie_embeddings and layout.pp == 1
+                                               else share.vocab_size * cfg.d_model))
 
 
 # ---------------------------------------------------------------------------------------------------

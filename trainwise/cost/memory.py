@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
 from trainwise.cost.params import attention_params, mlp_params
-from trainwise.cost.params import params as count_params
 from trainwise.errors import TrainwiseError
 
 DTYPE_BYTES = {"fp64": 8, "float64": 8, "fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2,
@@ -54,7 +53,8 @@ OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
 def get_recipe(name: str) -> Recipe:
     key = RECIPE_ALIASES.get(name, name)
     if key not in RECIPES:
-        raise TrainwiseError(f"unknown precision '{name}'; choose one of {', '.join(list(RECIPES) + list(RECIPE_ALIASES))}.")
+        raise TrainwiseError(f"unknown precision '{name}'; choose one of "
+                             f"{', '.join(list(RECIPES) + list(RECIPE_ALIASES))}.")
     return RECIPES[key]
 
 
@@ -126,7 +126,8 @@ def norm_saved_bytes(cfg: ModelConfig, s: int) -> int:
     return (2 * s * cfg.d_model + 4) if cfg.norm == "rmsnorm" else (s * cfg.d_model + 8)
 
 
-def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: int, checkpointing: str = "none") -> float:
+def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: int,
+                                     checkpointing: str = "none") -> float:
     """Bytes autograd saves per token in one block of the model trainwise builds (pre-norm, SDPA).
 
     After Korthikanti et al. 2022 ("Reducing Activation Recomputation", section 4.1) but for this block,
@@ -296,7 +297,8 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
     if checkpointing == "full":
         layers = cfg.n_layers * recipe.residual_bytes * cfg.d_model
     elif compiled:
-        layers = sum(compiled_block_bytes_per_token(cfg, recipe, i, seq_len, checkpointing) for i in range(cfg.n_layers))
+        layers = sum(compiled_block_bytes_per_token(cfg, recipe, i, seq_len, checkpointing)
+                     for i in range(cfg.n_layers))
     else:
         layers = sum(activation_bytes_per_token_layer(cfg, recipe, i, checkpointing) for i in range(cfg.n_layers))
     head = 16 + norm_saved_bytes(cfg, recipe.residual_bytes) + recipe.compute_bytes * cfg.d_model
@@ -347,7 +349,8 @@ def recompute_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1) 
     """Full checkpointing: one block's activations (and, under autocast, its weight copies) rebuilt in
     backward while that block's gradients are computed."""
     weights = recipe.compute_bytes if recipe.compute_bytes != recipe.residual_bytes else 0
-    return math.ceil(max(tokens * activation_bytes_per_token_layer(cfg, recipe, i) + weights * matmul_weight_params(cfg, i)
+    return math.ceil(max(tokens * activation_bytes_per_token_layer(cfg, recipe, i)
+                         + weights * matmul_weight_params(cfg, i)
                          for i in _distinct_layers(cfg)) / tp)
 
 
@@ -374,64 +377,6 @@ def peak_bytes(cfg: ModelConfig, states: StateBytes, activations: int, optimizer
     moments = optimizer_moments(optimizer)
     scratch = states.optimizer // moments if moments >= 2 else 0
     return max(backward, states.total + scratch)
-
-
-def rank_peak_bytes(cfg: ModelConfig, recipe: Recipe, optimizer: str, strategy: str, dp: int, micro_batch: int,
-                    seq_len: int, grad_accum: int = 1, checkpointing: str = "none", optimizer_share: float | None = None,
-                    compiled: bool = False) -> int:
-    """Peak bytes of one training step on one rank, as trainwise runs each parallel.strategy (PyTorch's
-    DDP and FSDP2; see trainwise.runtime.distributed), micro_batch per rank:
-      none: peak_bytes (compiled: a whole-model torch.compile; FSDP2 compiles per block, planned eager).
-      ddp / zero1 (ZeRO-0 / ZeRO-1): DDP's all-reduce buckets hold the gradients (gradient_as_bucket_view)
-        for the whole run, so the gradients count at the start of backward even with K = 1, twice with
-        K > 1 (no_sync micro-batches accumulate into .grad tensors of their own); zero1 keeps
-        `optimizer_share` of the optimizer states (ZeroRedundancyOptimizer's whole-tensor partition;
-        default 1/dp).
-      zero2 / fsdp (FSDP2): at rest the fp32 parameter shards (the optimizer's weights), the sharded
-        moments and, after backward, the sharded fp32 gradients (4N/dp). With a bf16/fp16 mixed-precision
-        policy the forward runs on the gathered low-precision weights and inputs: residual stream in the
-        compute dtype, no autocast weight copies. Gathered (unsharded) parameters in the compute dtype:
-        zero2 keeps all of them from forward to backward (c x N); fsdp only the root's (embedding, final
-        norm, LM head: the root is not resharded after forward) and two blocks at a time (the block at
-        work and the one prefetched). Under accumulation (K > 1) the micro-batches before the last keep
-        the unsharded gradients, accumulated in fp32 (4N) until the last one reduce-scatters them.
-      The optimizer step: the rank's states + one moment of its share as foreach scratch."""
-    n = count_params(cfg).total
-    tokens = micro_batch * seq_len
-    if strategy in ("none", "ddp", "zero1"):
-        zero = 1 if strategy == "zero1" else 0
-        states = state_bytes(n, recipe, optimizer, zero, dp)
-        if optimizer_share is not None and zero == 1:
-            full = state_bytes(n, recipe, optimizer)
-            states = replace(states, optimizer=math.ceil(full.optimizer * optimizer_share),
-                             master=math.ceil(full.master * optimizer_share))
-        acts = activation_bytes(cfg, recipe, micro_batch, seq_len, checkpointing, compiled=compiled)
-        k = grad_accum if strategy == "none" else max(grad_accum, 2)  # the buckets hold the gradients throughout
-        # under no_sync (the micro-batches before the last) DDP leaves .grad its own tensors beside the buckets
-        no_sync = states.grads if strategy != "none" and grad_accum > 1 else 0
-        return peak_bytes(cfg, states, acts, optimizer, micro_batch, seq_len, k, 1, recipe, checkpointing, compiled,
-                          extra_backward=no_sync)
-    if strategy not in ("zero2", "fsdp"):
-        raise TrainwiseError(f"parallel.strategy '{strategy}' must be none, ddp, zero1, zero2 or fsdp.")
-    c = recipe.compute_bytes
-    low = replace(recipe, residual_bytes=c)  # FSDP2's policy casts params and inputs: no autocast copies
-    moments = optimizer_moments(optimizer)
-    shard = math.ceil(n * 4 / dp)  # fp32 parameters / gradients, sharded
-    opt_shard = math.ceil(n * recipe.moment_bytes * moments / dp)
-    acts = activation_bytes(cfg, low, micro_batch, seq_len, checkpointing)
-    if strategy == "zero2":
-        gathered = c * n
-    else:
-        one, two = (count_params(replace(cfg, n_layers=k, first_dense_layers=0)).total for k in (1, 2))
-        block, root = two - one, 2 * one - two  # one block; embedding + final norm + LM head
-        gathered = c * (root + min(cfg.n_layers, 2) * block)
-    scratch = loss_backward_bytes(cfg, low, tokens)
-    if checkpointing == "full":
-        scratch = max(scratch, recompute_bytes(cfg, low, tokens))
-    accumulated = 4 * n if grad_accum > 1 else 0
-    backward = shard + opt_shard + gathered + acts + scratch + accumulated + (shard if grad_accum > 1 else 0)
-    step = 2 * shard + opt_shard + (opt_shard // moments if moments >= 2 else 0)
-    return max(backward, step)
 
 
 def eval_peak_bytes(cfg: ModelConfig, recipe: Recipe, resident: int, micro_batch: int, seq_len: int) -> int:

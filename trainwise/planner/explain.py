@@ -51,7 +51,8 @@ def explain_step(p) -> str:
     add(f"   largest contributors: {share}")
     add(f"   operators {st.compute_s:.4g} s + eager overhead {st.overhead_s:.4g} s + communication "
         f"{st.comm_s:.4g} s exposed" + (f" (of {sum(st.comm.values()):.4g} s: "
-                                        + ", ".join(f"{k} {v:.4g} s" for k, v in st.comm.items()) + ")" if st.comm else "")
+                                        + ", ".join(f"{k} {v:.4g} s" for k, v in st.comm.items()) + ")"
+                                        if st.comm else "")
         + f" = {st.seconds:.4g} s per step")
     if st.comm_how:
         add(f"   communication: {st.comm_how}")
@@ -81,8 +82,8 @@ def explain_cluster(p) -> str:
     add(f"   pp p2p     = m x 2 x vpp sends of B x T x H / tp = {b['pp_p2p_s']:.4g} s")
     add(f"   bubble     = (p - 1) / (v m) x m x mean rank micro-batch = ({pp} - 1) / ({v} x {m}) x {m} x "
         f"{sum(st.stage_seconds) / pp:.4g} = {b['bubble_s']:.4g} s")
-    add(f"   dp comm    = gradient reduction over dp x cp, exposed {'past the last backward' if lay.dp_overlap else 'in full'}"
-        f" = {b['dp_comm_s']:.4g} s")
+    add(f"   dp comm    = gradient reduction over dp x cp, exposed "
+        f"{'past the last backward' if lay.dp_overlap else 'in full'} = {b['dp_comm_s']:.4g} s")
     add(f"   optimizer  = the rank's fused update at the copy bandwidth = {b['optimizer_s']:.4g} s")
     add(f"   overhead   = {b['overhead_s']:.4g} s per step (host)")
     add(f"   step = {' + '.join(f'{b[k]:.4g}' for k in b)} = {st.seconds:.4g} s")
@@ -183,8 +184,11 @@ def plan_table(plan) -> str:
         rows.append(("FLOPs total", f"{fl['total']:.4g} FLOPs"))
     for key in ("params", "grads", "optimizer", "master", "states", "activations"):
         rows.append((f"{key} / device", fmt_bytes(mem[f"{key}_bytes"])))
-    rows += [("total / device", fmt_bytes(mem["per_device_bytes"])), ("budget / device", fmt_bytes(mem["budget_bytes"])),
-             ("fits", fits_text(plan))]
+    rows.append(("total / device", fmt_bytes(mem["per_device_bytes"])))
+    if plan.peak_rank is not None:  # a layout trainwise trains: the step's high point, as verify checks it
+        rank, _ = plan.peak_rank
+        rows.append(("step peak / device", f"{fmt_bytes(mem['peak_bytes'])} (rank {rank}, the highest)"))
+    rows += [("budget / device", fmt_bytes(mem["budget_bytes"])), ("fits", fits_text(plan))]
     if plan.hardware is None:
         rows.append(("time", t["note"]))
     else:
@@ -221,7 +225,8 @@ def _tokens(plan) -> str:
 
 
 def time_source(source: str) -> str:
-    """How a plan's time was obtained, as a person reads it (plan.json keeps the DESIGN.md word)."""
+    """How a plan's time was obtained, as a person reads it (plan.json keeps the word: docs/ARCHITECTURE.md,
+    "The plan's JSON")."""
     return {"calibrated": "step-time model, calibrated on this machine",
             "published microbenchmarks": "cluster model: operators and collectives at published kernel and NCCL "
                                          "rates"}.get(source, "assumed MFU: a what-if, not a prediction")
@@ -234,7 +239,8 @@ def calibration_rows(hardware: dict) -> list[tuple[str, str]]:
     probe = hardware.get("last_probe")
     rows.append(("last speed probe", "none yet (each training run probes at its start)" if not probe else
                  f"{probe['at']}: the calibration's reference steps ran {probe['ratio'] - 1:+.1%} against the "
-                 f"calibration (eager overhead {probe['overhead_ratio'] - 1:+.1%}, kernels {probe['kernel_ratio'] - 1:+.1%})"))
+                 f"calibration (eager overhead {probe['overhead_ratio'] - 1:+.1%}, "
+                 f"kernels {probe['kernel_ratio'] - 1:+.1%})"))
     return rows
 
 

@@ -1,5 +1,5 @@
-"""The Plan: parameters, FLOPs, memory and time of one training run, and its JSON (DESIGN.md). Its
-worked derivation is trainwise.planner.explain, the `--fit` search trainwise.planner.fit.
+"""The Plan: parameters, FLOPs, memory and time of one training run, and its JSON (docs/ARCHITECTURE.md,
+"The plan's JSON"). Its worked derivation is trainwise.planner.explain, the `--fit` search trainwise.planner.fit.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from trainwise.cost import memory as M
 from trainwise.cost.cluster import ClusterStep
 from trainwise.cost.layout import Layout, RankMemory, check_layout, make_layout, rank_memory
 from trainwise.cost.params import ParamCount, params
+from trainwise.cost.rank_memory import RankPeak, highest_peak
+from trainwise.cost.run import Run
 from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time, model_flops_utilization
 from trainwise.errors import TrainwiseError
@@ -59,6 +61,8 @@ class Plan:
     layout: Layout | None = None  # how the GPUs split the work (cost.layout)
     cluster: ClusterStep | None = None  # a GPU cluster's step, per operator and collective (cost.cluster)
     rank: RankMemory | None = None  # the first pipeline rank's memory, under a model-parallel layout
+    # under a layout trainwise trains: the rank whose step peaks highest, and its peak (what verify holds it to)
+    peak_rank: tuple[int, RankPeak] | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -92,6 +96,8 @@ class Plan:
         """Peak of one step (memory.peak_bytes): what `trainwise verify` compares with tracked memory."""
         if self.activations_bytes is None or self.model is None:
             return None
+        if self.peak_rank is not None:
+            return self.peak_rank[1].peak
         if self.rank is not None:  # a model-parallel layout: states + activations of the first pipeline rank
             return self.rank.total
         return M.peak_bytes(self.model, self.states, self.activations_bytes, self.optimizer, self.micro_batch,
@@ -180,7 +186,8 @@ class Plan:
         if self.step is not None and self.step.comm:  # a data-parallel step's collectives, and their link
             out["comm"] = {"collectives_s": self.step.comm, "exposed_s": self.step.comm_s, "how": self.step.comm_how}
         if self.cluster is not None:  # exposed seconds per step by term (they add up) and per operator/collective
-            out.update(breakdown=self.cluster.breakdown, ops=self.cluster.ops, source_detail=self.hardware.kernel_source)
+            out.update(breakdown=self.cluster.breakdown, ops=self.cluster.ops,
+                       source_detail=self.hardware.kernel_source)
         return out
 
 
@@ -227,7 +234,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
              compiled: bool = False, vpp: int = 1, cp: int = 1, ep: int = 1, sequence_parallel: bool | None = None,
              dp_overlap: bool = True, tp_overlap: bool = False, attention_impl: str = "flash",
              gpus_per_node: int | None = None, intra_node_bw: float | None = None,
-             inter_node_bw: float | None = None) -> Plan:
+             inter_node_bw: float | None = None, layout: Layout | None = None) -> Plan:
     """Everything the planner knows about one run. Pass a ModelConfig, or only `params_count` (6ND rule).
     Time: with a model and no `mfu`: on a table GPU (or this machine's, uncalibrated) the cluster model
     for any layout (cost.cluster: operators at published kernel rates, collectives at published NCCL
@@ -235,7 +242,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
     (cost.steptime); else total FLOPs / (G x peak x MFU), MFU = `mfu` or DEFAULT_MFU (a what-if).
     Layout: tp, pp (vpp virtual stages), cp, ep, sequence parallelism (default on with tp > 1), ZeRO
     `zero` over the data-parallel ranks (cost.layout). Without `tokens` everything is per step: no total
-    FLOPs, time or cost."""
+    FLOPs, time or cost. `layout` (a run's, as the trainer builds it) replaces the layout keywords."""
     for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--micro-batch", micro_batch),
                         ("--grad-accum", grad_accum), ("--tp", tp), ("--pp", pp), ("--gpus", gpus),
                         ("--params", params_count), ("--price", price)):
@@ -243,8 +250,10 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
     if mfu is not None and not 0 < mfu < 1:
         raise TrainwiseError(f"--mfu {mfu} must be a fraction of the peak between 0 and 1 (no step runs every FLOP "
                              "at peak), e.g. 0.4.")
-    layout = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, zero=zero,
-                         micro_batches=grad_accum, dp_overlap=dp_overlap, attention_impl=attention_impl)
+    if layout is None:
+        layout = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sequence_parallel,
+                             zero=zero, micro_batches=grad_accum, dp_overlap=dp_overlap, attention_impl=attention_impl)
+    gpus, tp, pp, zero = layout.gpus, layout.tp, layout.pp, layout.zero
     if model is None and params_count is None:
         raise TrainwiseError("give a model (--model PRESET|FILE) or a parameter count (--params N).")
     if checkpointing not in F.RECOMPUTE:
@@ -270,7 +279,10 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         convention = "exact" if fpt == model_fpt else "exact+recompute"
         check_layout(model, layout, seq_len)
         acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled)
-        rank = rank_memory(model, layout, recipe, optimizer, micro_batch, seq_len, checkpointing) if model_parallel else None
+        rank = (rank_memory(model, layout, recipe, optimizer, micro_batch, seq_len, checkpointing)
+                if model_parallel else None)
+        peak_rank = highest_peak(Run(model, micro_batch, seq_len, grad_accum, recipe, optimizer, checkpointing,
+                                     compiled, layout))
         name = model.name
     else:
         n = int(params_count)
@@ -280,7 +292,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         fpt = model_fpt + (2.0 * n if checkpointing == "full" else 0.0)
         convention = "8ND" if checkpointing == "full" else "6ND"
         notes.append("activations unknown without a model config (--params only)")
-        rank = None
+        rank = peak_rank = None
     states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp)
     if rank is not None:
         states, acts = rank.states, rank.activations
@@ -317,6 +329,6 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
                 causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
                 convention=convention, states=states, activations_bytes=acts, memory_budget=memory_budget,
                 time=t, price=price, notes=notes, compiled=compiled, step=step, time_source=source, layout=layout,
-                cluster=cluster, rank=rank)
+                cluster=cluster, rank=rank, peak_rank=peak_rank)
 
 

@@ -1,6 +1,6 @@
 """`report.html`: one self-contained page about a run (plots embedded as PNG data URIs, no network).
 
-Reads the run directory only (DESIGN.md's contract): metrics.jsonl, plan.json, verify.json,
+Reads the run directory only (docs/ARCHITECTURE.md, "The run directory"): metrics.jsonl, plan.json, verify.json,
 config.toml, sample.txt; every section whose input is missing says so instead of failing, so the
 report also works on a run that is still training or was stopped early.
 """
@@ -104,7 +104,7 @@ def verify_table(verify: dict) -> str:
 
 def per_rank_table(section: dict) -> str:
     """Each rank's model states and step peak under torchrun against the planner's ZeRO stage (verify.json's
-    per_rank; the peak is cost.memory.rank_peak_bytes vs the rank's last step, measure.memtrack.StepPeakMeter)."""
+    per_rank; the peak is cost.rank_memory.rank_peak vs the rank's last step, measure.memtrack.StepPeakMeter)."""
     label = {"peak_memory_bytes": "step peak"}
     rows = [f"<tr><td>{rank}</td><td>{html.escape(label.get(name, name))}</td>"
             f"<td>{fmt_value('bytes', e['predicted'])}</td><td>{fmt_value('bytes', e['measured'])}</td>"

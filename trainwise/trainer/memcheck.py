@@ -12,42 +12,43 @@ import os
 
 import torch
 
+from dataclasses import replace
+
 from trainwise.config import RunConfig
-from trainwise.cost import memory as M
 from trainwise.cost.comm import strategy_for
-from trainwise.cost.rank_memory import rank_peak_bytes
+from trainwise.cost.layout import Layout, make_layout
+from trainwise.cost.rank_memory import rank_peak
+from trainwise.cost.run import Run
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.memory import available_bytes
 from trainwise.planner.fit import fit
-from trainwise.planner.plan import train_settings
 from trainwise.runtime import distributed
 from trainwise.runtime.parallelize import resolve_compile
 from trainwise.units import fmt_bytes
 
 
-def planned_peak(cfg: RunConfig, precision: str, strategy: str, world_size: int) -> int:
-    """The plan's peak bytes of one training step on one rank (cost.memory.rank_peak_bytes)."""
-    s = train_settings(cfg.train, precision)
-    compiled, _ = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps, strategy)
-    return M.rank_peak_bytes(cfg.model, M.get_recipe(s["precision"]), s["optimizer"], strategy, world_size,
-                             s["micro_batch"], s["seq_len"], s["grad_accum"], s["checkpointing"], compiled=compiled)
+def planned_run(cfg: RunConfig, precision: str, layout: Layout) -> Run:
+    """The run as the trainer will execute it on `layout` (compiled as the trainer decides)."""
+    compiled, _ = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps, layout.strategy)
+    return Run.of(cfg, precision, layout, compiled=compiled)
 
 
-def proposal(cfg: RunConfig, precision: str, world_size: int, budget: int) -> str | None:
+def proposal(run: Run, budget: int) -> str | None:
     """The fastest settings of `plan --fit` (same global batch) whose planned peak fits `budget`, as
     `--set` arguments; None if nothing fits."""
-    s = train_settings(cfg.train, precision)
-    global_batch = s["micro_batch"] * s["grad_accum"] * world_size
-    good, _ = fit(cfg.model, global_batch=global_batch, memory_budget=budget, seq_len=s["seq_len"],
-                  precision=s["precision"], optimizer=s["optimizer"], gpus=world_size, peak_flops=1e12)
+    lay = run.layout
+    global_batch = run.micro_batch * run.grad_accum * lay.dp
+    good, _ = fit(run.model, global_batch=global_batch, memory_budget=budget, seq_len=run.seq_len,
+                  precision=run.recipe.name, optimizer=run.optimizer, gpus=lay.gpus, peak_flops=1e12)
     for c in good:  # fit ranks by step time; the guard holds each against the peak, not states + activations
-        strategy = strategy_for(c.zero, world_size)
-        peak = M.rank_peak_bytes(cfg.model, M.get_recipe(s["precision"]), s["optimizer"], strategy, world_size,
-                                 c.micro_batch, s["seq_len"], c.grad_accum, c.checkpointing)
+        strategy = strategy_for(c.zero, lay.gpus)
+        layout = make_layout(lay.gpus, zero=c.zero) if lay.gpus > 1 else Layout()
+        peak = rank_peak(replace(run, micro_batch=c.micro_batch, grad_accum=c.grad_accum,
+                                 checkpointing=c.checkpointing, compiled=False, layout=layout)).peak
         if peak <= budget:
             sets = [f"train.micro_batch={c.micro_batch}", f"train.grad_accum_steps={c.grad_accum}",
                     f"train.activation_checkpointing={c.checkpointing}"]
-            if world_size > 1:
+            if lay.gpus > 1:
                 sets.append(f"parallel.strategy={strategy}")
             return " ".join(f"--set {kv}" for kv in sets) + f" (planned peak {fmt_bytes(peak)})"
     return None
@@ -61,16 +62,12 @@ def check_memory(cfg: RunConfig, device: torch.device, precision: str, d, say) -
         return
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     available, source = available_bytes(device, local_ranks)
-    if d.layout.model_parallel > 1:  # tensor / pipeline parallel: this rank's share (trainwise.cost.rank)
-        st = train_settings(cfg.train, precision)
-        peak = rank_peak_bytes(cfg.model, d.layout, d.rank, M.get_recipe(st["precision"]), st["optimizer"],
-                               st["micro_batch"], st["seq_len"], st["grad_accum"], st["checkpointing"])
-    else:
-        peak = planned_peak(cfg, precision, d.strategy if d.active else "none", d.world_size)
+    run = planned_run(cfg, precision, d.layout if d.active else Layout())
+    peak = rank_peak(run, d.rank if d.active else 0).peak
     if not distributed.any_rank(peak > available, d):
         return
     t = cfg.train
-    fix = proposal(cfg, precision, d.world_size, available)
+    fix = proposal(run, available)
     text = (f"the planned peak memory of one training step, {fmt_bytes(peak)} per "
             f"{'rank' if d.active else 'device'} (micro_batch {t.micro_batch} x grad_accum "
             f"{t.grad_accum_steps}, seq_len {t.seq_len}, checkpointing {t.activation_checkpointing}, {precision}), "

@@ -12,8 +12,8 @@ from trainwise.cost import memory as M
 from trainwise.cost import rank as R
 from trainwise.cost.layout import Layout
 from trainwise.cost.params import params as count_params
-from trainwise.cost.rank_memory import rank_peak_bytes
-from trainwise.planner.plan import train_settings
+from trainwise.cost.rank_memory import rank_peak
+from trainwise.cost.run import Run
 from trainwise.runtime.distributed import Dist
 from trainwise.runtime.optim import param_groups
 from trainwise.runtime.step import build_model
@@ -33,47 +33,41 @@ def step_shape(cfg: RunConfig, precision: str, layout: Layout) -> R.StepShape:
 
 
 def predicted_ranks(cfg: RunConfig, precision: str, layout: Layout) -> list[dict]:
-    """Every rank's predicted params, grads, optimizer, peak_memory_bytes and comm."""
-    settings = train_settings(cfg.train, precision)
-    recipe = M.get_recipe(settings["precision"])
+    """Every rank's predicted params, grads, optimizer, peak_memory_bytes (cost.rank_memory.rank_peak, the
+    model the plan and the memory check read) and comm."""
+    run = Run.of(cfg, precision, layout)
     shape = step_shape(cfg, precision, layout)
     if layout.model_parallel > 1:
-        moments = M.optimizer_moments(settings["optimizer"])
-        ranks = [{**R.rank_state_bytes(cfg.model, layout, r, moments),
-                  "peak_memory_bytes": rank_peak_bytes(cfg.model, layout, r, recipe, settings["optimizer"],
-                                                         settings["micro_batch"], settings["seq_len"],
-                                                         settings["grad_accum"], settings["checkpointing"])}
+        moments = M.optimizer_moments(run.optimizer)
+        ranks = [{**R.rank_state_bytes(cfg.model, layout, r, moments), "peak_memory_bytes": rank_peak(run, r).peak}
                  for r in range(layout.gpus)]
     else:
-        ranks = _zero_plan(cfg, settings, layout)
+        ranks = _zero_plan(cfg, run)
     for r, rank in enumerate(ranks):
         rank["comm"] = R.rank_comm(cfg.model, layout, r, shape)
     return ranks
 
 
-def _zero_plan(cfg: RunConfig, settings: dict, layout: Layout) -> list[dict]:
+def _zero_plan(cfg: RunConfig, run: Run) -> list[dict]:
     """Data parallel only: ZeRO-0 for DDP, ZeRO-1 for zero1 (each rank's optimizer share follows
     ZeroRedundancyOptimizer's whole-tensor partition of this model's parameter groups:
     cost.memory.zero1_partition), ZeRO-2 for zero2 (planned in FSDP2's layout: cost.memory.fsdp2_zero2_recipe),
-    ZeRO-3 for FSDP; the step's peak on each rank is cost.memory.rank_peak_bytes."""
+    ZeRO-3 for FSDP; the step's peak on each rank is cost.rank_memory.rank_peak."""
+    layout = run.layout
     zero, dp = ZERO_STAGE[layout.strategy], layout.dp
     n_params = count_params(cfg.model).total
-    recipe = M.get_recipe(settings["precision"])
-    if zero == 2:
-        recipe = M.fsdp2_zero2_recipe(recipe)
-    plan = M.state_bytes(n_params, recipe, settings["optimizer"], zero=zero, dp=dp)
+    recipe = M.fsdp2_zero2_recipe(run.recipe) if zero == 2 else run.recipe
+    plan = M.state_bytes(n_params, recipe, run.optimizer, zero=zero, dp=dp)
     predicted = [{"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer + plan.master}
                  for _ in range(dp)]
     shares = M.zero1_partition(_group_numels(cfg), dp) if zero == 1 else [None] * dp
     if zero == 1:
-        full = M.state_bytes(n_params, recipe, settings["optimizer"])
+        full = M.state_bytes(n_params, recipe, run.optimizer)
         for rank, owned in enumerate(shares):
             predicted[rank]["optimizer"] = math.ceil((full.optimizer + full.master) * owned / n_params)
     for rank, owned in enumerate(shares):
-        predicted[rank]["peak_memory_bytes"] = M.rank_peak_bytes(
-            cfg.model, M.get_recipe(settings["precision"]), settings["optimizer"], layout.strategy, dp,
-            settings["micro_batch"], settings["seq_len"], settings["grad_accum"], settings["checkpointing"],
-            optimizer_share=None if owned is None else owned / n_params)
+        share = None if owned is None else owned / n_params
+        predicted[rank]["peak_memory_bytes"] = rank_peak(run, rank, optimizer_share=share).peak
     return predicted
 
 
@@ -81,7 +75,8 @@ def comm_entries(predicted: dict, measured: dict | None) -> dict:
     """{collective: {"calls": entry, "bytes": entry}} over the collectives either side has (0 where absent)."""
     measured = measured or {}
     zero = {"calls": 0, "bytes": 0}
-    return {kind: {key: entry(predicted.get(kind, zero)[key], measured.get(kind, zero)[key]) for key in ("calls", "bytes")}
+    return {kind: {key: entry(predicted.get(kind, zero)[key], measured.get(kind, zero)[key])
+                   for key in ("calls", "bytes")}
             for kind in sorted(set(predicted) | set(measured))}
 
 
