@@ -1,13 +1,13 @@
 """The cluster step-time and memory model against published multi-GPU runs it was not fitted on.
 
-The development set, ../shared/reference/cluster-dev-set.md: Narayanan et al. 2021 (Megatron-LM, SC21)
-Table 1, ten GPT models on 32-3,072 A100 80GB; Korthikanti et al. 2022 Table 5, four models with full
-recompute + tensor parallelism and with selective recompute + sequence parallelism; their Figure 1
-per-GPU memory. Each run is planned with `trainwise plan`'s own function (planner.plan.plan_run) from the
-inputs the file gives: model shape, layout, batch, recompute, fp16 with Megatron-LM's mixed precision
-(16-bit weights and activations, fp32 main gradients, master and Adam: 18 bytes per parameter), unfused
-attention (2021-22: no FlashAttention), gradient all-reduce overlapped (torch DDP) up to 18.4B and after
-backward (Megatron's local DDP) from 39.1B. Nothing below is fitted to these runs: every kernel and
+The development set (docs/ARCHITECTURE.md, "The cluster model's development set"): Narayanan et al. 2021
+(Megatron-LM, SC21) Table 1, ten GPT models on 32-3,072 A100 80GB; Korthikanti et al. 2022 Table 5, four
+models with full recompute + tensor parallelism and with selective recompute + sequence parallelism; their
+Figure 1 per-GPU memory. Each run is planned with `trainwise plan`'s own function (planner.plan.plan_run)
+from the inputs the file gives: model shape, layout, batch, recompute, fp16 with Megatron-LM's mixed
+precision (16-bit weights and activations, fp32 main gradients, master and Adam: 18 bytes per parameter),
+unfused attention (2021-22: no FlashAttention), gradient all-reduce overlapped (torch DDP) up to 18.4B and
+after backward (Megatron's local DDP) from 39.1B. Nothing below is fitted to these runs: every kernel and
 collective figure is a published microbenchmark (trainwise.hardware.table, trainwise.cost.comm).
 
     python benchmarks/cluster_model.py                 # the table and the --fit (about a minute)
@@ -41,7 +41,7 @@ def gpt(name: str, heads: int, hidden: int, layers: int) -> ModelConfig:
 
 # Narayanan et al. 2021 Table 1 (+ its script run_table_1.sh): params B, heads, hidden, layers, TP, PP, DP,
 # global batch, micro-batch, layers per virtual stage (None: no interleaving), iteration time s (derived from
-# the published TFLOP/s/GPU, cluster-dev-set.md), DDP implementation.
+# the published TFLOP/s/GPU with the paper's own FLOP count), DDP implementation.
 NARAYANAN = [
     (1.7, 24, 2304, 24, 1, 1, 32, 512, 16, None, 3.53, "torch"),
     (3.6, 32, 3072, 30, 2, 1, 32, 512, 16, None, 3.70, "torch"),

@@ -83,7 +83,8 @@ def test_groups_sit_in_megatrons_order_tp_innermost():
     assert (placement(lay, "pp", 8).per_node, placement(lay, "pp", 8).nodes) == (1, 2)  # stride 32
     small = make_layout(8, tp=2)  # dp = 4 at stride 2: inside one node
     assert placement(small, "dp", 8).nodes == 1 and placement(small, "dp", 8).per_node == 4
-    assert make_layout(16, tp=2).sequence_parallel and not make_layout(16, tp=2, sequence_parallel=False).sequence_parallel
+    assert (make_layout(16, tp=2).sequence_parallel
+            and not make_layout(16, tp=2, sequence_parallel=False).sequence_parallel)
 
 
 def test_gemm_waves_follow_nvidias_cublas_curve():
@@ -114,7 +115,8 @@ def test_per_rank_activation_memory_under_tp_sp_selective_and_full():
     sp = make_layout(8, tp=8, attention_impl="unfused")
     assert layer_bytes_per_token(cfg, rec, 0, tp, s, "none") == pytest.approx(h * (10 + 24 / t + 5 * a * s / (h * t)),
                                                                             rel=0.01)
-    assert layer_bytes_per_token(cfg, rec, 0, sp, s, "none") == pytest.approx(h * (34 / t + 5 * a * s / (h * t)), rel=0.01)
+    assert layer_bytes_per_token(cfg, rec, 0, sp, s, "none") == pytest.approx(h * (34 / t + 5 * a * s / (h * t)),
+                                                                            rel=0.01)
     assert layer_bytes_per_token(cfg, rec, 0, sp, s, "selective") == pytest.approx(34 * h / t, rel=0.01)
     assert layer_bytes_per_token(cfg, rec, 0, sp, s, "full") == 2 * h / t
 

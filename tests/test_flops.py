@@ -15,7 +15,7 @@ from trainwise.presets import get_preset
 
 
 def test_six_nd_worked_example():
-    assert six_nd(1e9, 1e10) == 6e19  # DESIGN.md worked example
+    assert six_nd(1e9, 1e10) == 6e19  # docs/ARCHITECTURE.md, "The worked example"
 
 
 def test_matmul():

@@ -1,5 +1,5 @@
 """The layering is a contract, not a picture: pyproject.toml's import-linter contracts place every module on a
-floor, and these tests hold the code to them (DESIGN.md, "Layout: one floor per concern")."""
+floor, and these tests hold the code to them (docs/ARCHITECTURE.md, "The floors")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The Plan, its JSON contract (DESIGN.md), --fit, and the CLI (`trainwise plan`, `mem`, `hardware`)."""
+"""The Plan, its JSON contract (docs/ARCHITECTURE.md, "The plan's JSON"), --fit, and the CLI
+(`trainwise plan`, `mem`, `hardware`)."""
 
 import json
 
@@ -20,7 +21,8 @@ KEYS = {"model": {"name", "params_total", "params_active", "params_embedding", "
 
 
 def test_time_worked_example():
-    assert training_seconds(6e19, 1, 100e12, 0.4) == 1.5e6  # DESIGN.md: 1.5e6 s = 17.36 days
+    # docs/ARCHITECTURE.md, "The worked example": 1.5e6 s = 17.36 days
+    assert training_seconds(6e19, 1, 100e12, 0.4) == 1.5e6
 
 
 def test_cli_bar_json(capsys):

@@ -1,8 +1,8 @@
 """Run by tests/test_tp_pp.py under torchrun (gloo, one thread per rank): tensor- and pipeline-parallel
 layouts built by trainwise's one step builder, each trained STEPS steps on seeded batches, with a DCP
 checkpoint at step SAVE_AT resumed into a fresh model for the steps after it, and every rank's states, peak
-and messages of the MEASURED steps before it measured as the trainer measures its last step. Rank 0 also trains one process on the
-same global batch (dp x K micro-batches a step) from the same seed.
+and messages of the MEASURED steps before it measured as the trainer measures its last step. Rank 0 also
+trains one process on the same global batch (dp x K micro-batches a step) from the same seed.
 
     python -m torch.distributed.run --nproc-per-node N tests/tp_pp_worker.py OUT CASE [CASE ...]
 

@@ -1,7 +1,7 @@
 """Bytes as a person writes and reads them: '80GiB' in, '16.00 GB (14.90 GiB)' out.
 
-DESIGN.md's convention: print both the SI unit (MB, GB: 10^k bytes) and the binary one (MiB, GiB: 2^k
-bytes) wherever a person reads a size; JSON holds plain bytes.
+The convention (docs/ARCHITECTURE.md, "Units and names"): print both the SI unit (MB, GB: 10^k bytes) and
+the binary one (MiB, GiB: 2^k bytes) wherever a person reads a size; JSON holds plain bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def parse_bytes(text: str | int | float) -> int:
 
 
 def fmt_bytes(n: float | None) -> str:
-    """'16.00 GB (14.90 GiB)'; DESIGN.md: print MB/GB (10^k) and MiB/GiB (2^k)."""
+    """'16.00 GB (14.90 GiB)'; docs/ARCHITECTURE.md, "Units and names": print MB/GB (10^k) and MiB/GiB (2^k)."""
     if n is None:
         return "unknown"
     for si, bi, unit in ((1e12, 2**40, "T"), (1e9, 2**30, "G"), (1e6, 2**20, "M"), (1e3, 2**10, "K")):

@@ -31,7 +31,8 @@ PLAN_EXAMPLES = """examples:
 
 
 def register(sub, help_text: str) -> None:
-    p = sub.add_parser("plan", help=help_text, epilog=PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("plan", help=help_text, epilog=PLAN_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="preset name, trainwise TOML, or Hugging Face config.json")
     p.add_argument("--params", type=number, help="parameter count N alone (6ND rule; activations unknown)")
     p.add_argument("--tokens", type=number, default=None,
@@ -108,8 +109,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.fit:
         return _cmd_fit(args, model, run, budget, hw, layout)
     if args.global_batch:
-        run["grad_accum"] = accumulation_for(args.global_batch, run["micro_batch"], args.gpus // (args.tp * args.pp * args.cp),
-                                             args.grad_accum)
+        run["grad_accum"] = accumulation_for(args.global_batch, run["micro_batch"],
+                                             args.gpus // (args.tp * args.pp * args.cp), args.grad_accum)
     plan = plan_run(model, params_count=args.params if model is None else None, tokens=args.tokens, zero=args.zero,
                     bandwidth=args.bandwidth, memory=args.memory,
                     memory_budget=budget, price=args.price, **run, **hw, **layout)
@@ -123,12 +124,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(plan_table(plan))
     if scaling and scaling["not_identified"] and not args.json:
-        print(f"{'predicted val loss':<22} none: the `trainwise scale` fit of this corpus refuses: {scaling['not_identified']}")
+        print(f"{'predicted val loss':<22} none: the `trainwise scale` fit of this corpus refuses: "
+              f"{scaling['not_identified']}")
     elif scaling and not args.json:
         lo, hi = scaling["loss_p5_p95"]
         recipe = f"{scaling['recipe']['schedule']}-LR " if scaling["recipe"] else ""
-        print(f"{'predicted val loss':<22} {scaling['loss']:.4f} nats/token (5-95%: {lo:.4f}-{hi:.4f}; `trainwise scale` "
-              f"fit of this corpus, for a {recipe}run like the fitted ones{'; extrapolated' if scaling['extrapolates'] else ''})")
+        print(f"{'predicted val loss':<22} {scaling['loss']:.4f} nats/token (5-95%: {lo:.4f}-{hi:.4f}; "
+              f"`trainwise scale` fit of this corpus, for a {recipe}run like the fitted ones"
+              f"{'; extrapolated' if scaling['extrapolates'] else ''})")
         if scaling["repetition_note"]:
             print(f"{'':<22} warning: {scaling['repetition_note']}")
     return 0
@@ -140,8 +143,9 @@ def accumulation_for(global_batch: int, micro_batch: int, dp: int, grad_accum: i
     k, rest = divmod(global_batch, micro_batch * dp)
     if rest or k == 0:
         raise TrainwiseError(
-            f"--global-batch {global_batch} sequences is not micro-batch x dp x accumulation = {micro_batch} x {dp} x K "
-            f"for a whole K; use a multiple of {micro_batch * dp}, e.g. {max(1, round(global_batch / (micro_batch * dp))) * micro_batch * dp}.")
+            f"--global-batch {global_batch} sequences is not micro-batch x dp x accumulation = "
+            f"{micro_batch} x {dp} x K for a whole K; use a multiple of {micro_batch * dp}, e.g. "
+            f"{max(1, round(global_batch / (micro_batch * dp))) * micro_batch * dp}.")
     if grad_accum is not None and grad_accum != k:
         raise TrainwiseError(
             f"--global-batch {global_batch} = micro-batch {micro_batch} x dp {dp} x accumulation {k}, but --grad-accum "
@@ -238,9 +242,9 @@ def _cmd_fit_layouts(args, model, run, budget, layout) -> int:
     for c in good[:5]:
         lay, b = c.layout, c.breakdown or {}
         top = ", ".join(f"{k[:-2]} {v:.3g}" for k, v in sorted(b.items(), key=lambda kv: -kv[1])[:4])
-        print(f"{lay['dp']:>4} {lay['tp']:>3} {lay['pp']:>3} {lay['vpp']:>3} {lay['cp']:>3} {lay['ep']:>3} {lay['zero']:>4} "
-              f"{c.micro_batch:>3} {lay['micro_batches']:>4} {c.checkpointing:>9} {c.per_device_bytes / 2**30:>8.1f} GiB "
-              f"{c.step_seconds:>9.4g} {c.mfu:>6.1%}  {top}")
+        print(f"{lay['dp']:>4} {lay['tp']:>3} {lay['pp']:>3} {lay['vpp']:>3} {lay['cp']:>3} {lay['ep']:>3} "
+              f"{lay['zero']:>4} {c.micro_batch:>3} {lay['micro_batches']:>4} {c.checkpointing:>9} "
+              f"{c.per_device_bytes / 2**30:>8.1f} GiB {c.step_seconds:>9.4g} {c.mfu:>6.1%}  {top}")
     if good:
         best, shown = good[0], {(c.layout["tp"], c.layout["pp"]) for c in good[:5]}
         others = {}
@@ -250,7 +254,8 @@ def _cmd_fit_layouts(args, model, run, budget, layout) -> int:
             if (tp, pp) in shown:
                 continue
             grow = sorted(((v - best.breakdown[k], k) for k, v in c.breakdown.items()), reverse=True)[:2]
-            print(f"slower: tp {tp} pp {pp} at best {c.step_seconds:.4g} s ({c.step_seconds / best.step_seconds - 1:+.0%}): "
+            print(f"slower: tp {tp} pp {pp} at best {c.step_seconds:.4g} s "
+                  f"({c.step_seconds / best.step_seconds - 1:+.0%}): "
                   + ", ".join(f"{k[:-2]} {d:+.3g} s" for d, k in grow if d > 0))
     else:
         print(f"no layout fits: {_short_of(bad, budget)}; raise --gpus or the budget, or use checkpointing/ZeRO.")

@@ -1,9 +1,9 @@
 """Training FLOPs: the 6ND rule and an exact per-layer matmul count of the model trainwise builds.
 
-Convention (DESIGN.md): a multiply-add is 2 FLOPs, matmul (M,K)x(K,N) = 2MNK; only matmuls are counted
-(norms, softmax, activations, bias adds and the residual are O(H) per token and left out, as in Kaplan
-et al. 2020 table 1 and PaLM appendix B). Backward = 2x forward. Attention score/value matmuls are
-not halved for causal masking unless asked (PaLM convention).
+Convention (docs/ARCHITECTURE.md, "Counting FLOPs, MFU and HFU"): a multiply-add is 2 FLOPs, matmul
+(M,K)x(K,N) = 2MNK; only matmuls are counted (norms, softmax, activations, bias adds and the residual are
+O(H) per token and left out, as in Kaplan et al. 2020 table 1 and PaLM appendix B). Backward = 2x forward.
+Attention score/value matmuls are not halved for causal masking unless asked (PaLM convention).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def mlp_flops(cfg: ModelConfig, hidden: int) -> float:
 def moe_flops(cfg: ModelConfig) -> float:
     """Per token, forward: router 2HE + (top_k + n_shared) experts of width expert_ffn_hidden
     (Switch Transformer, Fedus et al. 2022: FLOPs follow active, not total, parameters)."""
-    return 2.0 * cfg.d_model * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * mlp_flops(cfg, cfg.expert_ffn_hidden)
+    return (2.0 * cfg.d_model * cfg.n_experts
+            + (cfg.top_k + cfg.n_shared_experts) * mlp_flops(cfg, cfg.expert_ffn_hidden))
 
 
 def lm_head_flops(cfg: ModelConfig) -> float:

@@ -160,7 +160,8 @@ def model_params(cfg: ModelConfig) -> list[ParamSpec]:
     if cfg.position == "learned":
         specs.append(ParamSpec("pos_embed.weight", (cfg.max_seq_len, H), 0, False, "first", "root"))
     for i in range(cfg.n_layers):
-        specs += _norm(f"blocks.{i}.norm1", cfg, H, i, i) + _attention(cfg, i) + _norm(f"blocks.{i}.norm2", cfg, H, i, i)
+        specs += (_norm(f"blocks.{i}.norm1", cfg, H, i, i) + _attention(cfg, i)
+                  + _norm(f"blocks.{i}.norm2", cfg, H, i, i))
         specs += _moe(cfg, i) if cfg.is_moe_layer(i) else _mlp(f"blocks.{i}.mlp", cfg, cfg.ffn_hidden, i)
     specs += _norm("norm", cfg, H, "last", "root")
     if not cfg.tie_embeddings:
@@ -264,9 +265,9 @@ def _p2p(out: dict, sends: int, receives: int, nbytes: int) -> None:
 def _tp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[int], shape: StepShape) -> None:
     """Tensor parallelism's collectives of one micro-batch on a rank holding `stages` (runtime.tensor_parallel):
     each block all-gathers its attention and MLP inputs (residual dtype) and reduce-scatters their outputs
-    (compute dtype), backward the same swapped (and, under full checkpointing, the forward's again); the embedding reduce-scatters its output (backward: an
-    all-gather); the head all-gathers its input and the logits (backward: a reduce-scatter of its input's
-    gradient; the logits' gradient is cut locally)."""
+    (compute dtype), backward the same swapped (and, under full checkpointing, the forward's again); the
+    embedding reduce-scatters its output (backward: an all-gather); the head all-gathers its input and the
+    logits (backward: a reduce-scatter of its input's gradient; the logits' gradient is cut locally)."""
     tp = layout.tp
     tokens = shape.micro_batch * shape.seq_len  # the sequence's positions, T / tp on each rank
     s, c, H = shape.residual_bytes, shape.compute_bytes, cfg.d_model

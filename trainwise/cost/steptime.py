@@ -12,13 +12,14 @@ communication per strategy, plus a fixed per-step cost.
                       lose in a real step; ibid.)
 
 A device's calibration (`trainwise hardware --calibrate`, source "calibrated") holds the fits; the kernel
-table holds matmuls and attention calls timed at the shapes of the steps planned on it (the planner
-times them when a plan first needs them, a few ms each, and caches them; here they are only read): on a CPU the same FLOPs run 2-5x apart with shape and
-layout, which no two-parameter fit follows. The fits' intercepts are left out: the per-call cost is the
-eager overhead term, measured in real steps (with the factor by which kernels run slower inside a step
-than alone). A compiled step (torch.compile, CPU) runs the same matmuls; inductor fuses the rest into
-kernels that take COMPILED_ELEMENTWISE x the eager element-wise time and pay no per-op overhead. A GPU
-this machine has not calibrated is priced from published figures instead (trainwise.cost.cluster).
+table holds matmuls and attention calls timed at the shapes of the steps planned on it (the planner times
+them when a plan first needs them, a few ms each, and caches them; here they are only read): on a CPU the
+same FLOPs run 2-5x apart with shape and layout, which no two-parameter fit follows. The fits' intercepts
+are left out: the per-call cost is the eager overhead term, measured in real steps (with the factor by which
+kernels run slower inside a step than alone). A compiled step (torch.compile, CPU) runs the same matmuls;
+inductor fuses the rest into kernels that take COMPILED_ELEMENTWISE x the eager element-wise time and pay no
+per-op overhead. A GPU this machine has not calibrated is priced from published figures instead
+(trainwise.cost.cluster).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ kernels reach in published microbenchmarks (largest matmuls, memory copies, Flas
 nodes they come in (GPUs per node, NVLink and network bandwidth, NCCL bus bandwidth measured).
 
 Figures are dense (no 2:4 sparsity), per device as PyTorch sees it. Each figure carries its source;
-the collected evidence (and where public tables disagree) is in shared/reference/accelerators.md.
+where public tables disagree, the comment beside a figure says which one was taken.
 "fp32" is the non-tensor-core FP32 rate; "tf32" the TF32 tensor-core rate where one exists.
 
 Microbenchmark sources, short names used below:

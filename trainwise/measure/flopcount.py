@@ -1,13 +1,13 @@
 """The one FLOP counter: `torch.utils.flop_counter.FlopCounterMode` plus the formulas it lacks.
 
 PyTorch counts matmuls (mm, addmm, bmm, baddbmm, conv) and the CUDA SDPA kernels, but counts 0 for
-`_scaled_dot_product_flash_attention_for_cpu` (the CPU SDPA kernel, also used under enable_gqa) and
-its backward, and for `_grouped_mm` (the MoE experts' kernel). We add those, to this counter only
-(torch's global registry is left as it is). Convention (DESIGN.md, the planner's `cost.flops`): model FLOPs count
-matmuls only, attention scores and values not halved for causal masking, backward = 2 x forward. So
-the attention backward is counted as the four matmuls it needs (dP = dO V^T, dV = P^T dO,
-dQ = dS K, dK = dS^T Q); PyTorch's own formula for the flash backward also counts the kernel
-re-computing Q K^T (a fifth matmul), which is hardware work, not model work; we override it on
+`_scaled_dot_product_flash_attention_for_cpu` (the CPU SDPA kernel, also used under enable_gqa) and its
+backward, and for `_grouped_mm` (the MoE experts' kernel). We add those, to this counter only (torch's
+global registry is left as it is). Convention (docs/ARCHITECTURE.md, "Counting FLOPs, MFU and HFU"; the
+planner's `cost.flops`): model FLOPs count matmuls only, attention scores and values not halved for causal
+masking, backward = 2 x forward. So the attention backward is counted as the four matmuls it needs
+(dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q); PyTorch's own formula for the flash backward also counts
+the kernel re-computing Q K^T (a fifth matmul), which is hardware work, not model work; we override it on
 every SDPA backward so the CPU and CUDA paths count the same.
 
 With activation checkpointing the recomputed forward runs inside backward and is counted: a step's

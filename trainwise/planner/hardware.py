@@ -85,7 +85,8 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
     elif gpu:
         acc = get_accelerator(gpu)
         hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes, None, cuda=True,
-                      peak_source=f"{acc.name} datasheet ({dtype})", accelerator=acc if acc.bandwidth_bytes_per_s else None,
+                      peak_source=f"{acc.name} datasheet ({dtype})",
+                      accelerator=acc if acc.bandwidth_bytes_per_s else None,
                       node=get_node(acc.node) if acc.node else None)
     elif peak_flops is not None:
         hw = Hardware("custom", peak_flops)
@@ -93,7 +94,8 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
         raise TrainwiseError("give the hardware: --gpu NAME (see `trainwise hardware`), --gpu cpu (this machine's "
                              "measured peak) or --peak-flops P (FLOP/s).")
     if peak_flops is not None:
-        hw.peak_flops, hw.profile, hw.peak_source, hw.calibration = float(peak_flops), None, "given (--peak-flops)", None
+        hw.peak_flops, hw.profile = float(peak_flops), None
+        hw.peak_source, hw.calibration = "given (--peak-flops)", None
         hw.accelerator = None
     if hw.accelerator is not None:
         hw.node = _node(hw, gpus, gpus_per_node, intra_node_bw, inter_node_bw)
@@ -134,7 +136,8 @@ def _use_measured_link(profile: Profile | None, backend: str, world: int | None)
     """The collectives as `trainwise hardware --calibrate` (or a CPU run) measured them under torchrun, if
     it did: alone, and over gloo each strategy's as a training step runs them."""
     if profile is not None and world and world > 1 and (entry := cached_link(backend, world)):
-        profile.link, profile.link_source = entry["link"], f"calibrated ({backend}, {world} ranks, {entry['measured_at']})"
+        profile.link = entry["link"]
+        profile.link_source = f"calibrated ({backend}, {world} ranks, {entry['measured_at']})"
         profile.strategy_links = {s: v["link"] for s, v in entry.get("strategies", {}).items()}
 
 
@@ -157,9 +160,12 @@ def _node(hw: Hardware, gpus: int, gpus_per_node: int | None, intra: float | Non
     for name, value in (("--gpus-per-node", gpus_per_node), ("--intra-node-bw", intra), ("--inter-node-bw", inter)):
         if value is not None and value <= 0:
             raise TrainwiseError(f"{name} = {value} must be positive.")
-    a, b = (intra or node.intra_bytes_per_s) / node.intra_bytes_per_s, (inter or node.inter_bytes_per_s) / node.inter_bytes_per_s
+    a = (intra or node.intra_bytes_per_s) / node.intra_bytes_per_s
+    b = (inter or node.inter_bytes_per_s) / node.inter_bytes_per_s
     g = gpus_per_node or node.gpus
-    return replace(node, gpus=g, intra_bytes_per_s=node.intra_bytes_per_s * a, inter_bytes_per_s=node.inter_bytes_per_s * b,
-                   allreduce_busbw_intra=node.allreduce_busbw_intra * a, alltoall_busbw_intra=node.alltoall_busbw_intra * a,
+    return replace(node, gpus=g,
+                   intra_bytes_per_s=node.intra_bytes_per_s * a, inter_bytes_per_s=node.inter_bytes_per_s * b,
+                   allreduce_busbw_intra=node.allreduce_busbw_intra * a,
+                   alltoall_busbw_intra=node.alltoall_busbw_intra * a,
                    allreduce_busbw_inter=node.allreduce_busbw_inter * b * g / node.gpus,
                    alltoall_busbw_inter=node.alltoall_busbw_inter * b)

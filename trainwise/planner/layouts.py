@@ -52,7 +52,8 @@ def candidate_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, global_
                 vpps = [1] + [v for v in range(2, 9) if pp > 1 and model.n_layers % (pp * v) == 0]
                 eps = [e for e in _divisors(model.n_experts) if (dp * cp) % e == 0 and e <= 64] if model.is_moe else [1]
                 for b in (b for b in _divisors(global_batch // dp) if b <= max_micro_batch):
-                    m = global_batch // (dp * b)  # micro-batches per pipeline: at least pp, a multiple of it interleaved
+                    # micro-batches per pipeline: at least pp, a multiple of it interleaved
+                    m = global_batch // (dp * b)
                     for vpp in (v for v in vpps if m >= pp and (v == 1 or m % pp == 0)):
                         for ep in eps:
                             for zero in ((0, 1) if dp * cp > 1 else (0,)):

@@ -1,7 +1,7 @@
 """What a run says about itself while it trains: the plan up front, metrics rows, the progress bar.
 
-Throughput numbers follow DESIGN.md's conventions: model FLOPs per token come from the planner
-(`cost.flops.flops_per_token_train`, no recompute, attention not halved); MFU = model FLOP/s /
+Throughput numbers follow docs/ARCHITECTURE.md, "Counting FLOPs, MFU and HFU": model FLOPs per token come from
+the planner (`cost.flops.flops_per_token_train`, no recompute, attention not halved); MFU = model FLOP/s /
 (devices x peak FLOP/s of the dtype in use); HFU adds the recompute of activation checkpointing and of
 the chunked loss (model.loss_chunk_tokens).
 On a CPU the peak is this machine's measured matmul peak (`trainwise hardware --calibrate`).

@@ -3,9 +3,9 @@
 `measure_step` runs two extra training steps on a copy of the trained model and optimizer (the run's
 weights, optimizer state, sampler and RNG are untouched), one under the FLOP counter and one under the
 memory tracker (by category). The peak is the run's own last step where the loop measured it
-(measure.memtrack.StepPeakMeter: compiled when the run compiles). `build_verify` pairs those with the plan and the
-logged step times into verify.json (DESIGN.md): every entry {"predicted", "measured", "error"},
-error = measured / predicted - 1.
+(measure.memtrack.StepPeakMeter: compiled when the run compiles). `build_verify` pairs those with the plan
+and the logged step times into verify.json (docs/ARCHITECTURE.md, "verify.json"): every entry
+{"predicted", "measured", "error"}, error = measured / predicted - 1.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def steady_step_time(run_dir: Path) -> tuple[float | None, int]:
 
 
 def entry(predicted: float | None, measured: float | None) -> dict:
-    """A verify.json entry (DESIGN.md): {"predicted", "measured", "error"}, error = measured / predicted - 1."""
+    """A verify.json entry (docs/ARCHITECTURE.md, "verify.json"): {"predicted", "measured", "error"},
+    error = measured / predicted - 1."""
     error = None
     if predicted and measured is not None:
         error = measured / predicted - 1
