@@ -32,6 +32,7 @@ class Layout:
     zero: int = 0  # ZeRO stage over the data-parallel ranks (3 = FSDP)
     micro_batches: int = 1  # m: micro-batches per pipeline (per data-parallel rank) per optimizer step
     dp_overlap: bool = True  # gradient reduction under backward (DDP buckets); False: after backward
+    tp_overlap: bool = False  # tensor-parallel collectives overlapped with the GEMMs (torchtitan's AsyncTP)
     attention_impl: str = "flash"  # "unfused": scores in memory, softmax between two batched matmuls
     pp_schedule: str = "1f1b"  # the trainer's pipeline schedule: 1f1b | gpipe | interleaved (vpp > 1)
 
@@ -67,7 +68,7 @@ class Layout:
 
 def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
                 sequence_parallel: bool | None = None, zero: int = 0, micro_batches: int = 1,
-                dp_overlap: bool = True, attention_impl: str = "flash") -> Layout:
+                dp_overlap: bool = True, attention_impl: str = "flash", tp_overlap: bool = False) -> Layout:
     """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1."""
     for name, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--cp", cp), ("--ep", ep), ("--gpus", gpus),
                         ("micro-batches per step", micro_batches)):
@@ -85,7 +86,7 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
     return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=gpus // split, sequence_parallel=sp, zero=zero,
                   micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl,
-                  pp_schedule="interleaved" if vpp > 1 else "1f1b")
+                  tp_overlap=tp_overlap, pp_schedule="interleaved" if vpp > 1 else "1f1b")
 
 
 def _divisor_hint(gpus: int, tp: int, pp: int, cp: int) -> str:

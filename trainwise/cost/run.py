@@ -1,7 +1,8 @@
-"""The description of one training run that the cost models read (docs/ARCHITECTURE.md, "The run
-description"): the model, the batch shape, the precision recipe, the optimizer, activation checkpointing,
-compilation and the layout over ranks. Built once, from a run config (`Run.of`) or from the planner's
-flags, and passed whole to the per-rank memory model, the memory check and verify.
+"""The description of one training run that the planner and the cost models read (docs/ARCHITECTURE.md,
+"The run description"): the model, the batch shape, the precision recipe, the optimizer, activation
+checkpointing, compilation, the layout over ranks, the hardware asked for and the run's length in tokens.
+Built once, from a run config (`Run.of`) or from the planner's flags, and passed whole to the planner, the
+per-rank memory model, the memory check and verify.
 """
 
 from __future__ import annotations
@@ -15,8 +16,23 @@ from trainwise.cost.layout import Layout
 
 
 @dataclass(frozen=True)
+class Machine:
+    """The hardware a run is planned on, as asked for: a table accelerator or this machine's device by name
+    (`gpu`: "a100-80gb", "cpu", "cuda"), or a peak FLOP/s; the other fields override the table's figures
+    (memory bytes per device, bandwidths in bytes/s, the node)."""
+
+    gpu: str | None = None
+    peak_flops: float | None = None
+    bandwidth: float | None = None
+    memory: int | None = None
+    gpus_per_node: int | None = None
+    intra_node_bw: float | None = None
+    inter_node_bw: float | None = None
+
+
+@dataclass(frozen=True)
 class Run:
-    model: ModelConfig
+    model: ModelConfig | None  # None: only a parameter count is known (the planner's 6ND rule)
     micro_batch: int = 1
     seq_len: int = 2048
     grad_accum: int = 1  # K micro-batches per optimizer step (and per pipeline)
@@ -25,13 +41,16 @@ class Run:
     checkpointing: str = "none"  # none | selective | full
     compiled: bool = False  # a whole-model torch.compile (what autograd saves changes)
     layout: Layout = field(default_factory=Layout)
+    tokens: float | None = None  # D, the run's training tokens; None: everything per step
+    machine: Machine | None = None  # None: no hardware (everything but time is known)
 
     @property
     def tokens_per_micro_batch(self) -> int:
         return self.micro_batch * self.seq_len
 
     @classmethod
-    def of(cls, cfg: RunConfig, precision: str, layout: Layout | None = None, compiled: bool = False) -> Run:
+    def of(cls, cfg: RunConfig, precision: str, layout: Layout | None = None, compiled: bool = False,
+           machine: Machine | None = None) -> Run:
         """The run a trainwise config describes, as the trainer executes it: `precision` is the one the
         trainer resolved: fp32, or bf16 / fp16 autocast over fp32 weights (the "amp" recipe). SGD with
         momentum keeps one moment per parameter."""
@@ -39,4 +58,5 @@ class Run:
         optimizer = "sgd-momentum" if t.optimizer == "sgd" and t.momentum != 0 else t.optimizer
         return cls(cfg.model, micro_batch=t.micro_batch, seq_len=t.seq_len, grad_accum=t.grad_accum_steps,
                    recipe=M.get_recipe("fp32" if precision == "fp32" else "amp"), optimizer=optimizer,
-                   checkpointing=t.activation_checkpointing, compiled=compiled, layout=layout or Layout())
+                   checkpointing=t.activation_checkpointing, compiled=compiled, layout=layout or Layout(),
+                   tokens=t.max_steps * t.tokens_per_step * (layout.dp if layout else 1), machine=machine)
