@@ -14,7 +14,7 @@ from trainwise.cost import comm as C
 from trainwise.cost.cluster import BREAKDOWN, _tier
 from trainwise.cost.gpu import attention_rate, matmul_seconds
 from trainwise.cost.layout import (bubble_fraction, chunk_layers, in_flight_factor, layer_bytes_per_token,
-                                   make_layout, placement, rank_memory, stage_layers)
+                                   make_layout, placement, rank_memory, rank_stages, stage_layers)
 from trainwise.cost.memory import get_recipe
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import ACCELERATORS, NODES
@@ -37,7 +37,11 @@ def test_pipeline_bubble_stages_and_micro_batches_in_flight():
     assert bubble_fraction(8, 3, 32) == 7 / 96  # (p - 1) / (v m)
     assert chunk_layers(126, 16) == [7] + [8] * 14 + [7]  # Llama 3 405B: one layer fewer on the first and last
     assert chunk_layers(10, 4) == [2, 3, 3, 2]
-    assert stage_layers(96, 8, 3) == [12] * 8 and stage_layers(10, 2, 2) == [5, 5]
+    def per_rank(n_layers: int, pp: int, vpp: int) -> list[int]:  # layers each pipeline rank holds
+        lay = make_layout(pp, pp=pp, vpp=vpp)
+        return [sum(len(stage_layers(n_layers, lay.stages, st)) for st in rank_stages(lay, r)) for r in range(pp)]
+
+    assert per_rank(96, 8, 3) == [12] * 8 and per_rank(10, 2, 2) == [5, 5]
     assert in_flight_factor(8, 1, 64) == 8 and in_flight_factor(8, 1, 3) == 3
     assert in_flight_factor(8, 3, 64) == pytest.approx(8 * (1 + 7 / 24))  # Korthikanti et al. 2022, 4.2.3
 

@@ -10,7 +10,7 @@ import pytest
 from trainwise.config import ModelConfig
 from trainwise.cost import rank as R
 from trainwise.cost.comm import bytes_sent
-from trainwise.cost.layout import Layout, rank_memory
+from trainwise.cost.layout import Layout, rank_memory, rank_stages, stage_layers
 from trainwise.cost.memory import get_recipe
 from trainwise.cost.params import params
 from trainwise.cost.rank_memory import in_flight
@@ -64,8 +64,8 @@ def test_pipeline_stages_hold_their_layers_the_embedding_and_the_head():
     assert R.rank_state_bytes(cfg, layout, 0, 2)["params"] == 4 * (9600 + 15424)
     assert R.rank_state_bytes(cfg, layout, 1, 2)["params"] == 4 * (15424 + 32 + 9600)
     # cost.layout.chunk_layers: the last stage holds the head
-    assert [list(R.stage_layers(5, 2, s)) for s in (0, 1)] == [[0, 1, 2], [3, 4]]
-    assert R.rank_stages(Layout(pp=2, vpp=2, pp_schedule="interleaved"), 1) == [1, 3]
+    assert [list(stage_layers(5, 2, s)) for s in (0, 1)] == [[0, 1, 2], [3, 4]]
+    assert rank_stages(Layout(pp=2, vpp=2, pp_schedule="interleaved"), 1) == [1, 3]
 
 
 def test_micro_batches_in_flight_per_schedule():
@@ -107,7 +107,7 @@ MOE = {**TINY, "n_experts": 4, "top_k": 2, "n_shared_experts": 1, "first_dense_l
     (TINY, Layout(dp=2, tp=2, zero=3)),
 ])
 def test_the_planners_rank_is_the_trainers_rank(model, layout):
-    """The planner's per-rank count (cost.layout.rank_params, through rank_memory: dense layers, MoE layers
+    """The planner's per-rank count (cost.layout.param_counts, through rank_memory: dense layers, MoE layers
     and experts, embedding on the first pipeline rank, final norm and head on the last) equals cost.rank's,
     parameter by parameter as tensor parallelism and the pipeline place them, on every rank of the layouts
     trainwise trains; under FSDP both shard the rank's share over dp to the same parameter bytes."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from trainwise.config import ModelConfig
 from trainwise.cost import comm as C
 from trainwise.cost.gpu import copy_bandwidth, op_seconds
-from trainwise.cost.layout import Layout, RankParams, bubble_fraction, chunk_layers, placement
+from trainwise.cost.layout import Layout, ParamCounts, bubble_fraction, chunk_layers, placement
 from trainwise.cost.ops import Op, for_cuda
 from trainwise.hardware.profile import DEFAULT_OVERHEAD
 from trainwise.hardware.table import Accelerator, Node
@@ -67,7 +67,7 @@ class ClusterStep:
     stage_seconds: list[float] = field(default_factory=list)  # each pipeline rank's micro-batch
 
 
-def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, rank_params: RankParams, *, acc: Accelerator,
+def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: ParamCounts, *, acc: Accelerator,
                  node: Node | None, micro_batch: int, seq_len: int, checkpointing: str, act_bytes: int,
                  grad_bytes: int, param_bytes: int, tp_overlap: bool = False) -> ClusterStep:
     """The step (module docstring). act_bytes: bytes per element of the activations sent (2 in bf16/fp16);
@@ -95,7 +95,7 @@ def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, rank_params: 
         breakdown[key] = m * worst[key]
     breakdown["bubble_s"] = bubble_fraction(p, v, m) * m * sum(stages) / p
     log.repeat(m)  # the micro-batch's operators and collectives, m times; what follows is once per step
-    breakdown["dp_comm_s"] = _data_parallel(cfg, layout, rank_params, stage_idx[slowest], slowest, worst["backward"],
+    breakdown["dp_comm_s"] = _data_parallel(cfg, layout, counts, stage_idx[slowest], slowest, worst["backward"],
                                             tiers, grad_bytes, param_bytes, log)
     breakdown["optimizer_s"] = _optimizer(cfg, layout, work, stage_idx[slowest], slowest, acc, log)
     breakdown["overhead_s"] = DEFAULT_OVERHEAD[0]
@@ -209,7 +209,7 @@ def _parts(cfg: ModelConfig, work: RankWork, idx: list[int], first: bool, last: 
     return [(work.layer, len(idx) - n_moe), (work.moe_layer or [], n_moe), (ends, 1)]
 
 
-def _data_parallel(cfg, layout: Layout, rp: RankParams, idx, r, backward_s, tiers, grad_bytes, param_bytes,
+def _data_parallel(cfg, layout: Layout, rp: ParamCounts, idx, r, backward_s, tiers, grad_bytes, param_bytes,
                    log: _Log) -> float:
     """Exposed seconds of the data-parallel collectives of rank r per step: gradients all-reduced (ZeRO 1-2:
     reduce-scattered + parameters all-gathered once; ZeRO-3: all-gathered forward and backward of every

@@ -167,10 +167,18 @@ def chunk_layers(n_layers: int, chunks: int) -> list[int]:
     return out
 
 
-def stage_layers(n_layers: int, pp: int, vpp: int = 1) -> list[int]:
-    """Layers held by each pipeline rank: the sum of its vpp chunks (rank r holds chunks r, r+pp, ...)."""
-    chunks = chunk_layers(n_layers, pp * vpp)
-    return [sum(chunks[r::pp]) for r in range(pp)]
+def stage_layers(n_layers: int, stages: int, stage: int) -> range:
+    """The layers of pipeline stage `stage` of `stages`: contiguous, sized as the planner cuts them
+    (chunk_layers: even where they divide, otherwise one fewer on the last and first stages,
+    which also hold the LM head and the embedding)."""
+    sizes = chunk_layers(n_layers, stages)
+    start = sum(sizes[:stage])
+    return range(start, start + sizes[stage])
+
+
+def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
+    """Stages of pipeline rank `pp_rank`: pp_rank, pp_rank + pp, ... (the interleaved schedule's loop)."""
+    return [pp_rank + i * layout.pp for i in range(layout.vpp)]
 
 
 def bubble_fraction(pp: int, vpp: int, micro_batches: int) -> float:
@@ -235,10 +243,12 @@ def tp_share(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 
 @dataclass(frozen=True)
-class RankParams:
-    """Parameters one rank holds (its tensor-parallel share, the vocabulary split, learned positions whole;
-    experts also / ep): per dense layer, per MoE layer and of those its routed experts, the embedding (first
-    pipeline rank), the final norm and LM head (last pipeline rank)."""
+class ParamCounts:
+    """Parameters one rank holds by kind, as Megatron-LM places them for the cluster planner (tp_share:
+    key-value heads replicated when fewer than tp, the vocabulary padded; experts also / ep): per dense
+    layer, per MoE layer and of those its routed experts, the embedding (first pipeline rank), the final
+    norm and LM head (last pipeline rank). trainwise's own runs are counted parameter by parameter in
+    cost.rank.rank_params (tests/test_rank.py holds the two equal where the placements agree)."""
 
     layer: int
     moe_layer: int
@@ -247,7 +257,7 @@ class RankParams:
     head: int
 
 
-def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
+def param_counts(cfg: ModelConfig, layout: Layout) -> ParamCounts:
     share = tp_share(cfg, layout.tp)
     dense = next((i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)), None)
     moe = next((i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)), None)
@@ -255,7 +265,7 @@ def rank_params(cfg: ModelConfig, layout: Layout) -> RankParams:
         if moe is not None else 0
     moe_layer = layer_params(share, moe) - (cfg.n_experts - cfg.n_experts // layout.ep) * mlp_params(
         cfg.d_model, share.expert_ffn_hidden, cfg.gated, cfg.bias) if moe is not None else 0
-    return RankParams(layer=layer_params(share, dense) if dense is not None else 0, moe_layer=moe_layer,
+    return ParamCounts(layer=layer_params(share, dense) if dense is not None else 0, moe_layer=moe_layer,
                       moe_experts=experts, embedding=embedding_params(share),
                       # a tied LM head is the embedding's table, but a pipeline's last rank holds its own copy
                       head=norm_params(cfg) + (0 if cfg.tie_embeddings and layout.pp == 1
@@ -308,8 +318,8 @@ def rank_memory(cfg: ModelConfig, layout: Layout, recipe: M.Recipe, optimizer: s
     recipe, ZeRO sharding over dp x cp (experts over dp x cp / ep); activations of its layers for the
     micro-batches it holds in flight (in_flight_factor: the first rank's p, p - r on rank r), T / cp tokens
     each, + its input; with one pipeline stage also the LM head and loss (cost.memory.activation_bytes)."""
-    rp = rank_params(cfg, layout)
-    idx = _rank_layers(cfg.n_layers, layout.pp, layout.vpp, rank)
+    rp = param_counts(cfg, layout)
+    idx = [i for st in rank_stages(layout, rank) for i in stage_layers(cfg.n_layers, layout.stages, st)]
     n_moe = sum(cfg.is_moe_layer(i) for i in idx)
     dense = (len(idx) - n_moe) * rp.layer + n_moe * (rp.moe_layer - rp.moe_experts)
     dense += (rp.embedding if rank == 0 else 0) + (rp.head if rank == layout.pp - 1 else 0)
@@ -326,8 +336,3 @@ def rank_memory(cfg: ModelConfig, layout: Layout, recipe: M.Recipe, optimizer: s
         acts += tokens * (16 + M.norm_saved_bytes(cfg, recipe.residual_bytes) + recipe.compute_bytes * cfg.d_model
                           + M.loss_saved_bytes_per_token(share))
     return RankMemory(states, math.ceil(acts), dense + n_moe * rp.moe_experts)
-
-
-def _rank_layers(n_layers: int, pp: int, vpp: int, rank: int) -> list[int]:
-    chunks = chunk_layers(n_layers, pp * vpp)
-    return [i for c in range(rank, pp * vpp, pp) for i in range(sum(chunks[:c]), sum(chunks[:c + 1]))]

@@ -27,23 +27,9 @@ from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
 from trainwise.cost.comm import DDP_BUCKET_BYTES, bytes_sent
-from trainwise.cost.layout import Layout, chunk_layers
+from trainwise.cost.layout import Layout, rank_stages, stage_layers
 
 DDP_FIRST_BUCKET_BYTES = 2**20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
-
-
-def stage_layers(n_layers: int, stages: int, stage: int) -> range:
-    """The layers of pipeline stage `stage` of `stages`: contiguous, sized as the planner cuts them
-    (cost.layout.chunk_layers: even where they divide, otherwise one fewer on the last and first stages,
-    which also hold the LM head and the embedding)."""
-    sizes = chunk_layers(n_layers, stages)
-    start = sum(sizes[:stage])
-    return range(start, start + sizes[stage])
-
-
-def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
-    """Stages of pipeline rank `pp_rank`: pp_rank, pp_rank + pp, ... (the interleaved schedule's loop)."""
-    return [pp_rank + i * layout.pp for i in range(layout.vpp)]
 
 
 def schedule_ops(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple[str, int]]:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
 from trainwise.cost import memory as M
-from trainwise.cost.layout import Layout
-from trainwise.cost.rank import rank_params, rank_stages, schedule_ops, stage_layers, units
+from trainwise.cost.layout import Layout, rank_stages, stage_layers
+from trainwise.cost.rank import rank_params, schedule_ops, units
 from trainwise.cost.run import Run
 
 

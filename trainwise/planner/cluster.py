@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from trainwise.config import ModelConfig
 from trainwise.cost.cluster import ClusterStep, RankWork, cluster_step
-from trainwise.cost.layout import Layout, rank_params, tp_share
+from trainwise.cost.layout import Layout, param_counts, tp_share
 from trainwise.cost.memory import Recipe
 from trainwise.cost.ops import Op
 from trainwise.cost.steptime import scale_batch
@@ -74,7 +74,7 @@ def predict_cluster_step(cfg: ModelConfig, layout: Layout, acc: Accelerator, nod
     """One optimizer step of `cfg` under `layout` on a cluster of `acc` in `node`s (cost.cluster)."""
     precision = record_precision(recipe)
     work = rank_work(cfg, layout, micro_batch, seq_len, precision, checkpointing, optimizer)
-    return cluster_step(cfg, layout, work, rank_params(cfg, layout), acc=acc, node=node, micro_batch=micro_batch,
+    return cluster_step(cfg, layout, work, param_counts(cfg, layout), acc=acc, node=node, micro_batch=micro_batch,
                         seq_len=seq_len, checkpointing=checkpointing, act_bytes=recipe.compute_bytes,
                         grad_bytes=_reduced_grad_bytes(recipe), param_bytes=recipe.param_bytes, tp_overlap=tp_overlap)
 

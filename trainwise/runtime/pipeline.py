@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from trainwise.cost.layout import Layout
-from trainwise.cost.rank import rank_stages, stage_layers
+from trainwise.cost.layout import rank_stages, stage_layers
 from trainwise.model import Transformer
 from trainwise.model.moe import MoE
 
