@@ -13,8 +13,9 @@ import numpy as np
 from trainwise.config import DataConfig
 from trainwise.data import tokencache
 from trainwise.data.corpus import prepare_data
-from trainwise.data.formats import Part, split_points
+from trainwise.data.formats import Part, iter_documents, split_points
 from trainwise.data.sources import sniff
+from trainwise.tokenizer import sanitize
 
 WORDS = "the model reads text and learns to predict what comes next in every line of it".split()
 
@@ -111,3 +112,38 @@ def test_a_part_reads_only_its_byte_range(tmp_path):
     rest = [(p, end) for p, end in iter_pieces([Part(f, cut, None)], "text", 100, Reading())]
     assert "".join(first) + "".join(p for p, _ in rest) == path.read_text()
     assert rest[-1][1] and first[0] == "one two"
+
+
+def test_the_cache_and_eval_encode_text_alike(tmp_path, tok, monkeypatch):
+    """tokencache.encode_pieces is the one path from text to tokens: the cache's stream is eval's after
+    its leading end-of-text token, with the same bytes, characters and documents; each document encodes
+    as it does whole (cut into ENCODE_CHARS parts and BATCH_CHARS batches), then one end-of-text token."""
+    root = tmp_path / "c"
+    root.mkdir()
+    words = " ".join(WORDS)
+    docs = ["naïve 日本語 😀 e\u0301\n\n\n   \t\n" + words + "\r\n\n",
+            (words + " ") * 13_000 + "\n" * 3000 + words,  # more than CHUNK_CHARS and BATCH_CHARS
+            "lone \ud800 high, \udc01 low, a pair \U0001f600", "déjà vu\n\nnext paragraph"]
+    (root / "a.txt").write_text(docs[0], encoding="utf-8")
+    (root / "b.txt").write_text(docs[1], encoding="utf-8")
+    (root / "c.jsonl").write_text('{"text": "lone \\ud800 high, \\udc01 low, a pair \\ud83d\\ude00"}\n\n'
+                                  '{"text": ""}\n{"text": null}\n' + json.dumps({"text": docs[3]}) + "\n",
+                                  encoding="utf-8")
+    # Runs longer than ENCODE_CHARS are cut inside (formats.rechunk), so this document may encode unlike
+    # its whole text; the cache and eval cut it alike.
+    (root / "d.txt").write_text("x" * 40_000 + " " * 20_000 + "end", encoding="utf-8")
+    assert len(docs[1]) > tokencache.BATCH_CHARS
+    cfg = DataConfig(paths=[str(root)])
+    monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path / "cache"))
+    data = prepare_data(cfg, tok, seq_len=8)
+
+    stats = tokencache.ShardStats()
+    batches = list(tokencache.encode_pieces(iter_documents(cfg), tok, tok.eot_id, stats, leading_eot=True))
+    ids = [i for batch in batches for i in batch]
+    assert len(batches) > 2 and ids[0] == tok.eot_id and np.array_equal(ids[1:], stream(data))
+    whole = [tok.eot_id] + [i for doc in docs for i in tok.encode(doc) + [tok.eot_id]]
+    assert ids[:len(whole)] == whole and ids[-1] == tok.eot_id
+    text = [sanitize(doc) for doc in docs] + [(root / "d.txt").read_text()]  # a lone surrogate is U+FFFD
+    assert (stats.bytes, stats.chars, stats.documents, stats.tokens) == \
+        (sum(len(t.encode("utf-8")) for t in text), sum(len(t) for t in text), 5, len(ids))
+    assert (data.stats.bytes, data.stats.chars, data.stats.documents) == (stats.bytes, stats.chars, 5)

@@ -10,13 +10,14 @@ token is harder to predict); bits per byte do not: N / ln 2 is the length in bit
 the model (arithmetic coding reaches it to within a few bits), and the text has the same bytes whatever
 the tokenizer. So runs with different vocabularies are ranked by bpb.
 
-How the text is scored, as training sees it: the documents are tokenized and joined with the
-end-of-text token after each one, behind one leading end-of-text token (the context a document starts
-from in training). The stream is cut into consecutive windows of the run's seq_len; every token after the
-leading one is predicted exactly once, the tokens at the start of a window from a shorter context (no
-overlap, as the training loss is computed). The end-of-text tokens are predicted too and their nats
-count in N, but they hold 0 bytes of text: bpb is the cost of coding the text *and* where its
-documents end, per byte of text. Deterministic: the same run and text give the same numbers.
+How the text is scored, as training sees it: the documents are tokenized as the token cache tokenizes
+them (trainwise.data.tokencache.encode_pieces) and joined with the end-of-text token after each one,
+behind one leading end-of-text token (the context a document starts from in training). The stream is
+cut into consecutive windows of the run's seq_len; every token after the leading one is predicted
+exactly once, the tokens at the start of a window from a shorter context (no overlap, as the training
+loss is computed). The end-of-text tokens are predicted too and their nats count in N, but they hold
+0 bytes of text: bpb is the cost of coding the text *and* where its documents end, per byte of text.
+Deterministic: the same run and text give the same numbers.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from tqdm import tqdm
 
 from trainwise.config import DataConfig
 from trainwise.data.bpb import bits_per_byte
-from trainwise.data.formats import iter_documents, mark_last, rechunk
+from trainwise.data.formats import iter_documents
+from trainwise.data.tokencache import ShardStats, encode_pieces
 from trainwise.errors import TrainwiseError
 from trainwise.inference import load_run
 from trainwise.runtime.precision import autocast, resolve_precision
-from trainwise.tokenizer import Tokenizer, sanitize
+from trainwise.tokenizer import Tokenizer
 
-ENCODE_CHARS = 16_384  # text is encoded in parts of about this size (see trainwise.data.formats.rechunk)
 LOGIT_ROWS = 1024  # LM-head rows computed at once: never the whole (B*T, V) logits
 BATCH_TOKENS = 8192  # windows per forward: at least micro_batch, else about this many tokens (no gradients kept)
 
@@ -64,20 +65,6 @@ class EvalResult:
         return asdict(self)
 
 
-def token_stream(pieces: Iterator[tuple[str, bool]], tokenizer: Tokenizer, counts: dict) -> Iterator[np.ndarray]:
-    """End-of-text, then each document's tokens followed by end-of-text, in arrays of a few thousand
-    tokens, from (piece, ends_a_document) pairs (trainwise.data.formats.iter_documents); counts["bytes"]
-    and counts["documents"] grow as the text is read."""
-    yield np.array([tokenizer.eot_id], dtype=np.int64)
-    for text, ends in pieces:
-        text = sanitize(text)
-        counts["bytes"] += len(text.encode("utf-8"))
-        counts["documents"] += int(ends)
-        parts = list(rechunk([text], ENCODE_CHARS))  # cut where the encoding is unchanged
-        for ids, (_, last) in zip(tokenizer.encode_batch(parts), mark_last(iter(parts))):
-            yield np.asarray(ids + [tokenizer.eot_id] if last and ends else ids, dtype=np.int64)
-
-
 @torch.no_grad()
 def window_nats(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Summed -ln p(y | x) over a batch of windows, x and y (B, T); the LM head a slice of rows at a time."""
@@ -94,7 +81,8 @@ def evaluate_texts(model: torch.nn.Module, tokenizer: Tokenizer, texts: Iterator
                    micro_batch: int, device: torch.device, precision: str, quiet: bool = True) -> dict:
     """nats, tokens, bytes, documents and windows of `model` over `texts`, (piece, ends_a_document) pairs
     (see the module docstring)."""
-    counts = {"nats": 0.0, "tokens": 0, "bytes": 0, "documents": 0, "windows": 0}
+    counts = {"nats": 0.0, "tokens": 0, "windows": 0}
+    read = ShardStats()  # bytes and documents of the text, counted as it is encoded
     was_training = model.training
     model.eval()
 
@@ -110,8 +98,8 @@ def evaluate_texts(model: torch.nn.Module, tokenizer: Tokenizer, texts: Iterator
     full = micro_batch * seq_len  # targets in one full batch
     buf = np.zeros(0, dtype=np.int64)
     with tqdm(desc="evaluating", unit="tok", unit_scale=True, delay=1.0, disable=quiet, file=sys.stderr) as bar:
-        for ids in token_stream(texts, tokenizer, counts):
-            buf = np.concatenate([buf, ids])
+        for ids in encode_pieces(texts, tokenizer, tokenizer.eot_id, read, leading_eot=True):
+            buf = np.concatenate([buf, np.asarray(ids, dtype=np.int64)])
             while len(buf) > full:
                 # B windows of T targets: window b is buf[bT : bT + T + 1]; the next batch starts at buf[BT]
                 starts = np.arange(micro_batch) * seq_len
@@ -124,7 +112,7 @@ def evaluate_texts(model: torch.nn.Module, tokenizer: Tokenizer, texts: Iterator
         if len(rest) > 1:
             run(rest[None, :], len(rest) - 1)
     model.train(was_training)
-    return counts
+    return {**counts, "bytes": read.bytes, "documents": read.documents}
 
 
 def evaluate_run(run_dir: str | Path, paths: list[str], text_field: str = "text", device: str = "auto",

@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
@@ -41,11 +41,12 @@ from trainwise.data.formats import (
 from trainwise.data.sources import SourceFile
 from trainwise.errors import TrainwiseError
 from trainwise.files import write_json_atomic
-from trainwise.tokenizer import Tokenizer
+from trainwise.tokenizer import Tokenizer, sanitize
 
 SHARD_BYTES = 32 * 2**20  # a unit of work (and of redone work after a kill)
-# Each encode_batch call gets about BATCH_CHARS of text in pieces of about ENCODE_CHARS: enough pieces
-# to keep many cores busy, while HF's Encoding objects (~300 bytes per token) stay near 100 MB.
+# Each encode_batch call gets about BATCH_CHARS of text in parts of about ENCODE_CHARS (cut by
+# formats.rechunk, so they encode as the whole text does): enough parts to keep many cores busy, while
+# HF's Encoding objects (~300 bytes per token) stay near 100 MB.
 ENCODE_CHARS = 16_384
 BATCH_CHARS = 1_000_000
 
@@ -66,6 +67,51 @@ class ShardStats:
     def add(self, other: ShardStats) -> None:
         for key, value in asdict(other).items():
             setattr(self, key, getattr(self, key) + value)
+
+
+def encode_pieces(pieces: Iterable[tuple[str, bool]], tokenizer: Tokenizer, eot_id: int, stats: ShardStats,
+                  leading_eot: bool = False) -> Iterator[list[int]]:
+    """The token ids of (piece, ends_a_document) pairs (formats.iter_pieces, formats.iter_documents):
+    each document's tokens followed by eot_id, one list per encode batch. The one path from text to
+    tokens, for the token cache and for `trainwise eval` alike.
+
+    Each piece is sanitized (tokenizer.sanitize) before its UTF-8 bytes and characters are counted into
+    `stats` (with its documents and the ids yielded) and it is encoded. leading_eot: first yield one
+    eot_id, so that the first document too is predicted after an end-of-text token, as every later one
+    is (trainwise.evaluate scores text so); the cache's stream has none, it starts with the first
+    document's tokens."""
+    if leading_eot:
+        stats.tokens += 1
+        yield [eot_id]
+    batch: list[str] = []
+    ends: list[bool] = []
+
+    def flush() -> list[int]:
+        ids: list[int] = []
+        for part_ids, end in zip(tokenizer.encode_batch(batch), ends):
+            ids += part_ids
+            if end:
+                ids.append(eot_id)
+        stats.tokens += len(ids)
+        batch.clear()
+        ends.clear()
+        return ids
+
+    size = 0
+    for piece, end in pieces:
+        text = sanitize(piece)
+        stats.bytes += len(text.encode("utf-8"))
+        stats.chars += len(text)
+        stats.documents += end
+        for part, last in mark_last(rechunk([text], ENCODE_CHARS)):
+            batch.append(part)
+            ends.append(end and last)
+            size += len(part)
+            if size >= BATCH_CHARS:
+                yield flush()
+                size = 0
+    if batch:
+        yield flush()
 
 
 def plan_shards(files: list[SourceFile] | None, shard_bytes: int = SHARD_BYTES) -> list[list[Part]]:
@@ -197,41 +243,14 @@ def tokenize_shard(partial: Path, index: int, parts: list[Part], eot_id: int, vo
         pieces = iter_pieces(parts, text_field, chunk_chars, reading)
     else:
         pieces = (p for text in builtin_texts() for p in mark_last(rechunk([text], chunk_chars)))
-    batch: list[str] = []
-    ends: list[bool] = []
     reported = 0
     tmp = _shard_bin(partial, index).with_suffix(".bin.tmp")
-
-    def flush() -> None:
-        nonlocal reported
-        ids: list[int] = []
-        for piece_ids, end in zip(tokenizer.encode_batch(batch), ends):
-            ids += piece_ids
-            if end:
-                ids.append(eot_id)
-        np.asarray(ids, dtype=dtype).tofile(out)
-        stats.tokens += len(ids)
-        stats.documents += sum(ends)
-        batch.clear()
-        ends.clear()
-        if progress is not None:
-            progress(reading.bytes_read - reported)
-            reported = reading.bytes_read
-
     with open(tmp, "wb") as out:
-        size = 0
-        for piece, end in pieces:
-            stats.bytes += len(piece.encode("utf-8", "surrogatepass"))
-            stats.chars += len(piece)
-            for part, last in mark_last(rechunk([piece], ENCODE_CHARS)):
-                batch.append(part)
-                ends.append(end and last)
-                size += len(part)
-                if size >= BATCH_CHARS:
-                    flush()
-                    size = 0
-        if batch:
-            flush()
+        for ids in encode_pieces(pieces, tokenizer, eot_id, stats):
+            np.asarray(ids, dtype=dtype).tofile(out)
+            if progress is not None:
+                progress(reading.bytes_read - reported)
+                reported = reading.bytes_read
     stats.replaced_bytes = reading.replaced_bytes
     os.replace(tmp, _shard_bin(partial, index))
     marker = partial / "shards" / f"{index:05d}.json"
