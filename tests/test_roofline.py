@@ -1,7 +1,7 @@
 """Roofline: operators with FLOPs and bytes, a readable log-log PNG."""
 
 from trainwise.config import ModelConfig
-from trainwise.verify.roofline import plot_roofline, roofline_ops, roofline_table
+from trainwise.measure.roofline import plot_roofline, roofline_ops, roofline_table
 
 
 def test_roofline_ops_and_plot(tmp_path):
@@ -25,7 +25,7 @@ def test_roofline_measure_cpu(tmp_path):
 
     from trainwise.errors import TrainwiseError
     from trainwise.measure.calibrate import calibrate
-    from trainwise.verify.roofline import check_measurable, measure_ops, measured_json, measured_table
+    from trainwise.measure.roofline import check_measurable, measure_ops, measured_json, measured_table
 
     cfg = ModelConfig(vocab_size=512, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128)
     points = roofline_ops(cfg, 2, 128)

@@ -1,4 +1,4 @@
-"""`trainwise data PATH...`: what a corpus holds, before any training (trainwise.data.report)."""
+"""`trainwise data PATH...`: what a corpus holds, before any training (trainwise.data.inspect)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from trainwise import rundir
 from trainwise.config import DataConfig, load_config
 from trainwise.data.corpus import prepare_tokenizer
-from trainwise.data.report import inspect_data, render
+from trainwise.data.inspect import inspect_data, render
 from trainwise.errors import TrainwiseError
 from trainwise.tokenizer import Tokenizer
 

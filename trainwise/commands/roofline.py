@@ -1,5 +1,5 @@
 """`trainwise roofline`: every operator of one training step on the roofline; `--measure` profiles a real
-CPU step beside the bounds (trainwise.verify.roofline)."""
+CPU step beside the bounds (trainwise.measure.roofline)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from trainwise.hardware.table import get_accelerator
 from trainwise.planner.hardware import resolve_hardware
 from trainwise.planner.spec import load_model
 from trainwise.runtime.precision import resolve_precision
-from trainwise.verify.roofline import (
+from trainwise.measure.roofline import (
     check_measurable,
     measure_ops,
     measured_json,

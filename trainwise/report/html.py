@@ -19,7 +19,7 @@ from trainwise.errors import TrainwiseError
 from trainwise.files import write_atomic
 from trainwise.planner.hardware import resolve_hardware
 from trainwise.report import plots
-from trainwise.verify.roofline import roofline_ops
+from trainwise.measure.roofline import roofline_ops
 
 CSS = """
 body{font-family:-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif;color:#1f2937;background:#f3f4f6;

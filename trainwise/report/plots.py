@@ -12,7 +12,7 @@ from pathlib import Path
 
 import matplotlib
 
-from trainwise.verify.roofline import plot_roofline
+from trainwise.measure.roofline import plot_roofline
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -100,7 +100,7 @@ def memory_chart(predicted: dict[str, float], measured: dict[str, float] | None)
 
 
 def roofline_chart(points, peak_flops: float, bandwidth: float, title: str) -> bytes:
-    """trainwise.verify.roofline's chart, read back as PNG bytes."""
+    """trainwise.measure.roofline's chart, read back as PNG bytes."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "roofline.png"
         plot_roofline(points, peak_flops, bandwidth, str(path), title)

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import signal
@@ -32,12 +31,11 @@ from trainwise.errors import TrainwiseError
 from trainwise.export.hf import load_hf_dir, load_into
 from trainwise.files import write_atomic, write_json_atomic
 from trainwise.inference import load_run, sample_text
-from trainwise.measure.memtrack import StepPeakMeter, foreign_storages
+from trainwise.measure.memtrack import foreign_storages
 from trainwise.report.html import write_report
 from trainwise.runtime import checkpoint as ckpt
 from trainwise.runtime import distributed
 from trainwise.runtime.allocator import keep_freed_memory
-from trainwise.runtime.comms import CommCounter
 from trainwise.runtime.mesh import check_layout, describe
 from trainwise.runtime.optim import lr_at
 from trainwise.runtime.parallelize import remove_compile, resolve_compile
@@ -47,6 +45,7 @@ from trainwise.tokenizer import Tokenizer
 from trainwise.trainer import relaunch
 from trainwise.trainer.loggers import RunLog, require_wandb
 from trainwise.trainer.memcheck import check_memory
+from trainwise.trainer.observer import StepObserver
 from trainwise.trainer.report import RunReporter, expert_counts, final_losses, nonfinite_diagnostic, numbered_blocks
 from trainwise.verify.per_rank import format_per_rank, per_rank_verify
 
@@ -84,8 +83,9 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     step, tokens_seen = _restore_or_create(run, state, reporter, out, resume, tokenizer, say)
     _say_setup(run, tokens, why, say)
     progress = _Progress(step, tokens_seen)
+    observer = StepObserver(run.step, d, cfg.train.max_steps, foreign)  # what verify measures, from outside
     with RunLog(out, cfg, enabled=d.is_main) as log, _StopRequest() as stop:
-        _train_steps(run, progress, reporter, log, stop, tokens, out, foreign, quiet)
+        _train_steps(run, progress, reporter, log, stop, tokens, out, observer, quiet)
     if progress.stopped:
         say(f"stopped at step {progress.step} and saved a checkpoint; continue with: trainwise train --resume "
             f"{out} (or the same command again)")
@@ -95,7 +95,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     _save(run, out, progress.step, progress.tokens_seen)
     if progress.val_loss != progress.val_loss:  # nan: no evaluation happened yet
         progress.val_loss = _evaluate(run, tokens.val)
-    return _finish(run, reporter, out, tokenizer, tokens, progress, say)
+    return _finish(run, reporter, out, tokenizer, tokens, progress, observer, say)
 
 
 def _resolve_config(cfg: RunConfig | None, out: Path, resume: bool, max_steps: int | None,
@@ -162,14 +162,9 @@ class _Run:
     step: TrainingStep  # the model as it runs (checkpointed, compiled, wrapped for the strategy), optimizer, scaler
     sampler: BatchSampler
     why_compile: str
-    gathered: dict  # zero2's gathered parameter bytes, measured by forward (distributed.gathered_params_meter)
     loss_sum: torch.Tensor  # micro-batch losses since the last log row, on the device
     skipped: torch.Tensor  # optimizer steps skipped for a non-finite gradient (this session), on the device
-    last_grad_bytes: int = 0  # this rank's gradient bytes at the last step, for the per-rank memory check
     val_bytes: tuple[int, int] | None = None  # (targets, UTF-8 bytes) of the validation batches, for val_bpb
-    peak_meter: StepPeakMeter | None = None  # while the measured (last) step runs
-    step_peak_bytes: int | None = None  # peak allocated bytes of the last step, as it really ran (verify.json)
-    step_comm: dict | None = None  # what this rank sent in the last step, per collective (runtime.comms)
 
 
 @dataclass
@@ -263,8 +258,8 @@ def _build(cfg: RunConfig, out: Path, resume: bool, init_state: dict | None, tok
     # tensor- and pipeline-parallel ranks of one replica read the same batches
     sampler = BatchSampler(tokens.train, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.train.seed,
                            rank=d.dp_rank, world_size=d.layout.dp)
-    run = _Run(cfg, d, step, sampler, why_compile, gathered=distributed.gathered_params_meter(step.model, d),
-               loss_sum=torch.zeros((), device=device), skipped=torch.zeros((), device=device))
+    run = _Run(cfg, d, step, sampler, why_compile, loss_sum=torch.zeros((), device=device),
+               skipped=torch.zeros((), device=device))
     return run, state
 
 
@@ -313,16 +308,10 @@ def _say_setup(run: _Run, tokens, why_precision: str, say) -> None:
         say(line)
 
 
-# Under tp a finished all-gather's output is sometimes freed only at a later wait (gloo's thread): 1-3 logits-
-# sized buffers join a step's peak at random (+12-18% on the tests' models); the least of these steps' is its own.
-TP_PEAK_STEPS = 3
-
-
 def _train_steps(run: _Run, progress: _Progress, reporter: RunReporter, log: RunLog, stop: _StopRequest, tokens,
-                 out: Path, foreign: set[int], quiet: bool) -> None:
+                 out: Path, observer: StepObserver, quiet: bool) -> None:
     """Optimizer steps until max_steps (or a stop request): logging, evaluating and checkpointing at
-    their intervals. The last step runs under the peak meter (verify.json's peak: the step as it runs; under
-    tensor parallelism the last TP_PEAK_STEPS, the least of their peaks)."""
+    their intervals; each step runs inside the observer (trainer.observer: what verify measures)."""
     t, d, device = run.cfg.train, run.d, run.step.device
     tokens_per_step = t.tokens_per_step * d.layout.dp
     bar = tqdm(total=t.max_steps, initial=progress.step, disable=quiet, unit="step", dynamic_ncols=True,
@@ -330,16 +319,9 @@ def _train_steps(run: _Run, progress: _Progress, reporter: RunReporter, log: Run
     best = rundir.best_checkpoint(out)
     best_val = best["val_loss"] if best else float("inf")
     interval_start, interval_steps = time.perf_counter(), 0
-    # measured: the last step, or under tp the last TP_PEAK_STEPS but the first (its states come after its peak)
-    first_measured = max(t.max_steps - (TP_PEAK_STEPS if d.layout.tp > 1 else 1), min(1, t.max_steps - 1))
     while progress.step < t.max_steps:
-        if progress.step >= first_measured:
-            run.peak_meter = StepPeakMeter(device, foreign)
-            run.peak_meter.start()
-        lr, grad_norm = _optimizer_step(run, progress.step)
-        if run.peak_meter is not None:
-            peak, run.peak_meter = run.peak_meter.stop(), None
-            run.step_peak_bytes = peak if run.step_peak_bytes is None else min(run.step_peak_bytes, peak)
+        with observer.step(progress.step):
+            lr, grad_norm = _optimizer_step(run, progress.step, observer)
         progress.step += 1
         progress.tokens_seen += tokens_per_step
         interval_steps += 1
@@ -375,7 +357,7 @@ def _train_steps(run: _Run, progress: _Progress, reporter: RunReporter, log: Run
     bar.close()
 
 
-def _optimizer_step(run: _Run, step: int) -> tuple[float, torch.Tensor]:
+def _optimizer_step(run: _Run, step: int, observer: StepObserver) -> tuple[float, torch.Tensor]:
     """One optimizer step (0-based `step`) over grad_accum_steps micro-batches; returns (lr, gradient
     norm). A NaN/inf must never reach the weights: the default (skip) decides on the device, with no
     host sync; "stop" waits for the verdict every step so that it can name the step. (With fp16 the
@@ -388,23 +370,15 @@ def _optimizer_step(run: _Run, step: int) -> tuple[float, torch.Tensor]:
                for _ in range(cfg.grad_accum_steps)]
 
     def after_update(phase: str) -> None:  # the gradients, before they are freed
-        if phase != "step":
-            return
-        if run.d.active and step + 1 == cfg.max_steps:  # for the per-rank memory check
-            run.last_grad_bytes = distributed.local_bytes(p.grad for p in ts.params)
-        if run.peak_meter is not None:  # DDP's buckets: resident all along, reachable only through the grads
-            run.peak_meter.resident(p.grad for p in ts.params)
+        if phase == "step":
+            observer.gradients(step, (p.grad for p in ts.params))
 
-    counter = CommCounter() if run.d.active and step + 1 == cfg.max_steps else None  # the per-rank check's
     try:
-        with counter or contextlib.nullcontext():
-            result = ts(batches, after_update, loss_sum=run.loss_sum)
+        result = ts(batches, after_update, loss_sum=run.loss_sum)
     except NonFiniteGradient as err:
         raise TrainwiseError(nonfinite_diagnostic(ts.model, step + 1, err.loss)) from None
     if result.skipped is not None:
         run.skipped += result.skipped
-    if counter is not None:
-        run.step_comm = counter.result()
     return lr, result.grad_norm
 
 
@@ -458,17 +432,14 @@ def _save(run: _Run, out: Path, step: int, tokens_seen: int) -> None:
 
 
 def _finish(run: _Run, reporter: RunReporter, out: Path, tokenizer: Tokenizer, tokens, progress: _Progress,
-            say) -> TrainResult:
+            observer: StepObserver, say) -> TrainResult:
     """After the last step: the per-rank memory check (distributed), the final losses and a sample,
     verify.json (one measured step against the plan) and the HTML report, on rank 0."""
     cfg, d, device, model = run.cfg, run.d, run.step.device, run.step.model
     per_rank = None
     if d.active:  # the rest is rank 0's, on the gathered weights of the checkpoint just saved
-        measured = distributed.rank_state_bytes(run.step.params, run.step.optimizer, run.last_grad_bytes,
-                                                run.gathered["bytes"])
-        measured["peak_memory_bytes"] = run.step_peak_bytes
-        measured["comm"] = run.step_comm
-        per_rank = per_rank_verify(cfg, distributed.gather_objects(measured, d), d, run.step.precision)
+        measured = distributed.gather_objects(observer.rank_measurements(), d)
+        per_rank = per_rank_verify(cfg, measured, d, run.step.precision)
         distributed.shutdown(d)
         if not d.is_main:
             return TrainResult(out, progress.step, progress.last_loss, progress.val_loss, float("nan"), "")
@@ -483,7 +454,7 @@ def _finish(run: _Run, reporter: RunReporter, out: Path, tokenizer: Tokenizer, t
     # the per-rank shards were measured above and are checked against the ZeRO plan.
     reporter.finish(out, progress.tokens_seen, progress.step, model=model,
                     optimizer_state=None if d.active else run.step.optimizer.state_dict(),
-                    step_peak_bytes=None if d.active else run.step_peak_bytes)
+                    step_peak_bytes=None if d.active else observer.peak_bytes)
     if per_rank is not None and (out / rundir.VERIFY).is_file():
         result = json.loads((out / rundir.VERIFY).read_text(encoding="utf-8"))
         result["per_rank"] = per_rank

@@ -1,0 +1,73 @@
+"""What verify measures of a run, attached to the training loop from outside: the loop runs each
+optimizer step inside `StepObserver.step(i)` and hands it the gradients before they are freed; it does not
+know what is measured.
+
+    the step's peak     measure.memtrack.StepPeakMeter over the last step (under tensor parallelism the
+                        least of the last TP_PEAK_STEPS but the first), verify.json's "step peak"
+    messages            runtime.comms.CommCounter over the last step of a torchrun job, per collective
+    states              this rank's parameter, gradient and optimizer bytes at the last step, and zero2's
+                        gathered parameters (runtime.distributed), for the per-rank check
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from trainwise.measure.memtrack import StepPeakMeter
+from trainwise.runtime import distributed
+from trainwise.runtime.comms import CommCounter
+from trainwise.runtime.step import TrainingStep
+
+# Under tp a finished all-gather's output is sometimes freed only at a later wait (gloo's thread): 1-3
+# logits-sized buffers join a step's peak at random (+12-18% on the tests' models); the least of these
+# steps' peaks is the step's own.
+TP_PEAK_STEPS = 3
+
+
+class StepObserver:
+    def __init__(self, step: TrainingStep, d: distributed.Dist, max_steps: int, foreign: set[int]):
+        self._step, self._d, self._max_steps, self._foreign = step, d, max_steps, foreign
+        self._gathered = distributed.gathered_params_meter(step.model, d)
+        # the last step, or under tp the last TP_PEAK_STEPS but the first (its states come after its peak)
+        self._first_measured = max(max_steps - (TP_PEAK_STEPS if d.layout.tp > 1 else 1), min(1, max_steps - 1))
+        self._meter: StepPeakMeter | None = None
+        self.peak_bytes: int | None = None  # peak allocated bytes of the measured steps (the least)
+        self.comm: dict | None = None  # what this rank sent in the last step, per collective
+        self._grad_bytes = 0
+
+    def _last(self, i: int) -> bool:
+        return self._d.active and i + 1 == self._max_steps
+
+    @contextlib.contextmanager
+    def step(self, i: int) -> Iterator[None]:
+        """Around optimizer step `i` (0-based)."""
+        if i >= self._first_measured:
+            self._meter = StepPeakMeter(self._step.device, self._foreign)
+            self._meter.start()
+        counter = CommCounter() if self._last(i) else None
+        try:
+            with counter or contextlib.nullcontext():
+                yield
+        finally:
+            if self._meter is not None:
+                peak, self._meter = self._meter.stop(), None
+                self.peak_bytes = peak if self.peak_bytes is None else min(self.peak_bytes, peak)
+        if counter is not None:
+            self.comm = counter.result()
+
+    def gradients(self, i: int, grads: Iterable[torch.Tensor | None]) -> None:
+        """The gradients of step `i` after the update, before they are freed."""
+        grads = list(grads)
+        if self._last(i):
+            self._grad_bytes = distributed.local_bytes(grads)
+        if self._meter is not None:  # DDP's buckets: resident all along, reachable only through the grads
+            self._meter.resident(grads)
+
+    def rank_measurements(self) -> dict:
+        """This rank's states, step peak and messages at the last step, for verify.per_rank."""
+        ts = self._step
+        measured = distributed.rank_state_bytes(ts.params, ts.optimizer, self._grad_bytes, self._gathered["bytes"])
+        return {**measured, "peak_memory_bytes": self.peak_bytes, "comm": self.comm}
