@@ -8,7 +8,7 @@ model.loss_chunk_tokens = 0 (F.cross_entropy on the whole fp32 B x T x V logits)
 --chunk (trainwise.model.loss). One training step (forward + backward + clip + AdamW step, the
 trainer's own step, trainwise.runtime.step) of each on the same batch, after one warm-up step so the optimizer states
 exist. Peak memory is MemTracker's (trainwise.measure.memtrack: every tensor storage, CPU or CUDA),
-beside the planner's prediction (plan_run(...).peak_bytes); the loss difference is that of the first
+beside the planner's prediction (plan_run(Run(...)).peak_bytes); the loss difference is that of the first
 step; step times are medians of --reps interleaved untracked steps (plain, chunked, plain, ...).
 """
 
@@ -22,6 +22,8 @@ import torch
 
 from trainwise.config import ModelConfig, TrainConfig
 from trainwise.measure.memtrack import track_train_step
+from trainwise.cost.memory import get_recipe
+from trainwise.cost.run import Machine, Run
 from trainwise.planner.plan import plan_run
 from trainwise.runtime.step import build_model, build_step, random_batches
 
@@ -47,8 +49,9 @@ def compare(args, precision: str, device: torch.device) -> dict:
         cfg, step = build(args, chunk, device, precision)
         first = step(batches).loss.item()  # fp32 master weights: same start
         tracked = track_train_step(step, batches)
-        plan = plan_run(cfg, tokens=1, seq_len=args.seq_len, micro_batch=args.micro_batch, peak_flops=1e12,
-                        precision="fp32" if precision == "fp32" else "amp")
+        recipe = get_recipe("fp32" if precision == "fp32" else "amp")
+        plan = plan_run(Run(cfg, micro_batch=args.micro_batch, seq_len=args.seq_len, recipe=recipe, tokens=1,
+                            machine=Machine(peak_flops=1e12)))
         runs[name] = dict(step=step, loss=first, peak=tracked.peak_bytes, plan=plan.peak_bytes,
                           cuda=tracked.cuda_max_allocated_bytes, times=[])
     for _ in range(args.reps):

@@ -25,7 +25,9 @@ from pathlib import Path
 
 from trainwise.cli import main as cli_main
 from trainwise.config import ModelConfig
-from trainwise.cost.layout import rank_memory
+from trainwise.cost.layout import make_layout, rank_memory
+from trainwise.cost.memory import get_recipe
+from trainwise.cost.run import Machine, Run
 from trainwise.planner.plan import plan_run
 
 GiB = 2**30
@@ -67,10 +69,11 @@ KORTHIKANTI = [
 
 def plan(cfg: ModelConfig, gpus: int, *, tp: int, pp: int, vpp: int, micro_batch: int, grad_accum: int,
          checkpointing: str, sequence_parallel: bool, dp_overlap: bool):
-    return plan_run(cfg, tokens=1e9, seq_len=2048, micro_batch=micro_batch, grad_accum=grad_accum,
-                    precision="megatron", checkpointing=checkpointing, tp=tp, pp=pp, vpp=vpp, gpus=gpus,
-                    gpu="a100-80gb", sequence_parallel=sequence_parallel, dp_overlap=dp_overlap,
-                    attention_impl="unfused")
+    layout = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel, micro_batches=grad_accum,
+                         dp_overlap=dp_overlap, attention_impl="unfused")
+    return plan_run(Run(cfg, micro_batch=micro_batch, seq_len=2048, grad_accum=grad_accum,
+                        recipe=get_recipe("megatron"), checkpointing=checkpointing, layout=layout, tokens=1e9,
+                        machine=Machine(gpu="a100-80gb")))
 
 
 def terms(p) -> str:

@@ -28,6 +28,9 @@ import torch  # noqa: E402
 from trainwise.config import ModelConfig, TrainConfig  # noqa: E402
 from trainwise.hardware.cache import cpu_model  # noqa: E402
 from trainwise.measure.memtrack import StepPeakMeter  # noqa: E402
+from trainwise.cost.layout import Layout  # noqa: E402
+from trainwise.cost.memory import get_recipe  # noqa: E402
+from trainwise.cost.run import Machine, Run  # noqa: E402
 from trainwise.planner.plan import plan_run  # noqa: E402
 from trainwise.runtime.step import build_model, build_step, random_batches  # noqa: E402
 
@@ -56,9 +59,10 @@ def cell(cfg, step, precision: str, checkpointing: str, k: int, compiled: bool) 
     meter.start()
     step(batches, hook=lambda phase: meter.resident(p.grad for p in step.params) if phase == "backward" else None)
     measured = meter.stop()
-    plan = plan_run(cfg, tokens=1, seq_len=SEQ, micro_batch=MICRO_BATCH, grad_accum=k, peak_flops=1e12,
-                    precision="fp32" if precision == "fp32" else "amp", checkpointing=checkpointing,
-                    compiled=compiled)
+    recipe = get_recipe("fp32" if precision == "fp32" else "amp")
+    plan = plan_run(Run(cfg, micro_batch=MICRO_BATCH, seq_len=SEQ, grad_accum=k, recipe=recipe,
+                        checkpointing=checkpointing, compiled=compiled, layout=Layout(micro_batches=k), tokens=1,
+                        machine=Machine(peak_flops=1e12)))
     return {"planned": plan.peak_bytes, "measured": measured, "error": measured / plan.peak_bytes - 1}
 
 

@@ -39,6 +39,9 @@ from pathlib import Path
 import torch
 
 from trainwise.config import ModelConfig, RunConfig, TrainConfig, apply_overrides, save_config
+from trainwise.cost.layout import Layout
+from trainwise.cost.memory import get_recipe
+from trainwise.cost.run import Machine, Run
 from trainwise.cost.steptime import PROBE_WARN, probed_seconds, settled_probe
 from trainwise.hardware.cache import cached_link, cpu_model
 from trainwise.measure.calibrate import calibrate
@@ -111,9 +114,10 @@ def predict(case: Case):
     """The plan of the configuration: its step_seconds as calibrated and its StepTime (plan.step)."""
     if case.strategy != "none":
         return plan_for_run(run_config(case, 10), case.precision, 0.0, device="cpu", world_size=2)
-    return plan_run(ModelConfig(**case.model), tokens=1, gpu="cpu", seq_len=case.seq_len, micro_batch=case.micro_batch,
-                    grad_accum=case.grad_accum, precision="fp32" if case.precision == "fp32" else "amp",
-                    checkpointing=case.checkpointing, compiled=case.compiled)
+    return plan_run(Run(ModelConfig(**case.model), micro_batch=case.micro_batch, seq_len=case.seq_len,
+                        grad_accum=case.grad_accum, recipe=get_recipe("fp32" if case.precision == "fp32" else "amp"),
+                        checkpointing=case.checkpointing, compiled=case.compiled,
+                        layout=Layout(micro_batches=case.grad_accum), tokens=1, machine=Machine(gpu="cpu")))
 
 
 class LocalRun:
@@ -198,9 +202,9 @@ def fit_compiled(rounds: int) -> int:
         measured = min(run.round() for _ in range(rounds))
         del run
         torch._dynamo.reset()
-        plan = plan_run(ModelConfig(**case.model), tokens=1, gpu="cpu", seq_len=case.seq_len,
-                        micro_batch=case.micro_batch, precision="fp32" if case.precision == "fp32" else "amp",
-                        compiled=True)
+        plan = plan_run(Run(ModelConfig(**case.model), micro_batch=case.micro_batch, seq_len=case.seq_len,
+                            recipe=get_recipe("fp32" if case.precision == "fp32" else "amp"), compiled=True, tokens=1,
+                            machine=Machine(gpu="cpu")))
         st, prof = plan.step, plan.hardware.profile
         fused = [t for t in st.ops if t.op.cls not in ("matmul", "attention") and t.op.phase != "optimizer"]
         rest = st.seconds - sum(t.seconds for t in fused)

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from trainwise.config import ModelConfig, TrainConfig
 from trainwise.cost.flops import flops_per_token_train
+from trainwise.cost.memory import get_recipe
+from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.measure.flopcount import count_train_step
 from trainwise.measure.memtrack import track_train_step
@@ -116,8 +118,8 @@ def test_tracked_peak_matches_planner(precision):
     batches = random_batches(cfg.vocab_size, 2, 32, 1, CPU)
     TrainingStep(model, opt, CPU, precision)(batches)
     tracked = track_train_step(TrainingStep(model, opt, CPU, precision), batches)
-    plan = plan_run(cfg, tokens=1, seq_len=32, micro_batch=2, peak_flops=1e12,
-                    precision="fp32" if precision == "fp32" else "amp")
+    recipe = get_recipe("fp32" if precision == "fp32" else "amp")
+    plan = plan_run(Run(cfg, micro_batch=2, seq_len=32, recipe=recipe, tokens=1, machine=Machine(peak_flops=1e12)))
     assert tracked.activations == pytest.approx(plan.activations_bytes, rel=0.01)
     assert tracked.peak_bytes == pytest.approx(plan.peak_bytes, rel=0.10)
 
@@ -135,7 +137,8 @@ def test_large_vocab_peak_matches_planner_and_drops():
         batches = random_batches(cfg.vocab_size, 64, 32, 1, CPU)
         TrainingStep(model, opt, CPU, "fp32")(batches)
         tracked = track_train_step(TrainingStep(model, opt, CPU, "fp32"), batches)
-        plan = plan_run(cfg, tokens=1, seq_len=32, micro_batch=64, peak_flops=1e12, precision="fp32")
+        plan = plan_run(Run(cfg, micro_batch=64, seq_len=32, recipe=get_recipe("fp32"), tokens=1,
+                            machine=Machine(peak_flops=1e12)))
         assert tracked.peak_bytes == pytest.approx(plan.peak_bytes, rel=0.10)
         peaks[chunk] = tracked.peak_bytes
     assert peaks[64] < 0.5 * peaks[0]

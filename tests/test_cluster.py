@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+from runs import run_of
 
 from trainwise.cli import main
 from trainwise.config import ModelConfig
@@ -146,8 +147,8 @@ def test_per_rank_memory_under_pp_and_cp():
 
 def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     cfg = gpt(8, 256, 4, max_seq_len=256, dropout=0.0)
-    p = plan_run(cfg, tokens=1e9, seq_len=256, micro_batch=2, grad_accum=4, gpus=16, tp=2, pp=2, gpu="a100-80gb",
-                 sequence_parallel=False)
+    p = plan_run(run_of(cfg, tokens=1e9, seq_len=256, micro_batch=2, grad_accum=4, gpus=16, tp=2, pp=2,
+                        gpu="a100-80gb", sequence_parallel=False))
     j = p.to_json()
     assert j["layout"] == {"dp": 4, "tp": 2, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False,
                            "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash"}
@@ -180,17 +181,17 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
 def test_a_layout_that_cannot_work_is_a_clear_error(kw, text):
     args = dict(tokens=1e9, seq_len=256, gpu="a100-80gb", **{"gpus": 8, "grad_accum": 4, **kw})
     with pytest.raises(TrainwiseError, match=text):
-        plan_run(gpt(8, 256, 4, max_seq_len=256), **args)
+        plan_run(run_of(gpt(8, 256, 4, max_seq_len=256), **args))
 
 
 def test_expert_parallel_layouts_of_a_moe():
     moe = ModelConfig(vocab_size=1024, d_model=256, n_layers=2, n_heads=8, n_kv_heads=8, max_seq_len=512,
                       n_experts=8, top_k=2, expert_ffn_hidden=256)
     with pytest.raises(TrainwiseError, match="ep values that work"):
-        plan_run(moe, tokens=1e9, seq_len=512, gpus=12, ep=3, gpu="h100-sxm")
+        plan_run(run_of(moe, tokens=1e9, seq_len=512, gpus=12, ep=3, gpu="h100-sxm"))
     with pytest.raises(TrainwiseError, match="must divide dp x cp"):
-        plan_run(moe, tokens=1e9, seq_len=512, gpus=4, tp=2, ep=4, gpu="h100-sxm")
-    p = plan_run(moe, tokens=1e9, seq_len=512, gpus=16, ep=8, gpu="h100-sxm")
+        plan_run(run_of(moe, tokens=1e9, seq_len=512, gpus=4, tp=2, ep=4, gpu="h100-sxm"))
+    p = plan_run(run_of(moe, tokens=1e9, seq_len=512, gpus=16, ep=8, gpu="h100-sxm"))
     assert p.cluster.breakdown["ep_comm_s"] > 0 and p.to_json()["comm"]["all_to_all"]["calls"] == 2 * 2 * 2
 
 
@@ -208,8 +209,8 @@ def test_published_runs_are_reproduced():
     parallel only) and 1T (TP 8 x PP 64), Korthikanti et al. 2022's 175B with selective recompute +
     sequence parallelism. Inputs as the dev set gives them; published iteration times within 20%."""
     def run(cfg, gpus, published, **kw):
-        p = plan_run(cfg, tokens=1e9, seq_len=2048, precision="megatron", gpu="a100-80gb", gpus=gpus,
-                     attention_impl="unfused", **kw)
+        p = plan_run(run_of(cfg, tokens=1e9, seq_len=2048, precision="megatron", gpu="a100-80gb", gpus=gpus,
+                            attention_impl="unfused", **kw))
         assert p.step_seconds == pytest.approx(published, rel=0.20)
 
     run(gpt(24, 2304, 24), 32, 3.53, micro_batch=16, checkpointing="full")

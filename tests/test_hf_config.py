@@ -119,13 +119,16 @@ def test_saved_by_transformers_4_and_5_plan_alike(family, tmp_path):
 def test_published_config_resaved_by_transformers_5_plans_like_the_hub_file(name, tmp_path):
     """The Hub's config.json of each preset, saved again by the installed transformers: the same plan
     (parameters, FLOPs, memory), not only the same total. No model is built, so the big ones run too."""
+    from trainwise.cost.memory import get_recipe
+    from trainwise.cost.run import Run
     from trainwise.planner.plan import plan_run
     from trainwise.presets import get_preset
 
     transformers.AutoConfig.for_model(**PUBLISHED[name]).save_pretrained(tmp_path / name)
 
     def planned(model):
-        j = plan_run(model, tokens=1e9, seq_len=1024, micro_batch=2, checkpointing="selective").to_json()
+        j = plan_run(Run(model, micro_batch=2, seq_len=1024, recipe=get_recipe("bf16"), checkpointing="selective",
+                         tokens=1e9)).to_json()
         return j["model"] | {"name": None}, j["flops"], j["memory"]
 
     assert planned(load_hf_config(tmp_path / name / "config.json")) == planned(get_preset(name))

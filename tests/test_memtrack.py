@@ -4,6 +4,9 @@ import pytest
 import torch
 
 from trainwise.config import ModelConfig, TrainConfig
+from trainwise.cost.layout import Layout
+from trainwise.cost.memory import get_recipe
+from trainwise.cost.run import Machine, Run
 from trainwise.measure.memtrack import track_train_step
 from trainwise.planner.plan import plan_run
 from trainwise.runtime.step import build_model, build_step, random_batches
@@ -25,8 +28,9 @@ def track_vs_plan(cfg: ModelConfig, precision: str, checkpointing: str, micro_ba
     batches = random_batches(cfg.vocab_size, micro_batch, seq_len, 1, CPU)
     step(batches)  # optimizer states exist from here on
     tracked = track_train_step(step, batches)
-    plan = plan_run(cfg, tokens=1, seq_len=seq_len, micro_batch=micro_batch, peak_flops=1e12,
-                    precision="fp32" if precision == "fp32" else "amp", checkpointing=checkpointing)
+    recipe = get_recipe("fp32" if precision == "fp32" else "amp")
+    plan = plan_run(Run(cfg, micro_batch=micro_batch, seq_len=seq_len, recipe=recipe, checkpointing=checkpointing,
+                        tokens=1, machine=Machine(peak_flops=1e12)))
     return plan, tracked
 
 
@@ -65,8 +69,9 @@ def test_accumulation_with_full_checkpointing_measures_its_plan():
     cfg.train.activation_checkpointing = "full"
     model = build_model(cfg.model)
     measured = measure_step(cfg, model, None, CPU, "bf16")  # a fresh optimizer
-    plan = plan_run(cfg.model, tokens=1, seq_len=32, micro_batch=4, grad_accum=4, peak_flops=1e12,
-                    precision="amp", checkpointing="full")
+    plan = plan_run(Run(cfg.model, micro_batch=4, seq_len=32, grad_accum=4, recipe=get_recipe("amp"),
+                        checkpointing="full", layout=Layout(micro_batches=4), tokens=1,
+                        machine=Machine(peak_flops=1e12)))
     assert measured.memory.peak_bytes == pytest.approx(plan.peak_bytes, rel=0.10)
     assert measured.memory.activations == pytest.approx(plan.activations_bytes, rel=0.10)
 
@@ -92,8 +97,9 @@ def test_step_peak_meter_agrees_with_memtracker(precision, checkpointing, k):
     metered = meter.stop() - others
     tracked = track_train_step(step, batches)
     assert metered == pytest.approx(tracked.peak_bytes, rel=0.02)
-    plan = plan_run(cfg, tokens=1, seq_len=32, micro_batch=2, grad_accum=k, peak_flops=1e12,
-                    precision="fp32" if precision == "fp32" else "amp", checkpointing=checkpointing)
+    recipe = get_recipe("fp32" if precision == "fp32" else "amp")
+    plan = plan_run(Run(cfg, micro_batch=2, seq_len=32, grad_accum=k, recipe=recipe, checkpointing=checkpointing,
+                        layout=Layout(micro_batches=k), tokens=1, machine=Machine(peak_flops=1e12)))
     assert metered == pytest.approx(plan.peak_bytes, rel=0.10)
 
 

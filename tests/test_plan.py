@@ -2,13 +2,18 @@
 (`trainwise plan`, `mem`, `hardware`)."""
 
 import json
+from dataclasses import replace
 
 import pytest
+from runs import run_of
 
 from trainwise.cli import main
+from trainwise.cost.layout import make_layout
+from trainwise.cost.memory import get_recipe
+from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import training_seconds
 from trainwise.errors import TrainwiseError
-from trainwise.planner.fit import fit
+from trainwise.planner.fit import fit, fit_run
 from trainwise.planner.plan import plan_run
 from trainwise.presets import get_preset
 
@@ -76,23 +81,24 @@ def test_cli_tables_and_explain(capsys, tmp_path):
 
 
 def test_moe_flops_active_memory_total():
-    p = plan_run(get_preset("mixtral-8x7b"), tokens=1e9, seq_len=4096, gpu="h100", precision="fp32")
+    p = plan_run(Run(get_preset("mixtral-8x7b"), seq_len=4096, recipe=get_recipe("fp32"), tokens=1e9,
+                     machine=Machine(gpu="h100")))
     assert p.counts.active < p.counts.total
     assert p.states.total == 16 * p.counts.total
     assert p.flops_per_token < 6 * p.counts.total
 
 
 def test_fits_and_budget():
-    small = plan_run(get_preset("trainwise-small"), tokens=1e6, seq_len=256, micro_batch=16, peak_flops=1e12,
-                     memory_budget=10**9)
+    small = plan_run(Run(get_preset("trainwise-small"), micro_batch=16, seq_len=256, tokens=1e6,
+                         machine=Machine(peak_flops=1e12)), memory_budget=10**9)
     assert small.fits is True
-    big = plan_run(get_preset("llama-3-70b"), tokens=1e9, gpu="h100")
+    big = plan_run(run_of(get_preset("llama-3-70b"), tokens=1e9, gpu="h100"))
     assert big.fits is False
 
 
 def test_bad_parallel_layout():
     with pytest.raises(TrainwiseError, match="multiple"):
-        plan_run(get_preset("gpt2"), tokens=1e9, gpu="a100", gpus=6, tp=4)
+        plan_run(run_of(get_preset("gpt2"), tokens=1e9, gpu="a100", gpus=6, tp=4))
 
 
 def test_fit_prefers_no_recompute_when_it_fits():
@@ -179,13 +185,15 @@ def test_fit_uses_the_plans_memory_model():
     """Every candidate --fit keeps is one that `plan` with the same settings says fits, with the same bytes;
     and its ranking is the same with and without hardware."""
     model, budget = get_preset("llama-3-8b"), 40 * 2**30
-    good, bad = fit(model, global_batch=32, memory_budget=budget, seq_len=4096, gpus=8)
-    timed, _ = fit(model, global_batch=32, memory_budget=budget, seq_len=4096, gpus=8, gpu="h100")
+    run = run_of(model, seq_len=4096, gpus=8)
+    good, bad = fit_run(run, global_batch=32, memory_budget=budget)
+    timed, _ = fit_run(replace(run, machine=Machine(gpu="h100")), global_batch=32, memory_budget=budget)
     assert [(c.micro_batch, c.checkpointing, c.zero) for c in good] == [(c.micro_batch, c.checkpointing, c.zero)
                                                                        for c in timed]
     for c in good[:3] + [c for c in bad if not c.fits][:5]:
-        p = plan_run(model, tokens=32 * 4096, seq_len=4096, micro_batch=c.micro_batch, grad_accum=c.grad_accum,
-                     checkpointing=c.checkpointing, zero=c.zero, gpus=8, memory_budget=budget)
+        p = plan_run(replace(run, micro_batch=c.micro_batch, grad_accum=c.grad_accum, checkpointing=c.checkpointing,
+                             layout=make_layout(8, zero=c.zero, micro_batches=c.grad_accum), tokens=32 * 4096),
+                     memory_budget=budget)
         assert p.fits is c.fits and p.per_device_bytes == c.per_device_bytes
 
 

@@ -6,7 +6,10 @@ import tracemalloc
 import pytest
 import torch
 
+from trainwise.cost.layout import make_layout
+from trainwise.cost.memory import get_recipe
 from trainwise.cost.params import params
+from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.hf_config import PUBLISHED
 from trainwise.planner.plan import plan_run
@@ -59,8 +62,9 @@ def test_405b_plan_fast_and_tensor_free(mfu, seconds, python_bytes):
     layers on fake tensors: neither allocates a 405B tensor (one would be ~1.6 TB)."""
     tracemalloc.start()
     t0 = time.perf_counter()
-    plan = plan_run(get_preset("llama-3.1-405b"), tokens=15e12, seq_len=8192, gpu="h100", gpus=16384, tp=8, pp=16,
-                    grad_accum=16, zero=1, checkpointing="full", mfu=mfu)
+    layout = make_layout(16384, tp=8, pp=16, zero=1, micro_batches=16)
+    plan = plan_run(Run(get_preset("llama-3.1-405b"), seq_len=8192, grad_accum=16, recipe=get_recipe("bf16"),
+                        checkpointing="full", layout=layout, tokens=15e12, machine=Machine(gpu="h100")), mfu=mfu)
     plan.to_json(), plan.explain()
     elapsed = time.perf_counter() - t0
     _, peak = tracemalloc.get_traced_memory()

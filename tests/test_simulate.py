@@ -3,6 +3,8 @@
 import pytest
 
 from trainwise.config import ModelConfig
+from trainwise.cost.memory import get_recipe
+from trainwise.cost.run import Machine, Run
 from trainwise.planner.plan import plan_run
 from trainwise.verify.simulate import simulate_report, simulate_step
 
@@ -10,7 +12,8 @@ from trainwise.verify.simulate import simulate_report, simulate_step
 def test_simulated_step_matches_plan():
     cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
     mem = simulate_step(cfg, 2, 64, "bf16")
-    plan = plan_run(cfg, tokens=1, seq_len=64, micro_batch=2, precision="amp", peak_flops=1e12)
+    plan = plan_run(Run(cfg, micro_batch=2, seq_len=64, recipe=get_recipe("amp"), tokens=1,
+                        machine=Machine(peak_flops=1e12)))
     assert mem.params == plan.states.params
     assert mem.optimizer == pytest.approx(plan.states.optimizer, rel=0.01)  # + one fp32 step counter per tensor
     assert mem.peak_bytes == pytest.approx(plan.peak_bytes, rel=0.10)
@@ -25,7 +28,7 @@ def test_llama_3_8b_simulates_without_allocating():
 
     cfg = get_preset("llama-3-8b")
     mem = simulate_step(cfg, 1, 2048, "bf16")
-    plan = plan_run(cfg, tokens=1, seq_len=2048, micro_batch=1, precision="amp", peak_flops=1e12)
+    plan = plan_run(Run(cfg, seq_len=2048, recipe=get_recipe("amp"), tokens=1, machine=Machine(peak_flops=1e12)))
     assert mem.peak_bytes == pytest.approx(plan.peak_bytes, rel=0.10)
     assert mem.peak_bytes > 100e9
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < 2 * 2**30

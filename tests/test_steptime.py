@@ -8,7 +8,9 @@ import pytest
 from trainwise.config import ModelConfig
 from trainwise.cost.comm import comm_seconds, exposed_comm, ring_seconds
 from trainwise.cost.flops import flops_per_token_train
+from trainwise.cost.memory import get_recipe
 from trainwise.cost.ops import Op, for_cuda
+from trainwise.cost.run import Machine, Run
 from trainwise.cost.steptime import (PROBE_WARN, StepTime, predict_step, probed_seconds, scale_batch,
                                      settled_probe, step_time)
 from trainwise.cost.time import fit_linear
@@ -149,20 +151,22 @@ def test_a_gpu_plan_prices_the_gpus_step_from_published_figures():
     assert "aten._scaled_dot_product_flash_attention" in names and "aten._fused_adamw_" in names
     assert not any("for_cpu" in n or "_foreach" in n for n in names)
     assert any(o.dtype == "bf16" and o.cls == "matmul" for o in ops)
-    plan = plan_run(TINY, tokens=1e6, seq_len=16, micro_batch=2, gpu="h100")
+    run = Run(TINY, micro_batch=2, seq_len=16, recipe=get_recipe("bf16"), tokens=1e6, machine=Machine(gpu="h100"))
+    plan = plan_run(run)
     j = plan.to_json()["time"]
     assert j["source"] == "published microbenchmarks" and 0 < j["mfu"] < 0.7 and "MAMF" in j["source_detail"]
     assert j["step_seconds"] == pytest.approx(plan.cluster.seconds)
     assert j["tokens_per_s"] == pytest.approx(32 / plan.cluster.seconds)
     assert j["seconds"] == pytest.approx(1e6 / j["tokens_per_s"])
     # --mfu stays a what-if: C / (G x peak x MFU)
-    what_if = plan_run(TINY, tokens=1e6, seq_len=16, micro_batch=2, gpu="h100", mfu=0.5)
+    what_if = plan_run(run, mfu=0.5)
     assert what_if.time_source == "assumed MFU (--mfu)" and what_if.step is None and what_if.cluster is None
     assert what_if.time.seconds == pytest.approx(what_if.total_flops / (989.4e12 * 0.5))
 
 
 def test_the_worked_example_still_comes_out_exactly():
-    p = plan_run(params_count=1e9, tokens=1e10, peak_flops=100e12, precision="fp32")
+    p = plan_run(Run(None, recipe=get_recipe("fp32"), tokens=1e10, machine=Machine(peak_flops=100e12)),
+                 params_count=1e9)
     assert p.states.total == 16e9 and p.total_flops == 6e19
     assert p.time.seconds == 1.5e6 and math.isclose(p.time.days, 17.36, abs_tol=5e-3)
 

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import load_config
-from trainwise.cost.memory import OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES
+from trainwise.cost.layout import Layout, make_layout
+from trainwise.cost.memory import OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES, get_recipe
+from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.memory import cpu_available_bytes
 from trainwise.hardware.table import get_accelerator
 from trainwise.planner.explain import does_not_fit, plan_table
-from trainwise.planner.fit import fit, global_batch_sequences
-from trainwise.planner.layouts import fit_layouts
-from trainwise.planner.plan import plan_run
+from trainwise.planner.fit import fit_layout, fit_run, global_batch_sequences
+from trainwise.planner.layouts import fit_run_layouts
+from trainwise.planner.plan import check_numbers, plan_run
 from trainwise.planner.spec import load_model
 from trainwise.scale.fitting import plan_prediction
 from trainwise.units import fmt_bytes
@@ -84,38 +87,22 @@ def register(sub, help_text: str) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    model, train = (load_model(args.model) if args.model else (None, {}))
-    run_tokens = train.pop("tokens", None)  # a trainwise TOML knows its run length
-    if args.tokens is None and run_tokens and not args.simulate:
-        args.tokens = run_tokens
+    model, toml_run = (load_model(args.model) if args.model else (None, None))
+    if args.tokens is None and toml_run and toml_run.tokens and not args.simulate:
+        args.tokens = toml_run.tokens  # a trainwise TOML knows its run length
     if model is None and args.params is None:
         raise TrainwiseError("give --model PRESET|FILE or --params N.")
     if args.tokens is None and args.simulate:
         args.tokens = 1.0  # --simulate is about one step; time figures then cover one token
         if not args.gpu and not args.peak_flops:
             args.peak_flops = 1e12  # no time figures are shown; any peak will do
-    run = dict(seq_len=2048 if model is None else min(2048, model.max_seq_len), micro_batch=1, grad_accum=1,
-               precision="bf16", optimizer="adamw", checkpointing="none")
-    run.update(train)
-    for key in run:
-        if getattr(args, key, None) is not None:
-            run[key] = getattr(args, key)
-    budget = args.memory_budget
-    hw = dict(gpu=args.gpu, peak_flops=args.peak_flops, tp=args.tp, pp=args.pp, gpus=args.gpus, mfu=args.mfu,
-              causal_halving=args.causal_halving)
-    layout = dict(vpp=args.vpp, cp=args.cp, ep=args.ep, sequence_parallel=args.sequence_parallel,
-                  attention_impl=args.attention_impl, dp_overlap=not args.no_dp_overlap, tp_overlap=args.tp_overlap,
-                  gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw)
     if args.fit:
-        return _cmd_fit(args, model, run, budget, hw, layout)
-    if args.global_batch:
-        run["grad_accum"] = accumulation_for(args.global_batch, run["micro_batch"],
-                                             args.gpus // (args.tp * args.pp * args.cp), args.grad_accum)
-    plan = plan_run(model, params_count=args.params if model is None else None, tokens=args.tokens, zero=args.zero,
-                    bandwidth=args.bandwidth, memory=args.memory,
-                    memory_budget=budget, price=args.price, **run, **hw, **layout)
+        return _cmd_fit(args, model, toml_run)
+    run = run_from_args(args, model, toml_run)
+    plan = plan_run(run, mfu=args.mfu, price=args.price, memory_budget=args.memory_budget,
+                    causal_halving=args.causal_halving, params_count=args.params if model is None else None)
     if args.simulate:
-        return _cmd_simulate(args, model, run, plan)
+        return _cmd_simulate(args, run, plan)
     scaling = _scaling_prediction(args.model, model, args.tokens) if args.tokens else None
     if args.json:
         print(json.dumps({**plan.to_json(), **({"predicted_loss": scaling} if scaling else {})}, indent=2))
@@ -135,6 +122,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if scaling["repetition_note"]:
             print(f"{'':<22} warning: {scaling['repetition_note']}")
     return 0
+
+
+def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout: Layout | None = None) -> Run:
+    """The run the flags describe: a trainwise TOML's [train] run (load_model), or the defaults (seq_len
+    2048 or the model's shorter context, one sequence per step, the bf16 recipe, AdamW, no checkpointing),
+    under the flags given; the layout of --gpus split by --tp, --pp, --vpp, --cp, --ep with --zero (or
+    `layout`, --fit's); --global-batch sets the accumulation steps (not under --fit, which searches them)."""
+    base = toml_run or Run(model, seq_len=2048 if model is None else min(2048, model.max_seq_len),
+                           recipe=get_recipe("bf16"))
+    given = {key: getattr(args, key) for key in ("seq_len", "micro_batch", "grad_accum", "optimizer", "checkpointing")
+             if getattr(args, key) is not None}
+    run = replace(base, model=model, tokens=args.tokens, **given)
+    if args.global_batch and not args.fit:
+        run = replace(run, grad_accum=accumulation_for(args.global_batch, run.micro_batch,
+                                                       args.gpus // (args.tp * args.pp * args.cp), args.grad_accum))
+    check_numbers(("--tokens", run.tokens), ("--seq-len", run.seq_len), ("--micro-batch", run.micro_batch),
+                  ("--grad-accum", run.grad_accum), ("--tp", args.tp), ("--pp", args.pp), ("--gpus", args.gpus))
+    if layout is None:
+        layout = make_layout(args.gpus, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
+                             sequence_parallel=args.sequence_parallel, zero=args.zero, micro_batches=run.grad_accum,
+                             dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
+                             tp_overlap=args.tp_overlap)
+    machine = Machine(gpu=args.gpu, peak_flops=args.peak_flops, bandwidth=args.bandwidth, memory=args.memory,
+                      gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
+                      inter_node_bw=args.inter_node_bw)
+    recipe = get_recipe(args.precision) if args.precision is not None else run.recipe
+    return replace(run, recipe=recipe, layout=layout, machine=None if machine == Machine() else machine)
 
 
 def accumulation_for(global_batch: int, micro_batch: int, dp: int, grad_accum: int | None) -> int:
@@ -161,22 +175,23 @@ def _scaling_prediction(spec: str | None, model, tokens: float) -> dict | None:
     return plan_prediction(model, tokens, load_config(spec).data if spec.endswith(".toml") else None)
 
 
-def _cmd_fit(args, model, run, budget, hw, layout) -> int:
+def _cmd_fit(args, model, toml_run) -> int:
     if model is None:
         raise TrainwiseError("--fit needs a model config (--model), not only --params.")
+    budget = args.memory_budget
     if budget is None:
         if not args.gpu:
             raise TrainwiseError("--fit needs --memory-budget or a --gpu whose capacity is known.")
         budget = _gpu_capacity(args.gpu)
-    seq = run["seq_len"]
     if not args.global_batch and not args.global_batch_tokens:
         raise TrainwiseError("--fit needs a target: --global-batch SEQUENCES or --global-batch-tokens TOKENS.")
     if args.gpu and args.gpu.lower() not in ("cpu", "cuda") and args.peak_flops is None and args.mfu is None:
-        return _cmd_fit_layouts(args, model, run, budget, layout)
-    dp = hw["gpus"] // (hw["tp"] * hw["pp"]) or 1
-    gb, note = global_batch_sequences(seq, dp, sequences=args.global_batch, tokens=args.global_batch_tokens)
-    good, bad = fit(model, global_batch=gb, memory_budget=budget, seq_len=seq, precision=run["precision"],
-                    optimizer=run["optimizer"], **hw)
+        layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl)
+        return _cmd_fit_layouts(args, run_from_args(args, model, toml_run, layout), budget)
+    run = run_from_args(args, model, toml_run, fit_layout(args.gpus, args.tp, args.pp))
+    seq = run.seq_len
+    gb, note = global_batch_sequences(seq, run.layout.dp, sequences=args.global_batch, tokens=args.global_batch_tokens)
+    good, bad = fit_run(run, global_batch=gb, memory_budget=budget, mfu=args.mfu, causal_halving=args.causal_halving)
     if args.json:
         print(json.dumps({"global_batch": {"sequences": gb, "tokens": gb * seq, "seq_len": seq, "note": note},
                           "best": [c.__dict__ for c in good[:3]], "rejected": [c.__dict__ for c in bad]}, indent=2))
@@ -221,15 +236,11 @@ def _short_of(bad: list, budget: int) -> str:
             f"{budget / 2**30:.2f} GiB")
 
 
-def _cmd_fit_layouts(args, model, run, budget, layout) -> int:
+def _cmd_fit_layouts(args, run: Run, budget: int) -> int:
     """--fit on a table GPU: every layout of --gpus priced by the cluster model; the five fastest that fit."""
-    seq = run["seq_len"]
+    seq, model = run.seq_len, run.model
     gb, note = global_batch_sequences(seq, 1, sequences=args.global_batch, tokens=args.global_batch_tokens)
-    good, bad = fit_layouts(model, gpus=args.gpus, gpu=args.gpu, global_batch=gb, seq_len=seq, memory_budget=budget,
-                            precision=run["precision"], optimizer=run["optimizer"],
-                            attention_impl=layout["attention_impl"], gpus_per_node=layout["gpus_per_node"],
-                            intra_node_bw=layout["intra_node_bw"], inter_node_bw=layout["inter_node_bw"],
-                            dp_overlap=layout["dp_overlap"], tokens=args.tokens or gb * seq)
+    good, bad = fit_run_layouts(replace(run, tokens=args.tokens or gb * seq), global_batch=gb, memory_budget=budget)
     if args.json:
         print(json.dumps({"global_batch": {"sequences": gb, "tokens": gb * seq, "seq_len": seq, "note": note},
                           "best": [c.to_json() for c in good[:5]], "fitting": len(good),
@@ -281,23 +292,24 @@ def _gpu_capacity(name: str) -> int:
     return acc.memory_bytes
 
 
-def _cmd_simulate(args, model, run, plan) -> int:
+def _cmd_simulate(args, run: Run, plan) -> int:
     """Planner vs one fake-tensor training step of the trainer's recipe (fp32, or bf16 autocast = amp)."""
+    model = run.model
     if model is None:
         raise TrainwiseError("--simulate needs a model config (--model), not only --params.")
-    precision = "fp32" if run["precision"] == "fp32" else "bf16"
-    if run["precision"] not in ("fp32", "amp"):
-        run = {**run, "precision": "amp"}  # what trainwise's trainer runs for bf16: autocast over fp32
-        plan = plan_run(model, tokens=args.tokens or 1, zero=args.zero, **run, gpu=args.gpu,
-                        peak_flops=args.peak_flops or (None if args.gpu else 1e12), mfu=args.mfu)
-    mem = simulate_step(model, run["micro_batch"], run["seq_len"], precision, run["checkpointing"],
-                        "adamw" if run["optimizer"] == "adamw" else "sgd", run["grad_accum"])
+    asked = args.precision or run.recipe.name  # as given: a TOML's is fp32 or amp
+    precision = "fp32" if asked == "fp32" else "bf16"
+    if asked not in ("fp32", "amp"):  # what trainwise's trainer runs for bf16: autocast over fp32, on one device
+        run = replace(run, recipe=get_recipe("amp"), tokens=args.tokens or 1,
+                      layout=make_layout(1, zero=args.zero, micro_batches=run.grad_accum),
+                      machine=Machine(gpu=args.gpu, peak_flops=args.peak_flops or (None if args.gpu else 1e12)))
+        plan = plan_run(run, mfu=args.mfu)
+    mem = simulate_step(model, run.micro_batch, run.seq_len, precision, run.checkpointing,
+                        "adamw" if run.optimizer == "adamw" else "sgd", run.grad_accum)
     if args.json:
         print(json.dumps({"plan": plan.to_json(), "simulated": mem.to_json()}, indent=2, default=str))
         return 0
-    print(f"{model.name}: B={run['micro_batch']} T={run['seq_len']} K={run['grad_accum']}, recipe {plan.recipe.name}, "
-          f"{run['checkpointing']} checkpointing; one step simulated on fake tensors (nothing allocated)")
+    print(f"{model.name}: B={run.micro_batch} T={run.seq_len} K={run.grad_accum}, recipe {plan.recipe.name}, "
+          f"{run.checkpointing} checkpointing; one step simulated on fake tensors (nothing allocated)")
     print(simulate_report(plan, mem))
     return 0
-
-

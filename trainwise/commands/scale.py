@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from trainwise import rundir
 from trainwise.commands.args import number
 from trainwise.config import DataConfig, RunConfig, load_config
+from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 from trainwise.files import write_atomic
 from trainwise.planner.explain import plan_table
-from trainwise.planner.plan import plan_run, train_settings
+from trainwise.planner.plan import plan_run
 from trainwise.presets import get_preset
 from trainwise.scale.fitting import (
     fit_runs,
@@ -236,8 +238,8 @@ def cmd_optimal(args: argparse.Namespace) -> int:
     base, _ = _base(args)
     out = optimal(_record(args, base.model.vocab_size, base.data), args.flops, base)
     cfg = out.pop("config")
-    plan = plan_run(cfg.model, tokens=out["tokens"], gpu=None if args.peak_flops else args.gpu,
-                    peak_flops=args.peak_flops, mfu=args.mfu or DEFAULT_MFU, **train_settings(cfg.train, "bf16"))
+    machine = Machine(gpu=None if args.peak_flops else args.gpu, peak_flops=args.peak_flops)
+    plan = plan_run(replace(Run.of(cfg, "bf16"), tokens=out["tokens"], machine=machine), mfu=args.mfu or DEFAULT_MFU)
     out["plan"] = plan.to_json()
     if args.json:
         print(json.dumps(out, indent=1))

@@ -53,10 +53,11 @@ class Run:
            machine: Machine | None = None) -> Run:
         """The run a trainwise config describes, as the trainer executes it: `precision` is the one the
         trainer resolved: fp32, or bf16 / fp16 autocast over fp32 weights (the "amp" recipe). SGD with
-        momentum keeps one moment per parameter."""
+        momentum keeps one moment per parameter. Without `layout`: one device, K micro-batches per step."""
         t = cfg.train
         optimizer = "sgd-momentum" if t.optimizer == "sgd" and t.momentum != 0 else t.optimizer
         return cls(cfg.model, micro_batch=t.micro_batch, seq_len=t.seq_len, grad_accum=t.grad_accum_steps,
                    recipe=M.get_recipe("fp32" if precision == "fp32" else "amp"), optimizer=optimizer,
-                   checkpointing=t.activation_checkpointing, compiled=compiled, layout=layout or Layout(),
+                   checkpointing=t.activation_checkpointing, compiled=compiled,
+                   layout=layout or Layout(micro_batches=t.grad_accum_steps),
                    tokens=t.max_steps * t.tokens_per_step * (layout.dp if layout else 1), machine=machine)

@@ -7,14 +7,16 @@ import torch
 from trainwise.config import ModelConfig, TrainConfig
 from trainwise.cost import flops as F
 from trainwise.cost import memory as M
+from trainwise.cost.layout import make_layout
 from trainwise.cost.params import mlp_params, params
+from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU, SECONDS_PER_DAY
 from trainwise.errors import TrainwiseError
 from trainwise.explain.render import Doc, num
 from trainwise.explain.topic import Arg, Topic
 from trainwise.hardware.table import get_accelerator
 from trainwise.measure.flopcount import flop_counter
-from trainwise.planner.layouts import fit_layouts
+from trainwise.planner.layouts import fit_run_layouts
 from trainwise.planner.plan import plan_run
 from trainwise.presets import get_preset
 from trainwise.runtime.step import build_model, build_step, random_batches
@@ -314,8 +316,9 @@ def budget(params_count: float = 1e9, tokens: float = 1e10, precision: str = "fp
            peak_flops: float = 100e12, mfu: float = DEFAULT_MFU, gpus: int = 1, gpu: str = LAYOUT_GPU,
            lang: str = "en") -> Doc:
     t = BUDGET[lang]
-    p = plan_run(params_count=params_count, tokens=tokens, precision=precision, optimizer=optimizer,
-                 peak_flops=peak_flops, mfu=mfu, gpus=gpus)
+    run = Run(None, recipe=M.get_recipe(precision), optimizer=optimizer, layout=make_layout(gpus), tokens=tokens,
+              machine=Machine(peak_flops=peak_flops))
+    p = plan_run(run, mfu=mfu, params_count=params_count)
     r, s, N = p.recipe, p.states, p.counts.total
     k = M.optimizer_moments(optimizer)
     d = Doc(t["title"], lang)
@@ -367,8 +370,10 @@ def concrete_layout(params_count: float, tokens: float, gpus: int, gpu: str):
     if not hw.memory_bytes:
         raise TrainwiseError(f"explain budget --gpu '{gpu}': not a GPU of the hardware table; "
                              "see `trainwise hardware`.")
-    good, _ = fit_layouts(cfg, gpus=gpus, gpu=gpu, global_batch=max(gpus, LAYOUT_BATCH_TOKENS // LAYOUT_SEQ),
-                          seq_len=LAYOUT_SEQ, memory_budget=hw.memory_bytes, tokens=tokens)
+    run = Run(cfg, seq_len=LAYOUT_SEQ, recipe=M.get_recipe("bf16"), layout=make_layout(gpus), tokens=tokens,
+              machine=Machine(gpu=gpu))
+    good, _ = fit_run_layouts(run, global_batch=max(gpus, LAYOUT_BATCH_TOKENS // LAYOUT_SEQ),
+                              memory_budget=hw.memory_bytes)
     return cfg, (good[0] if good else None)
 
 

@@ -4,13 +4,14 @@ budget for a global batch, ranked by predicted step time.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
 from trainwise.cost import flops as F
 from trainwise.cost import memory as M
+from trainwise.cost.layout import Layout, make_layout
 from trainwise.cost.params import params
+from trainwise.cost.run import Machine, Run
 from trainwise.cost.steptime import scale_batch
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
@@ -57,7 +58,27 @@ def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: i
         optimizer: str = "adamw", tp: int = 1, pp: int = 1, gpus: int = 1, gpu: str | None = None,
         peak_flops: float | None = None, mfu: float | None = None, causal_halving: bool = False,
         max_micro_batch: int = 1024) -> tuple[list[Candidate], list[Candidate]]:
-    """Search micro_batch x checkpointing x ZeRO stage for a global batch of `global_batch` sequences.
+    """fit_run for a model given by keywords (trainer.memcheck's call): the run of `seq_len` tokens in
+    `precision` on `gpus` devices split tp x pp, on `gpu` or a device of `peak_flops`."""
+    machine = Machine(gpu=gpu, peak_flops=peak_flops) if gpu is not None or peak_flops is not None else None
+    run = Run(model, seq_len=seq_len, recipe=M.get_recipe(precision), optimizer=optimizer,
+              layout=fit_layout(gpus, tp, pp), machine=machine)
+    return fit_run(run, global_batch=global_batch, memory_budget=memory_budget, mfu=mfu,
+                   causal_halving=causal_halving, max_micro_batch=max_micro_batch)
+
+
+def fit_layout(gpus: int, tp: int = 1, pp: int = 1) -> Layout:
+    """The layout --fit searches over: `gpus` devices split tp x pp, the rest data parallel."""
+    if gpus % (tp * pp):
+        raise TrainwiseError(f"--gpus {gpus} must be a multiple of --tp x --pp = {tp * pp}.")
+    return make_layout(gpus, tp=tp, pp=pp)
+
+
+def fit_run(run: Run, *, global_batch: int, memory_budget: int, mfu: float | None = None,
+            causal_halving: bool = False, max_micro_batch: int = 1024) -> tuple[list[Candidate], list[Candidate]]:
+    """Search micro_batch x checkpointing x ZeRO stage for a global batch of `global_batch` sequences of
+    `run` (its model, seq_len, recipe, optimizer, machine and tp x pp layout; its batch, checkpointing and
+    ZeRO stage are what is searched).
 
     Each candidate is the plan of one step (plan_run), so it fits exactly when `trainwise plan` with those
     settings says it fits: one memory model. grad_accum = global_batch / (micro_batch x dp) must be a
@@ -68,43 +89,43 @@ def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: i
     go to the lower ZeRO stage (less communication), then to fewer accumulation steps.
     Returns (fitting candidates best first, rejected candidates with the reason)."""
     positive("global batch", global_batch)
-    dp = gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0
-    if dp == 0:
-        raise TrainwiseError(f"--gpus {gpus} must be a multiple of --tp x --pp = {tp * pp}.")
+    model, seq_len, recipe, optimizer, lay = run.model, run.seq_len, run.recipe, run.optimizer, run.layout
+    dp = lay.dp
     if global_batch % dp:
         raise TrainwiseError(f"global batch {global_batch} sequences does not split over {dp} data-parallel ranks.")
     per_rank = global_batch // dp
     micro_batches = [b for b in range(1, min(per_rank, max_micro_batch) + 1) if per_rank % b == 0]
-    recipe, counts = M.get_recipe(precision), params(model)
-    hw = None
-    if gpu is not None or peak_flops is not None:  # resolved once (--gpu cpu reads the calibration)
-        hw = resolve_hardware(gpu, peak_flops, None, None, recipe.compute_dtype)
-        peak_flops = hw.peak_flops
+    counts = params(model)
+    hw, machine = None, None
+    if run.machine is not None and (run.machine.gpu is not None or run.machine.peak_flops is not None):
+        # resolved once (--gpu cpu reads the calibration); each candidate runs at its peak
+        hw = resolve_hardware(run.machine.gpu, run.machine.peak_flops, None, None, recipe.compute_dtype)
+        machine = Machine(peak_flops=hw.peak_flops)
     good, bad = [], []
-    modelled = mfu is None and hw is not None and hw.profile is not None and tp == pp == 1
+    modelled = mfu is None and hw is not None and hw.profile is not None and lay.tp == lay.pp == 1
     mfu = DEFAULT_MFU if mfu is None else mfu
     for zero in (0, 1, 2, 3):
         if zero and dp == 1:
             continue  # nothing to shard over
         for ckpt in F.RECOMPUTE:
             for b in micro_batches:
-                p = plan_run(model, tokens=global_batch * seq_len, seq_len=seq_len, micro_batch=b,
-                             grad_accum=per_rank // b, precision=precision, optimizer=optimizer, checkpointing=ckpt,
-                             zero=zero, tp=tp, pp=pp, gpus=gpus, peak_flops=peak_flops, mfu=mfu,
-                             causal_halving=causal_halving, memory_budget=memory_budget)
+                k = per_rank // b
+                p = plan_run(replace(run, micro_batch=b, grad_accum=k, checkpointing=ckpt,
+                                     layout=replace(lay, zero=zero, micro_batches=k),
+                                     tokens=global_batch * seq_len, machine=machine),
+                             mfu=mfu, causal_halving=causal_halving, memory_budget=memory_budget)
                 total, ok = p.per_device_bytes, bool(p.fits)
                 reason = "" if ok else (f"needs {total / 2**30:.1f} GiB > budget {memory_budget / 2**30:.1f} GiB"
                                         + (" (the model states alone exceed it)" if p.states.total > memory_budget
                                            else ""))
                 step_s = None if p.time is None else p.time.seconds
                 if ok and modelled:
-                    step_s = _modelled_step(model, hw, recipe, optimizer, ckpt, zero, dp, b, per_rank // b, seq_len,
-                                            counts.total)
-                (good if ok else bad).append(Candidate(b, per_rank // b, ckpt, zero, total, step_s, ok, reason,
+                    step_s = _modelled_step(model, hw, recipe, optimizer, ckpt, zero, dp, b, k, seq_len, counts.total)
+                (good if ok else bad).append(Candidate(b, k, ckpt, zero, total, step_s, ok, reason,
                                                        p.total_flops, step_s and global_batch * seq_len / step_s))
     good.sort(key=lambda c: (c.step_seconds if c.step_seconds is not None else c.step_flops, c.zero, c.grad_accum))
     for c in good[3:]:
-        bad.append(dataclasses.replace(c, reason=_why_worse(c, good[0])))
+        bad.append(replace(c, reason=_why_worse(c, good[0])))
     return good, bad
 
 

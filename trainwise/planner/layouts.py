@@ -5,9 +5,12 @@ predicts (trainwise.cost.cluster), each with the reason it was kept or set aside
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
+from trainwise.cost.layout import make_layout
+from trainwise.cost.memory import get_recipe
+from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 from trainwise.planner.plan import Plan, plan_run
@@ -68,21 +71,37 @@ def fit_layouts(model: ModelConfig, *, gpus: int, gpu: str, global_batch: int, s
                 gpus_per_node: int | None = None, intra_node_bw: float | None = None,
                 inter_node_bw: float | None = None, dp_overlap: bool = True,
                 tokens: float = 1.0) -> tuple[list[LayoutCandidate], list[LayoutCandidate]]:
-    """Every candidate layout planned (plan_run: the one memory model and the cluster model) and
-    (fitting ones fastest first, the others with their reason)."""
-    base = plan_run(model, tokens=tokens, seq_len=seq_len, gpus=gpus, gpu=gpu, precision=precision, optimizer=optimizer,
-                    mfu=DEFAULT_MFU, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
-                    inter_node_bw=inter_node_bw)
+    """fit_run_layouts for a model given by keywords: `gpus` x `gpu` (its node overridden where given)."""
+    run = Run(model, seq_len=seq_len, recipe=get_recipe(precision), optimizer=optimizer, tokens=tokens,
+              layout=make_layout(gpus, attention_impl=attention_impl, dp_overlap=dp_overlap),
+              machine=Machine(gpu=gpu, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
+                              inter_node_bw=inter_node_bw))
+    return fit_run_layouts(run, global_batch=global_batch, memory_budget=memory_budget)
+
+
+def fit_run_layouts(run: Run, *, global_batch: int,
+                    memory_budget: int) -> tuple[list[LayoutCandidate], list[LayoutCandidate]]:
+    """Every candidate layout of `run`'s GPUs (run.layout.gpus on run.machine; its attention and
+    gradient-overlap settings kept) planned (plan_run: the one memory model and the cluster model), each
+    with its micro-batch, accumulation and checkpointing: (fitting ones fastest first, the others with
+    their reason)."""
+    model, seq_len, lay = run.model, run.seq_len, run.layout
+    gpus = lay.gpus
+    base = plan_run(replace(run, micro_batch=1, grad_accum=1, checkpointing="none", layout=make_layout(gpus)),
+                    mfu=DEFAULT_MFU)
     node = base.hardware.node
     if node is None and gpus > 1:
-        raise TrainwiseError(f"--fit over layouts needs the GPUs' node: give --gpus-per-node with --gpu {gpu}.")
+        raise TrainwiseError(f"--fit over layouts needs the GPUs' node: give --gpus-per-node with --gpu "
+                             f"{run.machine.gpu}.")
     good, bad = [], []
     for c in candidate_layouts(model, gpus, node.gpus if node else 1, global_batch, seq_len):
-        kw = dict(tokens=tokens, seq_len=seq_len, gpus=gpus, gpu=gpu, precision=precision, optimizer=optimizer,
-                  memory_budget=memory_budget, attention_impl=attention_impl, gpus_per_node=gpus_per_node,
-                  intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, dp_overlap=dp_overlap, **c)
         try:
-            plan = plan_run(model, mfu=DEFAULT_MFU, **kw)  # memory first: an assumed MFU prices nothing
+            layout = make_layout(gpus, tp=c["tp"], pp=c["pp"], vpp=c["vpp"], cp=c["cp"], ep=c["ep"], zero=c["zero"],
+                                 micro_batches=c["grad_accum"], dp_overlap=lay.dp_overlap,
+                                 attention_impl=lay.attention_impl)
+            cand = replace(run, micro_batch=c["micro_batch"], grad_accum=c["grad_accum"],
+                           checkpointing=c["checkpointing"], layout=layout)
+            plan = plan_run(cand, mfu=DEFAULT_MFU, memory_budget=memory_budget)  # memory first: an MFU prices nothing
         except TrainwiseError as err:
             bad.append(LayoutCandidate(_layout_json(c, gpus), c["micro_batch"], c["checkpointing"], 0, False,
                                        reason=str(err).split(";")[0]))
@@ -91,7 +110,7 @@ def fit_layouts(model: ModelConfig, *, gpus: int, gpu: str, global_batch: int, s
             bad.append(_candidate(plan, c, reason=f"{plan.per_device_bytes / 2**30:.1f} GiB per GPU > "
                                                   f"{memory_budget / 2**30:.1f} GiB"))
             continue
-        good.append(_candidate(plan_run(model, **kw), c))
+        good.append(_candidate(plan_run(cand, memory_budget=memory_budget), c))
     good.sort(key=lambda c: (c.step_seconds, c.layout["zero"], c.layout["pp"]))
     return good, bad
 

@@ -8,14 +8,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainwise.config import ZERO_STAGE, ModelConfig, RunConfig, TrainConfig
+from trainwise.config import ZERO_STAGE, ModelConfig, RunConfig
 from trainwise.cost import flops as F
 from trainwise.cost import memory as M
 from trainwise.cost.cluster import ClusterStep
 from trainwise.cost.layout import Layout, RankMemory, check_layout, make_layout, rank_memory
 from trainwise.cost.params import ParamCount, params
 from trainwise.cost.rank_memory import RankPeak, highest_peak
-from trainwise.cost.run import Run
+from trainwise.cost.run import Machine, Run
 from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time, model_flops_utilization
 from trainwise.errors import TrainwiseError
@@ -63,6 +63,7 @@ class Plan:
     rank: RankMemory | None = None  # the first pipeline rank's memory, under a model-parallel layout
     # under a layout trainwise trains: the rank whose step peaks highest, and its peak (what verify holds it to)
     peak_rank: tuple[int, RankPeak] | None = None
+    run: Run | None = None  # the run planned (cost.run.Run)
 
     @property
     def tokens_per_step(self) -> int:
@@ -197,14 +198,13 @@ def positive(name: str, value: float | None) -> None:
         raise TrainwiseError(f"{name} = {value} must be positive.")
 
 
-def train_settings(train: TrainConfig, precision: str | None = None) -> dict:
-    """The planner's view of a trainer's [train] section. The trainer's bf16/fp16 are autocast over fp32
-    weights, which is the planner's "amp" recipe; SGD with momentum keeps one moment per parameter."""
-    precision = precision or train.precision
-    optimizer = train.optimizer if train.optimizer != "sgd" or train.momentum == 0 else "sgd-momentum"
-    return dict(seq_len=train.seq_len, micro_batch=train.micro_batch, grad_accum=train.grad_accum_steps,
-                precision="fp32" if precision == "fp32" else "amp", optimizer=optimizer,
-                checkpointing=train.activation_checkpointing)
+def check_numbers(*named: tuple[str, float | None], mfu: float | None = None) -> None:
+    """The numbers a user gives, each named by the flag that sets it: positive, and --mfu a fraction."""
+    for name, value in named:
+        positive(name, value)
+    if mfu is not None and not 0 < mfu < 1:
+        raise TrainwiseError(f"--mfu {mfu} must be a fraction of the peak between 0 and 1 (no step runs every FLOP "
+                             "at peak), e.g. 0.4.")
 
 
 def plan_for_run(cfg: RunConfig, precision: str, peak_flops: float, device: str | None = None,
@@ -216,56 +216,43 @@ def plan_for_run(cfg: RunConfig, precision: str, peak_flops: float, device: str 
     t = cfg.train
     if compiled is None:
         compiled, _ = resolve_compile(t.compile, cfg.model, t.max_steps, cfg.parallel.strategy)
-    if device in ("cpu", "cuda"):
+    if device in ("cpu", "cuda"):  # tokens: every rank's (Run.of counts the data-parallel ranks)
         zero = ZERO_STAGE[cfg.parallel.strategy] if world_size > 1 else 0
-        return plan_run(cfg.model, tokens=t.max_steps * t.tokens_per_step * world_size, gpu=device, gpus=world_size,
-                        zero=zero, compiled=compiled, **train_settings(t, precision))
-    tokens = t.max_steps * t.tokens_per_step
-    return plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, mfu=DEFAULT_MFU, compiled=compiled,
-                    **train_settings(t, precision))
+        layout = make_layout(world_size, zero=zero, micro_batches=t.grad_accum_steps)
+        return plan_run(Run.of(cfg, precision, layout, compiled, Machine(gpu=device)))
+    return plan_run(Run.of(cfg, precision, compiled=compiled, machine=Machine(peak_flops=peak_flops)), mfu=DEFAULT_MFU)
 
 
-def plan_run(model: ModelConfig | None = None, *, params_count: float | None = None, tokens: float | None = None,
-             seq_len: int = 2048, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16",
-             optimizer: str = "adamw", checkpointing: str = "none", zero: int = 0, tp: int = 1, pp: int = 1,
-             gpus: int = 1, gpu: str | None = None, peak_flops: float | None = None,
-             bandwidth: float | None = None, memory: int | None = None, mfu: float | None = None,
-             causal_halving: bool = False, memory_budget: int | None = None, price: float | None = None,
-             compiled: bool = False, vpp: int = 1, cp: int = 1, ep: int = 1, sequence_parallel: bool | None = None,
-             dp_overlap: bool = True, tp_overlap: bool = False, attention_impl: str = "flash",
-             gpus_per_node: int | None = None, intra_node_bw: float | None = None,
-             inter_node_bw: float | None = None, layout: Layout | None = None) -> Plan:
-    """Everything the planner knows about one run. Pass a ModelConfig, or only `params_count` (6ND rule).
+def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, memory_budget: int | None = None,
+             causal_halving: bool = False, params_count: float | None = None) -> Plan:
+    """Everything the planner knows about one run (cost.run.Run: the model, the batch, the recipe, the
+    layout, the tokens and the machine). A run without a model needs `params_count` (6ND rule).
     Time: with a model and no `mfu`: on a table GPU (or this machine's, uncalibrated) the cluster model
     for any layout (cost.cluster: operators at published kernel rates, collectives at published NCCL
     bandwidths, the pipeline's bubble); on a calibrated device (--gpu cpu) the step-time model
     (cost.steptime); else total FLOPs / (G x peak x MFU), MFU = `mfu` or DEFAULT_MFU (a what-if).
-    Layout: tp, pp (vpp virtual stages), cp, ep, sequence parallelism (default on with tp > 1), ZeRO
-    `zero` over the data-parallel ranks (cost.layout). Without `tokens` everything is per step: no total
-    FLOPs, time or cost. `layout` (a run's, as the trainer builds it) replaces the layout keywords."""
-    for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--micro-batch", micro_batch),
-                        ("--grad-accum", grad_accum), ("--tp", tp), ("--pp", pp), ("--gpus", gpus),
-                        ("--params", params_count), ("--price", price)):
-        positive(name, value)
-    if mfu is not None and not 0 < mfu < 1:
-        raise TrainwiseError(f"--mfu {mfu} must be a fraction of the peak between 0 and 1 (no step runs every FLOP "
-                             "at peak), e.g. 0.4.")
-    if layout is None:
-        layout = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sequence_parallel,
-                             zero=zero, micro_batches=grad_accum, dp_overlap=dp_overlap, attention_impl=attention_impl)
+    Without `run.tokens` everything is per step: no total FLOPs, time or cost; without `run.machine`
+    (a --gpu or a --peak-flops) no time. `memory_budget`: the bytes per device `fits` holds the plan to
+    (default: the device's memory); `price`: $ per device-hour."""
+    model, layout, machine = run.model, run.layout, run.machine or Machine()
+    micro_batch, seq_len, grad_accum, tokens = run.micro_batch, run.seq_len, run.grad_accum, run.tokens
+    recipe, optimizer, checkpointing, compiled = run.recipe, run.optimizer, run.checkpointing, run.compiled
     gpus, tp, pp, zero = layout.gpus, layout.tp, layout.pp, layout.zero
+    check_numbers(("--tokens", tokens), ("--seq-len", seq_len), ("--micro-batch", micro_batch),
+                  ("--grad-accum", grad_accum), ("--tp", tp), ("--pp", pp), ("--gpus", gpus),
+                  ("--params", params_count), ("--price", price), mfu=mfu)
     if model is None and params_count is None:
         raise TrainwiseError("give a model (--model PRESET|FILE) or a parameter count (--params N).")
     if checkpointing not in F.RECOMPUTE:
         raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective or full.")
-    recipe = M.get_recipe(precision)
-    has_hw = gpu is not None or peak_flops is not None
+    gpu = machine.gpu
+    has_hw = gpu is not None or machine.peak_flops is not None
     threads = max(1, (os.cpu_count() or 1) // gpus) if gpu and gpu.lower() == "cpu" and gpus > 1 else None
-    hw = resolve_hardware(gpu, peak_flops, bandwidth, memory, recipe.compute_dtype, threads,
-                          gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw,
-                          gpus=gpus) if has_hw else None
-    if hw is None and memory:
-        memory_budget = memory_budget or int(memory)  # --memory without a device: still the capacity to fit
+    hw = resolve_hardware(gpu, machine.peak_flops, machine.bandwidth, machine.memory, recipe.compute_dtype, threads,
+                          gpus_per_node=machine.gpus_per_node, intra_node_bw=machine.intra_node_bw,
+                          inter_node_bw=machine.inter_node_bw, gpus=gpus) if has_hw else None
+    if hw is None and machine.memory:
+        memory_budget = memory_budget or int(machine.memory)  # --memory without a device: still the capacity to fit
     dp = layout.dp
     model_parallel = layout.tp * layout.pp * layout.cp * layout.ep > 1
     notes = []
@@ -281,8 +268,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
         acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled)
         rank = (rank_memory(model, layout, recipe, optimizer, micro_batch, seq_len, checkpointing)
                 if model_parallel else None)
-        peak_rank = highest_peak(Run(model, micro_batch, seq_len, grad_accum, recipe, optimizer, checkpointing,
-                                     compiled, layout))
+        peak_rank = highest_peak(run)
         name = model.name
     else:
         n = int(params_count)
@@ -302,7 +288,7 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
     elif mfu is None and model is not None and hw.accelerator is not None and hw.profile is None:
         cluster = predict_cluster_step(model, layout, hw.accelerator, hw.node, micro_batch=micro_batch,
                                        seq_len=seq_len, recipe=recipe, checkpointing=checkpointing,
-                                       optimizer=optimizer, tp_overlap=tp_overlap)
+                                       optimizer=optimizer, tp_overlap=layout.tp_overlap)
         source = "published microbenchmarks"
         tokens_per_s = seq_len * micro_batch * grad_accum * dp / cluster.seconds
         mfu = model_flops_utilization(model_fpt * tokens_per_s, hw.peak_flops, gpus)
@@ -329,6 +315,6 @@ def plan_run(model: ModelConfig | None = None, *, params_count: float | None = N
                 causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
                 convention=convention, states=states, activations_bytes=acts, memory_budget=memory_budget,
                 time=t, price=price, notes=notes, compiled=compiled, step=step, time_source=source, layout=layout,
-                cluster=cluster, rank=rank, peak_rank=peak_rank)
+                cluster=cluster, rank=rank, peak_rank=peak_rank, run=run)
 
 

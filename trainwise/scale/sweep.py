@@ -41,20 +41,21 @@ import json
 import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from trainwise.config import RunConfig, apply_overrides
 from trainwise.cost.flops import flops_per_token_train
+from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import model_flops_utilization
 from trainwise.data.corpus import prepare_tokenizer
 from trainwise.data.sources import STDLIB_CORPUS
 from trainwise.errors import TrainwiseError
 from trainwise.files import write_json_atomic
 from trainwise.planner.hardware import device_hardware
-from trainwise.planner.plan import plan_run, train_settings
+from trainwise.planner.plan import plan_run
 from trainwise.runtime.precision import resolve_device, resolve_precision
 from trainwise.runtime.step import build_model, build_step, random_batches
 from trainwise.scale.points import REPEAT_EPOCHS, non_embedding_params, train_tokens
@@ -138,7 +139,7 @@ class SweepRun:
 def predict_seconds(cfg: RunConfig, tokens: float, peak_flops: float, mfu: float) -> float:
     """The planner's time for `tokens` training tokens, plus the evaluations (forward only: 1/3 of a
     training step's FLOPs per batch)."""
-    plan = plan_run(cfg.model, tokens=tokens, peak_flops=peak_flops, mfu=mfu, **train_settings(cfg.train, "bf16"))
+    plan = plan_run(replace(Run.of(cfg, "bf16"), tokens=tokens, machine=Machine(peak_flops=peak_flops)), mfu=mfu)
     eval_tokens = EVALS_PER_RUN * cfg.train.eval_steps * cfg.train.micro_batch * cfg.train.seq_len
     return plan.time.seconds * (1 + eval_tokens / 3 / max(tokens, 1))
 
