@@ -1,4 +1,4 @@
-"""The cluster model (cost.layout, cost.comm's collectives, cost.gpu, cost.cluster, planner.cluster) with
+"""The cluster model (cost.layout, cost.comm's collectives, cost.gpu, cost.cluster, planner.cluster_step) with
 numbers worked by hand: the pipeline's bubble and stages, each collective's time, where a group's ranks
 sit, per-rank memory under TP, SP, PP and CP, the plan's JSON, the layouts that cannot work, `plan --fit`
 over layouts, and a few published runs of the development set (benchmarks/cluster_model.py has all 18)."""
@@ -17,9 +17,10 @@ from trainwise.cost.gpu import attention_rate, matmul_seconds
 from trainwise.cost.layout import (bubble_fraction, chunk_layers, in_flight_factor, layer_bytes_per_token,
                                    make_layout, placement, rank_memory, rank_stages, stage_layers)
 from trainwise.cost.memory import get_recipe
+from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import ACCELERATORS, NODES
-from trainwise.planner.layouts import fit_layouts
+from trainwise.planner.layouts import fit_run_layouts
 from trainwise.planner.plan import plan_run
 
 A100, DGX = ACCELERATORS["a100-80gb"], NODES["dgx-a100"]
@@ -197,8 +198,9 @@ def test_expert_parallel_layouts_of_a_moe():
 
 def test_fit_over_layouts_lists_the_fastest_that_fit(capsys):
     cfg = gpt(16, 1024, 8)
-    good, bad = fit_layouts(cfg, gpus=16, gpu="a100-40gb", global_batch=32, seq_len=2048, memory_budget=8 * 2**30,
-                            precision="megatron", attention_impl="unfused")
+    run = Run(cfg, seq_len=2048, recipe=get_recipe("megatron"), tokens=1.0,
+              layout=make_layout(16, attention_impl="unfused"), machine=Machine(gpu="a100-40gb"))
+    good, bad = fit_run_layouts(run, global_batch=32, memory_budget=8 * 2**30)
     assert good and bad and all(c.fits for c in good)
     assert [c.step_seconds for c in good] == sorted(c.step_seconds for c in good)
     assert any("GiB per GPU" in c.reason for c in bad)

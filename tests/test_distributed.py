@@ -50,7 +50,7 @@ def test_collectives_are_calibrated_under_torchrun_and_used_by_the_plan():
 
     from trainwise.hardware.cache import cached_link
     from trainwise.measure.reference import STRATEGY_REFERENCES
-    from trainwise.planner.hardware import _use_measured_link
+    from trainwise.planner.machine import _use_measured_link
 
     proc = subprocess.run([*TORCHRUN, "-m", "trainwise", "hardware", "--calibrate"], env=rank_env(),
                           capture_output=True, text=True, timeout=300)

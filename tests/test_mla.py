@@ -179,7 +179,7 @@ RUN = ["model.d_model=32", "model.n_layers=3", "model.n_heads=4", "model.max_seq
 
 
 def test_a_small_v3_model_trains_resumes_bitwise_and_verifies(tmp_path, calibrated, monkeypatch):
-    from trainwise.trainer import report
+    from trainwise.trainer import accounting as report
     from trainwise.trainer.loop import train
 
     monkeypatch.setattr(report, "PROBE_MIN_RUN_S", 0.0)

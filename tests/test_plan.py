@@ -13,7 +13,7 @@ from trainwise.cost.memory import get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import training_seconds
 from trainwise.errors import TrainwiseError
-from trainwise.planner.fit import fit, fit_run
+from trainwise.planner.fit import fit_layout, fit_run
 from trainwise.planner.plan import plan_run
 from trainwise.presets import get_preset
 
@@ -102,14 +102,14 @@ def test_bad_parallel_layout():
 
 
 def test_fit_prefers_no_recompute_when_it_fits():
-    good, bad = fit(get_preset("llama-3-8b"), global_batch=64, memory_budget=80 * 2**30, seq_len=8192, gpu="h100",
-                    gpus=8)
+    run = Run(get_preset("llama-3-8b"), seq_len=8192, recipe=get_recipe("bf16"), layout=fit_layout(8),
+              machine=Machine(gpu="h100"))
+    good, bad = fit_run(run, global_batch=64, memory_budget=80 * 2**30)
     assert good and good[0].checkpointing == "none" and good[0].zero >= 2  # states need sharding
     assert all(c.per_device_bytes <= 80 * 2**30 for c in good)
     assert any("budget" in c.reason for c in bad)
     # a tight budget forces recomputation
-    tight, _ = fit(get_preset("llama-3-8b"), global_batch=64, memory_budget=30 * 2**30, seq_len=8192, gpu="h100",
-                   gpus=8)
+    tight, _ = fit_run(run, global_batch=64, memory_budget=30 * 2**30)
     assert tight and tight[0].checkpointing == "full"
 
 

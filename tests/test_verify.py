@@ -22,7 +22,7 @@ def cache(isolated_cache):
 def test_train_writes_verify_json(tmp_path, capsys, monkeypatch):
     from pydoc_data.topics import topics
 
-    from trainwise.trainer import report
+    from trainwise.trainer import accounting as report
 
     monkeypatch.setattr(report, "PROBE_MIN_RUN_S", 0.0)  # the speed probe runs after runs of 30 s; this one too
 

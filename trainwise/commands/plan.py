@@ -15,7 +15,7 @@ from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.memory import cpu_available_bytes
 from trainwise.hardware.table import get_accelerator
-from trainwise.planner.explain import does_not_fit, plan_table
+from trainwise.planner.derivation import does_not_fit, plan_table
 from trainwise.planner.fit import fit_layout, fit_run, global_batch_sequences
 from trainwise.planner.layouts import fit_run_layouts
 from trainwise.planner.plan import check_numbers, plan_run

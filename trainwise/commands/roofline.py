@@ -10,7 +10,7 @@ import torch
 
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import get_accelerator
-from trainwise.planner.hardware import resolve_hardware
+from trainwise.planner.machine import resolve_hardware
 from trainwise.planner.spec import load_model
 from trainwise.runtime.precision import resolve_precision
 from trainwise.measure.roofline import (

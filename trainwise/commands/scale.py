@@ -15,7 +15,7 @@ from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 from trainwise.files import write_atomic
-from trainwise.planner.explain import plan_table
+from trainwise.planner.derivation import plan_table
 from trainwise.planner.plan import plan_run
 from trainwise.presets import get_preset
 from trainwise.scale.fitting import (

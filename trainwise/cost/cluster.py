@@ -1,7 +1,7 @@
 """One optimizer step on a GPU cluster, per operator and per collective, for any layout (cost.layout):
 
     per pipeline rank and micro-batch   its layers' operators (one rank's share: the planner records
-        them on a narrowed model, trainwise.planner.cluster) priced by cost.gpu, + the embedding on the
+        them on a narrowed model, trainwise.planner.cluster_step) priced by cost.gpu, + the embedding on the
         first rank and the LM head + loss on the last; + the collectives inside the step:
           tensor parallel   per layer 2 all-reduces forward, 2 backward (2 more when a full recompute
                             re-runs the forward) of B x T x H (Narayanan et al. 2021 section 3.3); with

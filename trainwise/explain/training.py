@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from trainwise.config import ModelConfig, TrainConfig
-from trainwise.cost import flops as F
+from trainwise.cost import flops as FL
 from trainwise.cost import memory as M
 from trainwise.cost.layout import make_layout
 from trainwise.cost.params import mlp_params, params
@@ -156,8 +156,8 @@ def checkpointing(mode: str = "full", micro_batch: int = 2, seq_len: int = 32, d
     bytes_ck, flops_ck = measure_checkpointing(cfg, micro_batch, seq_len, mode)
     pred_none = M.activation_bytes(cfg, recipe, micro_batch, seq_len, "none")
     pred_ck = M.activation_bytes(cfg, recipe, micro_batch, seq_len, mode)
-    fwd = F.forward_flops_per_token(cfg, seq_len)
-    pred_recompute = F.recompute_flops_per_token(fwd, mode, cfg) * tokens
+    fwd = FL.forward_flops_per_token(cfg, seq_len)
+    pred_recompute = FL.recompute_flops_per_token(fwd, mode, cfg) * tokens
     per_block = M.activation_bytes_per_token_layer(cfg, recipe, 0, "none")
     d = Doc(t["title"], lang)
     d.text(f"{t['model']}: L={cfg.n_layers}, H={cfg.d_model}, nh={cfg.n_heads}, V={cfg.vocab_size}, "
@@ -222,7 +222,7 @@ def moe(model: str = "mixtral-8x7b", tokens: float = 1e12, lang: str = "en") -> 
     expert = mlp_params(cfg.d_model, cfg.expert_ffn_hidden, cfg.gated, cfg.bias)
     unused = n_moe * (cfg.n_experts - cfg.top_k) * expert
     seq = min(4096, cfg.max_seq_len)
-    exact = F.flops_per_token_train(cfg, seq)
+    exact = FL.flops_per_token_train(cfg, seq)
     states = M.state_bytes(counts.total, M.get_recipe("bf16-mixed"), "adamw")
     d = Doc(t["title"], lang)
     d.text(f"{cfg.name}: L={cfg.n_layers}, H={cfg.d_model}, n_experts={cfg.n_experts}, top_k={cfg.top_k}, "
@@ -235,9 +235,9 @@ def moe(model: str = "mixtral-8x7b", tokens: float = 1e12, lang: str = "en") -> 
            f"{counts.active:,} = {counts.active / 1e9:.1f} B")
     d.step(t["ratio"], "", f"{num(counts.active)} / {num(counts.total)}", f"{counts.active / counts.total:.1%}")
     d.step(t["c_active"], "6 x N_active x D", f"6 x {num(counts.active)} x {num(tokens)}",
-           f"{num(F.six_nd(counts.active, tokens))} FLOPs")
+           f"{num(FL.six_nd(counts.active, tokens))} FLOPs")
     d.step(t["c_total"], "6 x N_total x D", f"6 x {num(counts.total)} x {num(tokens)}",
-           f"{num(F.six_nd(counts.total, tokens))} FLOPs (x{counts.total / counts.active:.2f})")
+           f"{num(FL.six_nd(counts.total, tokens))} FLOPs (x{counts.total / counts.active:.2f})")
     d.step(t["exact"].format(T=seq), "3 x forward (incl. attention)", "",
            f"{num(exact)} vs 6 N_active = {num(6 * counts.active)}")
     d.step(t["states"], "N_total x 16 B (bf16 + fp32 master + AdamW)", f"{num(counts.total)} x 16",
@@ -248,7 +248,7 @@ def moe(model: str = "mixtral-8x7b", tokens: float = 1e12, lang: str = "en") -> 
     d.where(*t["run"])
     d.values = dict(model=cfg.name, n_experts=cfg.n_experts, top_k=cfg.top_k, expert_params=expert,
                     params_total=counts.total, params_active=counts.active, tokens=tokens,
-                    flops_6nd_active=F.six_nd(counts.active, tokens), flops_6nd_total=F.six_nd(counts.total, tokens),
+                    flops_6nd_active=FL.six_nd(counts.active, tokens), flops_6nd_total=FL.six_nd(counts.total, tokens),
                     flops_per_token_exact=exact, states_bytes_bf16_mixed_adamw=states.total)
     return d
 
@@ -342,7 +342,7 @@ def budget(params_count: float = 1e9, tokens: float = 1e10, precision: str = "fp
     d.step(t["layout"], t["shape"], f"d_model {cfg.d_model} = {ASPECT} x {cfg.n_layers} layers, vocab {VOCAB}",
            f"{params(cfg).total:,} params")
     if best:
-        days = F.six_nd(N, tokens) / (gpus * hw.peak_flops["bf16"] * best.mfu) / SECONDS_PER_DAY
+        days = FL.six_nd(N, tokens) / (gpus * hw.peak_flops["bf16"] * best.mfu) / SECONDS_PER_DAY
         d.step(t["layout_mfu"], "6 N_layout x tokens/s / (G x P_bf16)", f"{gpus} x {hw.name}, {where}",
                f"{best.mfu:.1%} vs assumed {mfu:.0%}")
         d.step(t["layout_days"], "C / (G x P_bf16 x MFU)",

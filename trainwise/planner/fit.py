@@ -6,18 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from trainwise.config import ModelConfig
-from trainwise.cost import flops as F
-from trainwise.cost import memory as M
+from trainwise.cost import flops as FL
 from trainwise.cost.layout import Layout, make_layout
 from trainwise.cost.params import params
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.steptime import scale_batch
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
-from trainwise.planner.hardware import Hardware, resolve_hardware
+from trainwise.planner.machine import Hardware, resolve_hardware
 from trainwise.planner.plan import plan_run, positive
-from trainwise.planner.step import cached_step_ops, predict_step_time
+from trainwise.planner.device_step import cached_step_ops, predict_step_time
 
 
 @dataclass(frozen=True)
@@ -52,19 +50,6 @@ def global_batch_sequences(seq_len: int, dp: int = 1, *, sequences: int | None =
     change = got / (wanted * seq_len) - 1
     return rounded, (f"the global batch of {asked} is not a whole number of sequences of {why}; rounded to "
                      f"{rounded:,} sequences = {got:,} tokens ({change:+.2%})")
-
-
-def fit(model: ModelConfig, *, global_batch: int, memory_budget: int, seq_len: int, precision: str = "bf16",
-        optimizer: str = "adamw", tp: int = 1, pp: int = 1, gpus: int = 1, gpu: str | None = None,
-        peak_flops: float | None = None, mfu: float | None = None, causal_halving: bool = False,
-        max_micro_batch: int = 1024) -> tuple[list[Candidate], list[Candidate]]:
-    """fit_run for a model given by keywords (trainer.memcheck's call): the run of `seq_len` tokens in
-    `precision` on `gpus` devices split tp x pp, on `gpu` or a device of `peak_flops`."""
-    machine = Machine(gpu=gpu, peak_flops=peak_flops) if gpu is not None or peak_flops is not None else None
-    run = Run(model, seq_len=seq_len, recipe=M.get_recipe(precision), optimizer=optimizer,
-              layout=fit_layout(gpus, tp, pp), machine=machine)
-    return fit_run(run, global_batch=global_batch, memory_budget=memory_budget, mfu=mfu,
-                   causal_halving=causal_halving, max_micro_batch=max_micro_batch)
 
 
 def fit_layout(gpus: int, tp: int = 1, pp: int = 1) -> Layout:
@@ -107,7 +92,7 @@ def fit_run(run: Run, *, global_batch: int, memory_budget: int, mfu: float | Non
     for zero in (0, 1, 2, 3):
         if zero and dp == 1:
             continue  # nothing to shard over
-        for ckpt in F.RECOMPUTE:
+        for ckpt in FL.RECOMPUTE:
             for b in micro_batches:
                 k = per_rank // b
                 p = plan_run(replace(run, micro_batch=b, grad_accum=k, checkpointing=ckpt,

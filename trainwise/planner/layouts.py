@@ -9,8 +9,7 @@ from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
 from trainwise.cost.layout import make_layout
-from trainwise.cost.memory import get_recipe
-from trainwise.cost.run import Machine, Run
+from trainwise.cost.run import Run
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 from trainwise.planner.plan import Plan, plan_run
@@ -64,19 +63,6 @@ def candidate_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, global_
                                     out.append(dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, zero=zero, micro_batch=b,
                                                     grad_accum=m, checkpointing=ckpt))
     return out
-
-
-def fit_layouts(model: ModelConfig, *, gpus: int, gpu: str, global_batch: int, seq_len: int, memory_budget: int,
-                precision: str = "bf16", optimizer: str = "adamw", attention_impl: str = "flash",
-                gpus_per_node: int | None = None, intra_node_bw: float | None = None,
-                inter_node_bw: float | None = None, dp_overlap: bool = True,
-                tokens: float = 1.0) -> tuple[list[LayoutCandidate], list[LayoutCandidate]]:
-    """fit_run_layouts for a model given by keywords: `gpus` x `gpu` (its node overridden where given)."""
-    run = Run(model, seq_len=seq_len, recipe=get_recipe(precision), optimizer=optimizer, tokens=tokens,
-              layout=make_layout(gpus, attention_impl=attention_impl, dp_overlap=dp_overlap),
-              machine=Machine(gpu=gpu, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
-                              inter_node_bw=inter_node_bw))
-    return fit_run_layouts(run, global_batch=global_batch, memory_budget=memory_budget)
 
 
 def fit_run_layouts(run: Run, *, global_batch: int,

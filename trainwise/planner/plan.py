@@ -1,5 +1,5 @@
 """The Plan: parameters, FLOPs, memory and time of one training run, and its JSON (docs/ARCHITECTURE.md,
-"The plan's JSON"). Its worked derivation is trainwise.planner.explain, the `--fit` search trainwise.planner.fit.
+"The plan's JSON"). Its worked derivation is trainwise.planner.derivation, the `--fit` search trainwise.planner.fit.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainwise.config import ZERO_STAGE, ModelConfig, RunConfig
-from trainwise.cost import flops as F
+from trainwise.cost import flops as FL
 from trainwise.cost import memory as M
 from trainwise.cost.cluster import ClusterStep
 from trainwise.cost.layout import Layout, RankMemory, check_layout, make_layout, rank_memory
@@ -19,10 +19,10 @@ from trainwise.cost.run import Machine, Run
 from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time, model_flops_utilization
 from trainwise.errors import TrainwiseError
-from trainwise.planner.cluster import predict_cluster_step
-from trainwise.planner.explain import NO_HARDWARE, NO_TOKENS, explain_plan
-from trainwise.planner.hardware import Hardware, resolve_hardware
-from trainwise.planner.step import predict_step_time
+from trainwise.planner.cluster_step import predict_cluster_step
+from trainwise.planner.derivation import NO_HARDWARE, NO_TOKENS, explain_plan
+from trainwise.planner.machine import Hardware, resolve_hardware
+from trainwise.planner.device_step import predict_step_time
 from trainwise.runtime.parallelize import resolve_compile
 
 
@@ -45,7 +45,7 @@ class Plan:
     hardware: Hardware | None  # None: no --gpu/--peak-flops given; everything but time is known
     mfu: float
     causal_halving: bool
-    forward: F.ForwardFlops | None
+    forward: FL.ForwardFlops | None
     model_flops_per_token: float  # fwd + bwd, no recompute (for MFU)
     flops_per_token: float  # + recompute (what the devices execute)
     convention: str
@@ -243,7 +243,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
                   ("--params", params_count), ("--price", price), mfu=mfu)
     if model is None and params_count is None:
         raise TrainwiseError("give a model (--model PRESET|FILE) or a parameter count (--params N).")
-    if checkpointing not in F.RECOMPUTE:
+    if checkpointing not in FL.RECOMPUTE:
         raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective or full.")
     gpu = machine.gpu
     has_hw = gpu is not None or machine.peak_flops is not None
@@ -260,9 +260,9 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         counts = params(model)
         if seq_len > model.max_seq_len:
             notes.append(f"seq_len {seq_len} > model.max_seq_len {model.max_seq_len}")
-        fwd = F.forward_flops_per_token(model, seq_len, causal_halving)
+        fwd = FL.forward_flops_per_token(model, seq_len, causal_halving)
         model_fpt = 3.0 * fwd.total
-        fpt = model_fpt + F.recompute_flops_per_token(fwd, checkpointing, model)
+        fpt = model_fpt + FL.recompute_flops_per_token(fwd, checkpointing, model)
         convention = "exact" if fpt == model_fpt else "exact+recompute"
         check_layout(model, layout, seq_len)
         acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled)

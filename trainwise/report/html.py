@@ -17,7 +17,7 @@ from trainwise import rundir
 from trainwise.config import load_config
 from trainwise.errors import TrainwiseError
 from trainwise.files import write_atomic
-from trainwise.planner.hardware import resolve_hardware
+from trainwise.planner.machine import resolve_hardware
 from trainwise.report import plots
 from trainwise.measure.roofline import roofline_ops
 

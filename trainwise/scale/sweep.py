@@ -54,7 +54,7 @@ from trainwise.data.corpus import prepare_tokenizer
 from trainwise.data.sources import STDLIB_CORPUS
 from trainwise.errors import TrainwiseError
 from trainwise.files import write_json_atomic
-from trainwise.planner.hardware import device_hardware
+from trainwise.planner.machine import device_hardware
 from trainwise.planner.plan import plan_run
 from trainwise.runtime.precision import resolve_device, resolve_precision
 from trainwise.runtime.step import build_model, build_step, random_batches

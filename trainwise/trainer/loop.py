@@ -46,7 +46,7 @@ from trainwise.trainer import relaunch
 from trainwise.trainer.loggers import RunLog, require_wandb
 from trainwise.trainer.memcheck import check_memory
 from trainwise.trainer.observer import StepObserver
-from trainwise.trainer.report import RunReporter, expert_counts, final_losses, nonfinite_diagnostic, numbered_blocks
+from trainwise.trainer.accounting import RunAccount, expert_counts, final_losses, nonfinite_diagnostic, numbered_blocks
 from trainwise.verify.per_rank import format_per_rank, per_rank_verify
 
 
@@ -78,14 +78,14 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     check_memory(cfg, device, precision, d, say)  # before the model exists and the run directory is made
     run, state = _build(cfg, out, resume, init_state, tokens, device, precision, d)
     run.val_bytes = val_window_bytes(tokenizer, tokens.val, cfg)  # None unless the tokenizer is byte-level
-    reporter = RunReporter(cfg, distributed.unwrap(run.step.model), device, precision, run.step.compiled, say,
+    account = RunAccount(cfg, distributed.unwrap(run.step.model), device, precision, run.step.compiled, say,
                            dp=d.layout.dp)
-    step, tokens_seen = _restore_or_create(run, state, reporter, out, resume, tokenizer, say)
+    step, tokens_seen = _restore_or_create(run, state, account, out, resume, tokenizer, say)
     _say_setup(run, tokens, why, say)
     progress = _Progress(step, tokens_seen)
     observer = StepObserver(run.step, d, cfg.train.max_steps, foreign)  # what verify measures, from outside
     with RunLog(out, cfg, enabled=d.is_main) as log, _StopRequest() as stop:
-        _train_steps(run, progress, reporter, log, stop, tokens, out, observer, quiet)
+        _train_steps(run, progress, account, log, stop, tokens, out, observer, quiet)
     if progress.stopped:
         say(f"stopped at step {progress.step} and saved a checkpoint; continue with: trainwise train --resume "
             f"{out} (or the same command again)")
@@ -95,7 +95,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     _save(run, out, progress.step, progress.tokens_seen)
     if progress.val_loss != progress.val_loss:  # nan: no evaluation happened yet
         progress.val_loss = _evaluate(run, tokens.val)
-    return _finish(run, reporter, out, tokenizer, tokens, progress, observer, say)
+    return _finish(run, account, out, tokenizer, tokens, progress, observer, say)
 
 
 def _resolve_config(cfg: RunConfig | None, out: Path, resume: bool, max_steps: int | None,
@@ -263,7 +263,7 @@ def _build(cfg: RunConfig, out: Path, resume: bool, init_state: dict | None, tok
     return run, state
 
 
-def _restore_or_create(run: _Run, state: ckpt.Checkpoint | None, reporter: RunReporter, out: Path, resume: bool,
+def _restore_or_create(run: _Run, state: ckpt.Checkpoint | None, account: RunAccount, out: Path, resume: bool,
                        tokenizer: Tokenizer, say) -> tuple[int, int]:
     """(step, tokens seen) to start from: on resume, what the checkpoint restores (optimizer, sampler,
     scaler, every rank's RNG); otherwise (0, 0), once rank 0 has created the run directory."""
@@ -285,7 +285,7 @@ def _restore_or_create(run: _Run, state: ckpt.Checkpoint | None, reporter: RunRe
             rundir.truncate_metrics(out, step)
             rundir.remove_unfinished(out)
     elif d.is_main:
-        rundir.create_run_dir(out, run.cfg, tokenizer, reporter.plan_json())
+        rundir.create_run_dir(out, run.cfg, tokenizer, account.plan_json())
     distributed.barrier(d)
     return step, tokens_seen
 
@@ -308,7 +308,7 @@ def _say_setup(run: _Run, tokens, why_precision: str, say) -> None:
         say(line)
 
 
-def _train_steps(run: _Run, progress: _Progress, reporter: RunReporter, log: RunLog, stop: _StopRequest, tokens,
+def _train_steps(run: _Run, progress: _Progress, account: RunAccount, log: RunLog, stop: _StopRequest, tokens,
                  out: Path, observer: StepObserver, quiet: bool) -> None:
     """Optimizer steps until max_steps (or a stop request): logging, evaluating and checkpointing at
     their intervals; each step runs inside the observer (trainer.observer: what verify measures)."""
@@ -332,7 +332,7 @@ def _train_steps(run: _Run, progress: _Progress, reporter: RunReporter, log: Run
         if step % t.log_every == 0 or do_eval or step == t.max_steps or stop_now:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            row = _log_row(run, reporter, step, progress.tokens_seen, lr, grad_norm, interval_steps,
+            row = _log_row(run, account, step, progress.tokens_seen, lr, grad_norm, interval_steps,
                            time.perf_counter() - interval_start, tokens_per_step)
             progress.last_loss = row["loss"]
             if do_eval:
@@ -340,7 +340,7 @@ def _train_steps(run: _Run, progress: _Progress, reporter: RunReporter, log: Run
                 if run.val_bytes:  # end-of-text targets count 0 bytes (trainwise.data.bpb)
                     row["val_bpb"] = bits_per_byte(progress.val_loss * run.val_bytes[0], run.val_bytes[1])
             log.log(row)
-            bar.set_postfix_str(reporter.postfix(row))
+            bar.set_postfix_str(account.postfix(row))
             interval_start, interval_steps = time.perf_counter(), 0
         new_best = do_eval and t.keep_best and progress.val_loss < best_val
         if (t.checkpoint_every and step % t.checkpoint_every == 0) or stop_now or new_best:
@@ -382,13 +382,13 @@ def _optimizer_step(run: _Run, step: int, observer: StepObserver) -> tuple[float
     return lr, result.grad_norm
 
 
-def _log_row(run: _Run, reporter: RunReporter, step: int, tokens_seen: int, lr: float, grad_norm: torch.Tensor,
+def _log_row(run: _Run, account: RunAccount, step: int, tokens_seen: int, lr: float, grad_norm: torch.Tensor,
              interval_steps: int, elapsed_s: float, tokens_per_step: int) -> dict:
     """The metrics row of the steps since the last one: the loss averaged over ranks, throughput, MFU,
     skipped steps and MoE routing counts."""
     loss_sum = distributed.mean_across_ranks(run.loss_sum, run.d)
     loss = loss_sum.item() / (interval_steps * run.cfg.train.grad_accum_steps)
-    row = reporter.metrics_row(step, tokens_seen, loss, lr, grad_norm.item(), elapsed_s / interval_steps,
+    row = account.metrics_row(step, tokens_seen, loss, lr, grad_norm.item(), elapsed_s / interval_steps,
                                tokens_per_step)
     if (source_tokens := run.sampler.source_counts()) is not None:
         row["source_tokens"] = source_tokens  # a mixture: tokens drawn from each source so far
@@ -431,7 +431,7 @@ def _save(run: _Run, out: Path, step: int, tokens_seen: int) -> None:
     distributed.barrier(d)
 
 
-def _finish(run: _Run, reporter: RunReporter, out: Path, tokenizer: Tokenizer, tokens, progress: _Progress,
+def _finish(run: _Run, account: RunAccount, out: Path, tokenizer: Tokenizer, tokens, progress: _Progress,
             observer: StepObserver, say) -> TrainResult:
     """After the last step: the per-rank memory check (distributed), the final losses and a sample,
     verify.json (one measured step against the plan) and the HTML report, on rank 0."""
@@ -452,7 +452,7 @@ def _finish(run: _Run, reporter: RunReporter, out: Path, tokenizer: Tokenizer, t
     say("sample (temperature 0.8, top-k 50):\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
     # Distributed: verify measures one step of the gathered model with a fresh optimizer, in one process;
     # the per-rank shards were measured above and are checked against the ZeRO plan.
-    reporter.finish(out, progress.tokens_seen, progress.step, model=model,
+    account.write_verify_json(out, progress.tokens_seen, progress.step, model=model,
                     optimizer_state=None if d.active else run.step.optimizer.state_dict(),
                     step_peak_bytes=None if d.active else observer.peak_bytes)
     if per_rank is not None and (out / rundir.VERIFY).is_file():

@@ -18,10 +18,10 @@ from trainwise.config import RunConfig
 from trainwise.cost.comm import strategy_for
 from trainwise.cost.layout import Layout, make_layout
 from trainwise.cost.rank_memory import rank_peak
-from trainwise.cost.run import Run
+from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.memory import available_bytes
-from trainwise.planner.fit import fit
+from trainwise.planner.fit import fit_layout, fit_run
 from trainwise.runtime import distributed
 from trainwise.runtime.parallelize import resolve_compile
 from trainwise.units import fmt_bytes
@@ -38,8 +38,9 @@ def proposal(run: Run, budget: int) -> str | None:
     `--set` arguments; None if nothing fits."""
     lay = run.layout
     global_batch = run.micro_batch * run.grad_accum * lay.dp
-    good, _ = fit(run.model, global_batch=global_batch, memory_budget=budget, seq_len=run.seq_len,
-                  precision=run.recipe.name, optimizer=run.optimizer, gpus=lay.gpus, peak_flops=1e12)
+    searched = replace(run, micro_batch=1, grad_accum=1, checkpointing="none", compiled=False, tokens=None,
+                       layout=fit_layout(lay.gpus), machine=Machine(peak_flops=1e12))
+    good, _ = fit_run(searched, global_batch=global_batch, memory_budget=budget)
     for c in good:  # fit ranks by step time; the guard holds each against the peak, not states + activations
         strategy = strategy_for(c.zero, lay.gpus)
         layout = make_layout(lay.gpus, zero=c.zero) if lay.gpus > 1 else Layout()

@@ -1,4 +1,5 @@
-"""What a run says about itself while it trains: the plan up front, metrics rows, the progress bar.
+"""A run's account of itself: the plan up front, metrics rows, the progress bar, and at the end verify.json
+(RunAccount.write_verify_json: the run measured against its plan).
 
 Throughput numbers follow docs/ARCHITECTURE.md, "Counting FLOPs, MFU and HFU": model FLOPs per token come from
 the planner (`cost.flops.flops_per_token_train`, no recompute, attention not halved); MFU = model FLOP/s /
@@ -25,7 +26,7 @@ from trainwise.files import write_json_atomic
 from trainwise.hardware.cache import cached, cached_link, save_probe
 from trainwise.measure.calibrate import calibrate_link
 from trainwise.measure.reference import probe_speed, reference_speed
-from trainwise.planner.hardware import device_hardware
+from trainwise.planner.machine import device_hardware
 from trainwise.planner.plan import Plan, plan_for_run
 from trainwise.units import fmt_bytes, fmt_finite
 from trainwise.verify.verify import (
@@ -38,14 +39,14 @@ from trainwise.verify.verify import (
     steady_step_time,
 )
 
-# The speed probe after a run (RunReporter.machine_speed) costs ~1 s: only runs whose steps took this long
+# The speed probe after a run (RunAccount.machine_speed) costs ~1 s: only runs whose steps took this long
 PROBE_MIN_RUN_S = 30.0
 # A speed probe at most this old (the previous run's, in a sweep of short runs or a test session) stands
 # for the machine's speed now: the probe at a run's start already predates its steps by the run's length
 PROBE_REUSE_S = 60.0
 
 
-class RunReporter:
+class RunAccount:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, device: torch.device, precision: str, compiled: bool,
                  say, dp: int | None = None):
         self.cfg, self.device, self.precision, self.say = cfg, device, precision, say
@@ -146,7 +147,7 @@ class RunReporter:
             text += f" val {row['val_loss']:.3f}"
         return text
 
-    def finish(self, out: Path, tokens_seen: int, step: int, model: torch.nn.Module | None = None,
+    def write_verify_json(self, out: Path, tokens_seen: int, step: int, model: torch.nn.Module | None = None,
                optimizer_state: dict | None = None, step_peak_bytes: int | None = None) -> dict | None:
         """Write verify.json and print the predicted-vs-measured table. One extra training step runs on a
         copy of the model and optimizer (trainwise.verify.verify.measure_step): the run's weights,
