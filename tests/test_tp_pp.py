@@ -25,7 +25,10 @@ from trainwise.cli import main
 from trainwise.config import ModelConfig, ParallelConfig, RunConfig
 from trainwise.cost import rank as R
 from trainwise.cost.layout import Layout
+from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
+from trainwise.planner.derivation import plan_table
+from trainwise.planner.plan import plan_run
 from trainwise.runtime.mesh import check_layout, layout_for
 from trainwise.verify.per_rank import predicted_ranks
 
@@ -102,6 +105,24 @@ def test_each_rank_holds_and_sends_what_the_plan_says(runs, case):
         assert m["comm"] == p["comm"], r
         error = m["peak_memory_bytes"] / p["peak_memory_bytes"] - 1
         assert abs(error) < 0.10, (r, m["peak_memory_bytes"], p["peak_memory_bytes"])
+
+
+@pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)
+def test_the_plan_printed_before_the_run_is_what_verify_holds_it_to(case, capsys):
+    """The plan of the run (plan_run on the trainer's layout) prints, as its step peak, states and activations,
+    the per-rank model's highest rank: the prediction verify compares that rank's measurements with."""
+    cfg = config(case)
+    world = 4 if case in FOUR_RANKS else 2
+    layout = layout_for(cfg.parallel, world, cfg.train.grad_accum_steps)
+    plan = plan_run(Run.of(cfg, "fp32", layout, machine=Machine(peak_flops=1e12)))
+    predicted = predicted_ranks(cfg, "fp32", layout)
+    rank, _ = plan.peak_rank
+    assert plan.peak_bytes == max(p["peak_memory_bytes"] for p in predicted) == predicted[rank]["peak_memory_bytes"]
+    states = plan.to_json()["memory"]
+    assert [states[f"{k}_bytes"] for k in ("params", "grads", "optimizer")] == [
+        predicted[rank][k] for k in ("params", "grads", "optimizer")]
+    print(plan_table(plan))
+    assert f"(rank {rank}, the highest)" in capsys.readouterr().out
 
 
 def test_tp_messages_worked_by_hand():

@@ -266,9 +266,9 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         convention = "exact" if fpt == model_fpt else "exact+recompute"
         check_layout(model, layout, seq_len)
         acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled)
+        peak_rank = highest_peak(run)  # a layout trainwise trains: the per-rank model verify holds it to
         rank = (rank_memory(model, layout, recipe, optimizer, micro_batch, seq_len, checkpointing)
-                if model_parallel else None)
-        peak_rank = highest_peak(run)
+                if model_parallel and peak_rank is None else None)  # one it only plans: the closed form
         name = model.name
     else:
         n = int(params_count)
@@ -282,6 +282,9 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
     states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp)
     if rank is not None:
         states, acts = rank.states, rank.activations
+    elif model_parallel and peak_rank is not None:  # the highest rank's states and activations in flight
+        high = peak_rank[1]
+        states, acts = M.StateBytes(high.params, high.grads, high.optimizer, 0), high.activations
     step, cluster, source, t = None, None, "assumed MFU (--mfu)", None
     if hw is None:
         source = "no hardware"
