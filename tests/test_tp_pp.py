@@ -3,7 +3,7 @@ a DCP checkpoint mid-run that resumes to the same losses and reshards, every ran
 messages as trainwise.cost.rank plans them, and layouts that cannot work refused before anything starts.
 
 Two torchrun launches (tests/tp_pp_worker.py: the step builder, the comm counter and the peak meter the
-trainer uses) train every layout 12 steps with the checkpoint at step 6 and its resumption; one trainer
+trainer uses) train every layout STEPS steps with the checkpoint at step SAVE_AT and its resumption; one trainer
 run goes through the CLI end to end."""
 
 from __future__ import annotations
