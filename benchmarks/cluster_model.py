@@ -25,8 +25,9 @@ from pathlib import Path
 
 from trainwise.cli import main as cli_main
 from trainwise.config import ModelConfig
-from trainwise.cost.layout import make_layout, rank_memory
+from trainwise.cost.layout import make_layout
 from trainwise.cost.memory import get_recipe
+from trainwise.cost.rank_memory import rank_peak
 from trainwise.cost.run import Machine, Run
 from trainwise.planner.plan import plan_run
 
@@ -126,17 +127,19 @@ def main() -> int:
                      sequence_parallel=sp, dp_overlap=False)
             # Figure 1 counts 12 l h^2 parameters per stage, no embedding: a rank that holds layers only
             # (the second; the only one without pipelining, embedding and all)
-            states_got = rank_memory(cfg, p.layout, p.recipe, "adamw", mbs, 2048, ckpt,
-                                     rank=min(1, pp - 1)).states.total
+            layers_only, first = rank_peak(p.run, min(1, pp - 1) * tp), rank_peak(p.run, 0)
+            states_got = layers_only.params + layers_only.grads + layers_only.optimizer + layers_only.master
+            acts = first.activations  # the first stage holds the most micro-batches in flight
             s_err = states_got / GiB / states - 1
-            a_err = p.rank.activations / GiB / published_act - 1
+            a_err = acts / GiB / published_act - 1
             memory.append({"model": name, "setting": setting, "states_gib": states_got / GiB,
-                           "first_rank_states_gib": p.rank.states.total / GiB,
-                           "published_states_gib": states, "activations_gib": p.rank.activations / GiB,
+                           "first_rank_states_gib": (first.params + first.grads + first.optimizer
+                                                     + first.master) / GiB,
+                           "published_states_gib": states, "activations_gib": acts / GiB,
                            "published_activations_gib": published_act, "states_error": s_err,
                            "activations_error": a_err})
             print(f"{'':>6} memory, {setting:<17} params + optimizer {states_got / GiB:6.2f} vs {states:6.2f} "
-                  f"({s_err:+.1%}); activations {p.rank.activations / GiB:7.2f} vs {published_act:7.2f} ({a_err:+.1%})")
+                  f"({s_err:+.1%}); activations {acts / GiB:7.2f} vs {published_act:7.2f} ({a_err:+.1%})")
     worst_mem = max(max(abs(m["states_error"]), abs(m["activations_error"])) for m in memory)
     print(f"\niteration time |error| over {len(errors)} runs: median {statistics.median(errors):.1%}, worst "
           f"{max(errors):.1%}; speed-up of selective + SP: worst {max(abs(a - b) for _, a, b in speedups) * 100:.1f} "

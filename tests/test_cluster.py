@@ -14,9 +14,10 @@ from trainwise.config import ModelConfig
 from trainwise.cost import comm as C
 from trainwise.cost.cluster import BREAKDOWN, _tier
 from trainwise.cost.gpu import attention_rate, matmul_seconds
-from trainwise.cost.layout import (bubble_fraction, chunk_layers, in_flight_factor, layer_bytes_per_token,
-                                   make_layout, placement, rank_memory, rank_stages, stage_layers)
+from trainwise.cost.layout import bubble_fraction, chunk_layers, make_layout, placement, rank_stages, stage_layers
 from trainwise.cost.memory import get_recipe
+from trainwise.cost.rank import rank_params
+from trainwise.cost.rank_memory import in_flight, layer_bytes_per_token, rank_peak
 from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import ACCELERATORS, NODES
@@ -44,8 +45,13 @@ def test_pipeline_bubble_stages_and_micro_batches_in_flight():
         return [sum(len(stage_layers(n_layers, lay.stages, st)) for st in rank_stages(lay, r)) for r in range(pp)]
 
     assert per_rank(96, 8, 3) == [12] * 8 and per_rank(10, 2, 2) == [5, 5]
-    assert in_flight_factor(8, 1, 64) == 8 and in_flight_factor(8, 1, 3) == 3
-    assert in_flight_factor(8, 3, 64) == pytest.approx(8 * (1 + 7 / 24))  # Korthikanti et al. 2022, 4.2.3
+    def chunks_in_flight(pp: int, vpp: int, k: int) -> int:  # on the first rank, at its fullest
+        lay = make_layout(pp, pp=pp, vpp=vpp, micro_batches=k)
+        return max(len(live) for live in in_flight(lay, 0, k))
+
+    assert chunks_in_flight(8, 1, 64) == 8 and chunks_in_flight(8, 1, 3) == 3
+    # interleaved: 8 (1 + 7/24) micro-batches of 3 chunks each (Korthikanti et al. 2022, section 4.2.3)
+    assert chunks_in_flight(8, 3, 64) == 8 * 3 * (1 + 7 / 24)
 
 
 def test_each_collective_by_the_nccl_tests_formulas():
@@ -115,35 +121,51 @@ def test_attention_at_flashattention2s_published_rate():
 def test_per_rank_activation_memory_under_tp_sp_selective_and_full():
     """Korthikanti et al. 2022 Table 2 for a GPT layer in 16-bit (their 22B: h 6144, a 64, s 2048, t 8):
     TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh(34/t + 5as/(ht)), TP+SP+selective 34 sbh/t, full 2 sbh/t;
-    trainwise's count of its own layer adds a few bytes per token (layer-norm statistics)."""
+    trainwise's count of its own layer adds a few bytes per token (layer-norm statistics). Their sequence
+    parallelism gathers the column-parallel inputs again in backward; trainwise's keeps them (2 x 2h)."""
     cfg, rec, h, a, s, t = gpt(64, 6144, 48), get_recipe("megatron"), 6144, 64, 2048, 8
     tp = make_layout(8, tp=8, sequence_parallel=False, attention_impl="unfused")
     sp = make_layout(8, tp=8, attention_impl="unfused")
     assert layer_bytes_per_token(cfg, rec, 0, tp, s, "none") == pytest.approx(h * (10 + 24 / t + 5 * a * s / (h * t)),
                                                                             rel=0.01)
-    assert layer_bytes_per_token(cfg, rec, 0, sp, s, "none") == pytest.approx(h * (34 / t + 5 * a * s / (h * t)),
-                                                                            rel=0.01)
-    assert layer_bytes_per_token(cfg, rec, 0, sp, s, "selective") == pytest.approx(34 * h / t, rel=0.01)
+    assert layer_bytes_per_token(cfg, rec, 0, sp, s, "none", regather=True) == pytest.approx(
+        h * (34 / t + 5 * a * s / (h * t)), rel=0.01)
+    assert layer_bytes_per_token(cfg, rec, 0, sp, s, "selective", regather=True) == pytest.approx(34 * h / t, rel=0.01)
+    assert layer_bytes_per_token(cfg, rec, 0, sp, s, "selective") == pytest.approx(
+        layer_bytes_per_token(cfg, rec, 0, sp, s, "selective", regather=True) + 4 * h * (1 - 1 / t))
     assert layer_bytes_per_token(cfg, rec, 0, sp, s, "full") == 2 * h / t
 
 
 def test_per_rank_memory_under_pp_and_cp():
+    """A layout trainwise only plans (Megatron's recipe), priced as Megatron-LM runs it by the one per-rank
+    model (cost.rank_memory.rank_peak)."""
     cfg, rec = gpt(32, 2048, 16, max_seq_len=8192), get_recipe("megatron")
-    one = rank_memory(cfg, make_layout(8, tp=8, micro_batches=8), rec, "adamw", 1, 8192, "none")
-    pp = rank_memory(cfg, make_layout(32, tp=8, pp=4, micro_batches=8), rec, "adamw", 1, 8192, "none")
-    cp = rank_memory(cfg, make_layout(16, tp=8, cp=2, micro_batches=8), rec, "adamw", 1, 8192, "none")
-    per_layer = layer_bytes_per_token(cfg, rec, 0, make_layout(8, tp=8), 8192, "none")
-    # 1F1B: the first of 4 stages holds 4 micro-batches of its 4 layers (the 16 layers' total), each with its
-    # input, 2 bytes x H sharded over the 8 sequence-parallel ranks
-    assert pp.activations == pytest.approx(4 * 8192 * (4 * per_layer + 2 * 2048 / 8), rel=1e-6)
+
+    def peak(rank: int = 0, **layout) -> object:
+        lay = make_layout(layout.pop("gpus"), micro_batches=8, **layout)
+        return rank_peak(Run(cfg, micro_batch=1, seq_len=8192, grad_accum=8, recipe=rec, layout=lay), rank)
+
+    one, pp, cp = peak(gpus=8, tp=8), peak(gpus=32, tp=8, pp=4), peak(gpus=16, tp=8, cp=2)
+    per_layer = layer_bytes_per_token(cfg, rec, 0, make_layout(8, tp=8), 8192, "none", regather=True)
+    # 1F1B: the first of 4 stages holds 4 micro-batches of its 4 layers (the 16 layers' total), each with the
+    # token ids and the embedding's masked ids and mask (8 + 9 bytes per token)
+    assert pp.activations == pytest.approx(4 * 8192 * (4 * per_layer + 17), rel=1e-9)
     assert cp.activations == pytest.approx(one.activations / 2, rel=0.01)  # T / cp tokens per rank
     # states: 18 bytes per parameter of the rank's 1/8 of the layers and the vocabulary (the tied head is
     # the embedding's table), positions whole; the first of 4 stages holds 4 layers and the embedding
     layers = 16 * 12 * 2048**2  # + biases and norms: within 1%
-    assert one.states.total == pytest.approx(18 * ((layers + 51200 * 2048) / 8 + 8192 * 2048), rel=0.01)
-    assert pp.states.total == pytest.approx(18 * ((layers / 4 + 51200 * 2048) / 8 + 8192 * 2048), rel=0.01)
-    zero = rank_memory(cfg, make_layout(32, tp=8, zero=1, micro_batches=8), rec, "adamw", 1, 8192, "none")
-    assert zero.states.optimizer == pytest.approx(one.states.optimizer / 4, rel=1e-3)  # ZeRO-1 over dp = 4
+
+    def states(p) -> int:
+        return p.params + p.grads + p.optimizer + p.master
+
+    assert states(one) == pytest.approx(18 * ((layers + 51200 * 2048) / 8 + 8192 * 2048), rel=0.01)
+    assert states(pp) == pytest.approx(18 * ((layers / 4 + 51200 * 2048) / 8 + 8192 * 2048), rel=0.01)
+    # the last stage holds its own copy of the tied table as the LM head
+    assert states(peak(24, gpus=32, tp=8, pp=4)) == pytest.approx(18 * (layers / 4 + 51200 * 2048) / 8, rel=0.01)
+    zero = peak(gpus=32, tp=8, zero=1)
+    assert zero.optimizer + zero.master == pytest.approx((one.optimizer + one.master) / 4, rel=1e-6)  # dp = 4
+    zero_cp = peak(gpus=32, tp=8, cp=2, zero=1)  # the distributed optimizer shards over dp x cp = 4
+    assert zero_cp.optimizer == pytest.approx(one.optimizer / 4, rel=1e-6)
 
 
 def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
@@ -194,6 +216,29 @@ def test_expert_parallel_layouts_of_a_moe():
         plan_run(run_of(moe, tokens=1e9, seq_len=512, gpus=4, tp=2, ep=4, gpu="h100-sxm"))
     p = plan_run(run_of(moe, tokens=1e9, seq_len=512, gpus=16, ep=8, gpu="h100-sxm"))
     assert p.cluster.breakdown["ep_comm_s"] > 0 and p.to_json()["comm"]["all_to_all"]["calls"] == 2 * 2 * 2
+
+
+def test_experts_and_few_key_value_heads_as_megatron_places_them():
+    """Under ep each rank holds n_experts / ep of every MoE layer's routed experts, and ZeRO-1 shards their
+    optimizer states over dp / ep (the expert-data-parallel ranks); key-value heads fewer than tp are
+    replicated, one whole head per rank. The plan's states are the per-rank model's."""
+    moe = ModelConfig(vocab_size=1024, d_model=256, n_layers=2, n_heads=8, n_kv_heads=2, max_seq_len=512,
+                      n_experts=8, top_k=2, expert_ffn_hidden=256)
+    experts = 2 * 3 * 8 * 256 * 256  # two MoE layers, gate, up and down, 8 experts of 256 x 256
+
+    def peak(**layout):
+        lay = make_layout(layout.pop("gpus"), **layout)
+        return rank_peak(Run(moe, seq_len=512, recipe=get_recipe("bf16"), layout=lay))
+
+    whole, split = peak(gpus=8, zero=1), peak(gpus=8, zero=1, ep=4)
+    assert whole.params - split.params == 2 * experts * 3 // 4  # bf16 weights: 2 bytes each
+    assert split.optimizer == pytest.approx(8 * ((whole.params / 2 - experts) / 8 + experts / 4 / 2))
+    # k and v: 2 heads of 32 over tp 4, one whole head on every rank (not half of one)
+    held = {p.spec.name: p.numel for p in rank_params(moe, make_layout(4, tp=4), 3, megatron=True)}
+    assert held["blocks.1.attn.qkv.k.weight"] == held["blocks.1.attn.qkv.v.weight"] == 32 * 256
+    assert held["blocks.1.attn.qkv.q.weight"] == 2 * 32 * 256
+    p = plan_run(run_of(moe, tokens=1e9, seq_len=512, gpus=8, ep=4, zero=1, precision="bf16", gpu="h100-sxm"))
+    assert p.states.optimizer == split.optimizer and p.peak_rank[1] == split
 
 
 def test_fit_over_layouts_lists_the_fastest_that_fit(capsys):

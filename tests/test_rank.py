@@ -10,8 +10,7 @@ import pytest
 from trainwise.config import ModelConfig
 from trainwise.cost import rank as R
 from trainwise.cost.comm import bytes_sent
-from trainwise.cost.layout import Layout, rank_memory, rank_stages, stage_layers
-from trainwise.cost.memory import get_recipe
+from trainwise.cost.layout import Layout, param_counts, rank_stages, stage_layers
 from trainwise.cost.params import params
 from trainwise.cost.rank_memory import in_flight
 
@@ -45,15 +44,19 @@ def test_chunks_cut_as_torch_chunk_does():
     assert [R.chunk(5, 4, i) for i in range(4)] == [2, 2, 1, 0]
 
 
+def held(cfg: ModelConfig, layout: Layout, rank: int) -> int:
+    """Elements of parameters the rank holds."""
+    return sum(p.numel for p in R.rank_params(cfg, layout, rank))
+
+
 def test_a_tp_rank_holds_half_of_every_matrix_and_all_of_every_norm():
     """d_model 32, 4 heads of 8 (2 KV heads), F 128 (SwiGLU), vocab 300, tied. tp 2: embedding 150 x 32 = 4800;
     per block norm1 32 + q 16 x 32 + k 8 x 32 + v 8 x 32 + out 32 x 16 + norm2 32 + gate, up 64 x 32 + proj
     32 x 64 = 7744; final norm 32: 4800 + 2 x 7744 + 32 = 20320 elements, 81280 bytes; FSDP2 over 2 more
     ranks halves every tensor's first dimension: 40640 bytes."""
     cfg = ModelConfig(**TINY)
-    assert R.rank_state_bytes(cfg, Layout(tp=2), 1, 2) == {"params": 81280, "grads": 81280, "optimizer": 162560}
-    fsdp = Layout(dp=2, tp=2, zero=3)
-    assert R.rank_state_bytes(cfg, fsdp, 3, 2)["params"] == 40640
+    assert held(cfg, Layout(tp=2), 1) == 20320
+    assert held(cfg, Layout(dp=2, tp=2, zero=3), 3) == 10160
 
 
 def test_pipeline_stages_hold_their_layers_the_embedding_and_the_head():
@@ -61,8 +64,8 @@ def test_pipeline_stages_hold_their_layers_the_embedding_and_the_head():
     the LM head (9600)."""
     cfg = ModelConfig(**{**TINY, "tie_embeddings": False})
     layout = Layout(pp=2)
-    assert R.rank_state_bytes(cfg, layout, 0, 2)["params"] == 4 * (9600 + 15424)
-    assert R.rank_state_bytes(cfg, layout, 1, 2)["params"] == 4 * (15424 + 32 + 9600)
+    assert held(cfg, layout, 0) == 9600 + 15424
+    assert held(cfg, layout, 1) == 15424 + 32 + 9600
     # cost.layout.chunk_layers: the last stage holds the head
     assert [list(stage_layers(5, 2, s)) for s in (0, 1)] == [[0, 1, 2], [3, 4]]
     assert rank_stages(Layout(pp=2, vpp=2, pp_schedule="interleaved"), 1) == [1, 3]
@@ -107,14 +110,16 @@ MOE = {**TINY, "n_experts": 4, "top_k": 2, "n_shared_experts": 1, "first_dense_l
     (TINY, Layout(dp=2, tp=2, zero=3)),
 ])
 def test_the_planners_rank_is_the_trainers_rank(model, layout):
-    """The planner's per-rank count (cost.layout.param_counts, through rank_memory: dense layers, MoE layers
-    and experts, embedding on the first pipeline rank, final norm and head on the last) equals cost.rank's,
-    parameter by parameter as tensor parallelism and the pipeline place them, on every rank of the layouts
-    trainwise trains; under FSDP both shard the rank's share over dp to the same parameter bytes."""
+    """The cluster step's per-rank count (cost.layout.param_counts: dense layers, MoE layers and experts,
+    embedding on the first pipeline rank, final norm and head on the last) equals cost.rank's, parameter by
+    parameter as tensor parallelism and the pipeline place them, on every rank of the layouts trainwise
+    trains (under FSDP before the dp shard)."""
     cfg = ModelConfig(**model)
-    recipe = get_recipe("fp32")
+    counts = param_counts(cfg, layout)
     for rank in range(layout.gpus):
         pp_rank = layout.coords(rank)[1]
-        planned = rank_memory(cfg, layout, recipe, "adamw", 1, 16, "none", rank=pp_rank)
-        assert planned.params == sum(p.tp_numel for p in R.rank_params(cfg, layout, rank)), rank
-        assert planned.states.params == R.rank_state_bytes(cfg, layout, rank, 2)["params"], rank
+        idx = [i for st in rank_stages(layout, pp_rank) for i in stage_layers(cfg.n_layers, layout.stages, st)]
+        n_moe = sum(cfg.is_moe_layer(i) for i in idx)
+        planned = ((len(idx) - n_moe) * counts.layer + n_moe * counts.moe_layer
+                   + (counts.embedding if pp_rank == 0 else 0) + (counts.head if pp_rank == layout.pp - 1 else 0))
+        assert planned == sum(p.tp_numel for p in R.rank_params(cfg, layout, rank)), rank

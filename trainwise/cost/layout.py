@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, replace
 
 from trainwise.config import STRATEGY_OF_STAGE, ModelConfig
-from trainwise.cost import memory as M
 from trainwise.cost.params import embedding_params, layer_params, mlp_params, norm_params
 from trainwise.errors import TrainwiseError
 
@@ -187,16 +186,6 @@ def bubble_fraction(pp: int, vpp: int, micro_batches: int) -> float:
     return (pp - 1) / (vpp * micro_batches)
 
 
-def in_flight_factor(pp: int, vpp: int, micro_batches: int) -> float:
-    """Micro-batches of activations the first pipeline rank holds at its peak, each of its own layers:
-    1F1B keeps p in flight (p micro-batches of L/p layers: the L-layer total), fewer when the step has
-    fewer; interleaving keeps 1 + (p-1)/(p v) times that (Korthikanti et al. 2022, section 4.2.3)."""
-    if pp == 1:
-        return 1.0
-    base = float(min(pp, micro_batches))
-    return base * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else base
-
-
 # ---------------------------------------------------------------------------------------------------
 # where a group's ranks sit
 
@@ -270,69 +259,3 @@ def param_counts(cfg: ModelConfig, layout: Layout) -> ParamCounts:
                       # a tied LM head is the embedding's table, but a pipeline's last rank holds its own copy
                       head=norm_params(cfg) + (0 if cfg.tie_embeddings and layout.pp == 1
                                                else share.vocab_size * cfg.d_model))
-
-
-# ---------------------------------------------------------------------------------------------------
-# memory of one rank
-
-
-def layer_bytes_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int, layout: Layout, seq_len: int,
-                          checkpointing: str) -> float:
-    """Bytes one tensor-parallel rank saves per token of one layer (cost.memory's per-layer count of the
-    model trainwise builds), as Korthikanti et al. 2022 (section 4, Table 2) split it: with tensor
-    parallelism the layer norms' inputs, the inputs of the first linear of attention and MLP and the
-    dropout masks stay whole on every rank (their "10 sbh"), the rest is divided by tp; sequence
-    parallelism divides everything. Unfused attention (`attention_impl`) saves the softmax output
-    c x heads x T per token, and with attention dropout its mask (1 byte) and output, instead of flash
-    attention's logsumexp (their 5as^2b term); selective recompute keeps none of them. Full recompute:
-    the layer's input only."""
-    c, s, H, t = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model, layout.tp
-    if checkpointing == "full":
-        return s * H / (t if layout.sequence_parallel else 1)
-    total = M.activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing)
-    if layout.attention_impl == "unfused" and checkpointing != "selective":
-        total += cfg.n_heads * seq_len * (c + (1 + c if cfg.dropout > 0 else 0)) - 4 * cfg.n_heads
-    if t == 1 or layout.sequence_parallel:
-        return total / t
-    whole = 2 * M.norm_saved_bytes(cfg, s) + 2 * c * H + (2 * H if cfg.dropout > 0 else 0)
-    return whole + (total - whole) / t
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """The first pipeline rank's memory (it holds the most micro-batches in flight), bytes."""
-
-    states: M.StateBytes
-    activations: int
-    params: int  # parameters it holds
-
-    @property
-    def total(self) -> int:
-        return self.states.total + self.activations
-
-
-def rank_memory(cfg: ModelConfig, layout: Layout, recipe: M.Recipe, optimizer: str, micro_batch: int, seq_len: int,
-                checkpointing: str, rank: int = 0) -> RankMemory:
-    """States and activations of pipeline rank `rank` (the first holds the most micro-batches in flight):
-    its layers' parameters (the embedding on the first rank, final norm and LM head on the last) under the
-    recipe, ZeRO sharding over dp x cp (experts over dp x cp / ep); activations of its layers for the
-    micro-batches it holds in flight (in_flight_factor: the first rank's p, p - r on rank r), T / cp tokens
-    each, + its input; with one pipeline stage also the LM head and loss (cost.memory.activation_bytes)."""
-    rp = param_counts(cfg, layout)
-    idx = [i for st in rank_stages(layout, rank) for i in stage_layers(cfg.n_layers, layout.stages, st)]
-    n_moe = sum(cfg.is_moe_layer(i) for i in idx)
-    dense = (len(idx) - n_moe) * rp.layer + n_moe * (rp.moe_layer - rp.moe_experts)
-    dense += (rp.embedding if rank == 0 else 0) + (rp.head if rank == layout.pp - 1 else 0)
-    ranks = layout.dp * layout.cp
-    a = M.state_bytes(dense, recipe, optimizer, layout.zero, ranks)
-    b = M.state_bytes(n_moe * rp.moe_experts, recipe, optimizer, layout.zero, max(1, ranks // layout.ep))
-    states = M.StateBytes(a.params + b.params, a.grads + b.grads, a.optimizer + b.optimizer, a.master + b.master)
-    tokens = micro_batch * seq_len / layout.cp
-    per_micro_batch = tokens * (sum(layer_bytes_per_token(cfg, recipe, i, layout, seq_len, checkpointing) for i in idx)
-                                + recipe.residual_bytes * cfg.d_model / (layout.tp if layout.sequence_parallel else 1))
-    acts = per_micro_batch * in_flight_factor(layout.pp - rank, layout.vpp, layout.micro_batches)
-    if layout.pp == 1:
-        share = tp_share(cfg, layout.tp)
-        acts += tokens * (16 + M.norm_saved_bytes(cfg, recipe.residual_bytes) + recipe.compute_bytes * cfg.d_model
-                          + M.loss_saved_bytes_per_token(share))
-    return RankMemory(states, math.ceil(acts), dense + n_moe * rp.moe_experts)

@@ -193,29 +193,49 @@ class RankParam:
     padded_numel: int  # its FSDP2 shard padded to the dp split (what one all-gather sends per rank)
 
 
-def rank_params(cfg: ModelConfig, layout: Layout, rank: int) -> list[RankParam]:
-    """The parameters `rank` holds, with their local sizes."""
+def is_expert(spec: ParamSpec) -> bool:
+    """A routed expert's stacked weights or biases (dim 0: the experts, which expert parallelism splits)."""
+    return ".experts_" in spec.name
+
+
+def _local_shape(spec: ParamSpec, cfg: ModelConfig, layout: Layout, tp_rank: int, megatron: bool) -> tuple[int, ...]:
+    """The parameter's shape on one rank: its tp shard (`megatron`: learned positions whole, as Megatron-LM
+    keeps them); key-value heads fewer than tp replicated, one per rank (Megatron-LM's placement;
+    trainwise's trainer needs tp to divide them); routed experts / ep."""
+    if megatron and spec.name == "pos_embed.weight":
+        return spec.shape
+    shape = list(tp_shape(spec, layout.tp, tp_rank))
+    kv = spec.name.rsplit(".", 2)[-2] in ("k", "v") and ".qkv." in spec.name
+    if kv and cfg.n_kv_heads < layout.tp:
+        shape[0] = cfg.head_dim
+    if is_expert(spec) and layout.ep > 1:
+        shape[0] = -(-shape[0] // layout.ep)
+    return tuple(shape)
+
+
+def rank_params(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = False) -> list[RankParam]:
+    """The parameters `rank` holds, with their local sizes, as trainwise places them or (`megatron`) as
+    Megatron-LM does (cost.rank_memory says which layouts are priced so). FSDP2 shards each over the dp x cp ranks
+    (a routed expert's over dp x cp / ep). With tied embeddings and pipeline stages the last stage holds
+    its own copy of the table as the LM head (their gradients all-reduced between the two stages)."""
     dp_rank, pp_rank, tp_rank = layout.coords(rank)
+    specs = model_params(cfg)
+    if cfg.tie_embeddings and layout.pp > 1:
+        specs.append(ParamSpec("lm_head.weight (tied copy)", (cfg.vocab_size, cfg.d_model), 0, False, "last", "root"))
     out = []
-    for spec in model_params(cfg):
+    for spec in specs:
         if not on_rank(spec, cfg, layout, pp_rank):
             continue
-        shape = tp_shape(spec, layout.tp, tp_rank)
+        shape = _local_shape(spec, cfg, layout, tp_rank, megatron)
         tp_numel = math.prod(shape)
         numel = padded = tp_numel
         if _fsdp(layout):
+            shards = layout.dp * layout.cp // (layout.ep if is_expert(spec) else 1)
             rest = tp_numel // shape[0] if shape[0] else 0
-            numel = chunk(shape[0], layout.dp, dp_rank) * rest
-            padded = -(-shape[0] // layout.dp) * rest
+            numel = chunk(shape[0], shards, dp_rank % shards) * rest
+            padded = -(-shape[0] // shards) * rest
         out.append(RankParam(spec, numel, tp_numel, padded))
     return out
-
-
-def rank_state_bytes(cfg: ModelConfig, layout: Layout, rank: int, moments: int) -> dict[str, int]:
-    """{"params", "grads", "optimizer"} bytes `rank` holds: fp32 parameters and gradients of its shards
-    (a partial gradient is whole on each rank), `moments` fp32 optimizer moments per element (AdamW 2)."""
-    n = sum(p.numel for p in rank_params(cfg, layout, rank))
-    return {"params": 4 * n, "grads": 4 * n, "optimizer": 4 * moments * n}
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ def plan_table(plan) -> str:
     for key in ("params", "grads", "optimizer", "master", "states", "activations"):
         rows.append((f"{key} / device", fmt_bytes(mem[f"{key}_bytes"])))
     rows.append(("total / device", fmt_bytes(mem["per_device_bytes"])))
-    if plan.peak_rank is not None:  # a layout trainwise trains: the step's high point, as verify checks it
+    if plan.peak_rank is not None:  # the step's high point on the highest rank, as verify checks a run
         rank, _ = plan.peak_rank
         rows.append(("step peak / device", f"{fmt_bytes(mem['peak_bytes'])} (rank {rank}, the highest)"))
     rows += [("budget / device", fmt_bytes(mem["budget_bytes"])), ("fits", fits_text(plan))]

@@ -12,9 +12,9 @@ from trainwise.config import ZERO_STAGE, ModelConfig, RunConfig
 from trainwise.cost import flops as FL
 from trainwise.cost import memory as M
 from trainwise.cost.cluster import ClusterStep
-from trainwise.cost.layout import Layout, RankMemory, check_layout, make_layout, rank_memory
+from trainwise.cost.layout import Layout, check_layout, make_layout
 from trainwise.cost.params import ParamCount, params
-from trainwise.cost.rank_memory import RankPeak, highest_peak
+from trainwise.cost.rank_memory import RankPeak, highest_peak, trains
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time, model_flops_utilization
@@ -60,8 +60,8 @@ class Plan:
     time_source: str = "assumed MFU (--mfu)"  # "calibrated" | "published microbenchmarks" | "assumed MFU (--mfu)"
     layout: Layout | None = None  # how the GPUs split the work (cost.layout)
     cluster: ClusterStep | None = None  # a GPU cluster's step, per operator and collective (cost.cluster)
-    rank: RankMemory | None = None  # the first pipeline rank's memory, under a model-parallel layout
-    # under a layout trainwise trains: the rank whose step peaks highest, and its peak (what verify holds it to)
+    # under a model-parallel layout or one trainwise trains: the rank whose step peaks highest, and its peak
+    # (cost.rank_memory: what verify holds a run to)
     peak_rank: tuple[int, RankPeak] | None = None
     run: Run | None = None  # the run planned (cost.run.Run)
 
@@ -99,8 +99,6 @@ class Plan:
             return None
         if self.peak_rank is not None:
             return self.peak_rank[1].peak
-        if self.rank is not None:  # a model-parallel layout: states + activations of the first pipeline rank
-            return self.rank.total
         return M.peak_bytes(self.model, self.states, self.activations_bytes, self.optimizer, self.micro_batch,
                             self.seq_len, self.grad_accum, self.tp, self.recipe, self.checkpointing,
                             compiled=self.compiled)
@@ -266,9 +264,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         convention = "exact" if fpt == model_fpt else "exact+recompute"
         check_layout(model, layout, seq_len)
         acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled)
-        peak_rank = highest_peak(run)  # a layout trainwise trains: the per-rank model verify holds it to
-        rank = (rank_memory(model, layout, recipe, optimizer, micro_batch, seq_len, checkpointing)
-                if model_parallel and peak_rank is None else None)  # one it only plans: the closed form
+        peak_rank = highest_peak(run) if model_parallel or trains(run) else None
         name = model.name
     else:
         n = int(params_count)
@@ -278,13 +274,11 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         fpt = model_fpt + (2.0 * n if checkpointing == "full" else 0.0)
         convention = "8ND" if checkpointing == "full" else "6ND"
         notes.append("activations unknown without a model config (--params only)")
-        rank = peak_rank = None
+        peak_rank = None
     states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp)
-    if rank is not None:
-        states, acts = rank.states, rank.activations
-    elif model_parallel and peak_rank is not None:  # the highest rank's states and activations in flight
+    if model_parallel and peak_rank is not None:  # the highest rank's states and activations in flight
         high = peak_rank[1]
-        states, acts = M.StateBytes(high.params, high.grads, high.optimizer, 0), high.activations
+        states, acts = M.StateBytes(high.params, high.grads, high.optimizer, high.master), high.activations
     step, cluster, source, t = None, None, "assumed MFU (--mfu)", None
     if hw is None:
         source = "no hardware"
@@ -318,6 +312,6 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
                 causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
                 convention=convention, states=states, activations_bytes=acts, memory_budget=memory_budget,
                 time=t, price=price, notes=notes, compiled=compiled, step=step, time_source=source, layout=layout,
-                cluster=cluster, rank=rank, peak_rank=peak_rank, run=run)
+                cluster=cluster, peak_rank=peak_rank, run=run)
 
 

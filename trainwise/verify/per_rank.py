@@ -38,9 +38,9 @@ def predicted_ranks(cfg: RunConfig, precision: str, layout: Layout) -> list[dict
     run = Run.of(cfg, precision, layout)
     shape = step_shape(cfg, precision, layout)
     if layout.model_parallel > 1:
-        moments = M.optimizer_moments(run.optimizer)
-        ranks = [{**R.rank_state_bytes(cfg.model, layout, r, moments), "peak_memory_bytes": rank_peak(run, r).peak}
-                 for r in range(layout.gpus)]
+        peaks = [rank_peak(run, r) for r in range(layout.gpus)]
+        ranks = [{"params": p.params, "grads": p.grads, "optimizer": p.optimizer + p.master,
+                  "peak_memory_bytes": p.peak} for p in peaks]
     else:
         ranks = _zero_plan(cfg, run)
     for r, rank in enumerate(ranks):
