@@ -9,16 +9,24 @@ from tiny import TINY, set_args
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides
 from trainwise.hardware.memory import ENV, available_bytes
-from trainwise.cost.layout import Layout
 from trainwise.cost.rank_memory import rank_peak
-from trainwise.trainer.memcheck import planned_run
+from trainwise.cost.run import Run
+from trainwise.runtime.mesh import layout_for
+from trainwise.runtime.parallelize import resolve_compile
 
 BIG = ("train.max_steps=2", "train.eval_every=0", "train.micro_batch=16", "train.grad_accum_steps=1")
 
 
+def one_process_run(cfg: RunConfig, precision: str = "fp32") -> Run:
+    """The run as trainer.loop.train describes it in one process (compiled as the trainer decides)."""
+    layout = layout_for(cfg.parallel, 1, cfg.train.grad_accum_steps)
+    compiled, _ = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps, layout.strategy)
+    return Run.of(cfg, precision, layout, compiled=compiled)
+
+
 def tiny_peak(micro_batch: int) -> int:
     cfg = apply_overrides(RunConfig(), [*TINY, "model.vocab_size=300", "train.micro_batch=%d" % micro_batch])
-    return rank_peak(planned_run(cfg, "fp32", Layout())).peak
+    return rank_peak(one_process_run(cfg)).peak
 
 
 def test_run_that_does_not_fit_stops_with_a_proposal_that_trains(corpus, tmp_path, monkeypatch, capsys):
@@ -46,10 +54,9 @@ def test_warn_and_off_let_the_run_go(monkeypatch):
     monkeypatch.setenv(ENV, "1KiB")
     cfg = apply_overrides(RunConfig(), [*TINY, "model.vocab_size=300", "train.memory_check=warn"])
     said = []
-    check_memory(cfg, torch.device("cpu"), "fp32", Dist("none"), said.append)
+    check_memory(one_process_run(cfg), cfg.train.memory_check, torch.device("cpu"), "fp32", Dist("none"), said.append)
     assert said and said[0].startswith("warning: the planned peak memory") and "1.02 KB" in said[0]
-    cfg.train.memory_check = "off"
-    check_memory(cfg, torch.device("cpu"), "fp32", Dist("none"), said.append)
+    check_memory(one_process_run(cfg), "off", torch.device("cpu"), "fp32", Dist("none"), said.append)
     assert len(said) == 1
 
 

@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 
 from trainwise.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from trainwise.cost.run import Run
 from trainwise.measure.memtrack import StepPeakMeter, foreign_storages
 from trainwise.runtime import checkpoint as ckpt
 from trainwise.runtime import distributed
 from trainwise.runtime.comms import CommCounter
+from trainwise.runtime.mesh import layout_for
 from trainwise.runtime.step import build_model, build_step
 
 STEPS, SAVE_AT = 10, 6
@@ -72,8 +74,10 @@ def routing(model: torch.nn.Module) -> list:
 
 
 def fresh(cfg: RunConfig):
-    """The model initialised whole from the run's seed, then divided by the layout."""
-    d = distributed.init(cfg.parallel, "cpu")
+    """The model initialised whole from the run's seed, then divided by the layout (the trainer's: its run
+    description over this world size)."""
+    layout = layout_for(cfg.parallel, distributed.world_size(), cfg.train.grad_accum_steps)
+    d = distributed.init(Run.of(cfg, "fp32", layout), "cpu")
     torch.manual_seed(cfg.train.seed)
     return d, build_step(build_model(cfg.model), cfg.train, torch.device("cpu"), "fp32", dist=d)
 

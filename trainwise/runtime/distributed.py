@@ -39,16 +39,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
-from trainwise.config import FSDP_STRATEGIES, ParallelConfig
+from trainwise.config import FSDP_STRATEGIES
+from trainwise.cost.run import Run
 from trainwise.errors import TrainwiseError
-from trainwise.runtime.mesh import Layout, build_mesh, layout_for
+from trainwise.runtime.mesh import Layout, build_mesh
 from trainwise.runtime.optim import local_optimizer
 from trainwise.runtime.precision import DTYPES
 
 
 @dataclass
 class Dist:
-    strategy: str  # none | ddp | zero1 | zero2 | fsdp (none whenever world_size == 1)
+    strategy: str  # none | ddp | zero1 | zero2 | fsdp (the layout's: none with one replica or one process)
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -87,24 +88,23 @@ class Dist:
         return self.strategy in FSDP_STRATEGIES
 
 
-def init(parallel: ParallelConfig, device_request: str, timeout_s: float = 120.0, micro_batches: int = 1) -> Dist:
-    """Join the process group torchrun set up (env WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR...) and, when
-    tp or pp > 1, build the job's DeviceMesh. The layout is checked against the world size first."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    strategy = parallel.strategy
-    layout = layout_for(parallel, world_size, micro_batches)
-    if world_size == 1:
-        return Dist("none")
-    if strategy == "none" and layout.dp > 1:
+def world_size() -> int:
+    """The ranks torchrun started (env WORLD_SIZE); 1 for a process started alone."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init(run: Run, device_request: str, timeout_s: float = 120.0) -> Dist:
+    """Join the process group torchrun set up (env WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR...) for the
+    run's layout and, when tp or pp > 1, build the job's DeviceMesh. `run.layout` is runtime.mesh.layout_for's
+    for this world size (checked there, before anything starts); the strategy is the layout's (none with one
+    replica). A process started alone is Dist("none")."""
+    layout, ranks = run.layout, world_size()
+    if layout.gpus != ranks:
         raise TrainwiseError(
-            f"this process was launched by torchrun as one of {world_size} ranks, but parallel.strategy = "
-            "'none'; add --set parallel.strategy=ddp (replicated), parallel.strategy=zero1 (optimizer states "
-            "sharded), parallel.strategy=zero2 (gradients too) or parallel.strategy=fsdp (everything sharded)"
-            + (f" for the {layout.dp} data-parallel replicas of tp {layout.tp} x pp {layout.pp}"
-               if layout.model_parallel > 1 else "") + "."
-        )
-    if layout.model_parallel > 1 and layout.dp == 1:
-        strategy = "none"  # one replica: no data-parallel dimension to shard (layout.strategy says so too)
+            f"the run's layout spans {layout.gpus} ranks (dp {layout.dp} x pp {layout.pp} x tp {layout.tp}), but "
+            f"this process is one of {ranks}: derive it from the world size (runtime.mesh.layout_for).")
+    if ranks == 1:
+        return Dist("none")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and device_request != "cpu"
     if use_cuda:
@@ -113,11 +113,15 @@ def init(parallel: ParallelConfig, device_request: str, timeout_s: float = 120.0
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     mesh = build_mesh(layout, "cuda" if use_cuda else "cpu") if layout.model_parallel > 1 else None
-    return Dist(strategy, rank, world_size, local_rank, control, layout, mesh)
+    return Dist(layout.strategy, rank, ranks, local_rank, control, layout, mesh)
 
 
-def device_for(d: Dist, device: torch.device) -> torch.device:
-    return torch.device("cuda", d.local_rank) if device.type == "cuda" and d.active else device
+def local_device(device: torch.device) -> torch.device:
+    """The device this process trains on: under torchrun a CUDA device is the rank's own, cuda:LOCAL_RANK
+    (the one init makes current). Known before init, from the environment torchrun set."""
+    if device.type == "cuda" and world_size() > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
 
 
 def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.Module:

@@ -34,9 +34,12 @@ _CONFIG_NAMES = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--vpp": "paralle
 
 
 def layout_for(p: ParallelConfig, world_size: int, micro_batches: int = 1) -> Layout:
-    """The layout of `world_size` ranks for [parallel] (cost.layout.Layout, sequence parallel with tp > 1);
-    a TrainwiseError naming the numbers and a layout that works when world size is not a multiple of
-    tp x pp. The strategy is the one that runs: none where there is one replica."""
+    """The layout of `world_size` ranks (torchrun's WORLD_SIZE, 1 for a process started alone) for [parallel]
+    (cost.layout.Layout, sequence parallel with tp > 1): the one the trainer's run description holds
+    (cost.run.Run) and runtime.distributed.init joins. A TrainwiseError naming the numbers and a layout that
+    works when tp x pp > 1 in a single process, when world size is not a multiple of tp x pp, or when torchrun
+    started more than one data-parallel replica with parallel.strategy = 'none'. The strategy is the one that
+    runs (Layout.strategy): none where there is one replica."""
     mp = p.tp * p.pp
     if world_size == 1 and mp > 1:
         raise TrainwiseError(
@@ -53,6 +56,14 @@ def layout_for(p: ParallelConfig, world_size: int, micro_batches: int = 1) -> La
             + (f" (e.g. {', '.join(fits)})" if fits else "") + ".")
     layout = make_layout(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp if p.pp > 1 else 1, zero=ZERO_STAGE[p.strategy],
                          micro_batches=micro_batches)
+    if p.strategy == "none" and layout.dp > 1:
+        raise TrainwiseError(
+            f"this process was launched by torchrun as one of {world_size} ranks, but parallel.strategy = "
+            "'none'; add --set parallel.strategy=ddp (replicated), parallel.strategy=zero1 (optimizer states "
+            "sharded), parallel.strategy=zero2 (gradients too) or parallel.strategy=fsdp (everything sharded)"
+            + (f" for the {layout.dp} data-parallel replicas of tp {layout.tp} x pp {layout.pp}"
+               if layout.model_parallel > 1 else "") + "."
+        )
     return Layout(**{**vars(layout), "pp_schedule": p.pp_schedule})
 
 

@@ -34,7 +34,8 @@ def cpu_has_fast_bf16() -> bool:
 
 def resolve_precision(requested: str, device: torch.device) -> tuple[str, str]:
     """(recipe, reason). auto: bf16 autocast where the device multiplies bf16 fast, fp16 + GradScaler on
-    CUDA GPUs without bf16, else fp32."""
+    CUDA GPUs without bf16, else fp32. Reads the device's type and, on CUDA, the capability of `device` (the
+    current device when it has no index), so it can be asked before torchrun's rank selects its GPU."""
     if requested == "fp16" and device.type != "cuda":
         raise TrainwiseError(
             "train.precision = 'fp16' needs a CUDA GPU (fp16 autocast with a GradScaler); on this CPU use "
@@ -43,7 +44,10 @@ def resolve_precision(requested: str, device: torch.device) -> tuple[str, str]:
     if requested != "auto":
         return requested, "set in the config"
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
+        # is_bf16_supported asks the current device: make it `device` for the question
+        with torch.cuda.device(device) if device.index is not None else contextlib.nullcontext():
+            bf16 = torch.cuda.is_bf16_supported()
+        if bf16:
             return "bf16", "this GPU supports bf16"
         return "fp16", "this GPU has no bf16; fp16 with loss scaling"
     if cpu_has_fast_bf16():

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from trainwise import rundir
 from trainwise.config import RunConfig, load_config
+from trainwise.cost.run import Run
 from trainwise.data import corpus as data_mod
 from trainwise.data.batches import BatchSampler
 from trainwise.data.bpb import VAL_SEED, bits_per_byte, val_window_bytes
@@ -36,7 +37,7 @@ from trainwise.report.html import write_report
 from trainwise.runtime import checkpoint as ckpt
 from trainwise.runtime import distributed
 from trainwise.runtime.allocator import keep_freed_memory
-from trainwise.runtime.mesh import check_layout, describe
+from trainwise.runtime.mesh import check_layout, describe, layout_for
 from trainwise.runtime.optim import lr_at
 from trainwise.runtime.parallelize import remove_compile, resolve_compile
 from trainwise.runtime.precision import autocast, resolve_device, resolve_precision
@@ -67,15 +68,19 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     keep_freed_memory()  # steps reuse the heap instead of faulting in fresh pages (runtime.allocator)
     out = Path(out) if out else rundir.default_run_dir()
     cfg, resume = _resolve_config(cfg, out, resume, max_steps, init_from)
-    d = distributed.init(cfg.parallel, cfg.train.device, micro_batches=cfg.train.grad_accum_steps)
+    t = cfg.train
+    layout = layout_for(cfg.parallel, distributed.world_size(), t.grad_accum_steps)  # before anything starts
+    device = distributed.local_device(resolve_device(t.device))
+    precision, why = resolve_precision(t.precision, device)
+    compiled, _ = resolve_compile(t.compile, cfg.model, t.max_steps, layout.strategy)
+    planned = Run.of(cfg, precision, layout, compiled=compiled)  # the run description, built once
+    d = distributed.init(planned, t.device)
     relaunch.check_ranks_agree(out, resume, d)
     quiet = quiet or not d.is_main
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    device = distributed.device_for(d, resolve_device(cfg.train.device))
-    precision, why = resolve_precision(cfg.train.precision, device)
     foreign = foreign_storages(device)  # what the process held before this run: not the run's memory
     tokenizer, tokens, init_state = _prepare_inputs(cfg, out, resume, init_from, d, say)
-    check_memory(cfg, device, precision, d, say)  # before the model exists and the run directory is made
+    check_memory(planned, t.memory_check, device, precision, d, say)  # before the model and the run directory
     run, state = _build(cfg, out, resume, init_state, tokens, device, precision, d)
     run.val_bytes = val_window_bytes(tokenizer, tokens.val, cfg)  # None unless the tokenizer is byte-level
     account = RunAccount(cfg, distributed.unwrap(run.step.model), device, precision, run.step.compiled, say,

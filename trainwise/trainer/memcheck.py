@@ -14,7 +14,6 @@ import torch
 
 from dataclasses import replace
 
-from trainwise.config import RunConfig
 from trainwise.cost.comm import strategy_for
 from trainwise.cost.layout import Layout, make_layout
 from trainwise.cost.rank_memory import rank_peak
@@ -23,14 +22,7 @@ from trainwise.errors import TrainwiseError
 from trainwise.hardware.memory import available_bytes
 from trainwise.planner.fit import fit_layout, fit_run
 from trainwise.runtime import distributed
-from trainwise.runtime.parallelize import resolve_compile
 from trainwise.units import fmt_bytes
-
-
-def planned_run(cfg: RunConfig, precision: str, layout: Layout) -> Run:
-    """The run as the trainer will execute it on `layout` (compiled as the trainer decides)."""
-    compiled, _ = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps, layout.strategy)
-    return Run.of(cfg, precision, layout, compiled=compiled)
 
 
 def proposal(run: Run, budget: int) -> str | None:
@@ -55,23 +47,22 @@ def proposal(run: Run, budget: int) -> str | None:
     return None
 
 
-def check_memory(cfg: RunConfig, device: torch.device, precision: str, d, say) -> None:
-    """Stop (memory_check = on) or warn before a run whose planned peak exceeds the available memory.
-    Under torchrun every rank checks its own device and all ranks agree, so they stop together."""
-    mode = cfg.train.memory_check
+def check_memory(run: Run, mode: str, device: torch.device, precision: str, d, say) -> None:
+    """Stop (`mode`, train.memory_check: on) or warn before a run whose planned peak on this rank exceeds
+    the available memory. `run` is the trainer's description of the run (trainer.loop.train builds it once,
+    on the layout distributed.init joined); `precision` the recipe it resolved (bf16, fp16 or fp32). Under
+    torchrun every rank checks its own device and all ranks agree, so they stop together."""
     if mode == "off":
         return
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     available, source = available_bytes(device, local_ranks)
-    run = planned_run(cfg, precision, d.layout if d.active else Layout())
     peak = rank_peak(run, d.rank if d.active else 0).peak
     if not distributed.any_rank(peak > available, d):
         return
-    t = cfg.train
     fix = proposal(run, available)
     text = (f"the planned peak memory of one training step, {fmt_bytes(peak)} per "
-            f"{'rank' if d.active else 'device'} (micro_batch {t.micro_batch} x grad_accum "
-            f"{t.grad_accum_steps}, seq_len {t.seq_len}, checkpointing {t.activation_checkpointing}, {precision}), "
+            f"{'rank' if d.active else 'device'} (micro_batch {run.micro_batch} x grad_accum "
+            f"{run.grad_accum}, seq_len {run.seq_len}, checkpointing {run.checkpointing}, {precision}), "
             f"exceeds the {fmt_bytes(available)} available ({source}); the run would be killed for lack of "
             "memory. " + (f"Settings with the same effective batch that fit: {fix}. " if fix else
                           "No micro-batch, checkpointing or ZeRO setting for this batch fits: use a smaller model "
