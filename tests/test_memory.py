@@ -110,7 +110,6 @@ def test_rank_peak_terms_per_strategy():
     hold the gradients at the start of backward even at K = 1; FSDP gathers two blocks + the root."""
     from trainwise.config import ZERO_STAGE
     from trainwise.cost.layout import Layout, make_layout
-    from trainwise.cost.memory import peak_bytes
     from trainwise.cost.rank_memory import rank_peak
     from trainwise.cost.run import Run
 
@@ -123,8 +122,6 @@ def test_rank_peak_terms_per_strategy():
             for s in ("none", "ddp", "zero1", "zero2", "fsdp")}
     assert peak["ddp"] >= peak["none"] and peak["ddp"] > peak["zero1"] > peak["fsdp"]
     assert peak["zero2"] > peak["fsdp"]  # zero2 keeps every gathered block until backward
-    acts = activation_bytes(cfg, r, 8, 256)
     from trainwise.cost.params import params
 
-    s = state_bytes(params(cfg).total, r, "adamw")
-    assert peak["ddp"] - peak_bytes(cfg, s, acts, "adamw", 8, 256, 1, 1, r) == s.grads
+    assert peak["ddp"] - peak["none"] == state_bytes(params(cfg).total, r, "adamw").grads

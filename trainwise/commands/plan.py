@@ -9,7 +9,7 @@ from dataclasses import replace
 from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import load_config
 from trainwise.cost.layout import Layout, make_layout
-from trainwise.cost.memory import OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES, get_recipe
+from trainwise.cost.memory import FP8_SCALINGS, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES, get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
@@ -45,6 +45,8 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--micro-batch", type=whole_number, help="sequences per micro-batch B")
     p.add_argument("--grad-accum", type=whole_number, help="gradient accumulation steps K")
     p.add_argument("--precision", help=f"recipe: {', '.join(list(RECIPES) + list(RECIPE_ALIASES))}")
+    p.add_argument("--fp8-recipe", choices=list(FP8_SCALINGS),
+                   help="with --precision fp8: the FP8 scaling (default current: per-tensor, just in time)")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_MOMENTS), help="adamw, sgd, sgd-momentum")
     p.add_argument("--checkpointing", choices=["none", "selective", "full"])
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (FSDP = 3)")
@@ -148,6 +150,12 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
                       gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
                       inter_node_bw=args.inter_node_bw)
     recipe = get_recipe(args.precision) if args.precision is not None else run.recipe
+    if args.fp8_recipe is not None:
+        if recipe.fp8 not in FP8_SCALINGS:
+            raise TrainwiseError(
+                f"--fp8-recipe {args.fp8_recipe} chooses how --precision fp8 scales its FP8 tensors, but the "
+                f"precision is {recipe.name}: add --precision fp8, or drop --fp8-recipe.")
+        recipe = get_recipe("fp8" if args.fp8_recipe == "current" else f"fp8-{args.fp8_recipe}")
     return replace(run, recipe=recipe, layout=layout, machine=None if machine == Machine() else machine)
 
 

@@ -27,16 +27,21 @@ from trainwise.hardware.table import ACCELERATORS, ATTENTION_TFLOPS, Accelerator
 
 TILES = ((256, 128), (128, 256))  # cuBLAS's most efficient tiles (the guide above)
 DEFAULT_COPY_FRACTION = 0.75  # where a GPU has no published copy figure: H100 SXM's (hardware.table)
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 FP32_AS_BF16_PASSES = 6  # an fp32 matmul on a device with bf16 units only (jax.lax.Precision.HIGHEST on TPUs)
 
 
 def matmul_rate(acc: Accelerator, dtype: str) -> float:
-    """FLOP/s a large well-shaped matmul reaches: MAMF (bf16/fp16), or the fp32 peak at MAMF's share."""
+    """FLOP/s a large well-shaped matmul reaches: MAMF (bf16/fp16), or the fp32 or FP8 peak at MAMF's
+    share. FP8: no MAMF sweep is published; the share carries over where FP8 GEMMs were measured (H100 SXM,
+    cuBLASLt 8192^3 E4M3: 1,609 TFLOP/s, 81% of 1,979, beside bf16's 80%; H800 block-scaled DeepGEMM: up to
+    1,550 TFLOP/s, its README), so per-tensor and block scaling run at one rate."""
     half = acc.peak("bf16")
     mamf = acc.mamf or half * 0.8  # no MAMF published: 80%, the H100's (hardware.table)
     if dtype in ("bf16", "fp16"):
         return mamf
+    if dtype == "fp8":
+        return acc.peak("fp8") * mamf / half
     if "fp32" not in acc.peak_flops:  # the TPUs: XLA's HIGHEST precision, fp32 as 6 bf16 passes (jax.lax.Precision)
         return mamf / FP32_AS_BF16_PASSES
     return acc.peak("fp32") * mamf / half

@@ -33,6 +33,7 @@ class Recipe:
     residual_bytes: int  # the residual stream and norm inputs
     compute_dtype: str  # selects the peak FLOP/s
     description: str
+    fp8: str = ""  # the linear layers' GEMMs in FP8, scaled: current | delayed | blockwise | mx ("": none)
 
 
 RECIPES = {
@@ -45,6 +46,21 @@ RECIPES = {
     "megatron": Recipe("megatron", 2, 4, 4, 4, 2, 2, "fp16", "Megatron-LM's mixed precision: 16-bit weights and "
                        "activations, fp32 main gradients, master weights and Adam moments (2+4+4+8 = 18 bytes)"),
 }
+# FP8 training as Megatron-Core runs it with Transformer Engine: the transformer blocks' linear layers compute
+# in FP8 (forward and both backward GEMMs), everything else (attention, the LM head, the states) as in bf16
+# mixed precision: bf16 weights and activations, fp32 main gradients, master weights and Adam moments.
+FP8_SCALINGS = {
+    "current": "per-tensor current scaling (TE Float8CurrentScaling, torchao float8's default)",
+    "delayed": "per-tensor delayed scaling from an amax history (TE DelayedScaling)",
+    "blockwise": "1 x 128 activation and 128 x 128 weight blocks (DeepSeek-V3)",
+}
+for _scaling, _how in FP8_SCALINGS.items():
+    _name = "fp8" if _scaling == "current" else f"fp8-{_scaling}"
+    RECIPES[_name] = Recipe(_name, 2, 4, 4, 4, 2, 2, "fp8", f"FP8 linear layers, {_how}, over bf16 weights and "
+                            "activations; fp32 main gradients, master weights and Adam moments", fp8=_scaling)
+RECIPES["mxfp8"] = Recipe("mxfp8", 2, 4, 4, 4, 2, 2, "fp8", "MXFP8 linear layers (1 x 32 blocks, E8M0 scales: "
+                          "Blackwell tensor cores) over bf16 weights and activations; fp32 main gradients, master "
+                          "weights and Adam moments", fp8="mx")
 RECIPE_ALIASES = {"bf16": "bf16-mixed", "mixed": "bf16-mixed", "fp16": "bf16-mixed", "fp16-mixed": "bf16-mixed",
                   "pure-bf16": "bf16-pure", "autocast": "amp", "auto": "amp", "float32": "fp32"}
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
@@ -352,31 +368,6 @@ def recompute_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1) 
     return math.ceil(max(tokens * activation_bytes_per_token_layer(cfg, recipe, i)
                          + weights * matmul_weight_params(cfg, i)
                          for i in _distinct_layers(cfg)) / tp)
-
-
-def peak_bytes(cfg: ModelConfig, states: StateBytes, activations: int, optimizer: str, micro_batch: int,
-               seq_len: int, grad_accum: int = 1, tp: int = 1, recipe: Recipe | None = None,
-               checkpointing: str = "none", compiled: bool = False, extra_backward: int = 0) -> int:
-    """Peak of one training step = the larger of its two high points:
-      start of backward: params + optimizer + master + activations + the cross-entropy backward's
-        scratch (loss_backward_bytes: two fp32 B x T x V buffers, 8V per token, or one chunk's worth with
-        model.loss_chunk_tokens) or, under full checkpointing, one recomputed block if larger
-        (recompute_bytes), + the gradients when accumulating (K > 1: they already
-        hold the earlier micro-batches; with K = 1 they are None, zero_grad(set_to_none=True));
-      optimizer step: all states + one moment's worth of scratch for AdamW (sharded like the moments):
-        a foreach AdamW builds sqrt(v) for every parameter at once. trainwise's AdamW is fused on CPU
-        and CUDA (trainwise.runtime.optim) and needs no scratch, so there the term is a margin of one moment."""
-    logits_grads = loss_backward_bytes(cfg, recipe or RECIPES["fp32"], micro_batch * seq_len, tp)
-    if compiled and not cfg.loss_chunk_tokens:
-        logits_grads = compiled_loss_backward_bytes(cfg, recipe or RECIPES["fp32"], micro_batch * seq_len,
-                                                    checkpointing)
-    if checkpointing == "full" and recipe is not None:
-        logits_grads = max(logits_grads, recompute_bytes(cfg, recipe, micro_batch * seq_len, tp))
-    backward = (states.params + states.optimizer + states.master + activations + logits_grads
-                + (states.grads if grad_accum > 1 else 0) + extra_backward)
-    moments = optimizer_moments(optimizer)
-    scratch = states.optimizer // moments if moments >= 2 else 0
-    return max(backward, states.total + scratch)
 
 
 def eval_peak_bytes(cfg: ModelConfig, recipe: Recipe, resident: int, micro_batch: int, seq_len: int) -> int:

@@ -190,10 +190,23 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         act = tokens // (lay.tp if lay.sequence_parallel else 1) * cfg.d_model * acts_recipe.residual_bytes
         buffers = sum(K * act * ((st > 0) + (st < lay.stages - 1)) for st in stages)
     params_bytes = recipe.param_bytes * numel
-    resident = params_bytes + optimizer + master + buffers
+    resident = params_bytes + optimizer + master + buffers + fp8_weight_bytes(recipe, params)
     backward = resident + in_flight_high + scratch + gathered + no_sync
     step = resident + grads + scratch_step
     return RankPeak(params_bytes, grads, optimizer, master, max(flights), backward, step)
+
+
+def fp8_weight_bytes(recipe: M.Recipe, params: list) -> int:
+    """The FP8 copies of the blocks' linear weights an FP8 recipe keeps through the step (Transformer Engine
+    casts each weight once per step and keeps the copy and its transpose for the micro-batches after the
+    first): 2 bytes per element, and their scales: one fp32 per 128 x 128 block (blockwise), one byte per
+    32 elements (MXFP8); per-tensor scales and delayed scaling's amax history are a few kilobytes."""
+    if not recipe.fp8:
+        return 0
+    n = sum(p.numel for p in params if isinstance(p.spec.where, int) and len(p.spec.shape) >= 2
+            and ".router." not in p.spec.name and ".weight" in p.spec.name)
+    scales = {"blockwise": 4 / (128 * 128), "mx": 1 / 32}.get(recipe.fp8, 0.0)
+    return math.ceil(2 * n * (1 + scales))
 
 
 def in_flight(layout: Layout, pp_rank: int, micro_batches: int) -> list[list[int]]:

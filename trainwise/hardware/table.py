@@ -40,6 +40,7 @@ class Accelerator:
     copy_fraction: float | None = None  # share of the HBM bandwidth a memory-bound kernel reaches (copy)
     attention: str | None = None  # key of its published FlashAttention-2 rates (ATTENTION_TFLOPS)
     node: str | None = None  # the node it usually comes in (NODES)
+    mx: bool = False  # tensor cores that take block-scaled MX formats (MXFP8): Blackwell
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; fp16 falls back to bf16 and vice versa."""
@@ -88,11 +89,12 @@ ACCELERATORS: dict[str, Accelerator] = {
                         3.35e12, 80 * GB, note="secondary source only", sms=132, mamf=794.5 * T, copy_fraction=0.75,
                         attention="fa2-h100", node="hgx-h800"),
     # B200 (HGX, 1000 W): glennklockwood B200 (NVIDIA figures): BF16 2,250, FP8 4,500, TF32 1,100,
-    # FP32 80 TFLOP/s; 8 TB/s; 192 GB HBM3e (another NVIDIA table: 180 GB, 7.7 TB/s).
+    # FP32 80 TFLOP/s; 8 TB/s; 192 GB HBM3e (another NVIDIA table: 180 GB, 7.7 TB/s). MXFP8 at the FP8 rate
+    # (NVIDIA Blackwell architecture technical brief: fifth-generation tensor cores, MX formats).
     # Kernels: 148 SMs (ml-engineering training/performance/README.md); MAMF 1,745 TFLOP/s bf16 (77.6%);
     # copy fraction of GB200 (5,715-5,821 GB/s of 8,000: 0.73); no published FlashAttention-2 rates.
     "b200": Accelerator("B200", {"bf16": 2250 * T, "tf32": 1100 * T, "fp8": 4500 * T, "fp32": 80 * T},
-                        8.0e12, 192 * GB, sms=148, mamf=1745 * T, copy_fraction=0.73, node="dgx-b200"),
+                        8.0e12, 192 * GB, sms=148, mamf=1745 * T, copy_fraction=0.73, node="dgx-b200", mx=True),
     # L4: NVIDIA L4 datasheet (nanochat 121e12; sourcecode.com listing): BF16 121, TF32 60, FP8 242.5,
     # FP32 30.3; 300 GB/s GDDR6; 24 GB.
     # 58 SMs (NVIDIA Ada GPU architecture whitepaper, AD104 as L4).

@@ -32,14 +32,16 @@ def _blocks(cfg: ModelConfig, micro_batch: int, seq_len: int, precision: str, ch
 
 
 def rank_work(cfg: ModelConfig, layout: Layout, micro_batch: int, seq_len: int, precision: str, checkpointing: str,
-              optimizer: str = "adamw") -> RankWork:
-    """One rank's operators per micro-batch under `layout` (module docstring), with and without checkpointing."""
+              optimizer: str = "adamw", fp8: str = "") -> RankWork:
+    """One rank's operators per micro-batch under `layout` (module docstring), with and without checkpointing;
+    `fp8`: the blocks' linear layers in FP8 with that scaling (_fp8)."""
     def record(ckpt: str) -> dict[str, list[Op]]:
         share = _blocks(tp_share(cfg, layout.tp), micro_batch, seq_len // layout.cp, precision, ckpt, optimizer,
                         layout.attention_impl)
         whole = (_blocks(cfg, micro_batch, seq_len // layout.cp, precision, ckpt, optimizer, layout.attention_impl)
                  if layout.sequence_parallel else None)
-        return {part: _apply(ops, layout, whole and whole.get(part)) for part, ops in share.items()}
+        out = {part: _apply(ops, layout, whole and whole.get(part)) for part, ops in share.items()}
+        return {part: _fp8(ops, fp8) if fp8 and part != "ends" else ops for part, ops in out.items()}
 
     main = record(checkpointing)
     plain = record("none") if checkpointing != "none" else None
@@ -68,12 +70,40 @@ def _apply(ops: list[Op], layout: Layout, whole: list[Op] | None) -> list[Op]:
     return out
 
 
+# Bytes per element of the cast to FP8 before a GEMM: the bf16 tensor read (2), the FP8 copy and its transpose
+# written (1 + 1: Transformer Engine's cast-transpose, the transpose for the backward GEMM that reads it).
+FP8_CAST_BYTES = 4
+# Current scaling reads the tensor once more for its amax before casting; delayed scaling takes the scale from
+# the amax history and block scaling from each block, both inside the cast kernel.
+AMAX_PASS_BYTES = 2
+
+
+def _fp8(ops: list[Op], scaling: str) -> list[Op]:
+    """A block's linear layers in FP8 (Transformer Engine's recipes): each bf16 GEMM (the router, in fp32,
+    and attention stay) priced at the FP8 rate (cost.gpu.matmul_rate), and before it the cast of the
+    activation it reads first: the forward GEMM's input and the input-gradient GEMM's output gradient (the
+    weight-gradient GEMM reads both casts' transposes). Weights are cast once per step, not per
+    micro-batch, and the casts fused into a preceding norm are priced as separate passes."""
+    per_element = FP8_CAST_BYTES + (AMAX_PASS_BYTES if scaling == "current" else 0)
+    out = []
+    for op in ops:
+        if op.cls != "matmul" or op.shape is None or op.dtype != "bf16":
+            out.append(op)
+            continue
+        out.append(replace(op, dtype="fp8"))
+        if op.phase == "forward" or not op.layout.startswith("T"):
+            batch, m, k, _ = op.shape
+            out.append(Op("fp8 cast", "elementwise/other", op.phase, "bf16", None, op.calls, 0.0,
+                          per_element * batch * m * k * op.calls))
+    return out
+
+
 def predict_cluster_step(cfg: ModelConfig, layout: Layout, acc: Accelerator, node: Node, *, micro_batch: int,
                          seq_len: int, recipe: Recipe, checkpointing: str, optimizer: str = "adamw",
                          tp_overlap: bool = False) -> ClusterStep:
     """One optimizer step of `cfg` under `layout` on a cluster of `acc` in `node`s (cost.cluster)."""
     precision = record_precision(recipe)
-    work = rank_work(cfg, layout, micro_batch, seq_len, precision, checkpointing, optimizer)
+    work = rank_work(cfg, layout, micro_batch, seq_len, precision, checkpointing, optimizer, recipe.fp8)
     return cluster_step(cfg, layout, work, param_counts(cfg, layout), acc=acc, node=node, micro_batch=micro_batch,
                         seq_len=seq_len, checkpointing=checkpointing, act_bytes=recipe.compute_bytes,
                         grad_bytes=_reduced_grad_bytes(recipe), param_bytes=recipe.param_bytes, tp_overlap=tp_overlap)
@@ -88,7 +118,10 @@ def _reduced_grad_bytes(recipe: Recipe) -> int:
 
 def record_precision(recipe: Recipe) -> str:
     """How the step is recorded for a recipe: 16-bit weights and activations ("fp16-pure", "bf16-pure":
-    Megatron-LM's, bf16-mixed) or autocast over fp32 weights (amp: trainwise's own runs), or fp32."""
+    Megatron-LM's, bf16-mixed; the FP8 recipes, whose GEMMs _fp8 then moves to FP8) or autocast over fp32
+    weights (amp: trainwise's own runs), or fp32."""
     if recipe.compute_dtype == "fp32":
         return "fp32"
+    if recipe.fp8:
+        return "bf16-pure"
     return f"{recipe.compute_dtype}-pure" if recipe.param_bytes == 2 else recipe.compute_dtype

@@ -195,7 +195,9 @@ def plan_table(plan) -> str:
         hw = plan.hardware
         rows += [("hardware", f"{plan.gpus} x {hw.name} @ {hw.peak_flops:.4g} FLOP/s"),
                  ("step time", f"{t['step_seconds']:.4g} s per step of {plan.tokens_per_step:,} tokens, "
-                               f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} ({time_source(t['source'])})"),
+                               f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%}"
+                               + (f" of the FP8 peak, {t['mfu_bf16_peak']:.1%} of the bf16 peak"
+                                  if "mfu_bf16_peak" in t else "") + f" ({time_source(t['source'])})"),
                  ("time", f"{t['seconds']:.4g} s = {t['days']:.2f} days = {t['device_hours']:,.1f} device-hours"
                           if t["seconds"] is not None else t["note"])]
         if hw.calibration:

@@ -13,7 +13,7 @@ import torch
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.cache import cached, cached_link, calibration_note
 from trainwise.hardware.profile import Profile
-from trainwise.hardware.table import (Accelerator, Node, get_accelerator, get_node, lookup_cuda_device,
+from trainwise.hardware.table import (ACCELERATORS, Accelerator, Node, get_accelerator, get_node, lookup_cuda_device,
                                       node_from_line_rates)
 from trainwise.measure.calibrate import calibrate
 
@@ -66,6 +66,11 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
     whose GPUs per node and NVLink / network bandwidth per GPU --gpus-per-node, --intra-node-bw and
     --inter-node-bw override (the measured bus bandwidths scale with them). A given --peak-flops drops
     every model of the device: time then comes from the assumed MFU."""
+    if dtype == "fp8" and gpu and gpu.lower() in ("cpu", "cuda"):
+        raise TrainwiseError(
+            f"--precision fp8 plans the FP8 tensor cores of a GPU of the table, from published kernel figures; "
+            f"--gpu {gpu} is priced by this machine's calibration, which measures no FP8 GEMMs. Plan a table GPU "
+            "with FP8 (--gpu h100-sxm, h200, h800 or b200), or this machine with --precision bf16.")
     if gpu and gpu.lower() == "cpu":  # this machine, as `trainwise hardware --calibrate` measured it
         measured = calibrate("cpu", threads=threads)
         peak = measured["peak_flops"].get(dtype, measured["peak_flops"]["fp32"])
@@ -84,6 +89,11 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
         hw = _this_gpu(dtype)
     elif gpu:
         acc = get_accelerator(gpu)
+        if dtype == "fp8" and "fp8" not in acc.peak_flops:
+            with_fp8 = ", ".join(k for k, a in ACCELERATORS.items() if "fp8" in a.peak_flops)
+            raise TrainwiseError(
+                f"--precision fp8 needs FP8 tensor cores, and the {acc.name} has none (its published peaks: "
+                f"{', '.join(acc.peak_flops)}). Plan it with --precision bf16, or plan a GPU with FP8: {with_fp8}.")
         hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes, None, cuda=True,
                       peak_source=f"{acc.name} datasheet ({dtype})",
                       accelerator=acc if acc.bandwidth_bytes_per_s else None,
@@ -99,10 +109,14 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
         hw.accelerator = None
     if hw.accelerator is not None:
         hw.node = _node(hw, gpus, gpus_per_node, intra_node_bw, inter_node_bw)
-    if bandwidth:
+    if bandwidth:  # the cluster model prices memory-bound kernels at the accelerator's bandwidth
         hw.bandwidth_bytes_per_s = float(bandwidth)
+        if hw.accelerator is not None:
+            hw.accelerator = replace(hw.accelerator, bandwidth_bytes_per_s=float(bandwidth))
     if memory:
         hw.memory_bytes = int(memory)
+        if hw.accelerator is not None:
+            hw.accelerator = replace(hw.accelerator, memory_bytes=int(memory))
     if hw.peak_flops <= 0:
         raise TrainwiseError("--peak-flops must be positive.")
     return hw

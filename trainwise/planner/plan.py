@@ -14,7 +14,7 @@ from trainwise.cost import memory as M
 from trainwise.cost.cluster import ClusterStep
 from trainwise.cost.layout import Layout, check_layout, make_layout
 from trainwise.cost.params import ParamCount, params
-from trainwise.cost.rank_memory import RankPeak, highest_peak, trains
+from trainwise.cost.rank_memory import RankPeak, highest_peak
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time, model_flops_utilization
@@ -60,8 +60,7 @@ class Plan:
     time_source: str = "assumed MFU (--mfu)"  # "calibrated" | "published microbenchmarks" | "assumed MFU (--mfu)"
     layout: Layout | None = None  # how the GPUs split the work (cost.layout)
     cluster: ClusterStep | None = None  # a GPU cluster's step, per operator and collective (cost.cluster)
-    # under a model-parallel layout or one trainwise trains: the rank whose step peaks highest, and its peak
-    # (cost.rank_memory: what verify holds a run to)
+    # the rank whose step peaks highest, and its peak (cost.rank_memory: what verify holds a run to)
     peak_rank: tuple[int, RankPeak] | None = None
     run: Run | None = None  # the run planned (cost.run.Run)
 
@@ -94,14 +93,11 @@ class Plan:
 
     @property
     def peak_bytes(self) -> int | None:
-        """Peak of one step (memory.peak_bytes): what `trainwise verify` compares with tracked memory."""
+        """Peak of one step on the highest rank (cost.rank_memory.rank_peak): what `trainwise verify` compares with
+        tracked memory."""
         if self.activations_bytes is None or self.model is None:
             return None
-        if self.peak_rank is not None:
-            return self.peak_rank[1].peak
-        return M.peak_bytes(self.model, self.states, self.activations_bytes, self.optimizer, self.micro_batch,
-                            self.seq_len, self.grad_accum, self.tp, self.recipe, self.checkpointing,
-                            compiled=self.compiled)
+        return self.peak_rank[1].peak
 
     @property
     def budget(self) -> int | None:
@@ -170,6 +166,14 @@ class Plan:
         """The worked derivation: each formula, the numbers substituted, the result."""
         return explain_plan(self)
 
+    @property
+    def mfu_bf16_peak(self) -> float | None:
+        """An FP8 run's MFU against the GPU's bf16 peak (`mfu` is against its FP8 peak); None otherwise."""
+        acc = self.hardware and self.hardware.accelerator
+        if not self.recipe.fp8 or acc is None:
+            return None
+        return self.mfu * self.hardware.peak_flops / acc.peak("bf16")
+
     def _time_json(self) -> dict[str, Any]:
         """Without hardware the keys stay, null, with a note saying what to give (JSON contract: same keys);
         without tokens the step's figures are there and the run's totals null, with a note."""
@@ -182,6 +186,8 @@ class Plan:
                "mfu": self.mfu, "source": self.time_source,
                **({"cost_usd": self.cost} if self.price is not None else {}),
                **({} if t else {"note": NO_TOKENS})}
+        if self.mfu_bf16_peak is not None:  # published FP8 runs state MFU against the bf16 peak
+            out["mfu_bf16_peak"] = self.mfu_bf16_peak
         if self.step is not None and self.step.comm:  # a data-parallel step's collectives, and their link
             out["comm"] = {"collectives_s": self.step.comm, "exposed_s": self.step.comm_s, "how": self.step.comm_how}
         if self.cluster is not None:  # exposed seconds per step by term (they add up) and per operator/collective
@@ -249,6 +255,11 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
     hw = resolve_hardware(gpu, machine.peak_flops, machine.bandwidth, machine.memory, recipe.compute_dtype, threads,
                           gpus_per_node=machine.gpus_per_node, intra_node_bw=machine.intra_node_bw,
                           inter_node_bw=machine.inter_node_bw, gpus=gpus) if has_hw else None
+    if recipe.fp8 == "mx" and hw is not None and not (hw.accelerator and hw.accelerator.mx):
+        raise TrainwiseError(
+            f"--precision mxfp8 needs tensor cores that take MX block-scaled formats (Blackwell: --gpu b200); "
+            f"the {hw.name} has none. Plan it with --precision fp8 (per-tensor or --fp8-recipe blockwise scaling) "
+            "or bf16.")
     if hw is None and machine.memory:
         memory_budget = memory_budget or int(machine.memory)  # --memory without a device: still the capacity to fit
     dp = layout.dp
@@ -264,7 +275,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         convention = "exact" if fpt == model_fpt else "exact+recompute"
         check_layout(model, layout, seq_len)
         acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled)
-        peak_rank = highest_peak(run) if model_parallel or trains(run) else None
+        peak_rank = highest_peak(run)
         name = model.name
     else:
         n = int(params_count)

@@ -116,7 +116,7 @@ def build_verify(cfg: RunConfig, plan, measured: dict, step_time_s: float | None
             + f"MFU against peak {peak:.4g} FLOP/s: {peak_source}",
             "step time measured = mean logged step_time_s after the first log interval",
             "memory by category measured with MemTracker on one extra real step of an eager copy of the "
-            "trained model; peak predicted = cost.memory.peak_bytes",
+            "trained model; peak predicted = cost.rank_memory.rank_peak",
             "peak measured = " + ("the peak allocated bytes of the run's last step as it ran (StepPeakMeter: "
                                   "CUDA allocator, or resident storages + the CPU allocator's events in "
                                   "torch.profiler)" if measured.get("peak_source") == "run"

@@ -1,0 +1,94 @@
+"""FP8 training as the cluster planner prices it (cost.memory's fp8 recipes, cost.gpu's FP8 rate,
+planner.cluster_step._fp8, cost.rank_memory.fp8_weight_bytes): where it runs, what it costs, what it holds."""
+
+import json
+
+import pytest
+from runs import run_of
+
+from trainwise.cli import main
+from trainwise.config import ModelConfig
+from trainwise.cost.gpu import matmul_rate
+from trainwise.cost.layout import make_layout
+from trainwise.cost.memory import get_recipe
+from trainwise.cost.rank import rank_params
+from trainwise.cost.rank_memory import rank_peak
+from trainwise.cost.run import Run
+from trainwise.hardware.table import ACCELERATORS
+from trainwise.planner.cluster_step import rank_work
+from trainwise.planner.plan import plan_run
+
+MODEL = ModelConfig(name="fp8-test", vocab_size=32000, d_model=1024, n_layers=4, n_heads=16, n_kv_heads=4,
+                    ffn_hidden=4096, max_seq_len=4096)
+
+
+def plan(precision: str, gpu: str = "h100-sxm", **kw):
+    return plan_run(run_of(MODEL, tokens=1e10, seq_len=4096, micro_batch=1, grad_accum=4, gpus=8, zero=1,
+                           precision=precision, gpu=gpu, **kw))
+
+
+@pytest.mark.parametrize("gpu", ["h100-sxm", "h200", "h800", "b200"])
+def test_fp8_plans_time_and_memory_on_gpus_with_fp8_tensor_cores(gpu):
+    fp8, bf16 = plan("fp8", gpu), plan("megatron", gpu)  # the same states: bf16 weights, fp32 grads/master/moments
+    assert 0 < fp8.step_seconds < bf16.step_seconds
+    assert fp8.peak_bytes > bf16.peak_bytes  # the FP8 weight copies it keeps
+    acc = ACCELERATORS[gpu]
+    t = fp8.to_json()["time"]
+    # MFU against the FP8 peak, and against the bf16 peak (published FP8 tables use the latter)
+    assert t["mfu_bf16_peak"] == pytest.approx(t["mfu"] * acc.peak("fp8") / acc.peak("bf16"))
+    assert "mfu_bf16_peak" not in bf16.to_json()["time"]
+
+
+def test_the_blocks_gemms_run_in_fp8_and_their_inputs_are_cast():
+    """Every bf16 GEMM of a block moves to FP8 (the LM head and attention stay); each forward GEMM's input
+    and each input-gradient GEMM's output gradient is cast: read 2 bytes, write the FP8 copy and its
+    transpose (4), and under current scaling read once more for the amax (6)."""
+    lay = make_layout(1)
+    plain = rank_work(MODEL, lay, 1, 512, "bf16-pure", "none")
+    for scaling, per_element in (("current", 6), ("delayed", 4), ("blockwise", 4)):
+        work = rank_work(MODEL, lay, 1, 512, "bf16-pure", "none", fp8=scaling)
+        gemms = [o for o in work.layer if o.cls == "matmul"]
+        assert gemms and all(o.dtype == "fp8" for o in gemms)
+        assert all(o.dtype == "bf16" for o in work.ends if o.cls == "matmul")  # the LM head
+        casts = sum(o.bytes for o in work.layer if o.name == "fp8 cast")
+        reads = sum(o.shape[0] * o.shape[1] * o.shape[2] for o in plain.layer if o.cls == "matmul"
+                    and (o.phase == "forward" or not o.layout.startswith("T")))
+        assert casts == per_element * reads
+    # FP8 GEMMs at the bf16 MAMF's share of the FP8 peak
+    h100 = ACCELERATORS["h100-sxm"]
+    assert matmul_rate(h100, "fp8") == pytest.approx(794.5e12 * 1979 / 989.4)
+
+
+def test_each_recipe_keeps_fp8_weight_copies_and_their_scales():
+    """Beside the megatron recipe's states (the same bytes per parameter), an FP8 recipe keeps each block
+    linear weight's FP8 copy and transpose: 2 bytes per element; block scaling adds an fp32 per 128 x 128
+    block, MXFP8 a byte per 32 elements."""
+    lay = make_layout(8, zero=1, micro_batches=4)
+
+    def peak(recipe: str) -> int:
+        return rank_peak(Run(MODEL, seq_len=4096, grad_accum=4, recipe=get_recipe(recipe), layout=lay)).peak
+
+    linear = sum(p.numel for p in rank_params(MODEL, lay, 0) if isinstance(p.spec.where, int)
+                 and len(p.spec.shape) == 2)
+    assert peak("fp8") - peak("megatron") == 2 * linear
+    assert peak("fp8-delayed") == peak("fp8")
+    assert peak("fp8-blockwise") - peak("megatron") == pytest.approx(2 * linear * (1 + 4 / 128**2), abs=1)
+    assert peak("mxfp8") - peak("megatron") == pytest.approx(2 * linear * (1 + 1 / 32), abs=1)
+
+
+def test_fp8_recipe_flag_and_refusals(capsys):
+    args = ["plan", "--model", "llama-3-8b", "--gpus", "8", "--seq-len", "8192", "--micro-batch", "1",
+            "--global-batch", "64", "--tokens", "1e11"]
+    for recipe in ("current", "delayed", "blockwise"):
+        assert main(args + ["--gpu", "h100-sxm", "--precision", "fp8", "--fp8-recipe", recipe, "--json"]) == 0
+        j = json.loads(capsys.readouterr().out)
+        assert j["time"]["step_seconds"] > 0 and j["memory"]["peak_bytes"] > 0
+    assert main(args + ["--gpu", "b200", "--precision", "mxfp8", "--json"]) == 0
+    capsys.readouterr()
+    for bad, says in ((["--gpu", "a100-80gb", "--precision", "fp8"], "needs FP8 tensor cores, and the A100 80GB"),
+                      (["--gpu", "h100-sxm", "--precision", "mxfp8"], "Blackwell"),
+                      (["--gpu", "cpu", "--precision", "fp8"], "calibration, which measures no FP8"),
+                      (["--gpu", "h100-sxm", "--fp8-recipe", "delayed"], "add --precision fp8")):
+        assert main(args + bad) != 0
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
