@@ -278,3 +278,25 @@ def test_cli_plan_with_a_layout_and_its_explanation(capsys):
     assert "bubble" in text and "tp comm" in text and "nccl all_reduce (dp)" in text
     assert main(argv + ["--grad-accum", "3"]) == 2
     assert "drop one of them" in " ".join(capsys.readouterr().err.split())
+
+
+def test_fsdp_gathers_and_scatters_per_block_as_it_runs():
+    """ZeRO-3 as FSDP2 runs it: per micro-batch each block all-gathered before forward and again before
+    backward and reduce-scattered after it, the roots (embedding, head) gathered once and scattered once;
+    a block's collectives hide under its neighbours' compute, so the exposed time lies between the
+    collectives no block can hide (first gathers, last scatter, roots) and all of them, and shrinks as the
+    blocks' compute grows."""
+    cfg = gpt(16, 2048, 8, max_seq_len=8192, dropout=0.0)
+
+    def step(seq_len: int):
+        return plan_run(run_of(cfg, tokens=1e9, seq_len=seq_len, micro_batch=1, grad_accum=2, gpus=16, zero=3,
+                               precision="bf16", gpu="h100-sxm"))
+
+    p = step(1024)
+    comm = p.to_json()["comm"]
+    assert comm["all_gather"]["calls"] == 2 * (2 * 8 + 1)  # K = 2 micro-batches x (2 per block + the roots)
+    assert comm["reduce_scatter"]["calls"] == 2 * (8 + 1)
+    ops = {o["op"]: o["seconds"] for o in p.cluster.ops}
+    everything = ops["nccl all_gather (dp)"] + ops["nccl reduce_scatter (dp)"]
+    assert 0 < p.cluster.breakdown["dp_comm_s"] <= everything
+    assert step(8192).cluster.breakdown["dp_comm_s"] <= p.cluster.breakdown["dp_comm_s"]

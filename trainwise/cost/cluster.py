@@ -19,8 +19,9 @@
                             B x T x H / tp (scatter-gather / sequence parallel), exposed
     pipeline            m x (the slowest rank's micro-batch) + the bubble (p - 1) / v x (the mean rank's)
                         (Narayanan et al. 2021 sections 2.2.1-2.2.2)
-    data parallel       the rank's gradients all-reduced (ZeRO >= 1: reduce-scattered, parameters
-                        all-gathered), under the last micro-batch's backward when dp_overlap (DDP buckets)
+    data parallel       the rank's gradients all-reduced (ZeRO 1-2: reduce-scattered, parameters
+                        all-gathered), under the last micro-batch's backward when dp_overlap (DDP buckets);
+                        ZeRO-3 as FSDP2 runs it, block by block under the neighbouring blocks' compute (_fsdp)
     optimizer           the fused update of the rank's parameters (/dp under ZeRO), at the copy bandwidth
     overhead            per step, the host's (hardware.profile.DEFAULT_OVERHEAD)
 
@@ -95,8 +96,12 @@ def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: Param
         breakdown[key] = m * worst[key]
     breakdown["bubble_s"] = bubble_fraction(p, v, m) * m * sum(stages) / p
     log.repeat(m)  # the micro-batch's operators and collectives, m times; what follows is once per step
-    breakdown["dp_comm_s"] = _data_parallel(cfg, layout, counts, stage_idx[slowest], slowest, worst["backward"],
-                                            tiers, grad_bytes, param_bytes, log)
+    if layout.zero == 3 and layout.dp * layout.cp > 1:
+        breakdown["dp_comm_s"] = _fsdp(cfg, layout, counts, stage_idx[slowest], slowest, worst, tiers, grad_bytes,
+                                       param_bytes, log)
+    else:
+        breakdown["dp_comm_s"] = _data_parallel(cfg, layout, counts, stage_idx[slowest], slowest, worst["backward"],
+                                                tiers, grad_bytes, param_bytes, log)
     breakdown["optimizer_s"] = _optimizer(cfg, layout, work, stage_idx[slowest], slowest, acc, log)
     breakdown["overhead_s"] = DEFAULT_OVERHEAD[0]
     return ClusterStep(sum(breakdown.values()), breakdown, log.ops(), log.comm(), stages)
@@ -170,7 +175,8 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
     if p > 1:  # activation forward and gradient backward per virtual stage, B x T x H / tp each
         pp = coll("pp", "send_recv", act / layout.tp, 2, 2 * v)
     return {"total": t["all"] + tp + ep + cp + pp, "compute_s": plain["all"], "recompute_s": t["all"] - plain["all"],
-            "tp_comm_s": tp, "ep_comm_s": ep, "cp_comm_s": cp, "pp_p2p_s": pp, "backward": t["backward"]}
+            "tp_comm_s": tp, "ep_comm_s": ep, "cp_comm_s": cp, "pp_p2p_s": pp, "backward": t["backward"],
+            "forward": t["forward"]}
 
 
 def _tier(layout: Layout, dim: str, node: Node) -> C.Tier:
@@ -212,8 +218,8 @@ def _parts(cfg: ModelConfig, work: RankWork, idx: list[int], first: bool, last: 
 def _data_parallel(cfg, layout: Layout, rp: ParamCounts, idx, r, backward_s, tiers, grad_bytes, param_bytes,
                    log: _Log) -> float:
     """Exposed seconds of the data-parallel collectives of rank r per step: gradients all-reduced (ZeRO 1-2:
-    reduce-scattered + parameters all-gathered once; ZeRO-3: all-gathered forward and backward of every
-    micro-batch), the experts' over their own data-parallel group (dp x cp / ep)."""
+    reduce-scattered + parameters all-gathered once), the experts' over their own data-parallel group
+    (dp x cp / ep)."""
     n_moe = sum(cfg.is_moe_layer(i) for i in idx)
     dense = (len(idx) - n_moe) * rp.layer + n_moe * (rp.moe_layer - rp.moe_experts)
     dense += (rp.embedding if r == 0 else 0) + (rp.head if r == layout.pp - 1 else 0)
@@ -226,12 +232,48 @@ def _data_parallel(cfg, layout: Layout, rp: ParamCounts, idx, r, backward_s, tie
             kinds = [("all_reduce", grad_bytes, 1)]
         else:
             kinds = [("reduce_scatter", grad_bytes, 1),
-                     ("all_gather", param_bytes, 1 if layout.zero < 3 else 2 * layout.micro_batches)]
+                     ("all_gather", param_bytes, 1)]
         for kind, per, calls in kinds:
             seconds = calls * C.collective_seconds(kind, n_params * per, ranks, tiers["dp"])
             total += seconds
             log.coll(kind, "dp", calls, seconds, calls * C.bytes_sent(kind, n_params * per, ranks))
     return max(0.0, total - backward_s) if layout.dp_overlap else total
+
+
+def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_bytes, param_bytes,
+          log: _Log) -> float:
+    """Exposed seconds per step of ZeRO-3 as FSDP2 runs it (torchtitan, llm-foundry): per micro-batch, each
+    block's parameters all-gathered before its forward and again before its backward, its gradients
+    reduce-scattered after its backward, one block prefetched: a block's gather hides under the previous
+    block's compute, its reduce-scatter under the next one's backward, and what a block's collectives take
+    beyond its compute is exposed; the first gather of each pass and the last reduce-scatter are not hidden.
+    The roots (embedding, final norm and head) are gathered once per micro-batch and kept until backward.
+    Blocks priced alike (the rank's layers' mean; experts over their own group, dp x cp / ep)."""
+    n_moe = sum(cfg.is_moe_layer(i) for i in idx)
+    blocks = max(1, len(idx))
+    root = (rp.embedding if r == 0 else 0) + (rp.head if r == layout.pp - 1 else 0)
+    dense = (len(idx) - n_moe) * rp.layer + n_moe * (rp.moe_layer - rp.moe_experts)
+    ranks, expert_ranks = layout.dp * layout.cp, layout.dp * layout.cp // layout.ep
+    m = layout.micro_batches
+
+    def coll(kind: str, n_params: float, per: int, group: int, calls: int) -> float:
+        if group <= 1 or n_params <= 0:
+            return 0.0
+        seconds = C.collective_seconds(kind, n_params * per, group, tiers["dp"])
+        log.coll(kind, "dp", calls, calls * seconds, calls * C.bytes_sent(kind, n_params * per, group))
+        return seconds
+
+    experts = n_moe * rp.moe_experts / blocks
+    gather = coll("all_gather", dense / blocks, param_bytes, ranks, 2 * blocks * m) + coll(
+        "all_gather", experts, param_bytes, expert_ranks, 2 * blocks * m)
+    scatter = coll("reduce_scatter", dense / blocks, grad_bytes, ranks, blocks * m) + coll(
+        "reduce_scatter", experts, grad_bytes, expert_ranks, blocks * m)
+    root_gather = coll("all_gather", root, param_bytes, ranks, m)
+    root_scatter = coll("reduce_scatter", root, grad_bytes, ranks, m)
+    forward, backward = mb["forward"] / blocks, mb["backward"] / blocks
+    exposed_forward = root_gather + gather + (blocks - 1) * max(0.0, gather - forward)
+    exposed_backward = blocks * max(0.0, gather + scatter - backward) + scatter + root_scatter
+    return m * (exposed_forward + exposed_backward)
 
 
 def _optimizer(cfg, layout: Layout, work: RankWork, idx, r, acc: Accelerator, log: _Log) -> float:
