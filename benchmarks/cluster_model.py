@@ -10,6 +10,10 @@ unfused attention (2021-22: no FlashAttention), gradient all-reduce overlapped (
 after backward (Megatron's local DDP) from 39.1B. Nothing below is fitted to these runs: every kernel and
 collective figure is a published microbenchmark (trainwise.hardware.table, trainwise.cost.comm).
 
+The second development set (H100, bf16 and FP8; FSDP; context parallelism; expert parallelism for later),
+transcribed with its sources in benchmarks/cluster_dev_set_2.py, is planned the same way: every dense row (FP8
+with the planner's FP8 recipes, context parallelism as ring attention), the MoE rows listed.
+
     python benchmarks/cluster_model.py                 # the table and the --fit (about a minute)
     python benchmarks/cluster_model.py --json out.json
 """
@@ -20,15 +24,18 @@ import argparse
 import json
 import statistics
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
+import cluster_dev_set_2 as S2
 from trainwise.cli import main as cli_main
 from trainwise.config import ModelConfig
 from trainwise.cost.layout import make_layout
 from trainwise.cost.memory import get_recipe
 from trainwise.cost.rank_memory import rank_peak
 from trainwise.cost.run import Machine, Run
+from trainwise.errors import TrainwiseError
 from trainwise.planner.plan import plan_run
 
 GiB = 2**30
@@ -81,6 +88,207 @@ def terms(p) -> str:
     return " ".join(f"{k[:-2]} {v:.2f}" for k, v in p.cluster.breakdown.items() if v >= 0.005)
 
 
+# The families the summary reports (a row counts in every family whose feature it uses)
+FIRST, H100, FSDP, CP, FP8, MOE = ("A100 Megatron fp16 (first set)", "H100 (bf16 and FP8)", "FSDP", "CP", "FP8",
+                                   "MoE (later)")
+FAMILIES = (FIRST, H100, FSDP, CP, FP8, MOE)
+MOE_SKIP = "MoE: next issue"
+COMPILE_NOTE = "compile not modelled: planned eager"
+
+
+def plan2(cfg: ModelConfig, gpus: int, *, seq: int, micro_batch: int, grad_accum: int, recipe: str,
+          checkpointing: str, machine: Machine, **layout):
+    """A second-set row planned with `trainwise plan`'s function (no per-row setting: the table's assumption)."""
+    lay = make_layout(gpus, micro_batches=grad_accum, **layout)
+    return plan_run(Run(cfg, micro_batch=micro_batch, seq_len=seq, grad_accum=grad_accum, recipe=get_recipe(recipe),
+                        checkpointing=checkpointing, layout=lay, tokens=1e9, machine=machine))
+
+
+def header(table: S2.Table, note: str = "") -> None:
+    print(f"\n{table.key}. {table.title} ({table.source})")
+    for text in (f"assumed (not published; for every row): {table.assumption}", note):
+        print(textwrap.fill(text, 116, initial_indent="  ", subsequent_indent="    "))
+    print(COLUMNS)
+
+
+def compare(out: list, table: S2.Table, label: str, families: list[str], published_s: float, tokens_per_step: int,
+            gpus: int, make, published_gib: float | None = None, published_tflops: float | None = None,
+            note: str = "") -> None:
+    """Plan one row (make() -> Plan), print published vs predicted step seconds, tokens/s/GPU and per-GPU peak
+    memory (vs the published where there is one; TFLOP/s/GPU by the source's formula where that is what it
+    published), and keep the row; a row that does not plan is printed with the planner's message."""
+    row = {"run": f"{table.key} {label}", "table": table.key, "source": table.source, "families": families,
+           "published_s": published_s, "published_tokens_per_s_gpu": tokens_per_step / gpus / published_s,
+           "published_memory_gib": published_gib, "note": note}
+    try:
+        p = make()
+    except TrainwiseError as e:
+        out.append({**row, "predicted_s": None, "error": None, "failed": str(e)})
+        print(f"{label:<38} {published_s:>9.3f}  does not plan: {e}", flush=True)
+        return
+    err, peak = p.step_seconds / published_s - 1, p.peak_bytes / GiB
+    over = "*" if p.budget and p.peak_bytes > p.budget else " "
+    mem = "" if published_gib is None else f" vs {published_gib:5.1f} ({peak / published_gib - 1:+6.1%})"
+    flops = "" if published_tflops is None else (f"  TFLOP/s/GPU {published_tflops:.0f} vs "
+                                                 f"{published_tflops * published_s / p.step_seconds:.0f}")
+    out.append({**row, "predicted_s": p.step_seconds, "error": err, "breakdown": p.cluster.breakdown, "mfu": p.mfu,
+                "mfu_bf16_peak": p.mfu_bf16_peak,
+                "predicted_tokens_per_s_gpu": tokens_per_step / gpus / p.step_seconds, "predicted_memory_gib": peak,
+                "memory_error": None if published_gib is None else peak / published_gib - 1})
+    print(f"{label:<38} {published_s:>9.3f} {p.step_seconds:>9.3f} {err:>+7.1%} "
+          f"{row['published_tokens_per_s_gpu']:>8.0f} {out[-1]['predicted_tokens_per_s_gpu']:>8.0f}  "
+          f"{peak:5.1f}{over}{mem}  {terms(p)}{flops}" + (f"  [{note}]" if note else ""), flush=True)
+
+
+COLUMNS = (f"{'row':<38} {'publ. s':>9} {'pred. s':>9} {'error':>7} {'publ t/s':>8} {'pred t/s':>8}  peak GiB "
+           "(pred vs publ)  breakdown (s)")
+PEAK_NOTE = ("publ./pred. s: seconds per optimizer step; t/s: tokens/s per GPU; peak GiB: the plan's highest rank's "
+             "peak (Plan.peak_bytes), * above the GPU's memory (the published run ran)")
+DGX_H100 = Machine(gpu="h100-sxm")  # DGX H100 (tables A, B, B2, C, E)
+
+
+def table_a(rows: list) -> None:
+    header(S2.MEGATRON_R08, PEAK_NOTE + "; published s = global batch x Megatron-LM's FLOPs per sample / (GPUs x "
+           "published TFLOP/s/GPU), S2.megatron_flops_per_sample")
+    for r in S2.TABLE_A:
+        m = r.global_batch // r.dp  # micro-batch 1
+        compare(rows, S2.MEGATRON_R08, f"{r.name} tp{r.tp} pp{r.pp} dp{r.dp} m{m}", [H100], S2.published_step_a(r),
+                r.global_batch * S2.A_SEQ, r.gpus,
+                lambda r=r, m=m: plan2(S2.megatron_gpt(r), r.gpus, seq=S2.A_SEQ, micro_batch=1, grad_accum=m,
+                                       recipe="megatron", checkpointing="none", machine=DGX_H100, tp=r.tp, pp=r.pp,
+                                       sequence_parallel=True, zero=1, dp_overlap=True, tp_overlap=True))
+
+
+def table_b(rows: list) -> None:
+    """NeMo 24.07 FP8 (delayed scaling), and its long-sequence table with context parallelism."""
+    check = [S2.nemo_flops_per_token(S2.nemo_model(r.model, r.seq), r.seq, S2.NEMO_FORMULA_VOCAB.get(r.model[:4]))
+             * r.tokens_per_s_gpu / 1e12 / r.tflops_per_gpu - 1 for r in S2.TABLE_B]
+    header(S2.NEMO_2407, f"{PEAK_NOTE}; the shapes reproduce the published model TFLOP/s/GPU from the published "
+           f"tokens/s under NeMo's formula (S2.nemo_flops_per_token) within {max(map(abs, check)):.1%} on every row")
+    for r in S2.TABLE_B:
+        compare(rows, S2.NEMO_2407, f"{r.model} {r.gpus}g tp{r.tp} pp{r.pp} cp{r.cp} vp{r.vp} m{r.grad_accum}",
+                [H100, FP8] + [CP] * (r.cp > 1), S2.published_step_b(r), r.global_batch * r.seq, r.gpus,
+                lambda r=r: plan2(S2.nemo_model(r.model, r.seq), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
+                                  grad_accum=r.grad_accum, recipe="fp8-delayed", checkpointing="none", machine=DGX_H100,
+                                  tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp, zero=1, dp_overlap=True, tp_overlap=r.tp > 1))
+    header(S2.NEMO_LONG, f"{PEAK_NOTE}; TFLOP/s/GPU: published (with CP) vs predicted, both by NeMo's llama2 formula")
+    m = S2.B2_MICRO_BATCHES
+    for r in S2.TABLE_B_LONG:
+        compare(rows, S2.NEMO_LONG, f"Llama2-7B {r.seq // 1024}K {r.gpus}g tp{r.tp} pp{r.pp} dp{r.dp} cp{r.cp}",
+                [H100, FP8] + [CP] * (r.cp > 1), S2.published_step_b2(r), m * r.dp * r.seq, r.gpus,
+                lambda r=r: plan2(S2.nemo_model("LLAMA2-7B", r.seq), r.gpus, seq=r.seq, micro_batch=1, grad_accum=m,
+                                  recipe="fp8-delayed", checkpointing="none", machine=DGX_H100, tp=r.tp, pp=r.pp,
+                                  cp=r.cp, zero=1, dp_overlap=True, tp_overlap=r.tp > 1),
+                published_tflops=r.tflops_with_cp)
+
+
+def table_c(rows: list, skipped: list) -> None:
+    """Megatron-Bridge 25.11: the dense FP8-CS rows planned, the MoE rows listed."""
+    header(S2.BRIDGE_2511, PEAK_NOTE)
+    for r in S2.TABLE_C:
+        fp8 = r.precision.startswith("fp8")
+        fams = [MOE] * r.moe + [H100] + [FP8] * fp8 + [CP] * (r.cp > 1) + [FSDP] * (r.fsdp > 0)
+        label = f"{r.model} {r.gpus}g {r.precision} tp{r.tp} pp{r.pp} cp{r.cp} vp{r.vp or 1} ep{r.ep}"
+        if r.moe:
+            skipped.append({"table": "C", "run": label, "families": fams, "reason": MOE_SKIP,
+                            "published_tokens_per_s_gpu": r.tokens_per_s_gpu})
+            continue
+        compare(rows, S2.BRIDGE_2511, label, fams, S2.published_step_c(r), r.global_batch * r.seq, r.gpus,
+                lambda r=r: plan2(S2.bridge_model(r), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
+                                  grad_accum=r.grad_accum, recipe="fp8", checkpointing="none", machine=DGX_H100,
+                                  tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp or 1, zero=3 if r.fsdp else 1, dp_overlap=True,
+                                  tp_overlap=r.tp > 1))
+
+
+def table_d(rows: list) -> None:
+    """torchtitan on Grand Teton: FSDP, + torch.compile, + Float8, 2D / 3D with AsyncTP, and context parallel."""
+    header(S2.TORCHTITAN_2412, PEAK_NOTE + "; Machine(memory=96 GB, bandwidth=2.4 TB/s): the budget, and the "
+           "bandwidth the cluster step prices memory-bound kernels at")
+    teton = Machine(gpu="h100-sxm", memory=int(S2.D_MEMORY), bandwidth=S2.D_BANDWIDTH)
+    for r in S2.TABLE_D:
+        m = S2.titan_micro_batches(r)
+        compare(rows, S2.TORCHTITAN_2412, f"{r.model} {r.layout}, {r.technique}", [H100, FSDP] + [FP8] * r.float8,
+                S2.published_step_d(r), r.global_batch * S2.D_SEQ, r.gpus,
+                lambda r=r, m=m: plan2(S2.titan_model(r.model), r.gpus, seq=S2.D_SEQ, micro_batch=r.local_batch // m,
+                                       grad_accum=m, recipe="fp8" if r.float8 else "amp",
+                                       checkpointing=r.checkpointing, machine=teton, tp=r.tp, pp=r.pp, vpp=r.vpp,
+                                       zero=3, tp_overlap=r.async_tp),
+                r.memory_gib, note=COMPILE_NOTE if r.compiled else "")
+    for r in S2.TABLE_D_CP:
+        compare(rows, S2.TORCHTITAN_2412, f"8B seq {r.seq // 1024}K FSDP {r.dp} CP {r.cp}, compile + Float8",
+                [H100, FSDP, FP8] + [CP] * (r.cp > 1), S2.published_step_d_cp(r), r.dp * r.seq, r.gpus,
+                lambda r=r: plan2(S2.titan_model("8B", r.seq), r.gpus, seq=r.seq, micro_batch=1, grad_accum=1,
+                                  recipe="fp8", checkpointing="full", machine=teton, cp=r.cp, zero=3),
+                r.memory_gib, note=COMPILE_NOTE)
+
+
+def table_e(rows: list) -> None:
+    header(S2.FOUNDRY, PEAK_NOTE + "; published s = global batch x seq / (GPUs x tokens/s/GPU). No memory "
+           "published; FSDP with accumulation (micro-batches > 1) is planned as trainwise's FSDP2 accumulates, "
+           "unsharded fp32 gradients held between micro-batches (cost.rank_memory.rank_peak)")
+    for r in S2.TABLE_E:
+        ckpt = "full" if r.checkpointing else "none"
+        compare(rows, S2.FOUNDRY, f"MPT-{r.model} seq {r.seq} {r.gpus} GPUs {r.micro_batch}x{r.grad_accum} {ckpt}",
+                [H100, FSDP], S2.published_step_e(r), r.global_batch * r.seq, r.gpus,
+                lambda r=r, ckpt=ckpt: plan2(S2.mpt(r.model, r.seq), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
+                                             grad_accum=r.grad_accum, recipe="amp", checkpointing=ckpt,
+                                             machine=DGX_H100, zero=3))
+
+
+def dev_set_2() -> tuple[list[dict], list[dict]]:
+    """Every dense row of the second development set planned (benchmarks/cluster_dev_set_2.py), bf16 and FP8,
+    context parallelism included; the MoE rows listed with the reason they wait."""
+    print("\n\nSecond development set (benchmarks/cluster_dev_set_2.py): H100, bf16 and FP8, dense; nothing fitted "
+          "per row")
+    rows, skipped = [], []
+    table_a(rows)
+    table_b(rows)
+    table_c(rows, skipped)
+    table_d(rows)
+    table_e(rows)
+    print(f"\nrows listed for later ({len(skipped)}):")
+    for s in skipped:
+        print(f"  {s['table']:<2} {s['run']:<60} {s['reason']}")
+    return rows, skipped
+
+
+def families(rows: list[dict], skipped: list[dict]) -> dict:
+    """Per family: rows planned, the signed median and the median |error| of the step time (a row counts in every
+    family whose feature it uses); the totals over both sets; and the second set's per-GPU memory against the
+    published."""
+    print("\nper family: step time, predicted / published - 1")
+    out = {}
+    for fam in FAMILIES:
+        errs = [r["error"] for r in rows if fam in r.get("families", ()) and r.get("error") is not None]
+        failed = sum(fam in r.get("families", ()) and r.get("error") is None for r in rows)
+        later = sum(fam in s["families"] for s in skipped)
+        out[fam] = {"rows": len(errs), "failed": failed, "listed_for_later": later,
+                    "signed_median": statistics.median(errs) if errs else None,
+                    "median_abs": statistics.median(map(abs, errs)) if errs else None}
+        got = (f"signed median {out[fam]['signed_median']:+7.1%}, median |error| {out[fam]['median_abs']:6.1%}"
+               if errs else "no plannable row yet")
+        print(f"  {fam:<32} {len(errs):>3} rows  {got}" + (f"; {failed} did not plan" if failed else "")
+              + (f"; {later} listed for later" if later else ""))
+    planned = [r for r in rows if r.get("error") is not None]
+    worst = max(planned, key=lambda r: abs(r["error"]))
+    out["total"] = {"rows": len(planned), "median_abs": statistics.median(abs(r["error"]) for r in planned),
+                    "worst_abs": abs(worst["error"]), "worst_run": worst["run"],
+                    "failed": sum(r.get("error") is None for r in rows), "listed_for_later": len(skipped)}
+    print(f"  {'total, both development sets':<32} {len(planned):>3} rows  median |error| "
+          f"{out['total']['median_abs']:6.1%}, worst |error| {out['total']['worst_abs']:.1%} ({worst['run']})"
+          + (f"; {out['total']['failed']} did not plan" if out["total"]["failed"] else "")
+          + f"; {len(skipped)} listed for later")
+    mem = [r["memory_error"] for r in rows if r.get("memory_error") is not None]
+    if mem:
+        out["memory"] = {"rows": len(mem), "signed_median": statistics.median(mem),
+                         "median_abs": statistics.median(map(abs, mem)),
+                         "within_10pct": sum(abs(e) <= 0.1 for e in mem)}
+        print(f"  per-GPU peak memory vs published (torchtitan's memory GiB): {len(mem)} rows, signed median "
+              f"{out['memory']['signed_median']:+.1%}, median |error| {out['memory']['median_abs']:.1%}, "
+              f"{out['memory']['within_10pct']} within the 10% target")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
@@ -97,7 +305,7 @@ def main() -> int:
         err = p.step_seconds / published - 1
         errors.append(abs(err))
         rows.append({"run": f"Narayanan {size}B", "published_s": published, "predicted_s": p.step_seconds,
-                     "error": err, "breakdown": p.cluster.breakdown, "mfu": p.mfu})
+                     "error": err, "breakdown": p.cluster.breakdown, "mfu": p.mfu, "families": [FIRST]})
         print(f"{size:>7}B {tp:>3} {pp:>3} {dp:>3} {vpp:>3} {m:>4} {published:>11.2f} {p.step_seconds:>11.2f} "
               f"{err:>+7.1%}  {terms(p)}", flush=True)
     print("\nKorthikanti et al. 2022 Table 5 (data parallel 1) and Figure 1 (per-GPU memory, GiB)")
@@ -114,7 +322,8 @@ def main() -> int:
             errors.append(abs(err))
             got[ckpt] = p.step_seconds
             rows.append({"run": f"Korthikanti {name} {setting}", "published_s": published,
-                         "predicted_s": p.step_seconds, "error": err, "breakdown": p.cluster.breakdown, "mfu": p.mfu})
+                         "predicted_s": p.step_seconds, "error": err, "breakdown": p.cluster.breakdown, "mfu": p.mfu,
+                         "families": [FIRST]})
             print(f"{name:>6} {setting:<24} {published:>11.2f} {p.step_seconds:>11.2f} {err:>+7.1%}  {terms(p)}",
                   flush=True)
         speedup, published_speedup = got["full"] / got["selective"] - 1, full_s / sel_s - 1
@@ -144,6 +353,8 @@ def main() -> int:
     print(f"\niteration time |error| over {len(errors)} runs: median {statistics.median(errors):.1%}, worst "
           f"{max(errors):.1%}; speed-up of selective + SP: worst {max(abs(a - b) for _, a, b in speedups) * 100:.1f} "
           f"points off; memory: worst {worst_mem:.1%}; {time.time() - t0:.0f} s")
+    set2, skipped = dev_set_2()
+    summary = families(rows + set2, skipped)
     print("\n`plan --fit` for GPT-3 175B (Korthikanti et al.'s 175B as a GPT-2-style config.json) on 64 A100 80GB, "
           "global batch 64 x 2048; published layout: TP 8, PP 8", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,7 +366,9 @@ def main() -> int:
                            "--seq-len", "2048", "--tokens", "3e11", "--precision", "megatron", "--attention-impl",
                            "unfused", "--fit"])
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": rows, "speedups": speedups, "memory": memory}, indent=1))
+        Path(args.json).write_text(json.dumps({"runs": rows, "speedups": speedups, "memory": memory,
+                                               "dev_set_2": {"runs": set2, "skipped": skipped, "families": summary}},
+                                              indent=1))
     return fit_rc
 
 

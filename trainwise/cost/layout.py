@@ -46,8 +46,9 @@ class Layout:
 
     @property
     def strategy(self) -> str:
-        """The trainer's parallel.strategy for the data-parallel dimension: none with one replica."""
-        return "none" if self.dp <= 1 else STRATEGY_OF_STAGE[self.zero]
+        """The trainer's parallel.strategy for the data-parallel dimension: none with one replica (ZeRO shards
+        over the dp x cp ranks, which hold the same parameters)."""
+        return "none" if self.dp * self.cp <= 1 else STRATEGY_OF_STAGE[self.zero]
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(dp_rank, pp_rank, tp_rank) of a global rank in the module's order (tp innermost, pp outermost)."""

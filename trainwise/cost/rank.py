@@ -182,7 +182,7 @@ def tp_shape(spec: ParamSpec, tp: int, tp_rank: int) -> tuple[int, ...]:
 
 
 def _fsdp(layout: Layout) -> bool:
-    return layout.dp > 1 and layout.strategy in ("zero2", "fsdp")
+    return layout.dp * layout.cp > 1 and layout.strategy in ("zero2", "fsdp")
 
 
 @dataclass(frozen=True)

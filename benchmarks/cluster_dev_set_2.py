@@ -1,0 +1,466 @@
+"""The cluster model's second development set: published multi-GPU runs on H100 with today's recipes, as data.
+
+Six public tables, transcribed with their sources (each table's `source`); benchmarks/cluster_model.py plans
+every dense row (bf16 and FP8, context parallelism included) and prints the MoE rows as data with the reason
+they wait (expert parallelism with forced balance). Where a table does not publish an input, its `assumption`
+says what was taken, once for the whole table: nothing here is set per row, and nothing is fitted.
+
+FLOP conventions differ between sources, so only step times (or tokens/s) are compared, never MFUs:
+  - Megatron-LM / NeMo "model TFLOP/s/GPU" (Megatron-LM megatron/training/training.py
+    num_floating_point_operations; NeMo's GPT-3 formula, e.g. 175B: 2048 x [(24 L h^2 + 12 L h s) + 48 L h^2
+    + 6 V h] = 2.20e15 per sample): per sample s x (72 L h^2 + 12 L h s + 6 V h) for a GPT with FFN 4h
+    and as many key-value heads as heads (`megatron_flops_per_sample`).
+  - NeMo's per-family formulas (nemo/utils/flops_formulas.py, `nemo_flops_per_token`), tables B and B2.
+  - torchtitan: TPS = tokens per second per GPU.
+  - llm-foundry: tokens/s/GPU (its MFU counts 6N + attention, not compared).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from trainwise.config import ModelConfig
+from trainwise.presets import get_preset
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Table:
+    key: str
+    title: str
+    source: str  # the public document the rows come from
+    assumption: str = ""  # what the table does not publish and was assumed, for all of its rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# A. Megatron-Core r0.8.0 on H100 (DGX H100), weak scaling, bf16
+
+MEGATRON_R08 = Table(
+    "A", "Megatron-Core r0.8.0 on H100, weak scaling",
+    "NVIDIA/Megatron-LM README (Megatron-Core r0.8.0, 2024-07), images/model_table.png",
+    "bf16 with Megatron's mixed precision (bf16 weights and activations, "
+    "fp32 main gradients, master weights and Adam moments: the planner's `megatron` recipe, 18 bytes/param; "
+    "`bf16-mixed` keeps 16-bit gradients, which Megatron-Core does not do in bf16; the planner reduces the "
+    "`megatron` recipe's gradients in 16 bits as Megatron-LM's fp16 runs did, where bf16 Megatron-Core reduces "
+    "fp32 ones); no activation recompute "
+    "(Megatron's default without --recompute-*); micro-batch 1; no virtual stages (vpp 1); flash attention; "
+    "sequence parallelism (--tp-comm-overlap needs it) with tp_overlap on; gradient reduce-scatter overlapped "
+    "(--overlap-grad-reduce) and ZeRO-1 (the distributed optimizer, which --overlap-param-gather implies); "
+    "a GPT with Megatron-LM's defaults (learned positions, LayerNorm, GELU, FFN 4h, biases, dropout 0.1) but "
+    "untied embeddings (the names' sizes are 12 L h^2 + 2 V h: 7.1B = 6.04B + 2 x 0.54B); vocabulary 131,072, "
+    "sequence 4,096; DGX H100 nodes")
+A_VOCAB, A_SEQ = 131072, 4096
+
+
+@dataclass(frozen=True)
+class MegatronRow:
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    dp: int
+    gpus: int
+    global_batch: int
+    tflops_per_gpu: float  # published model TFLOP/s per GPU (Megatron-LM's FLOP count)
+    mfu: float  # published, against 989 TFLOP/s
+
+
+TABLE_A = [
+    MegatronRow("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, 0.41),
+    MegatronRow("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9, 0.47),
+    MegatronRow("16B", 48, 6144, 32, 4, 1, 48, 192, 192, 489.1, 0.49),
+    MegatronRow("32B", 56, 7168, 48, 8, 1, 48, 384, 192, 459.6, 0.46),
+    MegatronRow("70B", 64, 8192, 84, 8, 2, 48, 768, 384, 419.7, 0.42),
+    MegatronRow("119B", 80, 10240, 92, 8, 4, 48, 1536, 768, 420.5, 0.43),
+    MegatronRow("177B", 96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8, 0.44),
+    MegatronRow("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4, 0.48),
+    MegatronRow("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9, 0.47),
+]
+
+
+def megatron_flops_per_sample(layers: int, hidden: int, seq: int, vocab: int) -> float:
+    """Megatron-LM's model FLOPs of one sample (fwd + bwd, no recompute) for a GPT with FFN 4h and MHA:
+    s x 12 L h^2 (2 + s/h + 4 + V / (2 L h)) = s x (72 L h^2 + 12 L h s + 6 V h) (module docstring)."""
+    return seq * (72 * layers * hidden**2 + 12 * layers * hidden * seq + 6 * vocab * hidden)
+
+
+def published_step_a(row: MegatronRow) -> float:
+    """Seconds per step implied by the published TFLOP/s/GPU under the table's own FLOP count."""
+    flops = row.global_batch * megatron_flops_per_sample(row.layers, row.hidden, A_SEQ, A_VOCAB)
+    return flops / (row.gpus * row.tflops_per_gpu * 1e12)
+
+
+def megatron_gpt(row: MegatronRow) -> ModelConfig:
+    return ModelConfig(name=f"Megatron {row.name}", vocab_size=A_VOCAB, d_model=row.hidden, n_layers=row.layers,
+                       n_heads=row.heads, n_kv_heads=row.heads, ffn_hidden=4 * row.hidden, activation="gelu",
+                       norm="layernorm", position="learned", bias=True, dropout=0.1, max_seq_len=A_SEQ,
+                       tie_embeddings=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# B. NeMo 24.07 on DGX H100, FP8
+
+NEMO_2407 = Table(
+    "B", "NeMo 24.07 performance summary, DGX H100, FP8",
+    "NVIDIA/NeMo docs/source/performance/performance_summary.md (24.07); model shapes: NeMo's "
+    "nemo/collections/llm/gpt/model/base.py (GPTConfig5B/20B/175B) and nemotron.py (Nemotron3Config8B/22B, "
+    "Nemotron4Config340B), the Llama models' config.json on the Hugging Face hub",
+    "FP8 as NeMo 24.07 ran it by default: Transformer Engine's delayed scaling (fp8_hybrid, amax history 1024 in "
+    "NVIDIA/NeMo-Framework-Launcher's gpt3 *_fp8_performance.yaml; the planner's `fp8-delayed` recipe) over "
+    "Megatron's mixed precision (bf16 weights and activations, fp32 main gradients, master weights and Adam "
+    "moments); no activation recompute (the page states none); flash attention; "
+    "sequence parallelism and tp communication overlapped with tp > 1 (NeMo's performance configs); the "
+    "distributed optimizer (ZeRO-1) with gradient reduce-scatter and parameter all-gather overlapped; VP virtual "
+    "stages as given; micro-batches per step = GBS / (MBS x DP), DP = GPUs / (TP x PP x CP); published s = "
+    "GBS x seq / (GPUs x tokens/s/GPU). Shapes: GPT3 as NeMo's GPT-3 configs (5B: 24 layers, hidden 4096, 32 "
+    "heads; 20B: 44, 6144, 48; 175B: 96, 12288, 96; FFN 4h, learned positions, LayerNorm, GELU, biases, tied "
+    "embeddings, dropout 0.1; the GPT-2 BPE's 50,257 tokens padded to 50,304); Llama 2 13B (40, 5120, 40 heads, "
+    "FFN 13824) and 70B (80, 8192, 64 heads / 8 KV, FFN 28672) and the presets llama-2-7b, llama-3-8b, "
+    "llama-3-70b; Nemotron 8B (32, 4096, 32 heads, FFN 16384), 22B (40, 6144, 48, FFN 24576), 340B (96, "
+    "18432, 96 heads / 8 KV, FFN 73728): LayerNorm, RoPE, no biases, untied, vocabulary 256,000, squared ReLU "
+    "planned as GELU (the same two GEMMs and one element-wise op that saves its input and output); DGX H100 "
+    "nodes")
+GPT3_VOCAB, NEMOTRON_VOCAB = 50304, 256000
+# NeMo's FLOP formulas count GPT-3's vocabulary as 51,200 (nemo/utils/flops_formulas.py, LLM_VOCAB_SIZE_MAP)
+NEMO_FORMULA_VOCAB = {"GPT3": 51200}
+
+
+@dataclass(frozen=True)
+class NemoRow:
+    model: str
+    gpus: int
+    global_batch: int
+    micro_batch: int
+    seq: int
+    tp: int
+    pp: int
+    cp: int
+    vp: int
+    tokens_per_s_gpu: float
+    tflops_per_gpu: float  # published model TFLOP/s per GPU (nemo_flops_per_token)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def grad_accum(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+
+TABLE_B = [
+    NemoRow("GPT3-5B", 64, 2048, 4, 2048, 1, 1, 1, 1, 22521, 736),
+    NemoRow("GPT3-20B", 64, 256, 2, 2048, 2, 1, 1, 1, 5851, 750),
+    NemoRow("GPT3-175B", 128, 256, 1, 2048, 4, 8, 1, 6, 726, 782),
+    NemoRow("GPT3-175B", 512, 2048, 2, 2048, 4, 8, 1, 6, 782, 842),
+    NemoRow("LLAMA2-7B", 8, 128, 1, 4096, 1, 1, 1, 1, 16847, 776),
+    NemoRow("LLAMA2-13B", 16, 128, 1, 4096, 1, 4, 1, 10, 8646, 754),
+    NemoRow("LLAMA2-70B", 64, 128, 1, 4096, 4, 4, 1, 20, 1707, 759),
+    NemoRow("Nemotron-8B", 64, 256, 4, 4096, 2, 1, 1, 1, 12701, 653),
+    NemoRow("Nemotron-22B", 64, 256, 2, 4096, 2, 4, 1, 10, 4256, 554),
+    NemoRow("Nemotron-340B", 128, 32, 1, 4096, 8, 8, 1, 12, 322, 678),
+    NemoRow("LLAMA3-8B", 8, 128, 1, 8192, 1, 1, 2, 1, 12036, 697),
+    NemoRow("LLAMA3-70B", 64, 128, 1, 8192, 4, 4, 2, 5, 1533, 738),
+]
+NEMO_PRESETS = {"LLAMA2-7B": "llama-2-7b", "LLAMA3-8B": "llama-3-8b", "LLAMA3-70B": "llama-3-70b"}
+NEMO_SHAPES = {  # layers, hidden, heads, key-value heads, FFN (the table's assumption)
+    "GPT3-5B": (24, 4096, 32, 32, 16384), "GPT3-20B": (44, 6144, 48, 48, 24576),
+    "GPT3-175B": (96, 12288, 96, 96, 49152), "LLAMA2-13B": (40, 5120, 40, 40, 13824),
+    "LLAMA2-70B": (80, 8192, 64, 8, 28672), "Nemotron-8B": (32, 4096, 32, 32, 16384),
+    "Nemotron-22B": (40, 6144, 48, 48, 24576), "Nemotron-340B": (96, 18432, 96, 8, 73728),
+}
+
+
+def nemo_model(name: str, seq: int) -> ModelConfig:
+    """A table B model (the table's assumption) for sequences of `seq` tokens."""
+    if name in NEMO_PRESETS:
+        return replace(get_preset(NEMO_PRESETS[name]), name=name, max_seq_len=seq)
+    layers, hidden, heads, kv, ffn = NEMO_SHAPES[name]
+    shape = dict(name=name, d_model=hidden, n_layers=layers, n_heads=heads, n_kv_heads=kv, head_dim=hidden // heads,
+                 ffn_hidden=ffn, max_seq_len=seq)
+    if name.startswith("LLAMA2"):
+        return replace(get_preset("llama-2-7b"), **shape)
+    if name.startswith("GPT3"):
+        return ModelConfig(vocab_size=GPT3_VOCAB, activation="gelu", norm="layernorm", position="learned", bias=True,
+                           dropout=0.1, tie_embeddings=True, **shape)
+    return ModelConfig(vocab_size=NEMOTRON_VOCAB, activation="gelu", norm="layernorm", position="rope", bias=False,
+                       dropout=0.0, tie_embeddings=False, **shape)
+
+
+def nemo_flops_per_token(cfg: ModelConfig, seq: int, vocab: int | None = None) -> float:
+    """NeMo's model FLOPs per token, forward and backward (nemo/utils/flops_formulas.py: gpt3, llama2, llama3,
+    nemotron): 12 L h^2 (1 + kv/heads + s/h) + c L F h + 6 V h, c = 18 for a gated MLP (three matrices) and 12
+    for two; GPT-3's (72 L h^2 + 12 L h s + 6 V h) is the same with F = 4h and kv = heads. `vocab`: the formula's
+    own where it differs from the model's (NEMO_FORMULA_VOCAB)."""
+    layers, h = cfg.n_layers, cfg.d_model
+    mlp = (18 if cfg.gated else 12) * layers * cfg.ffn_hidden * h
+    attention = 12 * layers * h * h * (1 + cfg.n_kv_heads / cfg.n_heads + seq / h)
+    return attention + mlp + 6 * (vocab or cfg.vocab_size) * h
+
+
+def published_step_b(row: NemoRow) -> float:
+    """Seconds per step implied by the published tokens/s per GPU: GBS x seq / (GPUs x tokens/s/GPU)."""
+    return row.global_batch * row.seq / (row.gpus * row.tokens_per_s_gpu)
+
+
+NEMO_LONG = Table(
+    "B2", "NeMo 24.03.01 long sequences, Llama2-7B FP8, DGX H100",
+    "NVIDIA/NeMo docs/source/performance/performance_long_sequence.md",
+    "table B's (Transformer Engine delayed scaling: `fp8-delayed`; no recompute; flash attention; sequence "
+    "parallelism and tp overlap with tp > 1; the distributed optimizer) for the with-CP layouts (TP, PP, DP, "
+    "CP as published; the without-CP runs are the best of unpublished layouts, not planned); ring attention "
+    "over CP; the page publishes no batch: micro-batch 1 and 8 micro-batches per data-parallel replica per "
+    "step (GBS = 8 x DP). Only TFLOP/s/GPU is published: published s = GBS x NeMo's llama2 FLOPs per sample "
+    "(nemo_flops_per_token x seq) / (GPUs x TFLOP/s/GPU), so the step-time error is the inverse of the "
+    "TFLOP/s one; the batch enters it only through the pipeline bubble (8K: PP 2) and the exposed "
+    "data-parallel communication")
+B2_MICRO_BATCHES = 8
+
+
+@dataclass(frozen=True)
+class LongSeqRow:
+    seq: int
+    gpus: int
+    tflops_without_cp: float
+    tflops_with_cp: float
+    tp: int  # the layout with context parallelism
+    pp: int
+    dp: int
+    cp: int
+
+
+K = 1024
+TABLE_B_LONG = [
+    LongSeqRow(4 * K, 4, 768, 768, 1, 1, 4, 1), LongSeqRow(8 * K, 8, 730, 730, 1, 2, 4, 1),
+    LongSeqRow(16 * K, 16, 660, 660, 2, 1, 8, 1), LongSeqRow(32 * K, 32, 595, 610, 2, 1, 8, 2),
+    LongSeqRow(64 * K, 64, 534, 574, 4, 1, 8, 2), LongSeqRow(128 * K, 128, 424, 555, 4, 1, 8, 4),
+    LongSeqRow(256 * K, 256, 392, 549, 4, 1, 8, 8), LongSeqRow(512 * K, 512, 104, 549, 8, 1, 4, 16),
+    LongSeqRow(1024 * K, 1024, 26.5, 536, 8, 1, 4, 32),
+]
+
+
+def published_step_b2(row: LongSeqRow) -> float:
+    """Seconds per step implied by the published with-CP TFLOP/s/GPU under NeMo's llama2 formula (the table's
+    assumed batch: B2_MICRO_BATCHES x DP sequences)."""
+    flops = B2_MICRO_BATCHES * row.dp * row.seq * nemo_flops_per_token(nemo_model("LLAMA2-7B", row.seq), row.seq)
+    return flops / (row.gpus * row.tflops_with_cp * 1e12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# C. Megatron-Bridge on DGX H100, NeMo 25.11 container (the MoE rows wait for expert parallelism)
+
+BRIDGE_2511 = Table(
+    "C", "Megatron-Bridge performance summary, NeMo 25.11, DGX H100",
+    "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (NeMo 25.11 container); model shapes: "
+    "the models' config.json on the Hugging Face hub",
+    "FP8-CS = Transformer Engine's per-tensor current scaling (Float8CurrentScaling: the planner's `fp8` "
+    "recipe) over Megatron's mixed precision (bf16 weights and activations, fp32 main gradients, master weights "
+    "and Adam moments); no activation recompute (none published); flash attention; sequence parallelism and tp "
+    "communication overlapped with tp > 1; the distributed optimizer (ZeRO-1) with gradient reduce-scatter and "
+    "parameter all-gather overlapped; FSDP 1 = Megatron FSDP: ZeRO-3 over DP; VP as given (n/a: 1); ring "
+    "attention over CP; GA as published (= GBS / (MBS x DP)); published s = GBS x seq / (GPUs x tokens/s/GPU); "
+    "Llama 3 8B / 70B and Llama 3.1 405B = the planner's presets (the same shapes); DGX H100 nodes")
+BRIDGE_PRESETS = {"LLAMA3_8B": "llama-3-8b", "LLAMA3_70B": "llama-3-70b", "LLAMA3.1_405B": "llama-3.1-405b"}
+
+
+@dataclass(frozen=True)
+class BridgeRow:
+    model: str
+    gpus: int
+    precision: str  # "fp8-cs" (current scaling) or "bf16"
+    global_batch: int
+    micro_batch: int
+    seq: int
+    fsdp: int
+    tp: int
+    pp: int
+    cp: int
+    vp: int | None
+    ep: int
+    grad_accum: int
+    tokens_per_s_gpu: float
+    tflops_per_gpu: float
+    moe: bool = False
+
+
+TABLE_C = [
+    BridgeRow("LLAMA3_8B", 8, "fp8-cs", 128, 1, 8192, 1, 1, 1, 1, None, 1, 16, 14451, 744),
+    BridgeRow("LLAMA3_70B", 64, "fp8-cs", 128, 1, 8192, 0, 4, 8, 1, 5, 1, 64, 1602, 719),
+    BridgeRow("LLAMA3.1_405B", 1024, "fp8-cs", 512, 1, 8192, 0, 8, 8, 2, 8, 1, 64, 292, 737),
+    BridgeRow("GPT OSS 120B", 64, "bf16", 512, 4, 4096, 0, 1, 4, 1, 1, 8, 2, 5630, 153, moe=True),
+    BridgeRow("Qwen3_30B_a3B", 16, "fp8-cs", 512, 2, 4096, 0, 1, 2, 1, 24, 8, 32, 5275, 121, moe=True),
+    BridgeRow("Qwen3_235B_a22B", 256, "fp8-cs", 2048, 1, 4096, 0, 2, 8, 1, 4, 32, 128, 1575, 233, moe=True),
+]
+
+
+def bridge_model(row: BridgeRow) -> ModelConfig:
+    return replace(get_preset(BRIDGE_PRESETS[row.model]), name=row.model, max_seq_len=row.seq)
+
+
+def published_step_c(row: BridgeRow) -> float:
+    """Seconds per step implied by the published tokens/s per GPU: GBS x seq / (GPUs x tokens/s/GPU)."""
+    return row.global_batch * row.seq / (row.gpus * row.tokens_per_s_gpu)
+
+
+# ---------------------------------------------------------------------------------------------------
+# D. torchtitan on H100 (Grand Teton), Llama 3.1, seq 8192
+
+TORCHTITAN_2412 = Table(
+    "D", "torchtitan on H100 (Grand Teton), Llama 3.1",
+    "pytorch/torchtitan docs/performance.md at bf835b59 (Dec 2024; later benchmarks/llama3_h100_202412_torchtitan.md)",
+    "Grand Teton's H100 (96 GB HBM2e at 2.4 TB/s, 500 W cap) is not in the planner's table: h100-sxm with "
+    "Machine(memory=96 GB, bandwidth=2.4 TB/s); the power cap is not modelled. Llama 3.1 = the planner's "
+    "llama-3-8b, llama-3-70b and llama-3.1-405b presets (the same shapes). FSDP2 = ZeRO-3 over dp with its mixed "
+    "precision (bf16 compute, fp32 sharded parameters, fp32 reduce and AdamW states: the planner's `amp` "
+    "recipe); Float8 = torchao's float8 with tensorwise (per-tensor current) scaling: the planner's `fp8` "
+    "recipe, whose states are Megatron's (bf16 weights, fp32 gradients, master and moments: 18 bytes per "
+    "parameter where FSDP2 keeps 16); torch.compile is not in the cluster step: compiled rows are planned eager; "
+    "torchtitan's op-level selective AC planned as the planner's `selective`; TP with sequence parallelism, "
+    "AsyncTP = tp communication overlapped; without PP the local batch is one micro-batch; with PP torchtitan's "
+    "defaults (Dec 2024): 2 stages per rank for interleaved 1F1B (vpp 2) and as many micro-batches as stages "
+    "(8 for 1F1B, 16 interleaved) splitting the local batch of 32; CP = ring attention over cp ranks; "
+    "flash attention (SDPA); published s = global batch x seq / (GPUs x TPS) (torchtitan's TPS divides a "
+    "data-parallel rank's tokens by tp x pp x cp); 8 GPUs per node over NVLink, 400 Gb/s per GPU between "
+    "nodes (DGX H100's node)")
+D_SEQ, D_MEMORY, D_BANDWIDTH = 8192, 96 * GB, 2.4e12
+D_PRESETS = {"8B": "llama-3-8b", "70B": "llama-3-70b", "405B": "llama-3.1-405b"}
+
+
+@dataclass(frozen=True)
+class TitanRow:
+    model: str
+    gpus: int
+    layout: str  # as published
+    dp: int  # FSDP shard degree
+    tp: int
+    pp: int
+    local_batch: int
+    global_batch: int
+    checkpointing: str  # selective | full
+    technique: str
+    tokens_per_s_gpu: float
+    memory_gib: float
+    compiled: bool = False
+    float8: bool = False
+    async_tp: bool = False
+    vpp: int = 1  # interleaved 1F1B: torchtitan's default 2 stages per rank
+
+
+TABLE_D = [
+    TitanRow("8B", 8, "FSDP 8", 8, 1, 1, 2, 16, "selective", "FSDP", 5762, 82.4),
+    TitanRow("8B", 8, "FSDP 8", 8, 1, 1, 2, 16, "selective", "+ torch.compile", 6667, 77.0, compiled=True),
+    TitanRow("8B", 8, "FSDP 8", 8, 1, 1, 2, 16, "selective", "+ compile + Float8", 8532, 76.8, compiled=True,
+             float8=True),
+    TitanRow("8B", 128, "FSDP 128", 128, 1, 1, 2, 256, "selective", "FSDP", 5605, 67.0),
+    TitanRow("8B", 128, "FSDP 128", 128, 1, 1, 2, 256, "selective", "+ torch.compile", 6514, 62.0, compiled=True),
+    TitanRow("8B", 128, "FSDP 128", 128, 1, 1, 2, 256, "selective", "+ compile + Float8", 8380, 61.8,
+             compiled=True, float8=True),
+    TitanRow("70B", 256, "FSDP 32, TP 8", 32, 8, 1, 16, 512, "full", "compile + Float8, 2D", 829, 71.9,
+             compiled=True, float8=True),
+    TitanRow("70B", 256, "FSDP 32, TP 8", 32, 8, 1, 16, 512, "full", "+ AsyncTP", 876, 67.6, compiled=True,
+             float8=True, async_tp=True),
+    TitanRow("405B", 512, "FSDP 8, TP 8, PP 8", 8, 8, 8, 32, 256, "full", "compile + Float8 + AsyncTP, 1F1B", 100,
+             82.5, compiled=True, float8=True, async_tp=True),
+    TitanRow("405B", 512, "FSDP 8, TP 8, PP 8", 8, 8, 8, 32, 256, "full", "same, interleaved 1F1B", 128, 72.7,
+             compiled=True, float8=True, async_tp=True, vpp=2),
+]
+
+
+def titan_micro_batches(row: TitanRow) -> int:
+    """Micro-batches per step of one pipeline: torchtitan's default, one per stage (pp x vpp); 1 without PP."""
+    return row.pp * row.vpp if row.pp > 1 else 1
+
+
+@dataclass(frozen=True)
+class TitanCPRow:
+    """8B on 8 GPUs, FSDP + CP + compile + Float8, local batch 1, full AC."""
+
+    seq: int
+    dp: int
+    cp: int
+    tokens_per_s_gpu: float
+    memory_gib: float
+    gpus: int = 8
+
+
+TABLE_D_CP = [TitanCPRow(32768, 8, 1, 3890, 83.9), TitanCPRow(65536, 4, 2, 2540, 84.2),
+              TitanCPRow(131072, 2, 4, 1071, 84.0), TitanCPRow(262144, 1, 8, 548, 84.5)]
+
+
+def titan_model(name: str, seq: int = D_SEQ) -> ModelConfig:
+    return replace(get_preset(D_PRESETS[name]), max_seq_len=seq)
+
+
+def published_step_d(row: TitanRow) -> float:
+    """Seconds per step implied by the published TPS: global batch x seq / (GPUs x TPS)."""
+    return row.global_batch * D_SEQ / (row.gpus * row.tokens_per_s_gpu)
+
+
+def published_step_d_cp(row: TitanCPRow) -> float:
+    """The same for a context-parallel row: dp sequences of `seq` tokens (local batch 1) per step."""
+    return row.dp * row.seq / (row.gpus * row.tokens_per_s_gpu)
+
+
+# ---------------------------------------------------------------------------------------------------
+# E. MosaicML llm-foundry, MPT, FSDP FULL_SHARD, H100 80GB, bf16
+
+FOUNDRY = Table(
+    "E", "llm-foundry MPT, FSDP FULL_SHARD, H100 80GB, bf16",
+    "mosaicml/llm-foundry scripts/train/benchmarking/README.md (H100 80GB BF16 table); model shapes: "
+    "scripts/train/yamls/pretrain/mpt-*.yaml",
+    "MPT as the yamls give it: FFN 4h (expansion ratio 4), GELU, no biases, LayerNorm, tied embeddings, "
+    "vocabulary 50,368, no dropout; positions planned as learned (the table's NumParams grow by "
+    "(seq - 2048) x d_model with the sequence: a position table, not ALiBi). Composer's amp_bf16 with FSDP "
+    "mixed precision DEFAULT (bf16 compute, fp32 sharded parameters, fp32 reduce and AdamW states: the "
+    "planner's `amp` recipe); FULL_SHARD = ZeRO-3 over all GPUs; activation checkpointing True = full, "
+    "False = none (the 3b and 1b rows: False, HFU = MFU); flash attention; DGX H100 nodes")
+FOUNDRY_VOCAB = 50368
+MPT_SHAPES = {  # d_model, n_heads, n_layers (scripts/train/yamls/pretrain/mpt-*.yaml)
+    "1b": (2048, 16, 24), "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40),
+    "30b": (7168, 64, 48), "70b": (8192, 64, 80),
+}
+
+
+@dataclass(frozen=True)
+class FoundryRow:
+    model: str
+    seq: int
+    gpus: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    checkpointing: bool
+    tokens_per_s_gpu: float
+    mfu: float
+    hfu: float | None
+    num_params: int  # published NumParams
+
+
+TABLE_E = [
+    FoundryRow("70b", 2048, 64, 8, 4, 2048, True, 1039, 0.4257, 0.5676, 64862437376),
+    FoundryRow("30b", 2048, 32, 14, 3, 1344, True, 2308, 0.4392, 0.5857, 29975214080),
+    FoundryRow("13b", 2048, 64, 2, 1, 128, False, 4800, 0.3986, None, 12853954560),
+    FoundryRow("13b", 4096, 8, 10, 3, 240, True, 4717, 0.416, 0.5547, 12864440320),
+    FoundryRow("7b", 2048, 8, 6, 1, 48, False, 10643, 0.4644, None, 6658859008),
+    FoundryRow("7b", 8192, 8, 8, 2, 128, True, 6935, 0.3714, 0.4952, 6684024832),
+    FoundryRow("3b", 2048, 64, 6, 3, 1152, False, 22525, 0.408, None, 2651837440),
+    FoundryRow("1b", 2048, 64, 20, 1, 1280, False, 44402, 0.4085, None, 1315950592),
+]
+
+
+def mpt(name: str, seq: int) -> ModelConfig:
+    d, heads, layers = MPT_SHAPES[name]
+    return ModelConfig(name=f"MPT-{name}", vocab_size=FOUNDRY_VOCAB, d_model=d, n_layers=layers, n_heads=heads,
+                       n_kv_heads=heads, ffn_hidden=4 * d, activation="gelu", norm="layernorm", position="learned",
+                       bias=False, dropout=0.0, max_seq_len=seq, tie_embeddings=True)
+
+
+def published_step_e(row: FoundryRow) -> float:
+    """Seconds per step implied by the published tokens/s per GPU: global batch x seq / (GPUs x tokens/s/GPU)."""
+    return row.global_batch * row.seq / (row.gpus * row.tokens_per_s_gpu)
+
+
+TABLES = [MEGATRON_R08, NEMO_2407, NEMO_LONG, BRIDGE_2511, TORCHTITAN_2412, FOUNDRY]
