@@ -92,8 +92,9 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
         if dtype == "fp8" and "fp8" not in acc.peak_flops:
             with_fp8 = ", ".join(k for k, a in ACCELERATORS.items() if "fp8" in a.peak_flops)
             raise TrainwiseError(
-                f"--precision fp8 needs FP8 tensor cores, and the {acc.name} has none (its published peaks: "
-                f"{', '.join(acc.peak_flops)}). Plan it with --precision bf16, or plan a GPU with FP8: {with_fp8}.")
+                f"--precision fp8 needs FP8 tensor cores and their published peak, and the table has no FP8 figure "
+                f"for the {acc.name} (its published peaks: {', '.join(acc.peak_flops)}). Plan it with --precision "
+                f"bf16, or plan a GPU with FP8: {with_fp8}.")
         hw = Hardware(acc.name, acc.peak(dtype), acc.bandwidth_bytes_per_s, acc.memory_bytes, None, cuda=True,
                       peak_source=f"{acc.name} datasheet ({dtype})",
                       accelerator=acc if acc.bandwidth_bytes_per_s else None,
