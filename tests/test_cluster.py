@@ -300,3 +300,27 @@ def test_fsdp_gathers_and_scatters_per_block_as_it_runs():
     everything = ops["nccl all_gather (dp)"] + ops["nccl reduce_scatter (dp)"]
     assert 0 < p.cluster.breakdown["dp_comm_s"] <= everything
     assert step(8192).cluster.breakdown["dp_comm_s"] <= p.cluster.breakdown["dp_comm_s"]
+
+
+def test_attention_kernels_by_implementation():
+    """flash (PyTorch SDPA's kernel) and flash2 are FlashAttention-2's published rates; on Hopper flash3 and
+    cudnn are those rates times each kernel's forward+backward speed-up over FlashAttention-2 in the
+    FlashAttention-3 paper's panels (backward 2.5x the forward's FLOPs); both are refused off Hopper."""
+    h100 = ACCELERATORS["h100-sxm"]
+    fa2 = attention_rate(h100, 4096, 128)[0]
+    assert attention_rate(h100, 4096, 128, "flash2")[0] == fa2 == 294e12
+
+    def both(fwd: float, bwd: float) -> float:
+        return 3.5 / (1 / fwd + 2.5 / bwd)
+
+    assert attention_rate(h100, 4096, 128, "flash3")[0] == pytest.approx(fa2 * both(638, 542) / both(368, 310))
+    assert attention_rate(h100, 4096, 128, "cudnn")[0] == pytest.approx(fa2 * both(609, 499) / both(368, 310))
+    cfg = gpt(16, 2048, 4, max_seq_len=8192, dropout=0.0)
+
+    def step(impl: str, gpu: str = "h100-sxm") -> float:
+        return plan_run(run_of(cfg, tokens=1e9, seq_len=8192, gpus=8, gpu=gpu, attention_impl=impl)).step_seconds
+
+    assert step("flash3") < step("cudnn") < step("flash") == step("flash2") < step("unfused")
+    for impl in ("flash3", "cudnn"):
+        with pytest.raises(TrainwiseError, match=f"--attention-impl {impl}.*A100 80GB"):
+            step(impl, "a100-80gb")

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import load_config
-from trainwise.cost.layout import Layout, make_layout
+from trainwise.cost.layout import ATTENTION_IMPLS, Layout, make_layout
 from trainwise.cost.memory import FP8_SCALINGS, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES, get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
@@ -57,8 +57,9 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--ep", type=whole_number, default=1, help="expert-parallel ranks (MoE; out of dp x cp)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="shard norms/dropout over the sequence with tp (default: on when tp > 1)")
-    p.add_argument("--attention-impl", choices=["flash", "unfused"], default="flash",
-                   help="flash kernels, or unfused (scores in memory: the published 2021-22 runs)")
+    p.add_argument("--attention-impl", choices=list(ATTENTION_IMPLS), default="flash",
+                   help="flash (FlashAttention-2, PyTorch SDPA's kernel; flash2 names it), flash3 or cudnn "
+                        "(Hopper), or unfused (scores in memory: the published 2021-22 runs)")
     p.add_argument("--no-dp-overlap", action="store_true",
                    help="reduce gradients after backward instead of under it (Megatron-LM's 'local' DDP)")
     p.add_argument("--tp-overlap", action="store_true", help="tensor-parallel communication under the matmuls")

@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 
 from trainwise.cost.ops import Op
-from trainwise.hardware.table import ACCELERATORS, ATTENTION_TFLOPS, Accelerator
+from trainwise.errors import TrainwiseError
+from trainwise.hardware.table import ACCELERATORS, ATTENTION_TFLOPS, HOPPER_ATTENTION_TFLOPS, Accelerator
 
 TILES = ((256, 128), (128, 256))  # cuBLAS's most efficient tiles (the guide above)
 DEFAULT_COPY_FRACTION = 0.75  # where a GPU has no published copy figure: H100 SXM's (hardware.table)
@@ -65,22 +66,53 @@ def matmul_seconds(batch: int, m: int, k: int, n: int, acc: Accelerator, dtype: 
     return max(compute, nbytes / copy_bandwidth(acc))
 
 
-def attention_rate(acc: Accelerator, seq_len: int, head_dim: int) -> tuple[float, str]:
-    """(FLOP/s, where from) of causal flash attention, forward+backward, as FlashAttention-2 counts FLOPs:
-    its published rate at the nearest head dim (64 or 128), interpolated in log T, held at the ends."""
-    key, scale, how = acc.attention, 1.0, "FlashAttention-2 published rate"
-    if key is None:
-        key, scale = "fa2-a100", matmul_rate(acc, "bf16") / matmul_rate(ACCELERATORS["a100-80gb"], "bf16")
-        how = "FlashAttention-2 A100 rate x this GPU's MAMF / the A100's (no published rate)"
-    table = ATTENTION_TFLOPS[key]
-    by_t = table[min(table, key=lambda hd: abs(hd - head_dim))]
+def check_attention(impl: str, acc: Accelerator | None) -> None:
+    """A TrainwiseError unless `acc` has published rates for the attention kernel `impl`: FlashAttention-3
+    runs on Hopper only, and cuDNN's fused attention is published on Hopper only."""
+    if impl in ("flash3", "cudnn") and (acc is None or acc.attention != "fa2-h100"):
+        what = "FlashAttention-3 runs on Hopper GPUs only" if impl == "flash3" else (
+            "cuDNN's fused attention has published rates on Hopper only")
+        where = f"the {acc.name}" if acc is not None else "a device priced by its calibration or a given peak"
+        raise TrainwiseError(
+            f"--attention-impl {impl}: {what}, and this plan is on {where}. Use --attention-impl flash "
+            "(FlashAttention-2, what PyTorch's SDPA runs) or plan a table H100, H200 or H800.")
+
+
+def _interpolate(by_t: dict[int, float], seq_len: int) -> float:
+    """A rate published at a few sequence lengths, interpolated in log T, held at the ends."""
     ts = sorted(by_t)
     t = min(max(seq_len, ts[0]), ts[-1])
     for lo, hi in zip(ts, ts[1:]):
         if lo <= t <= hi:
             w = math.log(t / lo) / math.log(hi / lo)
-            return scale * 1e12 * (by_t[lo] * (1 - w) + by_t[hi] * w), how
-    return scale * 1e12 * by_t[ts[0]], how
+            return by_t[lo] * (1 - w) + by_t[hi] * w
+    return by_t[ts[0]]
+
+
+def _forward_backward(impl: str, seq_len: int) -> float:
+    """An attention kernel's forward+backward TFLOP/s on the H100 (FlashAttention-3 paper's panels): the
+    FLOPs of both over their times, backward 2.5x the forward's FLOPs."""
+    forward, backward = (_interpolate(table, seq_len) for table in HOPPER_ATTENTION_TFLOPS[impl])
+    return 3.5 / (1 / forward + 2.5 / backward)
+
+
+def attention_rate(acc: Accelerator, seq_len: int, head_dim: int, impl: str = "flash") -> tuple[float, str]:
+    """(FLOP/s, where from) of causal flash attention, forward+backward, as FlashAttention-2 counts FLOPs:
+    its published rate at the nearest head dim (64 or 128), interpolated in log T, held at the ends.
+    FlashAttention-3 and cuDNN on Hopper: that rate times the kernel's speed-up over FlashAttention-2 in the
+    FlashAttention-3 paper's head-dim-128 panels (same GPU, same shapes), at the same sequence length."""
+    key, scale, how = acc.attention, 1.0, "FlashAttention-2 published rate"
+    if impl in ("flash3", "cudnn"):
+        check_attention(impl, acc)
+        scale = _forward_backward(impl, seq_len) / _forward_backward("flash2", seq_len)
+        how = (f"FlashAttention-2 published rate x the {'FlashAttention-3' if impl == 'flash3' else 'cuDNN'} "
+               "speed-up over it (Shah et al. 2024, H100, head dim 128)")
+    if key is None:
+        key, scale = "fa2-a100", matmul_rate(acc, "bf16") / matmul_rate(ACCELERATORS["a100-80gb"], "bf16")
+        how = "FlashAttention-2 A100 rate x this GPU's MAMF / the A100's (no published rate)"
+    table = ATTENTION_TFLOPS[key]
+    by_t = table[min(table, key=lambda hd: abs(hd - head_dim))]
+    return scale * 1e12 * _interpolate(by_t, seq_len), how
 
 
 def op_seconds(op: Op, acc: Accelerator) -> tuple[float, str]:
@@ -90,7 +122,7 @@ def op_seconds(op: Op, acc: Accelerator) -> tuple[float, str]:
         return op.calls * matmul_seconds(batch, m, k, n, acc, op.dtype), "matmul: tile waves at MAMF"
     if op.cls == "attention" and op.shape is not None:
         _, _, _, seq_len, head_dim = op.shape[:5]
-        rate, how = attention_rate(acc, seq_len, head_dim)
+        rate, how = attention_rate(acc, seq_len, head_dim, op.kernel or "flash")
         # trainwise's FLOP counter: forward 4 T^2 hd heads (causal not halved), backward 2x forward; the
         # FlashAttention papers: causal halved, backward 2.5x forward
         share = 0.625 if "backward" in op.name else 0.5

@@ -16,7 +16,9 @@ from trainwise.config import STRATEGY_OF_STAGE, ModelConfig
 from trainwise.cost.params import embedding_params, layer_params, mlp_params, norm_params
 from trainwise.errors import TrainwiseError
 
-ATTENTION_IMPLS = ("flash", "unfused")
+# flash: the fused kernel PyTorch's SDPA runs (FlashAttention-2 on Ampere and Hopper), flash2 the same named;
+# flash3 and cudnn: FlashAttention-3 and cuDNN's fused attention (Hopper); unfused: scores in memory
+ATTENTION_IMPLS = ("flash", "flash2", "flash3", "cudnn", "unfused")
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Layout:
     micro_batches: int = 1  # m: micro-batches per pipeline (per data-parallel rank) per optimizer step
     dp_overlap: bool = True  # gradient reduction under backward (DDP buckets); False: after backward
     tp_overlap: bool = False  # tensor-parallel collectives overlapped with the GEMMs (torchtitan's AsyncTP)
-    attention_impl: str = "flash"  # "unfused": scores in memory, softmax between two batched matmuls
+    attention_impl: str = "flash"  # ATTENTION_IMPLS; "unfused": scores in memory, softmax between two matmuls
     pp_schedule: str = "1f1b"  # the trainer's pipeline schedule: 1f1b | gpipe | interleaved (vpp > 1)
 
     @property

@@ -44,6 +44,7 @@ class Op:
     flops: float  # all calls together
     bytes: float  # all calls together
     layout: str = ""  # a matmul's operands: N (row-major) or T (transposed) each, e.g. "NT" for x @ W.t()
+    kernel: str = ""  # an attention op's implementation on a GPU (cost.gpu.attention_rate); "": flash
 
     def scaled(self, factor: int) -> Op:
         return replace(self, calls=self.calls * factor, flops=self.flops * factor, bytes=self.bytes * factor)

@@ -264,6 +264,22 @@ ATTENTION_TFLOPS: dict[str, dict[int, dict[int, float]]] = {
 }
 
 
+# Attention kernels on the H100 80GB SXM5, bf16, head dim 128, batch x T = 16k tokens, hidden 2048: (forward,
+# backward) TFLOP/s by sequence length, Shah et al. 2024 (FlashAttention-3, arXiv 2407.08608) Figures 5 and 6,
+# the labels printed on the bars as a secondary transcription gives them (not read from the paper itself; the
+# two transcriptions seen disagree on which of cuDNN and FlashAttention-3 is 497 / 467 at 512 tokens: taken as
+# cuDNN 497, the faster at short sequences in every other panel). cost.gpu.attention_rate uses only each
+# kernel's speed-up over FlashAttention-2 in these same panels.
+HOPPER_ATTENTION_TFLOPS: dict[str, tuple[dict[int, float], dict[int, float]]] = {
+    "flash2": ({512: 309, 1024: 350, 2048: 362, 4096: 368, 8192: 370, 16384: 370},
+               {512: 214, 1024: 260, 2048: 291, 4096: 310, 8192: 318, 16384: 322}),
+    "cudnn": ({512: 497, 1024: 574, 2048: 617, 4096: 609, 8192: 600, 16384: 595},
+              {512: 305, 1024: 408, 2048: 465, 4096: 499, 8192: 518, 16384: 516}),
+    "flash3": ({512: 467, 1024: 565, 2048: 625, 4096: 638, 8192: 646, 16384: 648},
+               {512: 316, 1024: 424, 2048: 501, 4096: 542, 8192: 559, 16384: 561}),
+}
+
+
 ALIASES = {
     "a100": "a100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb", "h100": "h100-sxm",
     "rtx-3090": "rtx3090", "rtx-4090": "rtx4090", "3090": "rtx3090", "4090": "rtx4090", "h200-sxm": "h200",

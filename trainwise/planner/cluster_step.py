@@ -36,9 +36,10 @@ def rank_work(cfg: ModelConfig, layout: Layout, micro_batch: int, seq_len: int, 
     """One rank's operators per micro-batch under `layout` (module docstring), with and without checkpointing;
     `fp8`: the blocks' linear layers in FP8 with that scaling (_fp8)."""
     def record(ckpt: str) -> dict[str, list[Op]]:
+        recorded = "unfused" if layout.attention_impl == "unfused" else "flash"  # fused kernels record alike
         share = _blocks(tp_share(cfg, layout.tp), micro_batch, seq_len // layout.cp, precision, ckpt, optimizer,
-                        layout.attention_impl)
-        whole = (_blocks(cfg, micro_batch, seq_len // layout.cp, precision, ckpt, optimizer, layout.attention_impl)
+                        recorded)
+        whole = (_blocks(cfg, micro_batch, seq_len // layout.cp, precision, ckpt, optimizer, recorded)
                  if layout.sequence_parallel else None)
         out = {part: _apply(ops, layout, whole and whole.get(part)) for part, ops in share.items()}
         return {part: _fp8(ops, fp8) if fp8 and part != "ends" else ops for part, ops in out.items()}
@@ -60,6 +61,8 @@ def _apply(ops: list[Op], layout: Layout, whole: list[Op] | None) -> list[Op]:
     for op in ops:
         if same and op.phase != "optimizer" and (op.name, op.phase, op.dtype, op.calls, op.bytes) in same:
             op = replace(op, flops=op.flops / layout.tp, bytes=op.bytes / layout.tp)
+        if op.cls == "attention":  # the kernel the layout names, priced at its published rate (cost.gpu)
+            op = replace(op, kernel=layout.attention_impl)
         if layout.cp > 1 and op.cls == "attention":
             op = replace(op, flops=op.flops * layout.cp, bytes=op.bytes * layout.cp)
         if layout.ep > 1 and "grouped_mm" in op.name and op.shape:

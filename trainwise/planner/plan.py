@@ -12,6 +12,7 @@ from trainwise.config import ZERO_STAGE, ModelConfig, RunConfig
 from trainwise.cost import flops as FL
 from trainwise.cost import memory as M
 from trainwise.cost.cluster import ClusterStep
+from trainwise.cost.gpu import check_attention
 from trainwise.cost.layout import Layout, check_layout, make_layout
 from trainwise.cost.params import ParamCount, params
 from trainwise.cost.rank_memory import RankPeak, highest_peak
@@ -255,6 +256,8 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
     hw = resolve_hardware(gpu, machine.peak_flops, machine.bandwidth, machine.memory, recipe.compute_dtype, threads,
                           gpus_per_node=machine.gpus_per_node, intra_node_bw=machine.intra_node_bw,
                           inter_node_bw=machine.inter_node_bw, gpus=gpus) if has_hw else None
+    if hw is not None:
+        check_attention(layout.attention_impl, hw.accelerator)
     if recipe.fp8 == "mx" and hw is not None and not (hw.accelerator and hw.accelerator.mx):
         raise TrainwiseError(
             f"--precision mxfp8 needs tensor cores that take MX block-scaled formats (Blackwell: --gpu b200); "
