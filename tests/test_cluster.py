@@ -184,10 +184,15 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     # per rank and step, hand-worked: 2 layers on a rank, each 2 all-reduces forward and 2 backward, + the LM
     # head's (last rank), over 2 ranks (2(n-1)/n = 1): calls 4 micro-batches x (2 x 2 x 2 + 1) = 36, each
     # B x T x H x 2 bytes = 2 x 256 x 256 x 2
+    # once per step: the gradients over dp, the tied table's gradient between the two stages, the gradient
+    # norm's and the loss's scalars
     ar = j["comm"]["all_reduce"]
     tp_calls = 4 * (2 * 2 * 2 + 1)
-    dp_calls = 1
-    assert ar["calls"] == tp_calls + dp_calls
+    step_calls = 1 + 3
+    assert ar["calls"] == tp_calls + step_calls
+    ops = {o["op"]: o for o in t["ops"]}
+    tied = ops["nccl all_reduce (tied embedding)"]
+    assert tied["calls"] == 1 and tied["seconds"] > ops["nccl all_reduce (gradient norm)"]["seconds"]
     assert j["comm"]["send_recv"]["calls"] == 4 * 2  # an activation and a gradient per micro-batch
     assert ar["bytes"] >= tp_calls * 2 * 256 * 256 * 2
 

@@ -19,6 +19,8 @@
                             B x T x H / tp (scatter-gather / sequence parallel), exposed
     pipeline            m x (the slowest rank's micro-batch) + the bubble (p - 1) / v x (the mean rank's)
                         (Narayanan et al. 2021 sections 2.2.1-2.2.2)
+    once per step       the tied embedding's gradient between the first and last stage, the gradient norm's
+                        and the loss's scalars, all-reduced and exposed (_step_reductions)
     data parallel       the rank's gradients all-reduced (ZeRO 1-2: reduce-scattered, parameters
                         all-gathered), under the last micro-batch's backward when dp_overlap (DDP buckets);
                         ZeRO-3 as FSDP2 runs it, block by block under the neighbouring blocks' compute (_fsdp)
@@ -102,6 +104,7 @@ def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: Param
     else:
         breakdown["dp_comm_s"] = _data_parallel(cfg, layout, counts, stage_idx[slowest], slowest, worst["backward"],
                                                 tiers, grad_bytes, param_bytes, log)
+    breakdown["dp_comm_s"] += _step_reductions(cfg, layout, tiers, grad_bytes, log)
     breakdown["optimizer_s"] = _optimizer(cfg, layout, work, stage_idx[slowest], slowest, acc, log)
     breakdown["overhead_s"] = DEFAULT_OVERHEAD[0]
     return ClusterStep(sum(breakdown.values()), breakdown, log.ops(), log.comm(), stages)
@@ -274,6 +277,27 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
     exposed_forward = root_gather + gather + (blocks - 1) * max(0.0, gather - forward)
     exposed_backward = blocks * max(0.0, gather + scatter - backward) + scatter + root_scatter
     return m * (exposed_forward + exposed_backward)
+
+
+def _step_reductions(cfg: ModelConfig, layout: Layout, tiers, grad_bytes: int, log: _Log) -> float:
+    """The reductions once per step between backward and the optimizer, exposed (Megatron-LM's
+    finalize_model_grads): with tied embeddings and pipeline stages, the table's gradient all-reduced between
+    the first and the last stage (V/tp x H, its embedding group, across the pipeline's link); the gradient
+    norm's scalar over the model-parallel ranks and the loss's over the data-parallel ones (latency only)."""
+    total = 0.0
+
+    def reduce(part: str, nbytes: float, n: int, what: str) -> None:
+        nonlocal total
+        if n > 1 and part in tiers:
+            seconds = C.collective_seconds("all_reduce", nbytes, n, tiers[part])
+            total += seconds
+            log.coll("all_reduce", what, 1, seconds, C.bytes_sent("all_reduce", nbytes, n))
+
+    if cfg.tie_embeddings and layout.pp > 1:
+        reduce("pp", -(-cfg.vocab_size // layout.tp) * cfg.d_model * grad_bytes, 2, "tied embedding")
+    reduce("pp" if layout.pp > 1 else "tp", 4, layout.tp * layout.pp, "gradient norm")
+    reduce("dp", 4, layout.dp * layout.cp, "loss")
+    return total
 
 
 def _optimizer(cfg, layout: Layout, work: RankWork, idx, r, acc: Accelerator, log: _Log) -> float:
