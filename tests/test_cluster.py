@@ -174,7 +174,8 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
                         gpu="a100-80gb", sequence_parallel=False))
     j = p.to_json()
     assert j["layout"] == {"dp": 4, "tp": 2, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False,
-                           "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash"}
+                           "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash",
+                           "cp_impl": "ring"}
     assert (j["hardware"]["gpus_per_node"], j["hardware"]["intra_node_bytes_per_s"],
             j["hardware"]["inter_node_bytes_per_s"]) == (8, 300e9, 25e9)
     t = j["time"]
@@ -329,3 +330,25 @@ def test_attention_kernels_by_implementation():
     for impl in ("flash3", "cudnn"):
         with pytest.raises(TrainwiseError, match=f"--attention-impl {impl}.*A100 80GB"):
             step(impl, "a100-80gb")
+
+
+def test_context_parallelism_by_implementation():
+    """cp = 4 on one node, per layer: ring sends cp - 1 KV chunks forward and twice that backward under the
+    attention kernels; allgather gathers all cp chunks before forward and again before backward and
+    reduce-scatters their gradients, exposed; Ulysses (a2a) trades positions for heads with all-to-alls of
+    q, k, v and the output each pass, and needs cp to divide the heads."""
+    cfg = gpt(16, 2048, 4, max_seq_len=32768, dropout=0.0)
+
+    def plan(impl: str, **kw):
+        return plan_run(run_of(cfg, tokens=1e9, seq_len=32768, gpus=4, cp=4, gpu="h100-sxm", cp_impl=impl, **kw))
+
+    ring, gather, ulysses = plan("ring"), plan("allgather"), plan("a2a")
+    comm = {name: p.to_json()["comm"] for name, p in (("ring", ring), ("gather", gather), ("a2a", ulysses))}
+    assert comm["ring"]["send_recv"]["calls"] == 3 * 3 * 4  # 3 (cp - 1) per layer, 4 layers
+    assert comm["gather"]["all_gather"]["calls"] == 2 * 4 and comm["gather"]["reduce_scatter"]["calls"] >= 4
+    assert comm["a2a"]["all_to_all"]["calls"] == 2 * 4
+    assert ring.cluster.breakdown["cp_comm_s"] <= gather.cluster.breakdown["cp_comm_s"]
+    assert ulysses.cluster.breakdown["cp_comm_s"] > 0 and ulysses.to_json()["layout"]["cp_impl"] == "a2a"
+    with pytest.raises(TrainwiseError, match="cp must divide both"):
+        plan_run(run_of(gpt(12, 1536, 4, max_seq_len=32768), tokens=1e9, seq_len=32768, gpus=8, cp=8,
+                        gpu="h100-sxm", cp_impl="a2a"))

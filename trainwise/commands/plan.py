@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import load_config
-from trainwise.cost.layout import ATTENTION_IMPLS, Layout, make_layout
+from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, Layout, make_layout
 from trainwise.cost.memory import FP8_SCALINGS, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES, get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
@@ -54,6 +54,8 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--pp", type=whole_number, default=1, help="pipeline stages")
     p.add_argument("--vpp", type=whole_number, default=1, help="virtual stages per pipeline rank (interleaved 1F1B)")
     p.add_argument("--cp", type=whole_number, default=1, help="context-parallel ranks (the sequence split)")
+    p.add_argument("--cp-impl", choices=list(CP_IMPLS), default="ring",
+                   help="how cp exchanges keys and values: ring (p2p under attention), allgather, a2a (Ulysses)")
     p.add_argument("--ep", type=whole_number, default=1, help="expert-parallel ranks (MoE; out of dp x cp)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="shard norms/dropout over the sequence with tp (default: on when tp > 1)")
@@ -146,7 +148,7 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
         layout = make_layout(args.gpus, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
                              sequence_parallel=args.sequence_parallel, zero=args.zero, micro_batches=run.grad_accum,
                              dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
-                             tp_overlap=args.tp_overlap)
+                             tp_overlap=args.tp_overlap, cp_impl=args.cp_impl)
     machine = Machine(gpu=args.gpu, peak_flops=args.peak_flops, bandwidth=args.bandwidth, memory=args.memory,
                       gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
                       inter_node_bw=args.inter_node_bw)
@@ -195,7 +197,8 @@ def _cmd_fit(args, model, toml_run) -> int:
     if not args.global_batch and not args.global_batch_tokens:
         raise TrainwiseError("--fit needs a target: --global-batch SEQUENCES or --global-batch-tokens TOKENS.")
     if args.gpu and args.gpu.lower() not in ("cpu", "cuda") and args.peak_flops is None and args.mfu is None:
-        layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl)
+        layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
+                             cp_impl=args.cp_impl)
         return _cmd_fit_layouts(args, run_from_args(args, model, toml_run, layout), budget)
     run = run_from_args(args, model, toml_run, fit_layout(args.gpus, args.tp, args.pp))
     seq = run.seq_len

@@ -13,7 +13,9 @@
                             all its sharded element-wise work: counted exposed); all exposed (Megatron-LM
                             runs them between the GEMMs) unless tp_overlap
           context parallel  per layer the KV chunks around the ring, cp - 1 sends forward and twice that
-                            backward, under the attention kernels (exposed only past them)
+                            backward, under the attention kernels (exposed only past them); or (cp_impl)
+                            all-gathered before each pass and their gradients reduce-scattered, or Ulysses'
+                            all-to-alls of q, k, v and the output, exposed
           expert parallel   per MoE layer an all-to-all to dispatch and one to combine, forward and backward
           pipeline          an activation forward and a gradient backward per micro-batch and virtual stage,
                             B x T x H / tp (scatter-gather / sequence parallel), exposed
@@ -170,11 +172,19 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
     if layout.ep > 1 and n_moe:  # dispatch and combine per MoE layer and pass
         routed = act * cfg.top_k / (layout.tp if layout.sequence_parallel else 1)
         ep = coll("ep", "all_to_all", routed, layout.ep, 2 * passes * n_moe)
-    if layout.cp > 1:  # each layer's KV (MLA: the latent) around the ring: cp - 1 sends forward, 2(cp - 1) backward
+    if layout.cp > 1:  # each layer's keys and values (MLA: the latent) on T / cp positions, `kv` bytes a rank
         width = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
                  else 2 * max(1, cfg.n_kv_heads // layout.tp) * cfg.head_dim)
-        sent = coll("cp", "send_recv", tokens * width * act_bytes, 2, 3 * (layout.cp - 1) * len(idx))
-        cp = max(0.0, sent - t["attention"])
+        kv, n = tokens * width * act_bytes, len(idx)
+        if layout.cp_impl == "ring":  # around the ring: cp - 1 sends forward, 2(cp - 1) backward, under attention
+            sent = coll("cp", "send_recv", kv, 2, 3 * (layout.cp - 1) * n)
+            cp = max(0.0, sent - t["attention"])
+        elif layout.cp_impl == "allgather":  # gathered before each forward and backward, dK dV reduce-scattered
+            cp = (coll("cp", "all_gather", kv * layout.cp, layout.cp, (passes - 1) * n + n)
+                  + coll("cp", "reduce_scatter", kv * layout.cp, layout.cp, n))
+        else:  # Ulysses: q, k, v and the output trade positions for heads, each pass, exposed
+            queries = tokens * cfg.n_heads // layout.tp * cfg.head_dim * act_bytes
+            cp = coll("cp", "all_to_all", 2 * queries + kv, layout.cp, passes * n)
     if p > 1:  # activation forward and gradient backward per virtual stage, B x T x H / tp each
         pp = coll("pp", "send_recv", act / layout.tp, 2, 2 * v)
     return {"total": t["all"] + tp + ep + cp + pp, "compute_s": plain["all"], "recompute_s": t["all"] - plain["all"],

@@ -19,6 +19,11 @@ from trainwise.errors import TrainwiseError
 # flash: the fused kernel PyTorch's SDPA runs (FlashAttention-2 on Ampere and Hopper), flash2 the same named;
 # flash3 and cudnn: FlashAttention-3 and cuDNN's fused attention (Hopper); unfused: scores in memory
 ATTENTION_IMPLS = ("flash", "flash2", "flash3", "cudnn", "unfused")
+# how context parallelism exchanges keys and values: ring (p2p around the cp ranks under the attention blocks:
+# Megatron-Core's p2p, ring attention), allgather (all of them gathered before attention, their gradients
+# reduce-scattered after: PyTorch's context_parallel default, Megatron-Core's all_gather) or a2a (Ulysses:
+# all-to-alls trade the sequence split for a head split around attention: DeepSpeed, Megatron-Core's a2a)
+CP_IMPLS = ("ring", "allgather", "a2a")
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class Layout:
     tp_overlap: bool = False  # tensor-parallel collectives overlapped with the GEMMs (torchtitan's AsyncTP)
     attention_impl: str = "flash"  # ATTENTION_IMPLS; "unfused": scores in memory, softmax between two matmuls
     pp_schedule: str = "1f1b"  # the trainer's pipeline schedule: 1f1b | gpipe | interleaved (vpp > 1)
+    cp_impl: str = "ring"  # CP_IMPLS: how context parallelism exchanges keys and values
 
     @property
     def gpus(self) -> int:
@@ -65,12 +71,13 @@ class Layout:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "cp": self.cp, "ep": self.ep,
                 "sequence_parallel": self.sequence_parallel, "zero": self.zero,
                 "micro_batches": self.micro_batches, "dp_overlap": self.dp_overlap,
-                "attention_impl": self.attention_impl}
+                "attention_impl": self.attention_impl, "cp_impl": self.cp_impl}
 
 
 def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
                 sequence_parallel: bool | None = None, zero: int = 0, micro_batches: int = 1,
-                dp_overlap: bool = True, attention_impl: str = "flash", tp_overlap: bool = False) -> Layout:
+                dp_overlap: bool = True, attention_impl: str = "flash", tp_overlap: bool = False,
+                cp_impl: str = "ring") -> Layout:
     """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1."""
     for name, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--cp", cp), ("--ep", ep), ("--gpus", gpus),
                         ("micro-batches per step", micro_batches)):
@@ -78,6 +85,8 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
             raise TrainwiseError(f"{name} = {value} must be a positive whole number.")
     if attention_impl not in ATTENTION_IMPLS:
         raise TrainwiseError(f"--attention-impl '{attention_impl}' must be one of {', '.join(ATTENTION_IMPLS)}.")
+    if cp_impl not in CP_IMPLS:
+        raise TrainwiseError(f"--cp-impl '{cp_impl}' must be one of {', '.join(CP_IMPLS)}.")
     split = tp * pp * cp
     if gpus % split:
         raise TrainwiseError(
@@ -88,7 +97,7 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
     return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=gpus // split, sequence_parallel=sp, zero=zero,
                   micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl,
-                  tp_overlap=tp_overlap, pp_schedule="interleaved" if vpp > 1 else "1f1b")
+                  tp_overlap=tp_overlap, pp_schedule="interleaved" if vpp > 1 else "1f1b", cp_impl=cp_impl)
 
 
 def _divisor_hint(gpus: int, tp: int, pp: int, cp: int) -> str:
@@ -126,6 +135,13 @@ def check_layout(cfg: ModelConfig, layout: Layout, seq_len: int) -> None:
             f"cp = {layout.cp} splits each sequence into 2 x cp = {2 * layout.cp} chunks (load-balanced causal "
             f"attention) but seq_len {seq_len} does not divide by that; use a seq_len that is a multiple of "
             f"{2 * layout.cp}.")
+    if layout.cp > 1 and layout.cp_impl == "a2a":
+        heads = cfg.n_heads // layout.tp, max(1, cfg.n_kv_heads // layout.tp)
+        if heads[0] % layout.cp or heads[1] % layout.cp:
+            raise TrainwiseError(
+                f"--cp-impl a2a (Ulysses) gives each of cp = {layout.cp} ranks whole heads, but a tensor-parallel "
+                f"rank holds {heads[0]} query and {heads[1]} key-value heads: cp must divide both. Use --cp-impl "
+                "ring or allgather, or a cp that divides them.")
     if layout.ep > 1:
         if not cfg.is_moe:
             raise TrainwiseError(f"--ep {layout.ep} is expert parallelism, but {cfg.name} has no experts; use --ep 1.")
