@@ -321,7 +321,8 @@ TORCHTITAN_2412 = Table(
     "torchtitan's op-level selective AC planned as the planner's `selective`; TP with sequence parallelism, "
     "AsyncTP = tp communication overlapped; without PP the local batch is one micro-batch; with PP torchtitan's "
     "defaults (Dec 2024): 2 stages per rank for interleaved 1F1B (vpp 2) and as many micro-batches as stages "
-    "(8 for 1F1B, 16 interleaved) splitting the local batch of 32; CP = ring attention over cp ranks; "
+    "(8 for 1F1B, 16 interleaved) splitting the local batch of 32; CP = keys and values all-gathered "
+    "(torchtitan's context_parallel_rotate_method default, allgather: --cp-impl allgather); "
     "flash attention (SDPA); published s = global batch x seq / (GPUs x TPS) (torchtitan's TPS divides a "
     "data-parallel rank's tokens by tp x pp x cp); 8 GPUs per node over NVLink, 400 Gb/s per GPU between "
     "nodes (DGX H100's node)")

@@ -218,7 +218,8 @@ def table_d(rows: list) -> None:
         compare(rows, S2.TORCHTITAN_2412, f"8B seq {r.seq // 1024}K FSDP {r.dp} CP {r.cp}, compile + Float8",
                 [H100, FSDP, FP8] + [CP] * (r.cp > 1), S2.published_step_d_cp(r), r.dp * r.seq, r.gpus,
                 lambda r=r: plan2(S2.titan_model("8B", r.seq), r.gpus, seq=r.seq, micro_batch=1, grad_accum=1,
-                                  recipe="fp8", checkpointing="full", machine=teton, cp=r.cp, zero=3),
+                                  recipe="fp8", checkpointing="full", machine=teton, cp=r.cp, zero=3,
+                                  cp_impl="allgather"),
                 r.memory_gib, note=COMPILE_NOTE)
 
 
