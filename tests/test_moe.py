@@ -306,7 +306,7 @@ def test_moe_small_preset_matches_the_dense_default_in_active_parameters():
 
 import transformers
 
-MODEL_CARD_ACTIVE_B = {"mixtral-8x7b": 12.9, "qwen3-30b-a3b": 3.3, "deepseek-v3": 37}
+MODEL_CARD_ACTIVE_B = {"mixtral-8x7b": 12.9, "qwen3-30b-a3b": 3.3, "qwen3-235b-a22b": 22, "deepseek-v3": 37}
 
 
 def hf_total_and_active(name: str) -> tuple[int, int]:
@@ -328,6 +328,7 @@ def hf_total_and_active(name: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b",
+                                  pytest.param("qwen3-235b-a22b", marks=pytest.mark.slow),
                                   pytest.param("deepseek-v3", marks=pytest.mark.slow)])
 def test_published_moe_total_and_active_equal_transformers(name):
     total, active = hf_total_and_active(name)

@@ -440,6 +440,13 @@ def _llama(**kw: Any) -> dict:
     return {**base, **kw}
 
 
+def _qwen3_moe(**kw: Any) -> dict:
+    return dict(model_type="qwen3_moe", vocab_size=151936, num_key_value_heads=4, head_dim=128, hidden_act="silu",
+                max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, num_experts=128,
+                num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                attention_bias=False, tie_word_embeddings=False, **kw)
+
+
 # Values from each model's published config.json on the Hugging Face Hub (keys that change the
 # parameter count or the FLOPs; rope_scaling and token ids left out).
 PUBLISHED: dict[str, dict[str, Any]] = {
@@ -471,12 +478,10 @@ PUBLISHED: dict[str, dict[str, Any]] = {
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_act="silu",
                        max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1e6,
                        tie_word_embeddings=False),  # Qwen/Qwen2.5-7B
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, hidden_act="silu", max_position_embeddings=40960,
-                          rms_norm_eps=1e-6, rope_theta=1e6, num_experts=128, num_experts_per_tok=8,
-                          decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, attention_bias=False,
-                          tie_word_embeddings=False),  # Qwen/Qwen3-30B-A3B
+    "qwen3-30b-a3b": _qwen3_moe(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                num_hidden_layers=48, num_attention_heads=32),  # Qwen/Qwen3-30B-A3B
+    "qwen3-235b-a22b": _qwen3_moe(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                                  num_hidden_layers=94, num_attention_heads=64),  # Qwen/Qwen3-235B-A22B
     "deepseek-v3": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                         moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
                         num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8,
@@ -490,9 +495,5 @@ PUBLISHED: dict[str, dict[str, Any]] = {
 
 def published_presets() -> dict[str, dict[str, Any]]:
     """ModelConfig keyword dicts of the published models, for trainwise.presets.PRESETS."""
-    out = {}
-    for name, d in PUBLISHED.items():
-        cfg = from_hf_dict(d, name=name)
-        kw = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__ if f != "name"}
-        out[name] = kw
-    return out
+    configs = {name: from_hf_dict(d, name=name) for name, d in PUBLISHED.items()}
+    return {name: {f: getattr(c, f) for f in c.__dataclass_fields__ if f != "name"} for name, c in configs.items()}
