@@ -5,6 +5,7 @@ over layouts, and a few published runs of the development set (benchmarks/cluste
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from runs import run_of
@@ -253,6 +254,15 @@ def test_fit_over_layouts_lists_the_fastest_that_fit(capsys):
               layout=make_layout(16, attention_impl="unfused"), machine=Machine(gpu="a100-40gb"))
     good, bad = fit_run_layouts(run, global_batch=32, memory_budget=8 * 2**30)
     assert good and bad and all(c.fits for c in good)
+    overlapped, _ = fit_run_layouts(replace(run, layout=replace(run.layout, tp_overlap=True)), global_batch=32,
+                                    memory_budget=8 * 2**30)  # the search keeps the run's --tp-overlap
+    def tp_times(cands) -> dict:
+        return {(json.dumps(c.layout, sort_keys=True), c.micro_batch, c.checkpointing): c.breakdown["tp_comm_s"]
+                for c in cands if c.layout["tp"] > 1}
+
+    hidden, exposed = tp_times(overlapped), tp_times(good)
+    both = hidden.keys() & exposed.keys()
+    assert both and all(hidden[k] < exposed[k] for k in both)
     assert [c.step_seconds for c in good] == sorted(c.step_seconds for c in good)
     assert any("GiB per GPU" in c.reason for c in bad)
 

@@ -198,7 +198,7 @@ def _cmd_fit(args, model, toml_run) -> int:
         raise TrainwiseError("--fit needs a target: --global-batch SEQUENCES or --global-batch-tokens TOKENS.")
     if args.gpu and args.gpu.lower() not in ("cpu", "cuda") and args.peak_flops is None and args.mfu is None:
         layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
-                             cp_impl=args.cp_impl)
+                             cp_impl=args.cp_impl, tp_overlap=args.tp_overlap)
         return _cmd_fit_layouts(args, run_from_args(args, model, toml_run, layout), budget)
     run = run_from_args(args, model, toml_run, fit_layout(args.gpus, args.tp, args.pp))
     seq = run.seq_len
