@@ -201,8 +201,9 @@ def nemo_flops_per_token(cfg: ModelConfig, seq: int, vocab: int | None = None) -
     return attention + mlp + 6 * (vocab or cfg.vocab_size) * h
 
 
-def published_step_b(row: NemoRow) -> float:
-    """Seconds per step implied by the published tokens/s per GPU: GBS x seq / (GPUs x tokens/s/GPU)."""
+def published_step_from_tokens(row: NemoRow | BridgeRow) -> float:
+    """Seconds per step implied by the published tokens/s per GPU (tables B and C): GBS x seq / (GPUs x
+    tokens/s/GPU)."""
     return row.global_batch * row.seq / (row.gpus * row.tokens_per_s_gpu)
 
 
@@ -298,11 +299,6 @@ TABLE_C = [
 
 def bridge_model(row: BridgeRow) -> ModelConfig:
     return replace(get_preset(BRIDGE_PRESETS[row.model]), name=row.model, max_seq_len=row.seq)
-
-
-def published_step_c(row: BridgeRow) -> float:
-    """Seconds per step implied by the published tokens/s per GPU: GBS x seq / (GPUs x tokens/s/GPU)."""
-    return row.global_batch * row.seq / (row.gpus * row.tokens_per_s_gpu)
 
 
 # ---------------------------------------------------------------------------------------------------

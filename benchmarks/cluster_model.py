@@ -167,7 +167,7 @@ def table_b(rows: list) -> None:
            f"tokens/s under NeMo's formula (S2.nemo_flops_per_token) within {max(map(abs, check)):.1%} on every row")
     for r in S2.TABLE_B:
         compare(rows, S2.NEMO_2407, f"{r.model} {r.gpus}g tp{r.tp} pp{r.pp} cp{r.cp} vp{r.vp} m{r.grad_accum}",
-                [H100, FP8] + [CP] * (r.cp > 1), S2.published_step_b(r), r.global_batch * r.seq, r.gpus,
+                [H100, FP8] + [CP] * (r.cp > 1), S2.published_step_from_tokens(r), r.global_batch * r.seq, r.gpus,
                 lambda r=r: plan2(S2.nemo_model(r.model, r.seq), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
                                   grad_accum=r.grad_accum, recipe="fp8-delayed", checkpointing="none", machine=DGX_H100,
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp, zero=1, dp_overlap=True, tp_overlap=r.tp > 1))
@@ -193,7 +193,7 @@ def table_c(rows: list, skipped: list) -> None:
             skipped.append({"table": "C", "run": label, "families": fams, "reason": MOE_SKIP,
                             "published_tokens_per_s_gpu": r.tokens_per_s_gpu})
             continue
-        compare(rows, S2.BRIDGE_2511, label, fams, S2.published_step_c(r), r.global_batch * r.seq, r.gpus,
+        compare(rows, S2.BRIDGE_2511, label, fams, S2.published_step_from_tokens(r), r.global_batch * r.seq, r.gpus,
                 lambda r=r: plan2(S2.bridge_model(r), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
                                   grad_accum=r.grad_accum, recipe="fp8", checkpointing="none", machine=DGX_H100,
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp or 1, zero=3 if r.fsdp else 1, dp_overlap=True,
