@@ -7,14 +7,16 @@ Figure 1 per-GPU memory. Each run is planned with `trainwise plan`'s own functio
 from the inputs the file gives: model shape, layout, batch, recompute, fp16 with Megatron-LM's mixed
 precision (16-bit weights and activations, fp32 main gradients, master and Adam: 18 bytes per parameter),
 unfused attention (2021-22: no FlashAttention), gradient all-reduce overlapped (torch DDP) up to 18.4B and
-after backward (Megatron's local DDP) from 39.1B. Nothing below is fitted to these runs: every kernel and
-collective figure is a published microbenchmark (trainwise.hardware.table, trainwise.cost.comm).
+after backward (Megatron's local DDP) from 39.1B. Nothing below is fitted to a run: every kernel and
+collective figure is a published microbenchmark (trainwise.hardware.table, trainwise.cost.comm), and one
+value, the in-step factor of GPU kernels (trainwise.cost.cluster.IN_STEP), is fitted across all the rows of
+both sets at once (`--in-step X` plans them at another value).
 
 The second development set (H100, bf16 and FP8; FSDP; context parallelism; expert parallelism for later),
 transcribed with its sources in benchmarks/cluster_dev_set_2.py, is planned the same way: every dense row (FP8
 with the planner's FP8 recipes, context parallelism as ring attention), the MoE rows listed.
 
-    python benchmarks/cluster_model.py                 # the table and the --fit (about a minute)
+    python benchmarks/cluster_model.py                 # the table and the --fit (about two minutes)
     python benchmarks/cluster_model.py --json out.json
 """
 
@@ -31,6 +33,7 @@ from pathlib import Path
 import cluster_dev_set_2 as S2
 from trainwise.cli import main as cli_main
 from trainwise.config import ModelConfig
+from trainwise.cost import cluster
 from trainwise.cost.layout import make_layout
 from trainwise.cost.memory import get_recipe
 from trainwise.cost.rank_memory import rank_peak
@@ -93,15 +96,14 @@ FIRST, H100, FSDP, CP, FP8, MOE = ("A100 Megatron fp16 (first set)", "H100 (bf16
                                    "MoE (later)")
 FAMILIES = (FIRST, H100, FSDP, CP, FP8, MOE)
 MOE_SKIP = "MoE: next issue"
-COMPILE_NOTE = "compile not modelled: planned eager"
 
 
 def plan2(cfg: ModelConfig, gpus: int, *, seq: int, micro_batch: int, grad_accum: int, recipe: str,
-          checkpointing: str, machine: Machine, **layout):
+          checkpointing: str, machine: Machine, compiled: bool = False, **layout):
     """A second-set row planned with `trainwise plan`'s function (no per-row setting: the table's assumption)."""
     lay = make_layout(gpus, micro_batches=grad_accum, **layout)
     return plan_run(Run(cfg, micro_batch=micro_batch, seq_len=seq, grad_accum=grad_accum, recipe=get_recipe(recipe),
-                        checkpointing=checkpointing, layout=lay, tokens=1e9, machine=machine))
+                        checkpointing=checkpointing, compiled=compiled, layout=lay, tokens=1e9, machine=machine))
 
 
 def header(table: S2.Table, note: str = "") -> None:
@@ -211,16 +213,16 @@ def table_d(rows: list) -> None:
                 S2.published_step_d(r), r.global_batch * S2.D_SEQ, r.gpus,
                 lambda r=r, m=m: plan2(S2.titan_model(r.model), r.gpus, seq=S2.D_SEQ, micro_batch=r.local_batch // m,
                                        grad_accum=m, recipe="fp8" if r.float8 else "amp",
-                                       checkpointing=r.checkpointing, machine=teton, tp=r.tp, pp=r.pp, vpp=r.vpp,
-                                       zero=3, tp_overlap=r.async_tp),
-                r.memory_gib, note=COMPILE_NOTE if r.compiled else "")
+                                       checkpointing=r.checkpointing, machine=teton, compiled=r.compiled, tp=r.tp,
+                                       pp=r.pp, vpp=r.vpp, zero=3, tp_overlap=r.async_tp),
+                r.memory_gib)
     for r in S2.TABLE_D_CP:
         compare(rows, S2.TORCHTITAN_2412, f"8B seq {r.seq // 1024}K FSDP {r.dp} CP {r.cp}, compile + Float8",
                 [H100, FSDP, FP8] + [CP] * (r.cp > 1), S2.published_step_d_cp(r), r.dp * r.seq, r.gpus,
                 lambda r=r: plan2(S2.titan_model("8B", r.seq), r.gpus, seq=r.seq, micro_batch=1, grad_accum=1,
-                                  recipe="fp8", checkpointing="full", machine=teton, cp=r.cp, zero=3,
+                                  recipe="fp8", checkpointing="full", machine=teton, compiled=True, cp=r.cp, zero=3,
                                   cp_impl="allgather"),
-                r.memory_gib, note=COMPILE_NOTE)
+                r.memory_gib)
 
 
 def table_e(rows: list) -> None:
@@ -293,7 +295,11 @@ def families(rows: list[dict], skipped: list[dict]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--in-step", type=float, default=cluster.IN_STEP,
+                    help=f"the in-step factor of GPU kernels (trainwise.cost.cluster.IN_STEP, {cluster.IN_STEP}), to "
+                         "rescan its fit")
     args = ap.parse_args()
+    cluster.IN_STEP = args.in_step
     t0, rows, errors = time.time(), [], []
     print("Narayanan et al. 2021 Table 1 (A100 80GB, DGX A100 nodes; full recompute, unfused attention, fp16)")
     print(f"{'model':>8} {'tp':>3} {'pp':>3} {'dp':>3} {'vpp':>3} {'m':>4} {'published s':>11} {'predicted s':>11} "

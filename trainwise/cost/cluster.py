@@ -1,8 +1,9 @@
 """One optimizer step on a GPU cluster, per operator and per collective, for any layout (cost.layout):
 
     per pipeline rank and micro-batch   its layers' operators (one rank's share: the planner records
-        them on a narrowed model, trainwise.planner.cluster_step) priced by cost.gpu, + the embedding on the
-        first rank and the LM head + loss on the last; + the collectives inside the step:
+        them on a narrowed model, trainwise.planner.cluster_step) priced by cost.gpu (element-wise work at the
+        bytes a fusing stack moves where the stack fuses), x IN_STEP, + the embedding on the first rank and
+        the LM head + loss on the last; + the collectives inside the step:
           tensor parallel   per layer 2 all-reduces forward, 2 backward (2 more when a full recompute
                             re-runs the forward) of B x T x H (Narayanan et al. 2021 section 3.3); with
                             sequence parallelism each is a reduce-scatter + an all-gather of the same
@@ -46,6 +47,13 @@ from trainwise.cost.ops import Op, for_cuda
 from trainwise.hardware.profile import DEFAULT_OVERHEAD
 from trainwise.hardware.table import Accelerator, Node
 
+# A kernel inside a training step takes IN_STEP x its published time alone (cost.gpu): clocks held down by the
+# power cap over seconds of back-to-back work, caches and SMs shared with the communication kernels running
+# beside it, the gaps between launches. One value for every GPU, fitted across the whole development set (both
+# sets, every dense row: `python benchmarks/cluster_model.py --in-step X` rescans it; benchmarks/RESULTS.md),
+# neither per row nor per GPU.
+IN_STEP = 1.22
+
 BREAKDOWN = ("compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_p2p_s", "dp_comm_s", "bubble_s",
              "optimizer_s", "overhead_s")
 
@@ -61,6 +69,7 @@ class RankWork:
     ends: list[Op]
     moe_layer: list[Op] | None = None
     plain: RankWork | None = None
+    fused: bool = False  # the stack fuses element-wise work (cost.ops.Op.fused, planner.cluster_step.fuses)
 
 
 @dataclass
@@ -210,7 +219,7 @@ def _rank_compute(cfg: ModelConfig, work: RankWork, idx: list[int], first: bool,
         for op in for_cuda(ops):
             if op.phase == "optimizer" or not count:
                 continue
-            seconds, _ = op_seconds(op, acc)
+            seconds = op_seconds(op, acc, work.fused)[0] * IN_STEP
             out["all"] += count * seconds
             out[op.phase] += count * seconds
             out[op.cls] += count * seconds

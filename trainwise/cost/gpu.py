@@ -10,7 +10,7 @@
                 length and head dim (Dao 2023), counted as that paper counts FLOPs (causal: half of
                 4 T^2 hd heads forward; backward 2.5x forward)
     the rest    bytes moved / (HBM bandwidth x the copy fraction): element-wise kernels, the fused AdamW
-                update, casts
+                update, casts; under a fusing stack, the bytes its fused kernels move (cost.ops.Op.fused)
 
 Compute dtype fp32 runs on the non-tensor-core rate (trainwise leaves TF32 off), scaled by the same
 MAMF share of peak. A GPU without published FlashAttention-2 rates takes the A100's, scaled by its
@@ -115,8 +115,9 @@ def attention_rate(acc: Accelerator, seq_len: int, head_dim: int, impl: str = "f
     return scale * 1e12 * _interpolate(by_t, seq_len), how
 
 
-def op_seconds(op: Op, acc: Accelerator) -> tuple[float, str]:
-    """Seconds of all calls of one operator on `acc`, and the rule used (module docstring)."""
+def op_seconds(op: Op, acc: Accelerator, fused: bool = False) -> tuple[float, str]:
+    """Seconds of all calls of one operator on `acc`, and the rule used (module docstring); `fused`: as a
+    stack that fuses element-wise work runs it (cost.ops.Op.fused)."""
     if op.cls == "matmul" and op.shape is not None:
         batch, m, k, n = op.shape
         return op.calls * matmul_seconds(batch, m, k, n, acc, op.dtype), "matmul: tile waves at MAMF"
@@ -127,4 +128,4 @@ def op_seconds(op: Op, acc: Accelerator) -> tuple[float, str]:
         # FlashAttention papers: causal halved, backward 2.5x forward
         share = 0.625 if "backward" in op.name else 0.5
         return share * op.flops / rate, how
-    return op.bytes / copy_bandwidth(acc), "bytes / copy bandwidth"
+    return op.moved(fused) / copy_bandwidth(acc), "bytes / copy bandwidth"

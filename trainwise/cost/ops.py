@@ -45,9 +45,22 @@ class Op:
     bytes: float  # all calls together
     layout: str = ""  # a matmul's operands: N (row-major) or T (transposed) each, e.g. "NT" for x @ W.t()
     kernel: str = ""  # an attention op's implementation on a GPU (cost.gpu.attention_rate); "": flash
+    # Bytes of all calls when a fusing stack runs the step (Transformer Engine's and Megatron's fused kernels,
+    # torch.compile): only tensors that must be in memory are read and written (measure.record: a matmul's or
+    # attention's operand or result, a tensor kept for another phase, a step output); None: as `bytes`.
+    fused: float | None = None
 
     def scaled(self, factor: int) -> Op:
-        return replace(self, calls=self.calls * factor, flops=self.flops * factor, bytes=self.bytes * factor)
+        return replace(self.resized(factor, factor), calls=self.calls * factor)
+
+    def resized(self, flops: float, nbytes: float) -> Op:
+        """The same calls doing `flops` x the FLOPs and moving `nbytes` x the bytes (fused bytes too)."""
+        return replace(self, flops=self.flops * flops, bytes=self.bytes * nbytes,
+                       fused=None if self.fused is None else self.fused * nbytes)
+
+    def moved(self, fused: bool) -> float:
+        """Bytes of all calls, eager or under a fusing stack."""
+        return self.fused if fused and self.fused is not None else self.bytes
 
     def per_call_bytes(self) -> float:
         return self.bytes / self.calls if self.calls else 0.0

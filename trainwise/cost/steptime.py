@@ -246,7 +246,7 @@ def scale_batch(ops: list[Op], factor: int, seq_len: int) -> list[Op]:
                 i = next((i for i in (1, 2, 3) if dims[i] % seq_len == 0), 1)
                 dims[i] *= factor
             shape = tuple(dims)
-        out.append(replace(op, shape=shape, flops=op.flops * factor, bytes=op.bytes * factor))
+        out.append(replace(op.resized(factor, factor), shape=shape))
     return out
 
 
@@ -263,7 +263,7 @@ def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors
     ops = [o.scaled(grad_accum) if o.phase != "optimizer" else o for o in ops]
     tensors = n_param_tensors
     if zero >= 1 and dp > 1:  # each rank updates only its 1/dp shard of the parameters
-        ops = [o if o.phase != "optimizer" else replace(o, flops=o.flops / dp, bytes=o.bytes / dp) for o in ops]
+        ops = [o if o.phase != "optimizer" else o.resized(1 / dp, 1 / dp) for o in ops]
         n_params = n_params // dp
     base = predict_step(ops, profile, tensors, n_params, compiled, 0.0, optimizer, async_launch=cuda,
                         precision=precision)

@@ -5,7 +5,10 @@ FLOPs from the one FLOP counter's formulas (trainwise.measure.flopcount) for mat
 FLOP per output element for everything else; bytes = tensor inputs read + outputs written (no cache
 reuse). Each record keeps its phase (forward, backward incl. recompute, optimizer), its dtype and, for
 matmuls and attention, its shape and operand layout, which the time model needs: a skinny matmul runs
-far below peak. What a record is, and the pure views of a list, is trainwise.cost.ops.
+far below peak. Each record also keeps the bytes it moves under a fusing stack (Transformer Engine,
+torch.compile), where a chain of element-wise ops reads and writes only the tensors that must be in memory
+(_Recorder._in_memory); the cluster model prices those for the stacks that fuse. What a record is, and the
+pure views of a list, is trainwise.cost.ops.
 
 One micro-batch is recorded; a step of K micro-batches repeats its forward and backward K times.
 `compiled=True` records the step as torch.compile runs it on a CPU: attention as two matmuls around a
@@ -14,12 +17,14 @@ softmax (trainwise.model.transformer.explicit_attention) instead of the SDPA ker
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from trainwise.config import TrainConfig
 from trainwise.cost.ops import Op, op_class
@@ -78,24 +83,42 @@ def _shape(name: str, ins: list[torch.Tensor]) -> tuple[tuple[int, ...] | None, 
 
 
 class _Recorder(TorchDispatchMode):
+    """Records each aten op's calls, FLOPs and bytes per (name, phase, dtype, shape, layout, bytes per call),
+    and which tensors each call read and wrote, to price the step as a fusing stack runs it (records)."""
+
     def __init__(self):
         super().__init__()
         self.registry = flop_counter().flop_registry
         self.phase = "forward"
         self.ops: dict[tuple, list] = defaultdict(lambda: [0, 0.0, 0.0])
+        self.calls: list[tuple] = []  # (record key, fusable, [(serial, bytes) read], [(serial, bytes) written])
+        # Each tensor seen gets a serial number (a view its base's), held weakly: a reference kept here would
+        # change the step (autograd copies a gradient it cannot steal).
+        self.serial: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.serials = itertools.count(1)
+        self.made: dict[int, tuple[bool, str]] = {}  # serial -> (written by a fusable op, in which phase)
+        self.uses: dict[int, set] = defaultdict(set)  # serial -> {(read by a fusable op, in which phase)}
 
     def hook(self, phase: str) -> None:  # train_step's hook: called after each phase
         self.phase = {"forward": "backward", "backward": "optimizer"}.get(phase, self.phase)
+
+    def _id(self, t: torch.Tensor) -> int:
+        if t not in self.serial:
+            self.serial[t] = next(self.serials)
+        return self.serial[t]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         name = str(packet)
-        if name.split(".")[-1] in VIEWS:
-            return out
         ins = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        if name.split(".")[-1] in VIEWS:
+            for o in outs:
+                if ins and o is not ins[0] and o not in self.serial:
+                    self.serial[o] = self._id(ins[0])
+            return out
         short = name.split(".")[-1]
         if packet in self.registry:
             flops = self.registry[packet](*args, **kwargs, out_val=out)
@@ -103,16 +126,41 @@ class _Recorder(TorchDispatchMode):
             flops = 0
         else:
             flops = sum(o.numel() for o in outs)
-        if short in ("copy_", "fill_", "zero_"):  # in place: the output is the input, written once
-            outs = []
         dtype = next((DTYPE_NAMES.get(x.dtype, "other") for x in ins + outs if x.is_floating_point()), "other")
+        if short in ("copy_", "fill_", "zero_"):  # in place: the output is the input, written once
+            ins, outs = ins[1:], ins[:1]
         nbytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))
         shape, layout = _shape(name, ins)
-        rec = self.ops[(name, self.phase, dtype, shape, layout, nbytes if shape is None else 0)]
+        key = (name, self.phase, dtype, shape, layout, nbytes if shape is None else 0)
+        rec = self.ops[key]
         rec[0] += 1
         rec[1] += flops
         rec[2] += nbytes
+        fusable = op_class(name) not in ("matmul", "attention") and self.phase != "optimizer"
+        read = [(self._id(x), _nbytes(x)) for x in ins]
+        for t, _ in read:
+            self.uses[t].add((fusable, self.phase))
+        written = [(self._id(x), _nbytes(x)) for x in outs]
+        for t, _ in written:
+            self.made[t] = (fusable, self.phase)
+        self.calls.append((key, fusable, read, written))
         return out
+
+    def _in_memory(self, t: int) -> bool:
+        """A tensor a fusing stack writes to memory: one no fusable op wrote (a parameter, an input, a matmul's
+        or attention's result), one a matmul or attention reads, one read in another phase (kept for backward)
+        or never read (a gradient, the loss)."""
+        fusable, phase = self.made.get(t, (False, ""))
+        uses = self.uses.get(t, set())
+        return not fusable or not uses or any(not f or p != phase for f, p in uses)
+
+    def records(self) -> dict[tuple, list]:
+        """{key: [calls, FLOPs, bytes, fused bytes]}: a fusable op's fused bytes are its reads and writes of
+        tensors in memory (_in_memory); the rest of its traffic stays inside a fused kernel."""
+        fused: dict[tuple, float] = defaultdict(float)
+        for key, fusable, read, written in self.calls:
+            fused[key] += sum(b for t, b in read + written if not fusable or self._in_memory(t))
+        return {key: [*rec, fused[key]] for key, rec in self.ops.items()}
 
 
 def step_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32", checkpointing: str = "none",
@@ -128,11 +176,11 @@ def step_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32",
         one, two = (_record(replace(model_cfg, n_layers=n), micro_batch, seq_len, precision, checkpointing,
                             compiled, optimizer) for n in (base, base + 1))
         extra = model_cfg.n_layers - base
-        recs = {k: [a + extra * (b - a) for a, b in zip(one.get(k, [0, 0.0, 0.0]), two[k])] for k in two}
+        recs = {k: [a + extra * (b - a) for a, b in zip(one.get(k, [0, 0.0, 0.0, 0.0]), two[k])] for k in two}
     else:
         recs = _record(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled, optimizer)
-    ops = [Op(n, op_class(n), ph, dt, shape, int(c), f, b, layout)
-           for (n, ph, dt, shape, layout, _), (c, f, b) in recs.items() if f or b]
+    ops = [Op(n, op_class(n), ph, dt, shape, int(c), f, b, layout, fused=fb)
+           for (n, ph, dt, shape, layout, _), (c, f, b, fb) in recs.items() if f or b]
     ops = [op.scaled(grad_accum) if op.phase != "optimizer" else op for op in ops]
     return sorted(ops, key=lambda o: -o.flops)
 
@@ -175,7 +223,7 @@ def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpoin
         ids = torch.randint(0, model_cfg.vocab_size, (micro_batch, seq_len + 1))
         with rec:
             step([(ids[:, :-1], ids[:, 1:])], hook=rec.hook)
-    return dict(rec.ops)
+    return rec.records()
 
 
 def param_tensors(model_cfg) -> int:
@@ -206,12 +254,12 @@ def block_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32"
 def _optimizer_as_one(rec: dict[tuple, list]) -> dict[tuple, list]:
     """The optimizer phase's ops summed into one record (its foreach ops take every parameter at once,
     so their per-call sizes change with depth and would not difference)."""
-    out, total = {}, [0, 0.0, 0.0]
-    for key, (calls, flops, nbytes) in rec.items():
+    out, total = {}, [0, 0.0, 0.0, 0.0]
+    for key, counts in rec.items():
         if key[1] == "optimizer":
-            total = [1, total[1] + flops, total[2] + nbytes]
+            total = [1, *(a + b for a, b in zip(total[1:], counts[1:]))]
         else:
-            out[key] = [calls, flops, nbytes]
+            out[key] = counts
     if total[0]:
         out[("optimizer", "optimizer", "fp32", None, "", 0)] = total
     return out
@@ -220,14 +268,14 @@ def _optimizer_as_one(rec: dict[tuple, list]) -> dict[tuple, list]:
 def _minus(a: dict[tuple, list], b: dict[tuple, list]) -> dict[tuple, list]:
     out = {}
     for key in a.keys() | b.keys():
-        x, y = a.get(key, [0, 0.0, 0.0]), b.get(key, [0, 0.0, 0.0])
-        diff = [x[0] - y[0] if key[1] != "optimizer" else 1, x[1] - y[1], x[2] - y[2]]
+        x, y = a.get(key, [0, 0.0, 0.0, 0.0]), b.get(key, [0, 0.0, 0.0, 0.0])
+        diff = [x[0] - y[0] if key[1] != "optimizer" else 1, *(u - v for u, v in zip(x[1:], y[1:]))]
         if diff[1] or diff[2] or (diff[0] and key[1] != "optimizer"):
             out[key] = diff
     return out
 
 
 def _ops(rec: dict[tuple, list]) -> list[Op]:
-    return sorted((Op(n, op_class(n), ph, dt, shape, int(c), f, b, layout)
-                   for (n, ph, dt, shape, layout, _), (c, f, b) in rec.items() if c > 0 and (f or b)),
+    return sorted((Op(n, op_class(n), ph, dt, shape, int(c), f, b, layout, fused=fb)
+                   for (n, ph, dt, shape, layout, _), (c, f, b, fb) in rec.items() if c > 0 and (f or b)),
                   key=lambda o: -o.flops)

@@ -32,9 +32,10 @@ def _blocks(cfg: ModelConfig, micro_batch: int, seq_len: int, precision: str, ch
 
 
 def rank_work(cfg: ModelConfig, layout: Layout, micro_batch: int, seq_len: int, precision: str, checkpointing: str,
-              optimizer: str = "adamw", fp8: str = "") -> RankWork:
+              optimizer: str = "adamw", fp8: str = "", fused: bool = False) -> RankWork:
     """One rank's operators per micro-batch under `layout` (module docstring), with and without checkpointing;
-    `fp8`: the blocks' linear layers in FP8 with that scaling (_fp8)."""
+    `fp8`: the blocks' linear layers in FP8 with that scaling (_fp8); `fused`: the element-wise work as a
+    fusing stack runs it (fuses)."""
     def record(ckpt: str) -> dict[str, list[Op]]:
         recorded = "unfused" if layout.attention_impl == "unfused" else "flash"  # fused kernels record alike
         share = _blocks(tp_share(cfg, layout.tp), micro_batch, seq_len // layout.cp, precision, ckpt, optimizer,
@@ -46,7 +47,7 @@ def rank_work(cfg: ModelConfig, layout: Layout, micro_batch: int, seq_len: int, 
 
     main = record(checkpointing)
     plain = record("none") if checkpointing != "none" else None
-    work = lambda b: RankWork(b["layer"], b["ends"], b.get("moe_layer"))  # noqa: E731
+    work = lambda b: RankWork(b["layer"], b["ends"], b.get("moe_layer"), fused=fused)  # noqa: E731
     return replace(work(main), plain=work(plain) if plain else None)
 
 
@@ -60,11 +61,11 @@ def _apply(ops: list[Op], layout: Layout, whole: list[Op] | None) -> list[Op]:
     out = []
     for op in ops:
         if same and op.phase != "optimizer" and (op.name, op.phase, op.dtype, op.calls, op.bytes) in same:
-            op = replace(op, flops=op.flops / layout.tp, bytes=op.bytes / layout.tp)
+            op = op.resized(1 / layout.tp, 1 / layout.tp)
         if op.cls == "attention":  # the kernel the layout names, priced at its published rate (cost.gpu)
             op = replace(op, kernel=layout.attention_impl)
         if layout.cp > 1 and op.cls == "attention":
-            op = replace(op, flops=op.flops * layout.cp, bytes=op.bytes * layout.cp)
+            op = op.resized(layout.cp, layout.cp)
         if layout.ep > 1 and "grouped_mm" in op.name and op.shape:
             e, a, b, n = op.shape
             op = replace(op, shape=(e // layout.ep, a, b * layout.ep, n) if op.layout.endswith("split-k")
@@ -101,12 +102,21 @@ def _fp8(ops: list[Op], scaling: str) -> list[Op]:
     return out
 
 
+def fuses(recipe: Recipe, compiled: bool) -> bool:
+    """Whether a run's stack fuses its element-wise work: torch.compile (inductor's generated kernels), and
+    the stacks that train in Megatron's mixed precision or FP8 (Megatron-LM's fused LayerNorm, bias-GELU,
+    bias-dropout-add and softmax kernels; Transformer Engine's fused norms, RoPE and gated activations).
+    Fused, an operator moves only the tensors that must be in memory (cost.ops.Op.fused)."""
+    return compiled or recipe.name == "megatron" or bool(recipe.fp8)
+
+
 def predict_cluster_step(cfg: ModelConfig, layout: Layout, acc: Accelerator, node: Node, *, micro_batch: int,
                          seq_len: int, recipe: Recipe, checkpointing: str, optimizer: str = "adamw",
-                         tp_overlap: bool = False) -> ClusterStep:
+                         tp_overlap: bool = False, compiled: bool = False) -> ClusterStep:
     """One optimizer step of `cfg` under `layout` on a cluster of `acc` in `node`s (cost.cluster)."""
     precision = record_precision(recipe)
-    work = rank_work(cfg, layout, micro_batch, seq_len, precision, checkpointing, optimizer, recipe.fp8)
+    work = rank_work(cfg, layout, micro_batch, seq_len, precision, checkpointing, optimizer, recipe.fp8,
+                     fuses(recipe, compiled))
     return cluster_step(cfg, layout, work, param_counts(cfg, layout), acc=acc, node=node, micro_batch=micro_batch,
                         seq_len=seq_len, checkpointing=checkpointing, act_bytes=recipe.compute_bytes,
                         grad_bytes=_reduced_grad_bytes(recipe), param_bytes=recipe.param_bytes, tp_overlap=tp_overlap)

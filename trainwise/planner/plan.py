@@ -299,7 +299,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
     elif mfu is None and model is not None and hw.accelerator is not None and hw.profile is None:
         cluster = predict_cluster_step(model, layout, hw.accelerator, hw.node, micro_batch=micro_batch,
                                        seq_len=seq_len, recipe=recipe, checkpointing=checkpointing,
-                                       optimizer=optimizer, tp_overlap=layout.tp_overlap)
+                                       optimizer=optimizer, tp_overlap=layout.tp_overlap, compiled=compiled)
         source = "published microbenchmarks"
         tokens_per_s = seq_len * micro_batch * grad_accum * dp / cluster.seconds
         mfu = model_flops_utilization(model_fpt * tokens_per_s, hw.peak_flops, gpus)
