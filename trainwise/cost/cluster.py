@@ -52,7 +52,7 @@ from trainwise.hardware.table import Accelerator, Node
 # beside it, the gaps between launches. One value for every GPU, fitted across the whole development set (both
 # sets, every dense row: `python benchmarks/cluster_model.py --in-step X` rescans it; benchmarks/RESULTS.md),
 # neither per row nor per GPU.
-IN_STEP = 1.22
+IN_STEP = 1.21
 
 BREAKDOWN = ("compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_p2p_s", "dp_comm_s", "bubble_s",
              "optimizer_s", "overhead_s")

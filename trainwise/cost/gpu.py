@@ -1,11 +1,14 @@
 """Operator times on a GPU from published kernel figures (trainwise.hardware.table), no GPU needed:
 
     matmul      waves of output tiles over the SMs, each SM at the MAMF rate: tiles = batch x ceil(M/tm) x
-                ceil(N/tn) for cuBLAS's most efficient tiles, 256 x 128 either way round (NVIDIA, "Matrix
-                Multiplication Background User's Guide" section 2.3); t = ceil(tiles / SMs) x 2 tm tn K /
-                (MAMF / SMs), and at least its operands' bytes at the copy bandwidth. The wave term is
-                what makes a 1024^3 bf16 matmul on an A100 run at a third of a 8192^3 one (NVIDIA's
-                cuBLAS curve, "CUDA 11 Features Revealed" Fig. 6: 88 vs 291 TFLOP/s; tests hold the model to it)
+                ceil(N/tn) for cuBLAS's tiles, 256 x 128 either way round or 128 x 128 (NVIDIA, "Matrix
+                Multiplication Background User's Guide" section 2.3), whichever finishes first; a tile takes
+                2 tm tn (K + GEMM_K_OVERHEAD) / (MAMF / SMs), its prologue and epilogue counted as extra K; a
+                call takes GEMM_LAUNCH_S more, and at least its operands' bytes at the copy bandwidth. The
+                wave term is what makes a 1024^3 bf16 matmul on an A100 run at a third of a 8192^3 one
+                (NVIDIA's cuBLAS curve, "CUDA 11 Features Revealed" Fig. 6: 88 vs 291 TFLOP/s); the K term
+                is what makes an H100's 4096 x 4096 x 256 run at half its 4096^3 rate (XLA's sm_90 matmul
+                table, 392 vs 783 TFLOP/s). Tests hold the model to both.
     attention   the flash kernel at FlashAttention-2's published forward+backward rate for its sequence
                 length and head dim (Dao 2023), counted as that paper counts FLOPs (causal: half of
                 4 T^2 hd heads forward; backward 2.5x forward)
@@ -26,7 +29,13 @@ from trainwise.cost.ops import Op
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import ACCELERATORS, ATTENTION_TFLOPS, HOPPER_ATTENTION_TFLOPS, Accelerator
 
-TILES = ((256, 128), (128, 256))  # cuBLAS's most efficient tiles (the guide above)
+TILES = ((256, 128), (128, 256), (128, 128))  # cuBLAS's tiles (the guide above)
+# A tile's prologue and epilogue as K-iterations, and a call's fixed cost: two values fitted at once across two
+# published sets, XLA's sm_90 bf16 matmul table (48 shapes, batch 1-4, M, N 1,024-4,096, K 256-4,096:
+# openxla/xla gpu/model/matmul_interpolator_data.h; median error 4.9%, worst 9.8%) and NVIDIA's A100 cuBLAS curve
+# (4 sizes: within 19%). Both sets are in tests/test_cluster.py.
+GEMM_K_OVERHEAD = 88
+GEMM_LAUNCH_S = 6e-6
 DEFAULT_COPY_FRACTION = 0.75  # where a GPU has no published copy figure: H100 SXM's (hardware.table)
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 FP32_AS_BF16_PASSES = 6  # an fp32 matmul on a device with bf16 units only (jax.lax.Precision.HIGHEST on TPUs)
@@ -54,14 +63,16 @@ def copy_bandwidth(acc: Accelerator) -> float:
 
 
 def matmul_seconds(batch: int, m: int, k: int, n: int, acc: Accelerator, dtype: str) -> float:
-    """One (batched) matmul (batch, M, K) x (batch, K, N): tile waves at the MAMF rate (module docstring),
-    at least its operands and result moved once at the copy bandwidth."""
+    """One (batched) matmul (batch, M, K) x (batch, K, N): tile waves at the MAMF rate, each tile's K
+    lengthened by its prologue and epilogue, plus the call's fixed cost (module docstring); at least its
+    operands and result moved once at the copy bandwidth."""
     if acc.sms is None:  # no published count of its cores (the TPUs): no waves, the rate throughout
         compute = 2.0 * batch * m * k * n / matmul_rate(acc, dtype)
     else:
         per_sm = matmul_rate(acc, dtype) / acc.sms
-        waves = min(math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / acc.sms) for tm, tn in TILES)
-        compute = waves * 2.0 * TILES[0][0] * TILES[0][1] * k / per_sm
+        tile_flops = min(math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / acc.sms) * tm * tn
+                         for tm, tn in TILES)  # the waves' output elements per SM
+        compute = 2.0 * tile_flops * (k + GEMM_K_OVERHEAD) / per_sm + GEMM_LAUNCH_S
     nbytes = ELEMENT_BYTES.get(dtype, 4) * batch * (m * k + k * n + m * n)
     return max(compute, nbytes / copy_bandwidth(acc))
 
