@@ -57,6 +57,8 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--cp-impl", choices=list(CP_IMPLS), default="ring",
                    help="how cp exchanges keys and values: ring (p2p under attention), allgather, a2a (Ulysses)")
     p.add_argument("--ep", type=whole_number, default=1, help="expert-parallel ranks (MoE; out of dp x cp)")
+    p.add_argument("--moe-imbalance", type=number, default=None,
+                   help="MoE: the most loaded expert-parallel rank's tokens over the mean (default 1.0, balanced)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="shard norms/dropout over the sequence with tp (default: on when tp > 1)")
     p.add_argument("--attention-impl", choices=list(ATTENTION_IMPLS), default="flash",
@@ -136,8 +138,8 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
     `layout`, --fit's); --global-batch sets the accumulation steps (not under --fit, which searches them)."""
     base = toml_run or Run(model, seq_len=2048 if model is None else min(2048, model.max_seq_len),
                            recipe=get_recipe("bf16"))
-    given = {key: getattr(args, key) for key in ("seq_len", "micro_batch", "grad_accum", "optimizer", "checkpointing")
-             if getattr(args, key) is not None}
+    given = {key: getattr(args, key) for key in ("seq_len", "micro_batch", "grad_accum", "optimizer", "checkpointing",
+                                                 "moe_imbalance") if getattr(args, key) is not None}
     run = replace(base, model=model, tokens=args.tokens, **given)
     if args.global_batch and not args.fit:
         run = replace(run, grad_accum=accumulation_for(args.global_batch, run.micro_batch,

@@ -54,8 +54,8 @@ from trainwise.hardware.table import Accelerator, Node
 # neither per row nor per GPU.
 IN_STEP = 1.21
 
-BREAKDOWN = ("compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_p2p_s", "dp_comm_s", "bubble_s",
-             "optimizer_s", "overhead_s")
+BREAKDOWN = ("compute_s", "experts_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "imbalance_s", "pp_p2p_s",
+             "dp_comm_s", "bubble_s", "optimizer_s", "overhead_s")
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,11 @@ class ClusterStep:
 
 def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: ParamCounts, *, acc: Accelerator,
                  node: Node | None, micro_batch: int, seq_len: int, checkpointing: str, act_bytes: int,
-                 grad_bytes: int, param_bytes: int, tp_overlap: bool = False) -> ClusterStep:
+                 grad_bytes: int, param_bytes: int, tp_overlap: bool = False,
+                 moe_imbalance: float = 1.0) -> ClusterStep:
     """The step (module docstring). act_bytes: bytes per element of the activations sent (2 in bf16/fp16);
-    grad_bytes / param_bytes: per parameter, of what the data-parallel collectives move."""
+    grad_bytes / param_bytes: per parameter, of what the data-parallel collectives move; moe_imbalance: the
+    most loaded expert-parallel rank's tokens over the mean (cost.run.Run.moe_imbalance)."""
     tiers = {d: _tier(layout, d, node) for d in ("tp", "cp", "ep", "dp", "pp")} if node else {}  # one GPU: no links
     m, v, p = layout.micro_batches, layout.vpp, layout.pp
     layers = chunk_layers(cfg.n_layers, p * v)
@@ -99,13 +101,15 @@ def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: Param
         key = (len(stage_idx[r]) - n_moe, n_moe, r == 0, r == p - 1, r == slowest)
         if key not in seen:
             seen[key] = _micro_batch(cfg, layout, work, stage_idx[r], r, tiers, acc, micro_batch, seq_len,
-                                     checkpointing, act_bytes, tp_overlap, log if r == slowest else None)
+                                     checkpointing, act_bytes, tp_overlap, moe_imbalance,
+                                     log if r == slowest else None)
         part = dict(seen[key])
         stages.append(part.pop("total"))
         parts.append(part)
     worst = parts[slowest]
     breakdown = dict.fromkeys(BREAKDOWN, 0.0)
-    for key in ("compute_s", "recompute_s", "tp_comm_s", "ep_comm_s", "cp_comm_s", "pp_p2p_s"):
+    for key in ("compute_s", "experts_s", "recompute_s", "tp_comm_s", "ep_comm_s", "imbalance_s", "cp_comm_s",
+                "pp_p2p_s"):
         breakdown[key] = m * worst[key]
     breakdown["bubble_s"] = bubble_fraction(p, v, m) * m * sum(stages) / p
     log.repeat(m)  # the micro-batch's operators and collectives, m times; what follows is once per step
@@ -151,8 +155,10 @@ class _Log:
 
 
 def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, tiers, acc, micro_batch, seq_len,
-                 checkpointing, act_bytes, tp_overlap, log: _Log | None) -> dict[str, float]:
-    """One micro-batch (forward + backward) of pipeline rank r: its operators and in-step collectives."""
+                 checkpointing, act_bytes, tp_overlap, imbalance: float, log: _Log | None) -> dict[str, float]:
+    """One micro-batch (forward + backward) of pipeline rank r: its operators and in-step collectives. Under
+    expert parallelism with imbalanced routing the rank waits for the most loaded one: its grouped expert
+    GEMMs and its dispatch take `imbalance` x the mean's."""
     p, v = layout.pp, layout.vpp
     first, last = r == 0, r == p - 1
     t = _rank_compute(cfg, work, idx, first, last, acc, log)
@@ -196,8 +202,12 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
             cp = coll("cp", "all_to_all", 2 * queries + kv, layout.cp, passes * n)
     if p > 1:  # activation forward and gradient backward per virtual stage, B x T x H / tp each
         pp = coll("pp", "send_recv", act / layout.tp, 2, 2 * v)
-    return {"total": t["all"] + tp + ep + cp + pp, "compute_s": plain["all"], "recompute_s": t["all"] - plain["all"],
-            "tp_comm_s": tp, "ep_comm_s": ep, "cp_comm_s": cp, "pp_p2p_s": pp, "backward": t["backward"],
+    skew = (imbalance - 1) * (t["experts"] + ep) if layout.ep > 1 and n_moe else 0.0
+    if log is not None and skew:
+        log.op("expert imbalance (the most loaded rank's extra)", 0, skew)
+    return {"total": t["all"] + tp + ep + skew + cp + pp, "compute_s": plain["all"] - plain["experts"],
+            "experts_s": plain["experts"], "recompute_s": t["all"] - plain["all"], "tp_comm_s": tp,
+            "ep_comm_s": ep, "imbalance_s": skew, "cp_comm_s": cp, "pp_p2p_s": pp, "backward": t["backward"],
             "forward": t["forward"]}
 
 
@@ -223,6 +233,7 @@ def _rank_compute(cfg: ModelConfig, work: RankWork, idx: list[int], first: bool,
             out["all"] += count * seconds
             out[op.phase] += count * seconds
             out[op.cls] += count * seconds
+            out["experts"] += count * seconds if "grouped_mm" in op.name else 0.0
             if log is not None:
                 log.op(op.name, count * op.calls, count * seconds)
     return out

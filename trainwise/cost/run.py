@@ -43,6 +43,9 @@ class Run:
     layout: Layout = field(default_factory=Layout)
     tokens: float | None = None  # D, the run's training tokens; None: everything per step
     machine: Machine | None = None  # None: no hardware (everything but time is known)
+    # MoE routing: the most loaded expert-parallel rank's tokens over the mean (1.0: balanced, as the published
+    # MoE benchmarks force it); the planner prices that rank's expert GEMMs and dispatch
+    moe_imbalance: float = 1.0
 
     @property
     def tokens_per_micro_batch(self) -> int:

@@ -112,14 +112,16 @@ def fuses(recipe: Recipe, compiled: bool) -> bool:
 
 def predict_cluster_step(cfg: ModelConfig, layout: Layout, acc: Accelerator, node: Node, *, micro_batch: int,
                          seq_len: int, recipe: Recipe, checkpointing: str, optimizer: str = "adamw",
-                         tp_overlap: bool = False, compiled: bool = False) -> ClusterStep:
+                         tp_overlap: bool = False, compiled: bool = False,
+                         moe_imbalance: float = 1.0) -> ClusterStep:
     """One optimizer step of `cfg` under `layout` on a cluster of `acc` in `node`s (cost.cluster)."""
     precision = record_precision(recipe)
     work = rank_work(cfg, layout, micro_batch, seq_len, precision, checkpointing, optimizer, recipe.fp8,
                      fuses(recipe, compiled))
     return cluster_step(cfg, layout, work, param_counts(cfg, layout), acc=acc, node=node, micro_batch=micro_batch,
                         seq_len=seq_len, checkpointing=checkpointing, act_bytes=recipe.compute_bytes,
-                        grad_bytes=_reduced_grad_bytes(recipe), param_bytes=recipe.param_bytes, tp_overlap=tp_overlap)
+                        grad_bytes=_reduced_grad_bytes(recipe), param_bytes=recipe.param_bytes, tp_overlap=tp_overlap,
+                        moe_imbalance=moe_imbalance)
 
 
 def _reduced_grad_bytes(recipe: Recipe) -> int:

@@ -74,11 +74,20 @@ def explain_cluster(p) -> str:
         f"pipeline per step, {lay.attention_impl} attention; ranks ordered tp-cp-ep-dp-pp (tp inside a node)")
     add("   each pipeline rank's micro-batch (forward + backward, its layers; exposed in-step communication): "
         + ", ".join(f"{s:.4g} s" for s in st.stage_seconds[:8]) + (" ..." if len(st.stage_seconds) > 8 else ""))
-    add(f"   compute    = m x operators of the slowest rank = {m} x {b['compute_s'] / m:.4g} = {b['compute_s']:.4g} s")
+    add(f"   compute    = m x operators of the slowest rank{' but the expert GEMMs' if b['experts_s'] else ''} = "
+        f"{m} x {b['compute_s'] / m:.4g} = {b['compute_s']:.4g} s")
+    if b["experts_s"]:
+        model = p.model
+        per_expert = p.micro_batch * p.seq_len // lay.cp * model.top_k * lay.ep // model.n_experts
+        add(f"   experts    = m x grouped GEMMs of the rank's {model.n_experts // lay.ep} experts (B x T x top_k x ep "
+            f"/ E = {per_expert:,} tokens each, at the efficiency of that shape) = {b['experts_s']:.4g} s")
     add(f"   recompute  = m x its {p.checkpointing} checkpointing's re-run forward = {b['recompute_s']:.4g} s")
     add(f"   tp comm    = m x (2 collectives of B x T x H per layer and pass, exposed) = {b['tp_comm_s']:.4g} s")
     add(f"   cp comm    = m x (KV ring sends past the attention kernels) = {b['cp_comm_s']:.4g} s")
     add(f"   ep comm    = m x (all-to-all dispatch + combine per MoE layer and pass) = {b['ep_comm_s']:.4g} s")
+    if lay.ep > 1 and b["experts_s"]:
+        add(f"   imbalance  = m x ({p.run.moe_imbalance:g} - 1) x (experts + ep comm): the most loaded rank's extra "
+            f"(--moe-imbalance; 1: balanced) = {b['imbalance_s']:.4g} s")
     add(f"   pp p2p     = m x 2 x vpp sends of B x T x H / tp = {b['pp_p2p_s']:.4g} s")
     add(f"   bubble     = (p - 1) / (v m) x m x mean rank micro-batch = ({pp} - 1) / ({v} x {m}) x {m} x "
         f"{sum(st.stage_seconds) / pp:.4g} = {b['bubble_s']:.4g} s")

@@ -250,6 +250,10 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         raise TrainwiseError("give a model (--model PRESET|FILE) or a parameter count (--params N).")
     if checkpointing not in FL.RECOMPUTE:
         raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective or full.")
+    if not run.moe_imbalance >= 1:
+        raise TrainwiseError(
+            f"--moe-imbalance {run.moe_imbalance} is the most loaded expert-parallel rank's tokens over the mean, "
+            "so at least 1 (1.0: balanced routing, as published MoE benchmarks force it; 1.2: 20% above the mean).")
     gpu = machine.gpu
     has_hw = gpu is not None or machine.peak_flops is not None
     threads = max(1, (os.cpu_count() or 1) // gpus) if gpu and gpu.lower() == "cpu" and gpus > 1 else None
@@ -299,7 +303,8 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
     elif mfu is None and model is not None and hw.accelerator is not None and hw.profile is None:
         cluster = predict_cluster_step(model, layout, hw.accelerator, hw.node, micro_batch=micro_batch,
                                        seq_len=seq_len, recipe=recipe, checkpointing=checkpointing,
-                                       optimizer=optimizer, tp_overlap=layout.tp_overlap, compiled=compiled)
+                                       optimizer=optimizer, tp_overlap=layout.tp_overlap, compiled=compiled,
+                                       moe_imbalance=run.moe_imbalance)
         source = "published microbenchmarks"
         tokens_per_s = seq_len * micro_batch * grad_accum * dp / cluster.seconds
         mfu = model_flops_utilization(model_fpt * tokens_per_s, hw.peak_flops, gpus)

@@ -1,0 +1,58 @@
+"""Mixture-of-Experts in the cluster step: the grouped expert GEMMs and the dispatch as their own terms, and
+the most loaded expert-parallel rank under imbalanced routing (--moe-imbalance)."""
+
+import json
+
+import pytest
+from runs import run_of
+
+from trainwise.cli import main
+from trainwise.config import ModelConfig
+from trainwise.errors import TrainwiseError
+from trainwise.planner.plan import plan_run
+
+MOE = ModelConfig(name="moe-plan", vocab_size=32000, d_model=1024, n_layers=4, n_heads=16, n_kv_heads=4,
+                  ffn_hidden=2816, n_experts=16, top_k=2, expert_ffn_hidden=704, max_seq_len=4096)
+
+
+def plan(**kw):
+    return plan_run(run_of(MOE, tokens=1e9, seq_len=4096, micro_batch=1, grad_accum=8, gpus=16, ep=8, zero=1,
+                           precision="bf16-mixed", gpu="h100-sxm", **kw))
+
+
+def test_the_most_loaded_rank_sets_the_pace():
+    """The breakdown sums to the step; balanced routing adds nothing; at imbalance 1.5 the most loaded rank's
+    expert GEMMs and dispatch take half as long again, and nothing else moves."""
+    even, skewed = plan(), plan(moe_imbalance=1.5)
+    for p in (even, skewed):
+        assert sum(p.cluster.breakdown.values()) == pytest.approx(p.step_seconds)
+    b, s = even.cluster.breakdown, skewed.cluster.breakdown
+    assert b["experts_s"] > 0 and b["ep_comm_s"] > 0 and b["imbalance_s"] == 0
+    assert s["imbalance_s"] == pytest.approx(0.5 * (b["experts_s"] + b["ep_comm_s"]))
+    assert {k: v for k, v in s.items() if k not in ("imbalance_s", "bubble_s")} == pytest.approx(
+        {k: v for k, v in b.items() if k not in ("imbalance_s", "bubble_s")})
+    assert skewed.step_seconds > even.step_seconds
+    # a dense model has no expert terms
+    dense = plan_run(run_of(ModelConfig(name="dense", vocab_size=32000, d_model=1024, n_layers=4, n_heads=16,
+                                        n_kv_heads=4, max_seq_len=4096), tokens=1e9, seq_len=4096, gpus=8,
+                            gpu="h100-sxm"))
+    assert dense.cluster.breakdown["experts_s"] == dense.cluster.breakdown["imbalance_s"] == 0
+
+
+def test_imbalance_below_one_is_refused():
+    with pytest.raises(TrainwiseError, match="at least 1"):
+        plan(moe_imbalance=0.8)
+
+
+def test_explain_and_json_show_the_moe_terms(capsys):
+    args = ["plan", "--model", "qwen3-30b-a3b", "--gpu", "h100-sxm", "--gpus", "16", "--pp", "2", "--ep", "8",
+            "--zero", "1", "--seq-len", "4096", "--micro-batch", "2", "--grad-accum", "32", "--precision", "fp8",
+            "--moe-imbalance", "1.2"]
+    assert main(args + ["--explain"]) == 0
+    out = capsys.readouterr().out
+    for term in ("experts    = m x grouped GEMMs of the rank's 16 experts", "ep comm    = m x (all-to-all dispatch",
+                 "imbalance  = m x (1.2 - 1)"):
+        assert term in out
+    assert main(args + ["--json"]) == 0
+    b = json.loads(capsys.readouterr().out)["time"]["breakdown"]
+    assert b["experts_s"] > 0 and b["ep_comm_s"] > 0 and b["imbalance_s"] > 0
