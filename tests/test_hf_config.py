@@ -43,6 +43,7 @@ def tiny(family: str) -> dict:
                                      moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                                      n_shared_experts=2, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
                                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1),
+        "gpt_oss": dict(model_type="gpt_oss", **base, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
     }[family]
 
 

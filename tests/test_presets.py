@@ -19,13 +19,14 @@ import transformers
 
 REQUIRED = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-2-7b", "llama-3-8b", "llama-3-70b",
             "llama-3.1-405b", "mistral-7b", "mixtral-8x7b", "qwen2.5-7b", "deepseek-v3", "qwen3-30b-a3b",
-            "qwen3-235b-a22b",
+            "qwen3-235b-a22b", "gpt-oss-120b", "gpt-oss-20b",
             "trainwise-small"]
 # Published totals (model cards / HF Hub "Safetensors: model size"), for a second, independent check.
 PUBLISHED_TOTALS = {"gpt2": 124_439_808, "llama-2-7b": 6_738_415_616, "llama-3-8b": 8_030_261_248,
                     "llama-3-70b": 70_553_706_496, "llama-3.1-405b": 405_853_388_800, "mistral-7b": 7_241_732_096,
                     "mixtral-8x7b": 46_702_792_704, "qwen2.5-7b": 7_615_616_512, "qwen3-30b-a3b": 30_532_122_624}
 SLOW = {"llama-3.1-405b", "deepseek-v3", "llama-3-70b", "gpt2-xl", "gpt2-large", "qwen3-235b-a22b"}
+MARKS = {n: pytest.mark.slow for n in SLOW}
 
 
 def test_required_presets_exist():
@@ -38,7 +39,7 @@ def hf_count(name):
         return transformers.AutoModelForCausalLM.from_config(cfg).num_parameters()
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in PUBLISHED])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS[n]) if n in MARKS else n for n in PUBLISHED])
 def test_preset_matches_transformers(name):
     assert params(get_preset(name)).total == hf_count(name)
 

@@ -10,13 +10,15 @@ equals `AutoModelForCausalLM.from_config(cfg).num_parameters()`. The sizes that 
 them with Llama-2-7B's, which is never what a user meant.
 
 build=True reads the file for a model trainwise builds and loads the checkpoint's weights into. It also
-refuses what changes the computation but not the count (RoPE scaling, sliding windows, an exact-GELU gated
-MLP, GPT-2's attention-scaling variants), and reads attention_bias without MLP biases as q/k/v biases: the
-o_proj bias that comes with them is loaded only if it is zero (trainwise.export.hf checks it).
+refuses what changes the computation but not the count (RoPE scaling and sliding windows, except gpt_oss's,
+which trainwise builds; an exact-GELU gated MLP; GPT-2's attention-scaling variants), and reads attention_bias
+without MLP biases as q/k/v biases: the o_proj bias that comes with them is loaded only if it is zero
+(trainwise.export.hf checks it).
 
 Writing (`choose_family`, `to_hf_dict`) serves `trainwise export --format hf`: the family that represents a
 ModelConfig exactly (llama; qwen3: qk_norm; gpt2: LayerNorm, learned positions, biases, zero if absent; mixtral:
-MoE; deepseek_v3: latent attention) or every reason none does, then its config.json.
+MoE; deepseek_v3: latent attention; gpt_oss: sinks, windows, YaRN) or every reason none does, then its config.json.
+deepseek_v3's and gpt_oss's own fields, both ways, are trainwise.hf_families's.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trainwise import hf_families
 from trainwise.config import ModelConfig
 from trainwise.errors import TrainwiseError
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gpt2", "deepseek_v3")
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gpt2", "deepseek_v3", "gpt_oss")
 # the families export writes, and their transformers classes
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel",
-                 "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "gpt_oss": "GptOssForCausalLM"}
 
 # HF activation -> trainwise activation: hidden_act of the gated MLPs, activation_function of GPT-2's plain
 # one. trainwise's geglu is the tanh GELU: a gated MLP with the exact "gelu" has the same parameters and
@@ -41,7 +45,7 @@ GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "
 PLAIN_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                      "silu": "silu", "swish": "silu"}
 # trainwise activation -> the HF name export writes: its first name above
-GATED_NAMES = {ours: hf for hf, ours in reversed(GATED_ACTIVATIONS.items())}
+GATED_NAMES = {ours: hf for hf, ours in reversed(GATED_ACTIVATIONS.items())} | {"clamped_swiglu": "silu"}  # gpt_oss's
 PLAIN_NAMES = {ours: hf for hf, ours in reversed(PLAIN_ACTIVATIONS.items())}
 
 
@@ -54,6 +58,7 @@ ALIASES: dict[str, dict[str, str]] = {
     "mixtral": {"num_experts": "num_local_experts"},
     "qwen3_moe": {"num_local_experts": "num_experts"},
     "deepseek_v3": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
+    "gpt_oss": {"num_experts": "num_local_experts"},
 }
 
 # Class defaults of the optional fields read below: transformers 5.24 configuration_<family>.py (the
@@ -73,6 +78,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                         rope_interleave=True),
     "gpt2": dict(n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True,
                  add_cross_attention=False),
+    "gpt_oss": dict(_GATED, **hf_families.GPT_OSS_DEFAULTS),
 }
 
 
@@ -189,20 +195,10 @@ def _gated(d: dict[str, Any], name: str, build: bool) -> ModelConfig:
             n_experts=_need(d, "num_experts", family), top_k=_need(d, "num_experts_per_tok", family),
             expert_ffn_hidden=_need(d, "moe_intermediate_size", family), renormalize_top_k=bool(d["norm_topk_prob"]))))
     if mla:
-        sparse = [i >= d["first_k_dense_replace"] for i in range(kw["n_layers"])]
-        kw.update(attention="mla", q_lora_rank=d["q_lora_rank"] or 0,
-                  kv_lora_rank=_need(d, "kv_lora_rank", family), qk_nope_head_dim=_need(d, "qk_nope_head_dim", family),
-                  qk_rope_head_dim=_need(d, "qk_rope_head_dim", family), v_head_dim=_need(d, "v_head_dim", family),
-                  head_dim=d.get("qk_rope_head_dim"))
-        kw.update(_moe_layout(sparse, family, dict(
-            n_experts=_need(d, "n_routed_experts", family), top_k=_need(d, "num_experts_per_tok", family),
-            expert_ffn_hidden=_need(d, "moe_intermediate_size", family),
-            n_shared_experts=d["n_shared_experts"] or 0, router_gating="sigmoid",
-            # e_score_correction_bias: the choice bias (a buffer in both, set by a rule, not by gradients). The
-            # multi-token prediction module (num_nextn_predict_layers): not built by transformers, nor here.
-            router_bias=True, renormalize_top_k=bool(d["norm_topk_prob"]),
-            routed_scaling_factor=float(d["routed_scaling_factor"]), router_groups=d["n_group"],
-            router_group_top_k=d["topk_group"])))
+        kw.update(hf_families.deepseek_fields(d, kw["n_layers"], lambda key: _need(d, key, family)))
+    if family == "gpt_oss":
+        kw.update(hf_families.gpt_oss_fields(d, kw["n_layers"], build), expert_ffn_hidden=kw["ffn_hidden"],
+                  n_experts=_need(d, "num_local_experts", family), top_k=_need(d, "num_experts_per_tok", family))
     return ModelConfig(**kw)
 
 
@@ -238,6 +234,8 @@ def _check_buildable(d: dict[str, Any]) -> None:
                 "this gpt2 config.json changes the attention scaling, which trainwise does not build; it needs "
                 "scale_attn_weights = true, scale_attn_by_inverse_layer_idx = false, reorder_and_upcast_attn = false.")
         return
+    if family == "gpt_oss":  # its RoPE and windows are hf_families.gpt_oss_fields's
+        return hf_families.gpt_oss_check_buildable(d)
     for key in ("rope_parameters", "rope_scaling"):  # transformers 5's name, 4.x's
         rope = d.get(key) or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
@@ -299,7 +297,9 @@ def _gpt2(d: dict[str, Any], name: str) -> ModelConfig:
 def choose_family(cfg: ModelConfig) -> str:
     """The HF family that represents `cfg` exactly, or TrainwiseError naming every reason it can't."""
     if cfg.attention == "mla":
-        family, problems = "deepseek_v3", _deepseek_problems(cfg)
+        family, problems = "deepseek_v3", hf_families.deepseek_problems(cfg)
+    elif hf_families.uses_gpt_oss(cfg):
+        family, problems = "gpt_oss", hf_families.gpt_oss_problems(cfg)
     elif cfg.is_moe:
         family, problems = "mixtral", _mixtral_problems(cfg)
     elif cfg.position == "learned" or cfg.norm == "layernorm":
@@ -370,22 +370,6 @@ def _mixtral_problems(cfg: ModelConfig) -> list[str]:
     return problems
 
 
-def _deepseek_problems(cfg: ModelConfig) -> list[str]:
-    problems = []
-    if cfg.norm != "rmsnorm" or cfg.activation != "swiglu":
-        problems.append("DeepSeek-V3 uses RMSNorm and swiglu MLPs")
-    if cfg.bias or cfg.qkv_bias or cfg.qk_norm:
-        problems.append("DeepSeek-V3 has no biases and no qk_norm")
-    if cfg.is_moe:
-        if cfg.moe_every != 1:
-            problems.append("DeepSeek-V3 makes every layer after first_dense_layers MoE (moe_every = 1)")
-        if cfg.n_shared_experts < 1:
-            problems.append("DeepSeek-V3 has shared experts (model.n_shared_experts >= 1)")
-        if cfg.router_gating != "sigmoid" or not cfg.dropless:
-            problems.append("DeepSeek-V3 routes with sigmoid gating, dropless")
-    return problems
-
-
 def to_hf_dict(cfg: ModelConfig, family: str, eos_id: int, bos_id: int | None = None) -> dict[str, Any]:
     """config.json of `family` (choose_family's) for `cfg`; bos_id defaults to eos_id (trainwise's
     tokenizers have one special token, which both begins and ends a document)."""
@@ -406,19 +390,10 @@ def to_hf_dict(cfg: ModelConfig, family: str, eos_id: int, bos_id: int | None = 
            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
            "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
            "attention_dropout": cfg.dropout, "attention_bias": cfg.bias or cfg.qkv_bias}
-    if family == "deepseek_v3":  # every head has its own keys and values; head_dim: the rotated part's width
-        moe = cfg.is_moe
-        return {**out, "num_key_value_heads": cfg.n_heads, "head_dim": cfg.qk_rope_head_dim, "rope_interleave": False,
-                "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
-                "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-                "v_head_dim": cfg.v_head_dim,
-                # a dense model: every layer before first_k_dense_replace, no MoE layer built
-                "first_k_dense_replace": cfg.first_dense_layers if moe else cfg.n_layers,
-                "n_routed_experts": cfg.n_experts if moe else 1, "num_experts_per_tok": cfg.top_k if moe else 1,
-                "moe_intermediate_size": cfg.expert_ffn_hidden if moe else cfg.ffn_hidden,
-                "n_shared_experts": cfg.n_shared_experts if moe else 1, "norm_topk_prob": cfg.renormalize_top_k,
-                "routed_scaling_factor": cfg.routed_scaling_factor, "n_group": cfg.router_groups,
-                "topk_group": cfg.router_group_top_k, "num_nextn_predict_layers": 0}
+    if family == "deepseek_v3":
+        return {**out, **hf_families.deepseek_config(cfg)}
+    if family == "gpt_oss":
+        return {**out, **hf_families.gpt_oss_config(cfg)}
     if family == "llama":
         out["mlp_bias"] = cfg.bias
     if family in ("qwen3", "mixtral"):
@@ -448,7 +423,7 @@ def _qwen3_moe(**kw: Any) -> dict:
 
 
 # Values from each model's published config.json on the Hugging Face Hub (keys that change the
-# parameter count or the FLOPs; rope_scaling and token ids left out).
+# parameter count or the FLOPs; rope_scaling, unless trainwise builds it, and token ids left out).
 PUBLISHED: dict[str, dict[str, Any]] = {
     "gpt2": _gpt2_cfg(768, 12, 12),  # openai-community/gpt2
     "gpt2-medium": _gpt2_cfg(1024, 24, 16),
@@ -490,6 +465,8 @@ PUBLISHED: dict[str, dict[str, Any]] = {
                         routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid", hidden_act="silu",
                         max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
                         attention_bias=False, tie_word_embeddings=False),  # deepseek-ai/DeepSeek-V3
+    "gpt-oss-120b": hf_families.gpt_oss_published(num_hidden_layers=36, num_local_experts=128),  # openai/gpt-oss-120b
+    "gpt-oss-20b": hf_families.gpt_oss_published(num_hidden_layers=24, num_local_experts=32),  # openai/gpt-oss-20b
 }
 
 

@@ -6,7 +6,16 @@ section per dataclass (`[model]`, `[train]`, ...) and can be changed from the co
 closest valid one.
 """
 
-from trainwise.config.model import ACTIVATIONS, ATTENTIONS, GATINGS, NORMS, POSITIONS, ModelConfig, default_ffn_hidden
+from trainwise.config.model import (
+                                  ACTIVATIONS,
+                                  ATTENTIONS,
+                                  GATINGS,
+                                  NORMS,
+                                  POSITIONS,
+                                  ROPE_SCALINGS,
+                                  ModelConfig,
+                                  default_ffn_hidden,
+)
 from trainwise.config.run import (
                                   CHECKPOINTING,
                                   COMPILE,
@@ -37,7 +46,7 @@ from trainwise.config.toml import (
 )
 
 __all__ = ["ACTIVATIONS", "ATTENTIONS", "CHECKPOINTING", "COMPILE", "FSDP_STRATEGIES", "GATINGS", "NORMS", "OPTIMIZERS",
-           "POSITIONS", "PRECISIONS", "RESUME_POLICIES", "SECTIONS", "STRATEGIES", "STRATEGY_OF_STAGE", "ZERO_STAGE",
-           "DataConfig", "LogConfig", "ModelConfig", "ParallelConfig", "RunConfig", "SourceConfig", "TokenizerConfig",
-           "TrainConfig", "apply_overrides", "config_from_dict", "config_to_dict", "default_ffn_hidden", "load_config",
-           "save_config", "section_from_dict", "to_toml"]
+           "POSITIONS", "PRECISIONS", "RESUME_POLICIES", "ROPE_SCALINGS", "SECTIONS", "STRATEGIES", "STRATEGY_OF_STAGE",
+           "ZERO_STAGE", "DataConfig", "LogConfig", "ModelConfig", "ParallelConfig", "RunConfig", "SourceConfig",
+           "TokenizerConfig", "TrainConfig", "apply_overrides", "config_from_dict", "config_to_dict",
+           "default_ffn_hidden", "load_config", "save_config", "section_from_dict", "to_toml"]

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from trainwise.config.checks import choice, divisors
 from trainwise.errors import TrainwiseError
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "clamped_swiglu")
+GATED = ("swiglu", "geglu", "clamped_swiglu")  # three matrices: gate, up, down
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("rope", "learned")
 ATTENTIONS = ("mha", "mla")  # mha covers MHA/GQA/MQA through n_kv_heads; mla = DeepSeek latent attention
 GATINGS = ("softmax", "sigmoid")
+ROPE_SCALINGS = ("none", "yarn")
 
 
 @dataclass
@@ -30,14 +32,31 @@ class ModelConfig:
     head_dim: int = 0  # 0 = d_model // n_heads
     ffn_hidden: int = 0  # 0 = 4*d_model, or 8/3*d_model rounded up to 64 for gated activations
     activation: str = "swiglu"
+    # "clamped_swiglu", gpt-oss's experts: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    # g = min(gate, limit); alpha and limit below (gpt-oss: 1.702 and 7.0)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     position: str = "rope"
     rope_theta: float = 10000.0
+    # "yarn" (Peng et al. 2023, "YaRN"): RoPE trained on rope_original_max_seq_len positions, stretched
+    # rope_factor times; the yarn_ fields are transformers' rope_parameters beta_fast, beta_slow and truncate
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_max_seq_len: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_truncate: bool = True
     tie_embeddings: bool = True
     bias: bool = False  # biases in every linear layer (GPT-2 style)
     qkv_bias: bool = False  # biases on the q/k/v projections only (Qwen2 style)
     qk_norm: bool = False  # RMSNorm on each head's q and k (Qwen3 style)
+    attention_sinks: bool = False  # a learned logit per head that joins each softmax's denominator (gpt-oss)
+    # > 0: layers see only the last sliding_window positions (themselves included), except every
+    # full_attention_every-th layer, which sees all (gpt-oss: 128 and 2; 0 = every layer windowed)
+    sliding_window: int = 0
+    full_attention_every: int = 0
     dropout: float = 0.0
     max_seq_len: int = 256
     init_std: float = 0.02
@@ -55,6 +74,7 @@ class ModelConfig:
     router_gating: str = "softmax"
     router_bias: bool = False  # a choice bias per expert, set by load after each step (DeepSeek-V3's
     router_bias_rate: float = 1e-3  # e_score_correction_bias; its update speed gamma, V3 paper section 4.2)
+    router_logit_bias: bool = False  # a bias on the router's logits, trained by gradients like a weight (gpt-oss)
     renormalize_top_k: bool = True
     dropless: bool = True  # every token reaches its top_k experts; false = capacity_factor applies
     capacity_factor: float = 1.25  # expert capacity = factor * tokens * top_k / n_experts (dropless=false)
@@ -106,7 +126,8 @@ class ModelConfig:
         with moe_every = 0 is as wrong a file as an MoE one): a value outside would reach the weights as
         nan, or fail inside PyTorch without naming the key."""
         for key, usual in (("norm_eps", "1e-5"), ("rope_theta", "10000"), ("init_std", "0.02"),
-                           ("routed_scaling_factor", "1.0; DeepSeek-V3: 2.5")):
+                           ("routed_scaling_factor", "1.0; DeepSeek-V3: 2.5"), ("swiglu_alpha", "1.702"),
+                           ("swiglu_limit", "7.0"), ("yarn_beta_fast", "32"), ("yarn_beta_slow", "1")):
             if not getattr(self, key) > 0:
                 raise TrainwiseError(f"model.{key} = {getattr(self, key)} must be positive (e.g. {usual}).")
         if not self.capacity_factor > 0:
@@ -123,11 +144,28 @@ class ModelConfig:
         for key in ("moe_every", "router_groups", "router_group_top_k"):
             if getattr(self, key) < 1:
                 raise TrainwiseError(f"model.{key} = {getattr(self, key)} must be at least 1 (1 = the default).")
+        if not self.rope_factor >= 1:
+            raise TrainwiseError(f"model.rope_factor = {self.rope_factor} must be at least 1 (1 = RoPE unstretched; "
+                                 "gpt-oss: 32).")
+
+    def _validate_sinks_windows_yarn(self) -> None:
+        """YaRN, attention sinks and sliding windows (gpt-oss's) are built for multi-head attention."""
+        if self.rope_scaling == "yarn" and (self.position != "rope" or self.rope_original_max_seq_len <= 0):
+            raise TrainwiseError(
+                f"model.rope_scaling = 'yarn' stretches RoPE trained on model.rope_original_max_seq_len positions: it "
+                f"needs model.position = 'rope' (here '{self.position}') and rope_original_max_seq_len > 0 (here "
+                f"{self.rope_original_max_seq_len}; gpt-oss: 4096).")
+        used = [key for key, on in (("rope_scaling", self.rope_scaling != "none"),
+                                    ("attention_sinks", self.attention_sinks), ("sliding_window", self.sliding_window))
+                if on]
+        if self.attention == "mla" and used:
+            raise TrainwiseError(f"model.{used[0]} is built for model.attention = 'mha', not for DeepSeek's latent "
+                                 f"attention ('mla'); unset it or use mha.")
 
     @property
     def gated(self) -> bool:
-        """SwiGLU/GeGLU MLPs have three matrices (gate, up, down) instead of two."""
-        return self.activation in ("swiglu", "geglu")
+        """SwiGLU/GeGLU MLPs (gpt-oss's clamped SwiGLU too) have three matrices (gate, up, down), not two."""
+        return self.activation in GATED
 
     @property
     def is_moe(self) -> bool:
@@ -139,6 +177,13 @@ class ModelConfig:
             return False
         return (layer - self.first_dense_layers) % self.moe_every == 0
 
+    def is_sliding_layer(self, layer: int) -> bool:
+        """With a sliding_window, every layer is windowed but each full_attention_every-th (gpt-oss: 2, so
+        layers 0, 2, 4, ... are windowed and 1, 3, 5, ... see every position)."""
+        if not self.sliding_window:
+            return False
+        return not self.full_attention_every or (layer + 1) % self.full_attention_every != 0
+
     def validate(self) -> None:
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
         for key in positive:
@@ -149,7 +194,8 @@ class ModelConfig:
                 )
         for key in ("n_kv_heads", "head_dim", "ffn_hidden", "n_experts", "top_k", "expert_ffn_hidden",
                     "n_shared_experts", "first_dense_layers", "loss_chunk_tokens", "q_lora_rank", "kv_lora_rank",
-                    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "sliding_window", "full_attention_every",
+                    "rope_original_max_seq_len"):
             if getattr(self, key) < 0:
                 raise TrainwiseError(f"model.{key} = {getattr(self, key)} must not be negative.")
         self._validate_ranges()
@@ -158,8 +204,10 @@ class ModelConfig:
         choice("model.position", self.position, POSITIONS)
         choice("model.attention", self.attention, ATTENTIONS)
         choice("model.router_gating", self.router_gating, GATINGS)
+        choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
         if self.attention == "mla":
             self._validate_mla()
+        self._validate_sinks_windows_yarn()
         if self.n_experts and (self.router_groups < 1 or self.n_experts % self.router_groups
                                or not 1 <= self.router_group_top_k <= self.router_groups):
             raise TrainwiseError(
@@ -200,6 +248,6 @@ class ModelConfig:
 
 def default_ffn_hidden(d_model: int, activation: str) -> int:
     """4H for plain MLPs; for gated ones 2/3 of 4H (same parameter count), rounded up to 64 (Llama)."""
-    if activation in ("swiglu", "geglu"):
+    if activation in GATED:
         return 64 * math.ceil(8 * d_model / 3 / 64)
     return 4 * d_model

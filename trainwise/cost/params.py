@@ -33,11 +33,11 @@ def norm_params(cfg: ModelConfig, width: int | None = None) -> int:
 
 def mha_params(cfg: ModelConfig) -> int:
     """q (H -> nh*hd), k and v (H -> nkv*hd), o (nh*hd -> H); biases on all iff bias, on q/k/v iff
-    qkv_bias; qk_norm adds two RMSNorm(hd) weights."""
+    qkv_bias; qk_norm adds two RMSNorm(hd) weights; attention sinks one logit per query head (gpt-oss)."""
     H, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     qkv_bias = cfg.bias or cfg.qkv_bias
     n = linear_params(H, q, qkv_bias) + 2 * linear_params(H, kv, qkv_bias) + linear_params(q, H, cfg.bias)
-    return n + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    return n + (2 * cfg.head_dim if cfg.qk_norm else 0) + (cfg.n_heads if cfg.attention_sinks else 0)
 
 
 def mla_params(cfg: ModelConfig) -> int:
@@ -66,13 +66,14 @@ def mlp_params(d_model: int, hidden: int, gated: bool, bias: bool) -> int:
 
 
 def moe_params(cfg: ModelConfig, experts_used: int) -> int:
-    """Router (H -> E, no bias; router_bias's E choice biases are a buffer, set by a rule, not a parameter)
+    """Router (H -> E; a bias of E on its logits with router_logit_bias (gpt-oss); router_bias's E choice
+    biases are a buffer, set by a rule, not a parameter)
     + `experts_used` routed experts, each an MLP of width expert_ffn_hidden, + the n_shared_experts
     always-on experts, built as one MLP of width n_shared_experts * expert_ffn_hidden (the same count as
     separate experts without biases)."""
     expert = mlp_params(cfg.d_model, cfg.expert_ffn_hidden, cfg.gated, cfg.bias)
     shared = mlp_params(cfg.d_model, cfg.n_shared_experts * cfg.expert_ffn_hidden, cfg.gated, cfg.bias)
-    router = cfg.d_model * cfg.n_experts
+    router = (cfg.d_model + cfg.router_logit_bias) * cfg.n_experts
     return router + experts_used * expert + (shared if cfg.n_shared_experts else 0)
 
 

@@ -8,7 +8,7 @@ tokenizer_config.json. `load_hf_dir` is the inverse, used by `trainwise train --
 The config.json, both ways, is trainwise.hf_config's (`to_hf_dict`, and `from_hf_dict` with build=True):
 the families export writes (choose_family) and those --init-from reads are listed there. This module
 converts the weights: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe and gpt2 here, deepseek_v3 in
-trainwise.export.deepseek.
+trainwise.export.deepseek, gpt_oss in trainwise.export.gpt_oss.
 
 Weight layouts (trainwise -> HF): the fused `attn.qkv` (out = [q nh*hd | k nkv*hd | v nkv*hd]) is split
 into q_proj/k_proj/v_proj; the fused gated `mlp.fc` (out = [gate F | up F]) into gate_proj/up_proj;
@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from trainwise.config import ModelConfig
 from trainwise.errors import TrainwiseError
-from trainwise.export import deepseek
+from trainwise.export import deepseek, gpt_oss
 from trainwise.hf_config import ARCHITECTURES, choose_family, from_hf_dict, read_hf_json, to_hf_dict
 from trainwise.inference import load_run
 from trainwise.tokenizer import EOT, Tokenizer
@@ -44,6 +44,8 @@ def to_hf_state(cfg: ModelConfig, family: str, state: dict[str, torch.Tensor]) -
     """trainwise state dict (tied lm_head may be absent) -> HF Hub-layout tensors."""
     if family == "deepseek_v3":
         out = deepseek.to_hf(cfg, state)
+    elif family == "gpt_oss":
+        out = gpt_oss.to_hf(cfg, state)
     else:
         out = _gpt2_to_hf(cfg, state) if family == "gpt2" else _llama_to_hf(cfg, family, state)
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
@@ -122,6 +124,8 @@ def from_hf_state(cfg: ModelConfig, family: str, t: dict[str, torch.Tensor],
     t = {re.sub(r"\.block_sparse_moe\.", ".mlp.", k): v for k, v in t.items()}
     if family == "deepseek_v3":
         out = deepseek.from_hf(cfg, t, _take, _experts_from_hf, rope_interleave)
+    elif family == "gpt_oss":
+        out = gpt_oss.from_hf(cfg, t, _take)
     else:
         out = _gpt2_from_hf(cfg, t) if family == "gpt2" else _llama_from_hf(cfg, t)
     if cfg.tie_embeddings:

@@ -217,6 +217,9 @@ def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpoin
         elif attention == "flash":  # a GPU's flash kernel applies attention dropout inside; the CPU's has none
             for block in model.blocks:
                 block.attn.dropout = 0.0
+                # and takes windows and sinks (cuDNN's, FlashAttention's): recorded as causal flash attention
+                # over the whole sequence, a sliding-window layer's work overcounted, the sink logits' left out
+                block.attn.plain_causal = True
         if attention != "sdpa":  # a GPU step: CUDA's fused dropout kernel
             use_native_dropout(model)
         step = build_step(model, train, torch.device("cpu"), precision)

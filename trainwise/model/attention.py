@@ -1,5 +1,6 @@
-"""Attention: multi-head (MHA, with GQA/MQA through n_kv_heads) and multi-head latent (MLA), the KV
-cache of generation, and the explicit form a compiled CPU step uses.
+"""Attention: multi-head (MHA, with GQA/MQA through n_kv_heads; gpt-oss's sliding windows and attention
+sinks) and multi-head latent (MLA), the KV cache of generation, and the explicit form a compiled CPU step
+uses.
 
 Shapes in comments: B batch, T tokens (S with the cached ones), H d_model, nh query heads, nkv key/value
 heads, hd head dimension.
@@ -45,7 +46,7 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv_bias = cfg.bias or cfg.qkv_bias
@@ -54,6 +55,12 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None  # (nh,) logits
+        # The positions each query sees, itself included. Every layer of a model with windows or sinks runs
+        # local_attention, the full ones with a window no sequence exceeds, so that all its layers run the same
+        # operators (the operator recorder takes one block for all); plain causal attention runs SDPA.
+        self.window = cfg.sliding_window if cfg.is_sliding_layer(layer) else cfg.max_seq_len
+        self.plain_causal = not (cfg.attention_sinks or cfg.sliding_window)
         self.use_rope = cfg.position == "rope"
         self.dropout = cfg.dropout
 
@@ -79,13 +86,15 @@ class Attention(nn.Module):
         return self.out(rearrange(y, "b h t d -> b t (h d)"))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd)) v through SDPA (flash / memory-efficient kernels where available).
+        """softmax(q k^T / sqrt(hd)) v through SDPA (flash / memory-efficient kernels where available), or
+        local_attention for windows and sinks (which places the queries by the keys' count, cached or not).
         Replaceable from outside: selective checkpointing wraps it, and a compiled CPU step swaps in
-        explicit_attention (trainwise.runtime.parallelize)."""
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        explicit_attention where plain_causal (trainwise.runtime.parallelize)."""
+        dropout = self.dropout if self.training else 0.0
+        if not self.plain_causal:
+            return local_attention(q, k, v, self.window, self.sinks, dropout)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout,
+                                              enable_gqa=self.n_kv_heads != self.n_heads)
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -103,6 +112,35 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, nh, T, T)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
     probs = scores.float().masked_fill(future, float("-inf")).softmax(dim=-1)
+    return probs.to(v.dtype) @ v
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, sinks: torch.Tensor | None,
+                    dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention in which each query sees the last `window` positions, itself included (a sliding
+    window: Longformer, Beltagy et al. 2020; gpt-oss's and Mistral's layers), with attention sinks as gpt-oss
+    has them: a learned logit per head that joins each softmax's denominator and is dropped after it, so that
+    a head's weights on the positions may sum to less than 1 (the role sink tokens play in Xiao et al. 2023,
+    "Efficient Streaming Language Models with Attention Sinks").
+
+    Explicit: the masked T x S scores and an fp32 softmax between two batched matmuls, as explicit_attention
+    (no fused kernel takes a sink logit). q (B, nh, T, hd): the last T of the S positions of k, v (B, nkv, S,
+    hd), as with a KV cache; sinks (nh,) or None."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    B, nh, T, _ = q.shape
+    S = k.shape[2]
+    scores = ((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5).float()  # (B, nh, T, S)
+    back = torch.arange(S - T, S, device=q.device)[:, None] - torch.arange(S, device=q.device)  # (T, S) distance
+    scores = scores.masked_fill((back < 0) | (back >= window), float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink = sinks.float()[:, None, None].expand(B, nh, T, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]  # (B, nh, T, S)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
     return probs.to(v.dtype) @ v
 
 
@@ -137,6 +175,8 @@ class LatentAttention(nn.Module):
 
     Shapes: B batch, T tokens, H d_model, nh heads, r = qk_rope_head_dim, n = qk_nope_head_dim,
     dv = v_head_dim, C = kv_lora_rank."""
+
+    plain_causal = True  # causal softmax over every past position: explicit_attention may replace its core
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -1,9 +1,14 @@
-"""The layers a block is made of: norms, rotary position embedding, activations, the MLP.
+"""The layers a block is made of: norms, rotary position embedding (with YaRN's stretch), activations,
+the MLP.
 
 Shapes in comments: B batch, T tokens, H d_model, hd head dimension, F MLP width.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,12 +23,49 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (max_seq_len, hd), in the rotate-half layout Llama uses (RoFormer, eq. 34)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, inv_freq: torch.Tensor | None = None,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_seq_len, hd), in the rotate-half layout Llama uses (RoFormer, eq. 34).
+    inv_freq (hd/2,): each pair's angle per position, theta^(-2i/hd) unless given (yarn_frequencies);
+    `scale` multiplies both tables, so q and k come out of the rotation `scale` times longer."""
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
-    return angles.cos(), angles.sin()
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
+
+
+def yarn_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models", sections
+    3.2-3.4): RoPE trained on L = rope_original_max_seq_len positions, made to reach rope_factor x L.
+
+    Pair i turns L theta^(-2i/hd) / 2pi times over L positions. Pairs that turn more than beta_fast times
+    keep their frequency (training saw every angle they take many times over), pairs that turn fewer than
+    beta_slow times are slowed rope_factor times (interpolated, as position interpolation does), and the
+    pairs between blend the two along a linear ramp over the pair index (its ends rounded outwards with
+    yarn_truncate). The attention factor 0.1 ln(rope_factor) + 1 multiplies both tables, so the logits
+    q.k grow by its square: the paper's "temperature" (section 3.4), which offsets the flatter softmax of
+    stretched positions. Returns (inv_freq (hd/2,), the attention factor); transformers' `yarn` rope_type
+    without attention_factor or mscale computes the same."""
+    hd, theta, factor = cfg.head_dim, cfg.rope_theta, cfg.rope_factor
+    pos_freqs = theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)  # (hd/2,) positions per radian
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair index that turns `turns` times over L
+        return hd * math.log(cfg.rope_original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(cfg.yarn_beta_fast), pair_turning(cfg.yarn_beta_slow)
+    if cfg.yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, hd - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step, not a division by zero
+    ramp = ((torch.arange(hd // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # 0 to low, 1 from high
+    keep = 1 - ramp  # the share of its own frequency each pair keeps
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq, attention_factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -47,9 +89,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Rotary(torch.autograd.Function):
-    """RoPE as one autograd node: a rotation's gradient is the rotation by minus the angle, so backward
-    is the same four ops with -sin and saves nothing but the tables. Equals apply_rope (up to rounding
-    in x's dtype) on x (B, T, heads, hd) with cos, sin (T, 1, hd/2)."""
+    """RoPE as one autograd node: a rotation's gradient is the rotation by minus the angle (scaled alike when
+    the tables are, as YaRN's), so backward is the same four ops with -sin and saves nothing but the tables.
+    Equals apply_rope (up to rounding in x's dtype) on x (B, T, heads, hd) with cos, sin (T, 1, hd/2)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -72,6 +114,24 @@ ACTIVATION_FNS = {
 }
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit).
+    g sigmoid(1.702 g) is GELU's sigmoid approximation (Hendrycks and Gimpel 2016); the clamps bound the
+    product; with the + 1, up scales the activated gate around 1 (up = 0 passes it through unchanged)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def gated_activation(cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(gate, up) -> the input of a gated MLP's down projection: act(gate) * up (Shazeer 2020, "GLU
+    Variants"), or clamped_swiglu with the config's alpha and limit."""
+    if cfg.activation == "clamped_swiglu":
+        return functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    act = ACTIVATION_FNS[cfg.activation]
+    return lambda gate, up: act(gate) * up
+
+
 class MLP(nn.Module):
     """Two matrices (H->F->H), or three for gated activations: down(act(gate(x)) * up(x))."""
 
@@ -79,7 +139,7 @@ class MLP(nn.Module):
         super().__init__()
         hidden = hidden or cfg.ffn_hidden
         self.gated = cfg.gated
-        self.act = ACTIVATION_FNS[cfg.activation]
+        self.act = gated_activation(cfg) if self.gated else ACTIVATION_FNS[cfg.activation]
         # For gated MLPs gate and up are one (H) -> (2F) matmul; same parameters as two.
         self.fc = nn.Linear(cfg.d_model, 2 * hidden if self.gated else hidden, bias=cfg.bias)
         self.proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
@@ -88,5 +148,5 @@ class MLP(nn.Module):
         h = self.fc(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            return self.proj(self.act(gate) * up)
+            return self.proj(self.act(gate, up))
         return self.proj(self.act(h))

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from trainwise.config import ModelConfig
-from trainwise.model.layers import ACTIVATION_FNS, MLP
+from trainwise.model.layers import ACTIVATION_FNS, MLP, gated_activation
 
 
 # On a CPU, torch._grouped_mm in 16 bits runs each expert's group through oneDNN, which builds a kernel for
@@ -88,13 +88,13 @@ class MoE(nn.Module):
         super().__init__()
         E, H, Fe = cfg.n_experts, cfg.d_model, cfg.expert_ffn_hidden
         self.n_experts, self.top_k, self.gated = E, cfg.top_k, cfg.gated
-        self.act = ACTIVATION_FNS[cfg.activation]
+        self.act = gated_activation(cfg) if self.gated else ACTIVATION_FNS[cfg.activation]
         self.gating, self.renormalize = cfg.router_gating, cfg.renormalize_top_k
         self.scale, self.groups, self.group_top_k = cfg.routed_scaling_factor, cfg.router_groups, cfg.router_group_top_k
         self.bias_rate = cfg.router_bias_rate
         self.dropless, self.capacity_factor = cfg.dropless, cfg.capacity_factor
         self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
-        self.router = nn.Linear(H, E, bias=False)
+        self.router = nn.Linear(H, E, bias=cfg.router_logit_bias)
         # DeepSeek-V3's e_score_correction_bias: added to the scores for choosing experts only, never to
         # the weights; set by a rule after each step (balance_expert_bias), not by gradients: a buffer, saved
         # with the weights
@@ -129,13 +129,15 @@ class MoE(nn.Module):
     def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """(N, H) -> (N, E) in fp32 also under autocast: top-k choices and softmax are sensitive to
         rounding (Switch Transformer section 2.4, "selective precision")."""
+        bias = self.router.bias.float() if self.router.bias is not None else None
         with torch.autocast(tokens.device.type, enabled=False):
-            return F.linear(tokens.float(), self.router.weight.float())
+            return F.linear(tokens.float(), self.router.weight.float(), bias)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """logits (N, E) -> probabilities (N, E) for the balancing loss, combine weights (N, k) and the
-        chosen experts (N, k). softmax: Mixtral/Qwen-MoE; sigmoid: DeepSeek-V3 (section 2.1.2), whose
-        balancing loss uses the scores normalised to sum to 1."""
+        chosen experts (N, k). softmax: Mixtral/Qwen-MoE (gpt-oss softmaxes the k chosen logits alone: the
+        weights renormalize_top_k gives); sigmoid: DeepSeek-V3 (section 2.1.2), whose balancing loss uses the
+        scores normalised to sum to 1."""
         if self.gating == "softmax":
             scores = logits.softmax(dim=-1)
             probs = scores
@@ -249,7 +251,7 @@ class MoE(nn.Module):
         """The middle of trainwise.model.layers.MLP: act(gate) * up for gated MLPs, else act(h)."""
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            return self.act(gate) * up
+            return self.act(gate, up)
         return self.act(h)
 
     @torch.no_grad()

@@ -16,7 +16,7 @@ from torch import nn
 from trainwise.config import ModelConfig
 from trainwise.errors import TrainwiseError
 from trainwise.model.attention import Attention, KVCache, LatentAttention
-from trainwise.model.layers import MLP, make_norm, rope_tables
+from trainwise.model.layers import MLP, make_norm, rope_tables, yarn_frequencies
 from trainwise.model.loss import chunked_cross_entropy
 from trainwise.model.moe import MoE
 
@@ -26,7 +26,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.norm1 = make_norm(cfg, cfg.d_model)
-        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg, layer)
         self.norm2 = make_norm(cfg, cfg.d_model)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
@@ -49,7 +49,8 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         if cfg.position == "rope":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            inv_freq, scale = yarn_frequencies(cfg) if cfg.rope_scaling == "yarn" else (None, 1.0)
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, inv_freq, scale)
             half = cfg.head_dim // 2  # the tables repeat after hd/2 columns; rotate() takes one half
             self.register_buffer("rope_cos", cos[:, :half].contiguous(), persistent=False)
             self.register_buffer("rope_sin", sin[:, :half].contiguous(), persistent=False)

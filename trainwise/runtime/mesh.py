@@ -117,6 +117,11 @@ def _check_tp(tp: int, m: ModelConfig, t: TrainConfig) -> None:
         raise TrainwiseError(f"parallel.tp = {tp} with model.attention = 'mla': trainwise splits multi-head latent "
                              "attention across pipeline stages and data-parallel ranks but not by tensor "
                              "parallelism yet; use parallel.pp or the data-parallel dimension, with parallel.tp=1.")
+    for key in ("attention_sinks", "router_logit_bias"):
+        if getattr(m, key):
+            raise TrainwiseError(f"parallel.tp = {tp} with model.{key} = true: tensor parallelism does not divide "
+                                 "gpt-oss's sink logits and router bias yet; use the data-parallel dimension (or "
+                                 "parallel.pp), with parallel.tp=1.")
     if m.loss_chunk_tokens:
         raise TrainwiseError(f"parallel.tp = {tp} with model.loss_chunk_tokens = {m.loss_chunk_tokens}: under tensor "
                              "parallelism the LM head is sharded by vocabulary, which the chunked loss does not "

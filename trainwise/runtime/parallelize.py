@@ -51,18 +51,23 @@ def use_compiled_attention(model: nn.Module, only_when_compiling: bool = True) -
     """A compiled CPU step's attention: inductor fuses explicit_attention's scale, mask and softmax
     around two bf16 matmuls, faster than the CPU flash kernel it would otherwise call (RESULTS.md).
     Installed before checkpointing, which then wraps it. only_when_compiling=False: explicit attention
-    in every forward (how the operator recorder describes a compiled step without compiling one)."""
+    in every forward (how the operator recorder describes a compiled step without compiling one).
+    Attention with windows or sinks (not plain_causal) keeps its core: it is explicit already."""
     for block in model.blocks:
-        block.attn.core = _explicit_core(block.attn, block.attn.core, only_when_compiling)
+        if block.attn.plain_causal:
+            block.attn.core = _explicit_core(block.attn, block.attn.core, only_when_compiling)
 
 
 def use_unfused_attention(model: nn.Module) -> None:
     """Attention as frameworks ran it before fused attention kernels (Megatron-LM's 2021-22 runs):
     the T x T scores in memory, a softmax and dropout between two batched matmuls (model.attention
     .unfused_attention with the model's attention dropout). For the planner's records of such runs
-    (`plan --attention-impl unfused`); trainwise itself trains with SDPA's fused kernels."""
+    (`plan --attention-impl unfused`); trainwise itself trains with SDPA's fused kernels. Attention with
+    windows or sinks keeps its core, which is unfused already."""
     for block in model.blocks:
         attn = block.attn
+        if not attn.plain_causal:
+            continue
         block.attn.core = lambda q, k, v, causal, attn=attn: unfused_attention(
             q, k, v, attn.dropout if attn.training else 0.0)
 
