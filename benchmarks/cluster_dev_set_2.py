@@ -262,9 +262,17 @@ BRIDGE_2511 = Table(
     "and Adam moments); no activation recompute (none published); flash attention; sequence parallelism and tp "
     "communication overlapped with tp > 1; the distributed optimizer (ZeRO-1) with gradient reduce-scatter and "
     "parameter all-gather overlapped; FSDP 1 = Megatron FSDP: ZeRO-3 over DP; VP as given (n/a: 1); ring "
-    "attention over CP; GA as published (= GBS / (MBS x DP)); published s = GBS x seq / (GPUs x tokens/s/GPU); "
-    "Llama 3 8B / 70B and Llama 3.1 405B = the planner's presets (the same shapes); DGX H100 nodes")
-BRIDGE_PRESETS = {"LLAMA3_8B": "llama-3-8b", "LLAMA3_70B": "llama-3-70b", "LLAMA3.1_405B": "llama-3.1-405b"}
+    "attention over CP; GA = GBS / (MBS x DP) (the published GA column on every row but GPT OSS 120B's, whose 2 "
+    "would not make its global batch of 512 from 16 data-parallel ranks of micro-batch 4: 8); published s = GBS x "
+    "seq / (GPUs x tokens/s/GPU); "
+    "Llama 3 8B / 70B and Llama 3.1 405B = the planner's presets (the same shapes); DGX H100 nodes. MoE rows: the "
+    "presets gpt-oss-120b, qwen3-30b-a3b and qwen3-235b-a22b (their config.json), routing force-balanced as the "
+    "page states (--moe-imbalance 1), experts folded over TP x DP as Megatron-Core places them with expert tensor "
+    "parallelism 1 (--etp 1: the page gives none, and Qwen3-235B's EP 32 exceeds its DP 16), BF16 = Megatron's bf16 "
+    "mixed precision with bf16 gradients (`bf16-mixed`: the grouped expert GEMMs in bf16)")
+BRIDGE_PRESETS = {"LLAMA3_8B": "llama-3-8b", "LLAMA3_70B": "llama-3-70b", "LLAMA3.1_405B": "llama-3.1-405b",
+                  "GPT OSS 120B": "gpt-oss-120b", "Qwen3_30B_a3B": "qwen3-30b-a3b",
+                  "Qwen3_235B_a22B": "qwen3-235b-a22b"}
 
 
 @dataclass(frozen=True)
@@ -295,6 +303,11 @@ TABLE_C = [
     BridgeRow("Qwen3_30B_a3B", 16, "fp8-cs", 512, 2, 4096, 0, 1, 2, 1, 24, 8, 32, 5275, 121, moe=True),
     BridgeRow("Qwen3_235B_a22B", 256, "fp8-cs", 2048, 1, 4096, 0, 2, 8, 1, 4, 32, 128, 1575, 233, moe=True),
 ]
+
+
+def bridge_accumulation(row: BridgeRow) -> int:
+    """Micro-batches per step: GBS / (MBS x DP), DP = GPUs / (TP x PP x CP) (the table's assumption)."""
+    return row.global_batch // (row.micro_batch * row.gpus // (row.tp * row.pp * row.cp))
 
 
 def bridge_model(row: BridgeRow) -> ModelConfig:

@@ -12,9 +12,9 @@ collective figure is a published microbenchmark (trainwise.hardware.table, train
 value, the in-step factor of GPU kernels (trainwise.cost.cluster.IN_STEP), is fitted across all the rows of
 both sets at once (`--in-step X` plans them at another value).
 
-The second development set (H100, bf16 and FP8; FSDP; context parallelism; expert parallelism for later),
+The second development set (H100, bf16 and FP8; FSDP; context parallelism; expert parallelism),
 transcribed with its sources in benchmarks/cluster_dev_set_2.py, is planned the same way: every dense row (FP8
-with the planner's FP8 recipes, context parallelism as ring attention), the MoE rows listed.
+with the planner's FP8 recipes, context parallelism as ring attention), the MoE rows as their own family.
 
     python benchmarks/cluster_model.py                 # the table and the --fit (about two minutes)
     python benchmarks/cluster_model.py --json out.json
@@ -93,9 +93,8 @@ def terms(p) -> str:
 
 # The families the summary reports (a row counts in every family whose feature it uses)
 FIRST, H100, FSDP, CP, FP8, MOE = ("A100 Megatron fp16 (first set)", "H100 (bf16 and FP8)", "FSDP", "CP", "FP8",
-                                   "MoE (later)")
+                                   "MoE (Megatron-Bridge, H100)")
 FAMILIES = (FIRST, H100, FSDP, CP, FP8, MOE)
-MOE_SKIP = "MoE: next issue"
 
 
 def plan2(cfg: ModelConfig, gpus: int, *, seq: int, micro_batch: int, grad_accum: int, recipe: str,
@@ -184,20 +183,18 @@ def table_b(rows: list) -> None:
                 published_tflops=r.tflops_with_cp)
 
 
-def table_c(rows: list, skipped: list) -> None:
-    """Megatron-Bridge 25.11: the dense FP8-CS rows planned, the MoE rows listed."""
+def table_c(rows: list) -> None:
+    """Megatron-Bridge 25.11: the dense FP8-CS rows, and the MoE rows as their own family."""
     header(S2.BRIDGE_2511, PEAK_NOTE)
     for r in S2.TABLE_C:
         fp8 = r.precision.startswith("fp8")
-        fams = [MOE] * r.moe + [H100] + [FP8] * fp8 + [CP] * (r.cp > 1) + [FSDP] * (r.fsdp > 0)
+        fams = [MOE] if r.moe else [H100] + [FP8] * fp8 + [CP] * (r.cp > 1) + [FSDP] * (r.fsdp > 0)
         label = f"{r.model} {r.gpus}g {r.precision} tp{r.tp} pp{r.pp} cp{r.cp} vp{r.vp or 1} ep{r.ep}"
-        if r.moe:
-            skipped.append({"table": "C", "run": label, "families": fams, "reason": MOE_SKIP,
-                            "published_tokens_per_s_gpu": r.tokens_per_s_gpu})
-            continue
         compare(rows, S2.BRIDGE_2511, label, fams, S2.published_step_from_tokens(r), r.global_batch * r.seq, r.gpus,
-                lambda r=r: plan2(S2.bridge_model(r), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
-                                  grad_accum=r.grad_accum, recipe="fp8", checkpointing="none", machine=DGX_H100,
+                lambda r=r, fp8=fp8: plan2(S2.bridge_model(r), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
+                                  grad_accum=S2.bridge_accumulation(r), recipe="fp8" if fp8 else "bf16-mixed",
+                                  checkpointing="none",
+                                  machine=DGX_H100, ep=r.ep, etp=1 if r.moe else None,
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp or 1, zero=3 if r.fsdp else 1, dp_overlap=True,
                                   tp_overlap=r.tp > 1))
 
@@ -238,49 +235,44 @@ def table_e(rows: list) -> None:
                                              machine=DGX_H100, zero=3))
 
 
-def dev_set_2() -> tuple[list[dict], list[dict]]:
-    """Every dense row of the second development set planned (benchmarks/cluster_dev_set_2.py), bf16 and FP8,
-    context parallelism included; the MoE rows listed with the reason they wait."""
-    print("\n\nSecond development set (benchmarks/cluster_dev_set_2.py): H100, bf16 and FP8, dense; nothing fitted "
-          "per row")
-    rows, skipped = [], []
+def dev_set_2() -> list[dict]:
+    """Every row of the second development set planned (benchmarks/cluster_dev_set_2.py): dense bf16 and FP8,
+    context parallelism included, and the MoE rows (their own family)."""
+    print("\n\nSecond development set (benchmarks/cluster_dev_set_2.py): H100, bf16 and FP8, dense and MoE; nothing "
+          "fitted per row")
+    rows = []
     table_a(rows)
     table_b(rows)
-    table_c(rows, skipped)
+    table_c(rows)
     table_d(rows)
     table_e(rows)
-    print(f"\nrows listed for later ({len(skipped)}):")
-    for s in skipped:
-        print(f"  {s['table']:<2} {s['run']:<60} {s['reason']}")
-    return rows, skipped
+    return rows
 
 
-def families(rows: list[dict], skipped: list[dict]) -> dict:
+def families(rows: list[dict]) -> dict:
     """Per family: rows planned, the signed median and the median |error| of the step time (a row counts in every
-    family whose feature it uses); the totals over both sets; and the second set's per-GPU memory against the
-    published."""
+    family whose feature it uses); the totals over both sets' dense rows; and the second set's per-GPU memory
+    against the published."""
     print("\nper family: step time, predicted / published - 1")
     out = {}
     for fam in FAMILIES:
         errs = [r["error"] for r in rows if fam in r.get("families", ()) and r.get("error") is not None]
         failed = sum(fam in r.get("families", ()) and r.get("error") is None for r in rows)
-        later = sum(fam in s["families"] for s in skipped)
-        out[fam] = {"rows": len(errs), "failed": failed, "listed_for_later": later,
+        out[fam] = {"rows": len(errs), "failed": failed,
                     "signed_median": statistics.median(errs) if errs else None,
                     "median_abs": statistics.median(map(abs, errs)) if errs else None}
         got = (f"signed median {out[fam]['signed_median']:+7.1%}, median |error| {out[fam]['median_abs']:6.1%}"
                if errs else "no plannable row yet")
-        print(f"  {fam:<32} {len(errs):>3} rows  {got}" + (f"; {failed} did not plan" if failed else "")
-              + (f"; {later} listed for later" if later else ""))
-    planned = [r for r in rows if r.get("error") is not None]
+        print(f"  {fam:<32} {len(errs):>3} rows  {got}" + (f"; {failed} did not plan" if failed else ""))
+    dense = [r for r in rows if MOE not in r.get("families", ())]
+    planned = [r for r in dense if r.get("error") is not None]
     worst = max(planned, key=lambda r: abs(r["error"]))
     out["total"] = {"rows": len(planned), "median_abs": statistics.median(abs(r["error"]) for r in planned),
                     "worst_abs": abs(worst["error"]), "worst_run": worst["run"],
-                    "failed": sum(r.get("error") is None for r in rows), "listed_for_later": len(skipped)}
-    print(f"  {'total, both development sets':<32} {len(planned):>3} rows  median |error| "
+                    "failed": sum(r.get("error") is None for r in dense)}
+    print(f"  {'total, dense rows of both sets':<32} {len(planned):>3} rows  median |error| "
           f"{out['total']['median_abs']:6.1%}, worst |error| {out['total']['worst_abs']:.1%} ({worst['run']})"
-          + (f"; {out['total']['failed']} did not plan" if out["total"]["failed"] else "")
-          + f"; {len(skipped)} listed for later")
+          + (f"; {out['total']['failed']} did not plan" if out["total"]["failed"] else ""))
     mem = [r["memory_error"] for r in rows if r.get("memory_error") is not None]
     if mem:
         out["memory"] = {"rows": len(mem), "signed_median": statistics.median(mem),
@@ -360,8 +352,8 @@ def main() -> int:
     print(f"\niteration time |error| over {len(errors)} runs: median {statistics.median(errors):.1%}, worst "
           f"{max(errors):.1%}; speed-up of selective + SP: worst {max(abs(a - b) for _, a, b in speedups) * 100:.1f} "
           f"points off; memory: worst {worst_mem:.1%}; {time.time() - t0:.0f} s")
-    set2, skipped = dev_set_2()
-    summary = families(rows + set2, skipped)
+    set2 = dev_set_2()
+    summary = families(rows + set2)
     print("\n`plan --fit` for GPT-3 175B (Korthikanti et al.'s 175B as a GPT-2-style config.json) on 64 A100 80GB, "
           "global batch 64 x 2048; published layout: TP 8, PP 8", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -374,7 +366,7 @@ def main() -> int:
                            "unfused", "--fit"])
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": rows, "speedups": speedups, "memory": memory,
-                                               "dev_set_2": {"runs": set2, "skipped": skipped, "families": summary}},
+                                               "dev_set_2": {"runs": set2, "families": summary}},
                                               indent=1))
     return fit_rc
 

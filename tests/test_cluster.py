@@ -210,7 +210,7 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     j = p.to_json()
     assert j["layout"] == {"dp": 4, "tp": 2, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False,
                            "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash",
-                           "cp_impl": "ring"}
+                           "cp_impl": "ring", "etp": 2}
     assert (j["hardware"]["gpus_per_node"], j["hardware"]["intra_node_bytes_per_s"],
             j["hardware"]["inter_node_bytes_per_s"]) == (8, 300e9, 25e9)
     t = j["time"]
@@ -253,7 +253,7 @@ def test_expert_parallel_layouts_of_a_moe():
                       n_experts=8, top_k=2, expert_ffn_hidden=256)
     with pytest.raises(TrainwiseError, match="ep values that work"):
         plan_run(run_of(moe, tokens=1e9, seq_len=512, gpus=12, ep=3, gpu="h100-sxm"))
-    with pytest.raises(TrainwiseError, match="must divide dp x cp"):
+    with pytest.raises(TrainwiseError, match="must divide tp x cp x dp"):
         plan_run(run_of(moe, tokens=1e9, seq_len=512, gpus=4, tp=2, ep=4, gpu="h100-sxm"))
     p = plan_run(run_of(moe, tokens=1e9, seq_len=512, gpus=16, ep=8, gpu="h100-sxm"))
     assert p.cluster.breakdown["ep_comm_s"] > 0 and p.to_json()["comm"]["all_to_all"]["calls"] == 2 * 2 * 2

@@ -56,3 +56,29 @@ def test_explain_and_json_show_the_moe_terms(capsys):
     assert main(args + ["--json"]) == 0
     b = json.loads(capsys.readouterr().out)["time"]["breakdown"]
     assert b["experts_s"] > 0 and b["ep_comm_s"] > 0 and b["imbalance_s"] > 0
+
+
+def test_experts_fold_onto_the_tensor_and_data_parallel_ranks():
+    """Megatron-Core's MoE parallel folding: etp x ep x edp over the same tp x cp x dp ranks. EP may exceed dp
+    when the experts' tensor parallelism (etp) is below tp; each rank then holds E / ep whole-width experts,
+    reduces their gradients over edp ranks, and the ep group's neighbours are etp ranks apart."""
+    from trainwise.cost.layout import check_layout, make_layout, placement
+    from trainwise.cost.rank import is_expert, rank_params
+
+    folded, plain = make_layout(16, tp=2, ep=8, etp=1), make_layout(16, tp=2, ep=4)
+    assert (folded.expert_tp, folded.expert_dp, plain.expert_tp, plain.expert_dp) == (1, 2, 2, 2)
+    check_layout(MOE, folded, 4096)
+    with pytest.raises(TrainwiseError, match="--etp"):
+        check_layout(MOE, make_layout(16, tp=2, ep=16), 4096)  # 16 x 2 does not divide tp x dp = 16
+
+    def experts(lay):
+        return sum(p.numel for p in rank_params(MOE, lay, 0) if is_expert(p.spec))
+
+    width = 3 * MOE.d_model * MOE.expert_ffn_hidden  # gate, up and down of one expert, one layer
+    assert experts(folded) == MOE.n_layers * MOE.n_experts // 8 * width
+    assert experts(plain) == MOE.n_layers * MOE.n_experts // 4 * width // 2
+    assert placement(folded, "ep", 8).stride == 1 and placement(plain, "ep", 8).stride == 2
+    # the same expert FLOPs per rank either way (tokens x etp / tp, width / etp): the plans differ in the dispatch
+    a, b = plan(), plan_run(run_of(MOE, tokens=1e9, seq_len=4096, micro_batch=1, grad_accum=8, gpus=16, tp=2, ep=8,
+                                   etp=1, zero=1, precision="bf16-mixed", gpu="h100-sxm"))
+    assert a.cluster.breakdown["experts_s"] > 0 and b.cluster.breakdown["experts_s"] > 0

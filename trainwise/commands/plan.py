@@ -57,6 +57,8 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--cp-impl", choices=list(CP_IMPLS), default="ring",
                    help="how cp exchanges keys and values: ring (p2p under attention), allgather, a2a (Ulysses)")
     p.add_argument("--ep", type=whole_number, default=1, help="expert-parallel ranks (MoE; out of dp x cp)")
+    p.add_argument("--etp", type=whole_number, default=None,
+                   help="expert tensor parallelism: the routed experts' width over etp ranks (default: tp)")
     p.add_argument("--moe-imbalance", type=number, default=None,
                    help="MoE: the most loaded expert-parallel rank's tokens over the mean (default 1.0, balanced)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
@@ -150,7 +152,7 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
         layout = make_layout(args.gpus, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
                              sequence_parallel=args.sequence_parallel, zero=args.zero, micro_batches=run.grad_accum,
                              dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
-                             tp_overlap=args.tp_overlap, cp_impl=args.cp_impl)
+                             tp_overlap=args.tp_overlap, cp_impl=args.cp_impl, etp=args.etp)
     machine = Machine(gpu=args.gpu, peak_flops=args.peak_flops, bandwidth=args.bandwidth, memory=args.memory,
                       gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
                       inter_node_bw=args.inter_node_bw)

@@ -252,11 +252,11 @@ def _data_parallel(cfg, layout: Layout, rp: ParamCounts, idx, r, backward_s, tie
                    log: _Log) -> float:
     """Exposed seconds of the data-parallel collectives of rank r per step: gradients all-reduced (ZeRO 1-2:
     reduce-scattered + parameters all-gathered once), the experts' over their own data-parallel group
-    (dp x cp / ep)."""
+    (Layout.expert_dp: dp x cp / ep with etp = tp)."""
     n_moe = sum(cfg.is_moe_layer(i) for i in idx)
     dense = (len(idx) - n_moe) * rp.layer + n_moe * (rp.moe_layer - rp.moe_experts)
     dense += (rp.embedding if r == 0 else 0) + (rp.head if r == layout.pp - 1 else 0)
-    groups = [(dense, layout.dp * layout.cp), (n_moe * rp.moe_experts, layout.dp * layout.cp // layout.ep)]
+    groups = [(dense, layout.dp * layout.cp), (n_moe * rp.moe_experts, layout.expert_dp)]
     total = 0.0
     for n_params, ranks in groups:
         if ranks <= 1 or not n_params:
@@ -281,12 +281,12 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
     block's compute, its reduce-scatter under the next one's backward, and what a block's collectives take
     beyond its compute is exposed; the first gather of each pass and the last reduce-scatter are not hidden.
     The roots (embedding, final norm and head) are gathered once per micro-batch and kept until backward.
-    Blocks priced alike (the rank's layers' mean; experts over their own group, dp x cp / ep)."""
+    Blocks priced alike (the rank's layers' mean; experts over their own group, Layout.expert_dp)."""
     n_moe = sum(cfg.is_moe_layer(i) for i in idx)
     blocks = max(1, len(idx))
     root = (rp.embedding if r == 0 else 0) + (rp.head if r == layout.pp - 1 else 0)
     dense = (len(idx) - n_moe) * rp.layer + n_moe * (rp.moe_layer - rp.moe_experts)
-    ranks, expert_ranks = layout.dp * layout.cp, layout.dp * layout.cp // layout.ep
+    ranks, expert_ranks = layout.dp * layout.cp, layout.expert_dp
     m = layout.micro_batches
 
     def coll(kind: str, n_params: float, per: int, group: int, calls: int) -> float:

@@ -42,6 +42,19 @@ class Layout:
     attention_impl: str = "flash"  # ATTENTION_IMPLS; "unfused": scores in memory, softmax between two matmuls
     pp_schedule: str = "1f1b"  # the trainer's pipeline schedule: 1f1b | gpipe | interleaved (vpp > 1)
     cp_impl: str = "ring"  # CP_IMPLS: how context parallelism exchanges keys and values
+    # expert tensor parallelism: the routed experts' width split over etp ranks (None: over tp, Megatron-Core's
+    # default). The experts fold onto the same tp x cp x dp ranks as etp x ep x edp (Megatron-Core's MoE
+    # parallel folding): ep x etp must divide tp x cp x dp, and each expert's gradients reduce over edp.
+    etp: int | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts (what their gradients are reduced, and FSDP shards them, over)."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
 
     @property
     def gpus(self) -> int:
@@ -71,16 +84,16 @@ class Layout:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "cp": self.cp, "ep": self.ep,
                 "sequence_parallel": self.sequence_parallel, "zero": self.zero,
                 "micro_batches": self.micro_batches, "dp_overlap": self.dp_overlap,
-                "attention_impl": self.attention_impl, "cp_impl": self.cp_impl}
+                "attention_impl": self.attention_impl, "cp_impl": self.cp_impl, "etp": self.expert_tp}
 
 
 def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
                 sequence_parallel: bool | None = None, zero: int = 0, micro_batches: int = 1,
                 dp_overlap: bool = True, attention_impl: str = "flash", tp_overlap: bool = False,
-                cp_impl: str = "ring") -> Layout:
+                cp_impl: str = "ring", etp: int | None = None) -> Layout:
     """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1."""
     for name, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--cp", cp), ("--ep", ep), ("--gpus", gpus),
-                        ("micro-batches per step", micro_batches)):
+                        ("micro-batches per step", micro_batches), ("--etp", 1 if etp is None else etp)):
         if value < 1:
             raise TrainwiseError(f"{name} = {value} must be a positive whole number.")
     if attention_impl not in ATTENTION_IMPLS:
@@ -97,7 +110,8 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
     return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=gpus // split, sequence_parallel=sp, zero=zero,
                   micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl,
-                  tp_overlap=tp_overlap, pp_schedule="interleaved" if vpp > 1 else "1f1b", cp_impl=cp_impl)
+                  tp_overlap=tp_overlap, pp_schedule="interleaved" if vpp > 1 else "1f1b", cp_impl=cp_impl,
+                  etp=None if etp is None or etp == tp else etp)
 
 
 def _divisor_hint(gpus: int, tp: int, pp: int, cp: int) -> str:
@@ -145,15 +159,18 @@ def check_layout(cfg: ModelConfig, layout: Layout, seq_len: int) -> None:
     if layout.ep > 1:
         if not cfg.is_moe:
             raise TrainwiseError(f"--ep {layout.ep} is expert parallelism, but {cfg.name} has no experts; use --ep 1.")
+    if cfg.is_moe:
+        ranks, etp = layout.tp * layout.cp * layout.dp, layout.expert_tp
         if cfg.n_experts % layout.ep:
             raise TrainwiseError(
                 f"ep = {layout.ep} does not divide the {cfg.n_experts} experts; ep values that work: "
-                f"{', '.join(str(d) for d in _divisors(cfg.n_experts) if (layout.dp * layout.cp) % d == 0)}.")
-        if (layout.dp * layout.cp) % layout.ep:
+                f"{', '.join(str(d) for d in _divisors(cfg.n_experts) if ranks % (d * etp) == 0)}.")
+        if ranks % (layout.ep * etp):
             raise TrainwiseError(
-                f"ep = {layout.ep} must divide dp x cp = {layout.dp} x {layout.cp} = {layout.dp * layout.cp}: the "
-                "expert-parallel group is made of data/context-parallel ranks (Megatron-Core). "
-                "Raise --gpus or lower --ep.")
+                f"ep x etp = {layout.ep} x {etp} must divide tp x cp x dp = {layout.tp} x {layout.cp} x {layout.dp} = "
+                f"{ranks}: the experts fold onto the same ranks as the attention (Megatron-Core's MoE parallel "
+                f"folding), etp x ep x edp of them{' (etp defaults to tp)' if layout.etp is None else ''}. "
+                "Lower --ep, set --etp (e.g. --etp 1), or raise --gpus.")
     if p > 1 and m < p:
         raise TrainwiseError(
             f"pp = {p} pipeline stages need at least {p} micro-batches per step to keep every stage busy (here "
@@ -224,10 +241,10 @@ class GroupPlacement:
 def placement(layout: Layout, dim: str, gpus_per_node: int) -> GroupPlacement:
     """Where the ranks of one `dim` group ("tp", "cp", "ep", "dp", "pp") sit, ranks numbered tp-cp-ep-dp-pp
     (innermost first): a group's ranks are `stride` apart, stride = the product of the inner dimensions."""
-    order = ("tp", "cp", "dp", "pp")  # ep lives inside dp x cp (see the module docstring)
+    order = ("tp", "cp", "dp", "pp")  # ep folds onto tp x cp x dp (Layout.etp)
     sizes = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp}
-    if dim == "ep":
-        size, stride = layout.ep, layout.tp * layout.cp
+    if dim == "ep":  # folded: etp x ep x edp over the tp x cp x dp ranks, etp innermost
+        size, stride = layout.ep, layout.expert_tp
     else:
         size, stride = sizes[dim], math.prod(sizes[d] for d in order[:order.index(dim)])
     per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
@@ -238,15 +255,17 @@ def placement(layout: Layout, dim: str, gpus_per_node: int) -> GroupPlacement:
 # one rank's share of the model
 
 
-def tp_share(cfg: ModelConfig, tp: int) -> ModelConfig:
+def tp_share(cfg: ModelConfig, tp: int, etp: int | None = None) -> ModelConfig:
     """The model one tensor-parallel rank computes (Megatron-LM's column/row-parallel split, Shoeybi et al.
     2019): 1/tp of the heads (key-value heads too, at least one: fewer than tp are replicated), of the MLP
-    and expert widths and of the vocabulary (padded up); d_model, head dim and the MLA latent ranks whole."""
-    if tp == 1:
+    width and of the vocabulary (padded up), 1/etp (default tp) of the routed experts' width; d_model, head dim
+    and the MLA latent ranks whole."""
+    etp = tp if etp is None else etp
+    if tp == 1 and etp == 1:
         return cfg
     return replace(cfg, n_heads=cfg.n_heads // tp, n_kv_heads=max(1, cfg.n_kv_heads // tp), head_dim=cfg.head_dim,
                    ffn_hidden=math.ceil(cfg.ffn_hidden / tp), vocab_size=math.ceil(cfg.vocab_size / tp),
-                   expert_ffn_hidden=math.ceil(cfg.expert_ffn_hidden / tp) if cfg.n_experts else 0,
+                   expert_ffn_hidden=math.ceil(cfg.expert_ffn_hidden / etp) if cfg.n_experts else 0,
                    name=f"{cfg.name} (1/{tp} per tensor-parallel rank)")
 
 
@@ -266,7 +285,7 @@ class ParamCounts:
 
 
 def param_counts(cfg: ModelConfig, layout: Layout) -> ParamCounts:
-    share = tp_share(cfg, layout.tp)
+    share = tp_share(cfg, layout.tp, layout.expert_tp)
     dense = next((i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)), None)
     moe = next((i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)), None)
     experts = cfg.n_experts // layout.ep * mlp_params(cfg.d_model, share.expert_ffn_hidden, cfg.gated, cfg.bias) \

@@ -119,12 +119,16 @@ def _attention(cfg: ModelConfig, i: int) -> list:
         specs += _linear(f"{p}.qkv.{part}", heads * hd, H, qkv_bias, 0, i)
     if cfg.qk_norm:
         specs += [ParamSpec(f"{p}.{n}.weight", (hd,), None, True, i, i) for n in ("q_norm", "k_norm")]
+    if cfg.attention_sinks:  # one logit per query head, with its head's tensor-parallel rank
+        specs.append(ParamSpec(f"{p}.sinks", (cfg.n_heads,), 0, False, i, i))
     return specs + _linear(f"{p}.out", H, cfg.n_heads * hd, cfg.bias, 1, i)
 
 
 def _moe(cfg: ModelConfig, i: int) -> list:
     p, H, E, F = f"blocks.{i}.mlp", cfg.d_model, cfg.n_experts, cfg.expert_ffn_hidden
     specs = [ParamSpec(f"{p}.router.weight", (E, H), None, True, i, i)]
+    if cfg.router_logit_bias:
+        specs.append(ParamSpec(f"{p}.router.bias", (E,), None, True, i, i))
     for part in (["experts_fc.gate", "experts_fc.up"] if cfg.gated else ["experts_fc"]):
         specs.append(ParamSpec(f"{p}.{part}.weight", (E, H, F), 2, False, i, i))
         if cfg.bias:
@@ -198,13 +202,17 @@ def is_expert(spec: ParamSpec) -> bool:
     return ".experts_" in spec.name
 
 
-def _local_shape(spec: ParamSpec, cfg: ModelConfig, layout: Layout, tp_rank: int, megatron: bool) -> tuple[int, ...]:
+def _local_shape(spec: ParamSpec, cfg: ModelConfig, layout: Layout, rank: int, megatron: bool) -> tuple[int, ...]:
     """The parameter's shape on one rank: its tp shard (`megatron`: learned positions whole, as Megatron-LM
     keeps them); key-value heads fewer than tp replicated, one per rank (Megatron-LM's placement;
-    trainwise's trainer needs tp to divide them); routed experts / ep."""
+    trainwise's trainer needs tp to divide them); routed experts / ep, and their width / etp (Layout.etp)."""
     if megatron and spec.name == "pos_embed.weight":
         return spec.shape
-    shape = list(tp_shape(spec, layout.tp, tp_rank))
+    tp_rank = layout.coords(rank)[2]
+    if is_expert(spec):  # folded: etp innermost over the tp x cp x dp ranks
+        shape = list(tp_shape(spec, layout.expert_tp, rank % (layout.tp * layout.cp * layout.dp) % layout.expert_tp))
+    else:
+        shape = list(tp_shape(spec, layout.tp, tp_rank))
     kv = spec.name.rsplit(".", 2)[-2] in ("k", "v") and ".qkv." in spec.name
     if kv and cfg.n_kv_heads < layout.tp:
         shape[0] = cfg.head_dim
@@ -215,10 +223,11 @@ def _local_shape(spec: ParamSpec, cfg: ModelConfig, layout: Layout, tp_rank: int
 
 def rank_params(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = False) -> list[RankParam]:
     """The parameters `rank` holds, with their local sizes, as trainwise places them or (`megatron`) as
-    Megatron-LM does (cost.rank_memory says which layouts are priced so). FSDP2 shards each over the dp x cp ranks
-    (a routed expert's over dp x cp / ep). With tied embeddings and pipeline stages the last stage holds
-    its own copy of the table as the LM head (their gradients all-reduced between the two stages)."""
-    dp_rank, pp_rank, tp_rank = layout.coords(rank)
+    Megatron-LM does (cost.rank_memory says which layouts are priced so). FSDP2 shards each over the dp x cp
+    ranks (a routed expert's over its edp ranks, Layout.expert_dp). With tied embeddings and pipeline stages
+    the last stage holds its own copy of the table as the LM head (their gradients all-reduced between the
+    two stages)."""
+    dp_rank, pp_rank, _ = layout.coords(rank)
     specs = model_params(cfg)
     if cfg.tie_embeddings and layout.pp > 1:
         specs.append(ParamSpec("lm_head.weight (tied copy)", (cfg.vocab_size, cfg.d_model), 0, False, "last", "root"))
@@ -226,13 +235,15 @@ def rank_params(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = Fa
     for spec in specs:
         if not on_rank(spec, cfg, layout, pp_rank):
             continue
-        shape = _local_shape(spec, cfg, layout, tp_rank, megatron)
+        shape = _local_shape(spec, cfg, layout, rank, megatron)
         tp_numel = math.prod(shape)
         numel = padded = tp_numel
         if _fsdp(layout):
-            shards = layout.dp * layout.cp // (layout.ep if is_expert(spec) else 1)
+            shards = layout.expert_dp if is_expert(spec) else layout.dp * layout.cp
+            index = (rank % (layout.tp * layout.cp * layout.dp) // (layout.ep * layout.expert_tp) if is_expert(spec)
+                     else dp_rank)
             rest = tp_numel // shape[0] if shape[0] else 0
-            numel = chunk(shape[0], shards, dp_rank % shards) * rest
+            numel = chunk(shape[0], shards, index % shards) * rest
             padded = -(-shape[0] // shards) * rest
         out.append(RankParam(spec, numel, tp_numel, padded))
     return out

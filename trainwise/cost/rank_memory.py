@@ -151,7 +151,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     moments = M.optimizer_moments(run.optimizer)
     if optimizer_share is None and strategy == "zero1":
         experts = sum(p.numel for p in params if is_expert(p.spec))
-        sharded = (numel - experts) / (lay.dp * lay.cp) + experts / max(1, lay.dp * lay.cp // lay.ep)
+        sharded = (numel - experts) / (lay.dp * lay.cp) + experts / lay.expert_dp
     else:
         sharded = numel * (1 if optimizer_share is None else optimizer_share)
     optimizer, master = math.ceil(recipe.moment_bytes * moments * sharded), math.ceil(recipe.master_bytes * sharded)

@@ -38,8 +38,8 @@ def rank_work(cfg: ModelConfig, layout: Layout, micro_batch: int, seq_len: int, 
     fusing stack runs it (fuses)."""
     def record(ckpt: str) -> dict[str, list[Op]]:
         recorded = "unfused" if layout.attention_impl == "unfused" else "flash"  # fused kernels record alike
-        share = _blocks(tp_share(cfg, layout.tp), micro_batch, seq_len // layout.cp, precision, ckpt, optimizer,
-                        recorded)
+        share = _blocks(tp_share(cfg, layout.tp, layout.expert_tp), micro_batch, seq_len // layout.cp, precision,
+                        ckpt, optimizer, recorded)
         whole = (_blocks(cfg, micro_batch, seq_len // layout.cp, precision, ckpt, optimizer, recorded)
                  if layout.sequence_parallel else None)
         out = {part: _apply(ops, layout, whole and whole.get(part)) for part, ops in share.items()}
@@ -56,7 +56,8 @@ def _apply(ops: list[Op], layout: Layout, whole: list[Op] | None) -> list[Op]:
     ops the record has unchanged from the whole model's (norms, residual adds, dropout: what tensor
     parallelism leaves whole); context parallelism multiplies the attention kernels (recorded on T / cp
     tokens) by cp, each rank's 1/cp share of the T x T work (load-balanced ring attention); expert
-    parallelism gives each rank E / ep experts with ep times the tokens each."""
+    parallelism gives each rank E / ep experts with ep times the tokens each (x etp / tp where the experts'
+    tensor parallelism differs from the attention's: Layout.etp)."""
     same = {(o.name, o.phase, o.dtype, o.calls, o.bytes) for o in whole or [] if o.shape is None}
     out = []
     for op in ops:
@@ -66,10 +67,12 @@ def _apply(ops: list[Op], layout: Layout, whole: list[Op] | None) -> list[Op]:
             op = replace(op, kernel=layout.attention_impl)
         if layout.cp > 1 and op.cls == "attention":
             op = op.resized(layout.cp, layout.cp)
-        if layout.ep > 1 and "grouped_mm" in op.name and op.shape:
+        if "grouped_mm" in op.name and op.shape and layout.ep * layout.expert_tp != layout.tp:
+            # tokens per expert: the ep ranks' tokens, each rank's T / tp (sequence parallel) gathered over etp
             e, a, b, n = op.shape
-            op = replace(op, shape=(e // layout.ep, a, b * layout.ep, n) if op.layout.endswith("split-k")
-                         else (e // layout.ep, a * layout.ep, b, n))
+            grow = layout.ep * layout.expert_tp / layout.tp
+            op = replace(op, shape=(e // layout.ep, a, round(b * grow), n) if op.layout.endswith("split-k")
+                         else (e // layout.ep, round(a * grow), b, n))
         out.append(op)
     return out
 
