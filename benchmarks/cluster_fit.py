@@ -56,7 +56,7 @@ RULES = {  # candidate_layouts' docstring, per dimension
     "tp": "divisors of the heads within a node", "pp": "divisors of the GPUs left, at most the layers",
     "vpp": "1, or 2-8 with the layers split evenly into pp x vpp chunks and the micro-batches a multiple of pp",
     "cp": "1, or up to 8 for sequences of 8k and more", "ep": "divisors of the experts (MoE only)",
-    "zero": "ZeRO 0 and 1 only: ZeRO-3 (FSDP) is not searched",
+    "zero": "ZeRO 0, 1 and 3 (ZeRO-2 is not searched)",
     "micro_batch": f"divisors of a data-parallel rank's batch up to {SEARCH_MAX_MB}, leaving >= pp micro-batches",
     "checkpointing": "none, selective, full"}
 

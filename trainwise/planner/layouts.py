@@ -43,7 +43,7 @@ def candidate_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, global_
     at most the layers; vpp when the layers split evenly into pp x vpp chunks; cp for sequences of 8k and
     more; ep a divisor of the experts; micro-batches dividing each data-parallel rank's share of the
     global batch, leaving at least pp micro-batches per pipeline (a multiple of pp when interleaved); ZeRO
-    0 and 1 (with data parallelism); every checkpointing mode. Sequence parallelism with every tp > 1."""
+    0, 1 and 3 (FSDP; with data parallelism); every checkpointing mode. Sequence parallelism with every tp > 1."""
     out = []
     for tp in (t for t in _divisors(gpus) if t <= gpus_per_node and model.n_heads % t == 0):
         for pp in (p for p in _divisors(gpus // tp) if p <= model.n_layers):
@@ -58,7 +58,7 @@ def candidate_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, global_
                     m = global_batch // (dp * b)
                     for vpp in (v for v in vpps if m >= pp and (v == 1 or m % pp == 0)):
                         for ep in eps:
-                            for zero in ((0, 1) if dp * cp > 1 else (0,)):
+                            for zero in ((0, 1, 3) if dp * cp > 1 else (0,)):
                                 for ckpt in CHECKPOINTING:
                                     out.append(dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, zero=zero, micro_batch=b,
                                                     grad_accum=m, checkpointing=ckpt))
