@@ -1,6 +1,7 @@
 """Tensor, sequence and pipeline parallelism under torchrun on gloo (issue 30): the same losses as one process,
 a DCP checkpoint mid-run that resumes to the same losses and reshards, every rank's states, peak and
-messages as trainwise.cost.rank plans them, and layouts that cannot work refused before anything starts.
+messages as trainwise.cost.rank plans them (tied embeddings across pipeline stages included), and layouts that
+cannot work refused before anything starts.
 
 Two torchrun launches (tests/tp_pp_worker.py: the step builder, the comm counter and the peak meter the
 trainer uses) train every layout STEPS steps with the checkpoint at step SAVE_AT and its resumption; one trainer
@@ -42,7 +43,7 @@ def rank_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "moe_tp"]
+TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp"]
 FOUR_RANKS = ["fsdp_tp", "pp_tp"]
 
 
@@ -152,6 +153,26 @@ def test_pp_messages_worked_by_hand():
             "all_reduce": {"calls": 2, "bytes": 8}, "send_recv": {"calls": 8, "bytes": 4 * 2048}}
 
 
+def test_pp_tied_messages_worked_by_hand():
+    """pp 2, 1F1B, tied, 3 micro-batches of 1 x 16 positions, d_model 32, vocab 300, fp32. As untied, each
+    micro-batch's activation (2048 bytes) crosses once each way, and the loss and the squared norm are
+    all-reduced over pp (4 B each); the table's gradient (300 x 32 x 4 = 38400 bytes) is all-reduced between
+    stage 0's embedding and stage 1's copy as the head: 2 x 1/2 x 38400 = 38400 B sent by each."""
+    cfg = config("pp_tied")
+    for rank in (0, 1):
+        assert R.rank_comm(cfg.model, Layout(pp=2), rank, R.StepShape(1, 16, 3, 4, 4)) == {
+            "all_reduce": {"calls": 3, "bytes": 38408}, "send_recv": {"calls": 6, "bytes": 3 * 2048}}
+
+
+def test_tied_copies_stay_bit_equal_and_the_checkpoint_loads_in_one_process(runs):
+    """pp 2, tied: stage 0's embedding and stage 1's LM head (its own copy of the table) are bit-equal after
+    STEPS steps, straight and resumed; the DCP checkpoint of step SAVE_AT gathered into one process gives
+    step SAVE_AT's loss (its weights before that step's update)."""
+    first, last = runs["pp_tied"]
+    assert first["tied"] is not None and first["tied"] == last["tied"] == first["tied_resumed"] == last["tied_resumed"]
+    assert first["one_process_at_save"] == pytest.approx(first["losses"][SAVE_AT], rel=1e-5)
+
+
 def test_pp_tp_messages_worked_by_hand():
     """pp 2 x tp 2, untied, 2 micro-batches of 1 x 16 positions, d_model 32, fp32. A micro-batch's residual
     stream is 16 x 32 x 4 = 2048 bytes; an all-gather or reduce-scatter of it over tp 2 sends half: 1024 B.
@@ -236,7 +257,6 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
     (["parallel.pp=2", "model.tie_embeddings=false"], "at least 2 micro-batches per step"),
     (["parallel.pp=2", "model.tie_embeddings=false", "parallel.pp_schedule=interleaved", "parallel.vpp=2",
       "model.n_layers=4", "train.grad_accum_steps=3"], "use 4 micro-batches or parallel.vpp=1"),
-    (["parallel.pp=2"], "model.tie_embeddings=false"),
     (["parallel.cp=2"], "parallel.cp=1"),
     (["parallel.pp=2", "model.tie_embeddings=false", "train.grad_accum_steps=2", "model.n_experts=4", "model.top_k=2"],
      "parallel.pp=1"),

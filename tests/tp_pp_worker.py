@@ -6,11 +6,14 @@ trains one process on the same global batch (dp x K micro-batches a step) from t
 
     python -m torch.distributed.run --nproc-per-node N tests/tp_pp_worker.py OUT CASE [CASE ...]
 
-Each rank writes OUT/CASE.rankR.json (the test compares it with one process and with the plan).
+Each rank writes OUT/CASE.rankR.json (the test compares it with one process and with the plan). With tied
+embeddings each pipeline end also records a digest of its copy of the table after the straight run and after
+the resumed one, and rank 0 the loss one process computes from the checkpoint's weights.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
@@ -36,6 +39,7 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "pp_1f1b": (dict(tie_embeddings=False), dict(pp=2), 1, 4),
     "pp_interleaved": (dict(tie_embeddings=False, n_layers=4), dict(pp=2, pp_schedule="interleaved", vpp=2), 1, 4),
     "pp_gpipe": (dict(tie_embeddings=False), dict(pp=2, pp_schedule="gpipe"), 1, 3),
+    "pp_tied": (dict(), dict(pp=2), 1, 3),
     "moe_tp": (MOE, dict(tp=2), 2, 1),
     "fsdp_tp": (dict(), dict(tp=2, strategy="fsdp"), 1, 2),
     "pp_tp": (dict(tie_embeddings=False), dict(pp=2, tp=2), 1, 2),
@@ -122,6 +126,26 @@ def save(out: Path, name: str, d, step) -> Path:
                              {"ranks": []} if d.is_main else None, 2, lambda: distributed.barrier(d))
 
 
+def tied_digest(d, model: torch.nn.Module) -> str | None:
+    """SHA-256 of a pipeline rank's copy of a tied table (the embedding on the first stage, the LM head on
+    the last), None elsewhere: equal digests are bit-equal copies."""
+    module = model.embed if model.embed is not None else model.lm_head
+    if not model.cfg.tie_embeddings or d.layout.pp == 1 or module is None:
+        return None
+    return hashlib.sha256(distributed.local_value(module.weight.detach()).numpy().tobytes()).hexdigest()
+
+
+def one_process_loss(cfg: RunConfig, path: Path, dp: int) -> float:
+    """The checkpoint's weights in one process (DCP gathers the shards): the mean loss of step SAVE_AT's
+    global batch, before that step's update."""
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    ckpt.load_weights(model, path)
+    with torch.no_grad():
+        batches = global_batches(cfg, dp, SAVE_AT)
+        return sum(model(x, y).item() for x, y in batches) / len(batches)
+
+
 def run(name: str, out: Path) -> None:
     """STEPS steps straight with a checkpoint after step SAVE_AT (the MEASURED steps before it measured), then
     the steps after it again from that checkpoint in a freshly built model; rank 0 adds the one-process run."""
@@ -131,12 +155,16 @@ def run(name: str, out: Path) -> None:
     losses, measured = train(cfg, d, step, range(SAVE_AT), foreign)
     path = save(out, name, d, step)
     more, _ = train(cfg, d, step, range(SAVE_AT, STEPS))
-    result = {"losses": losses + more, "measured": measured, "routing": routing(step.model)}
+    result = {"losses": losses + more, "measured": measured, "routing": routing(step.model),
+              "tied": tied_digest(d, step.model)}
     d, step = fresh(cfg)
     ckpt.load_sharded(path, step.model, step.optimizer)
     result["resumed"], _ = train(cfg, d, step, range(SAVE_AT, STEPS))
+    result["tied_resumed"] = tied_digest(d, step.model)
     if d.is_main:
         result["reference"], result["reference_routing"] = reference(cfg, d.layout.dp)
+        if cfg.model.tie_embeddings and d.layout.pp > 1:
+            result["one_process_at_save"] = one_process_loss(cfg, path, d.layout.dp)
     (out / f"{name}.rank{d.rank}.json").write_text(json.dumps(result))
     distributed.barrier(d)
 
@@ -154,14 +182,8 @@ def reshard(out: Path) -> None:
     d, step = fresh(cfg)
     ckpt.load_sharded(path, step.model, step.optimizer)
     after, _ = train(cfg, d, step, range(SAVE_AT, SAVE_AT + 1))
-    one = None
-    if d.is_main:  # the whole model in one process, from the shards: the next step's loss before its update
-        torch.manual_seed(0)
-        model = build_model(cfg.model)
-        ckpt.load_weights(model, path)
-        with torch.no_grad():
-            batches = global_batches(cfg, 1, SAVE_AT)
-            one = sum(model(x, y).item() for x, y in batches) / len(batches)
+    # the whole model in one process, from the shards: the next step's loss before its update
+    one = one_process_loss(cfg, path, 1) if d.is_main else None
     result = {"tp_next_step": losses[0], "pp_next_step": after[0], "one_process_next_step": one}
     (out / f"reshard.rank{d.rank}.json").write_text(json.dumps(result))
 

@@ -13,7 +13,8 @@ rank of a run to its prediction:
     communication   per step: tensor parallelism's all-gathers and reduce-scatters of the sequence,
                     pipeline sends and receives of activations and gradients, FSDP2's all-gathers and
                     reduce-scatters (or replicate's all-reduces), and the few small all-reduces of the
-                    step (partial gradients of replicated weights, the gradient norm, the loss)
+                    step (partial gradients of replicated weights, the gradient norm, the loss; a tied
+                    embedding's gradient between the first and last pipeline stage)
     memory          parameters, gradients and optimizer states from the above (the step's peak, with the
                     activations of the micro-batches in flight: cost.rank_memory)
 
@@ -30,6 +31,7 @@ from trainwise.cost.comm import DDP_BUCKET_BYTES, bytes_sent
 from trainwise.cost.layout import Layout, rank_stages, stage_layers
 
 DDP_FIRST_BUCKET_BYTES = 2**20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
+TIED_COPY = "lm_head.weight (tied copy)"  # the last pipeline stage's own copy of a tied embedding table
 
 
 def schedule_ops(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -230,7 +232,7 @@ def rank_params(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = Fa
     dp_rank, pp_rank, _ = layout.coords(rank)
     specs = model_params(cfg)
     if cfg.tie_embeddings and layout.pp > 1:
-        specs.append(ParamSpec("lm_head.weight (tied copy)", (cfg.vocab_size, cfg.d_model), 0, False, "last", "root"))
+        specs.append(ParamSpec(TIED_COPY, (cfg.vocab_size, cfg.d_model), 0, False, "last", "root"))
     out = []
     for spec in specs:
         if not on_rank(spec, cfg, layout, pp_rank):
@@ -398,6 +400,9 @@ def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> 
                           the MoE router and row-parallel MoE biases) when tp > 1, fp32, over tp;
       gradient norm       one fp32 scalar over the world when the model is divided (DTensor or stages);
       loss                one fp32 scalar over pp (the pipeline's losses, summed to every stage);
+      tied embedding      with tied embeddings and pp > 1, on the first and the last stage: one all-reduce of
+                          the rank's share of the table's fp32 gradient with its copy on the other end
+                          (runtime.pipeline.TiedEmbedding: 2 ranks, after the step's backward);
       MoE load            one all-reduce of the choice-biased layers' expert loads (fp32, E each) over dp."""
     out: dict = {}
     dp_rank, pp_rank, tp_rank = layout.coords(rank)
@@ -417,6 +422,9 @@ def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> 
         _add(out, "all_reduce", 1, 4, layout.gpus)  # .clip_grad_norm's one scalar
     if layout.pp > 1:
         _add(out, "all_reduce", 1, 4, layout.pp)
+        for p in params:
+            if cfg.tie_embeddings and p.spec.name in ("embed.weight", TIED_COPY):
+                _add(out, "all_reduce", 1, 4 * p.numel, 2)
     biased = [p for p in params if p.spec.name.endswith("router.weight")] if cfg.router_bias else []
     if biased:
         _add(out, "all_reduce", 1, 4 * cfg.n_experts * len(biased), layout.dp)

@@ -11,7 +11,9 @@ A run whose model is divided (parallel.tp or pp > 1) keeps it divided on disk: m
 optimizer.pt are replaced by dcp/, written by every rank with torch.distributed.checkpoint (DCP): each
 rank saves its own shards (DTensor shards, its pipeline stages) under the whole model's parameter
 names, in the split form of runtime.fused. DCP reshards on load, so the same files load on another
-layout, and into one process (sampling, export: `load_weights` joins the split projections again).
+layout, and into one process (sampling, export: `load_weights` joins the split projections again). A tied
+table under pipeline parallelism is saved by both of its holders, as embed.weight by the first stage and
+lm_head.weight by the last (equal copies, runtime.pipeline), with each copy's optimizer states.
 
 A checkpoint is written to a hidden temporary directory, every file is fsync'ed, and only then is the
 directory renamed into place, so a reader never sees a half-written `step_*` directory. Which

@@ -187,9 +187,10 @@ def mean_across_ranks(value: torch.Tensor, d: Dist, group=None) -> torch.Tensor:
     return value
 
 
-def clip_grad_norm(params: list, max_norm: float, d: Dist) -> torch.Tensor:
+def clip_grad_norm(params: list, max_norm: float, d: Dist, shared: list | None = None) -> torch.Tensor:
     """Clip the gradients of `params` to total L2 norm `max_norm` over the whole model, and return the norm
-    before clipping (a plain tensor, the same on every rank).
+    before clipping (a plain tensor, the same on every rank). `shared`: parameters of `params` that another
+    rank holds too and counts (a tied embedding's copy on the last pipeline stage): clipped, not counted.
 
     One process, DDP, ZeRO-1: torch.nn.utils.clip_grad_norm_ (every rank holds every gradient). With
     DTensor parameters (tensor parallel, FSDP2) or pipeline stages each rank holds a share: gradients
@@ -207,7 +208,7 @@ def clip_grad_norm(params: list, max_norm: float, d: Dist) -> torch.Tensor:
             continue
         if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
-        if _counted_here(p, d):
+        if _counted_here(p, d) and not any(p is q for q in shared or ()):
             squares += _local(p.grad).float().pow(2).sum()
     dist.all_reduce(squares)
     norm = squares.sqrt()

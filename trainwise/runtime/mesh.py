@@ -85,7 +85,7 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
 def check_layout(cfg: RunConfig) -> None:
     """The model and batch against parallel.tp / pp / vpp, before anything starts; each error names the
     numbers and a layout that works. What only the trainer needs first (tensor parallelism divides KV heads,
-    widths and the sequence evenly; no tied embeddings across stages), then the rules a plan shares
+    widths and the sequence evenly; no MoE across stages), then the rules a plan shares
     (cost.layout.check_layout: layers per stage, micro-batches per schedule), in the config's names."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.tp > 1:
@@ -95,11 +95,6 @@ def check_layout(cfg: RunConfig) -> None:
             f"model.n_experts = {m.n_experts} with parallel.pp = {p.pp}: a mixture-of-experts model under pipeline "
             "parallelism does not train correctly yet (its losses drift 3e-3 from one process's); train it with "
             "parallel.tp and the data-parallel dimension, with parallel.pp=1.")
-    if p.pp > 1 and m.tie_embeddings:
-        raise TrainwiseError(
-            f"model.tie_embeddings = true with parallel.pp = {p.pp}: the embedding sits on the first pipeline "
-            "stage and the LM head on the last, so one tied matrix would live on two ranks. Set "
-            "model.tie_embeddings=false for pipeline parallelism (or train with parallel.pp=1).")
     layout = Layout(tp=p.tp, pp=p.pp, vpp=p.vpp if p.pp > 1 else 1, micro_batches=t.grad_accum_steps,
                     sequence_parallel=p.tp > 1, pp_schedule=p.pp_schedule)
     try:

@@ -12,12 +12,14 @@ from trainwise.config import TrainConfig
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only: norms, biases and embeddings keep weight_decay 0 (as in GPT-3 / Llama
-    practice), since shrinking a gain or an embedding row towards zero is not regularisation."""
+    practice), since shrinking a gain or an embedding row towards zero is not regularisation. A tied
+    table is the embedding, also where the last pipeline stage holds it as its LM head (runtime.pipeline)."""
+    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        is_embedding = "embed" in name
+        is_embedding = "embed" in name or (tied and name == "lm_head.weight")
         (decay if p.ndim >= 2 and not is_embedding else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},

@@ -11,6 +11,13 @@ A stage module is plain PyTorch over the model's own modules (no copy): what Tra
 its share of the layers. Under tensor parallelism a stage's input and output are the rank's T/tp
 positions (sequence parallelism), so the activations sent between stages shrink by tp too.
 
+Tied embeddings (model.tie_embeddings) live on two ranks, as in Megatron-LM: the first stage holds the
+table, the last stage its own copy as the LM head's weight, a clone of the same seeded table (every rank
+builds the whole model from the run's seed, or loads the same weights, before it is divided). After each
+step's backward the two gradients are all-reduced (summed) between the first and the last stage, the sum
+one process accumulates in its one tensor, so both copies take the same update and stay bit-equal; the
+gradient norm counts the table once, on the first stage (TiedEmbedding).
+
 MoE layers on any stage add their auxiliary loss's gradient where they run (the loss itself is computed
 on the last stage only): each stage hooks its layers' auxiliary losses onto its output with an identity
 whose backward hands them a gradient of one, as Megatron-LM's MoEAuxLossAutoScaler does; the schedule then
@@ -28,8 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from trainwise.cost.layout import Layout
-from trainwise.cost.layout import rank_stages, stage_layers
+from trainwise.cost.layout import Layout, rank_stages, stage_layers
 from trainwise.model import Transformer
 from trainwise.model.moe import MoE
 
@@ -134,6 +140,47 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own elements of a DTensor (a view: collectives on it write into the DTensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class TiedEmbedding:
+    """This rank's copy of a tied embedding table (the embedding's weight on the first stage, the LM head's
+    on the last) and the group of the two ranks holding it with the same dp and tp coordinates."""
+
+    def __init__(self, module: nn.Module, group, last: bool):
+        self.module = module  # model.embed or model.lm_head: its weight is read when used (wrapping replaces it)
+        self.group = group
+        self.last = last
+
+    def all_reduce_grads(self) -> None:
+        """Sum the two copies' gradients (this rank's shard of them, fp32) so both hold the whole model's."""
+        weight = self.module.weight
+        if weight.grad is None:  # no gradient reached it: a zero, so the other rank's all-reduce has a partner
+            weight.grad = torch.zeros_like(weight)
+        grad = weight.grad
+        if hasattr(grad, "placements") and grad.placements != weight.placements:
+            # the vocabulary-parallel embedding's gradient comes back whole (Replicate): cut to the rank's
+            # rows, the placement of the head's copy (the clip would do the same, runtime.distributed)
+            weight.grad = grad.redistribute(grad.device_mesh, weight.placements)
+        with torch.no_grad():
+            dist.all_reduce(_local(weight.grad), group=self.group)
+
+    def copies(self) -> list[torch.Tensor]:
+        """The parameter that the first stage counts in the gradient norm already: the last stage's copy."""
+        return [self.module.weight] if self.last else []
+
+
+def tied_group(layout: Layout):
+    """The process group of this rank's tied table: it and the rank with the same dp and tp coordinates on
+    the other end of the pipeline (rank = (pp_rank x dp + dp_rank) x tp + tp_rank, runtime.mesh). Every rank
+    creates every group (torch.distributed's rule); None on a rank at neither end."""
+    per_stage = layout.dp * layout.tp
+    group, _ = dist.new_subgroups_by_enumeration([[i, (layout.pp - 1) * per_stage + i] for i in range(per_stage)])
+    return group
+
+
 @dataclass
 class Pipeline:
     """This rank's stages and the schedule that runs them."""
@@ -145,6 +192,7 @@ class Pipeline:
     group: object  # the pp process group
     device: torch.device
     eval_schedule: object = None
+    tied: TiedEmbedding | None = None  # this rank's copy of a tied embedding, on the first or the last stage
     _losses: list = field(default_factory=list)
 
     @property
@@ -163,7 +211,14 @@ class Pipeline:
             part.expert_load.clear()
         x = torch.cat([b[0] for b in batches])  # (K B, T): the schedule cuts it into K micro-batches again
         y = torch.cat([b[1] for b in batches])
-        return self._step(self.schedule, x, y)
+        total = self._step(self.schedule, x, y)
+        if self.tied is not None:
+            self.tied.all_reduce_grads()
+        return total
+
+    def shared_params(self) -> list[torch.Tensor]:
+        """Parameters whose gradient norm another rank counts (module docstring): clipped here, not counted."""
+        return self.tied.copies() if self.tied is not None else []
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The loss of one batch, forward only, on every rank."""
@@ -201,8 +256,11 @@ class Pipeline:
 
 def split_stages(model: Transformer, layout: Layout, pp_rank: int,
                  seq_shards: int = 1) -> tuple[list[StageModule], list[int]]:
-    """This pipeline rank's stage modules (in stage order) and the layers they hold."""
+    """This pipeline rank's stage modules (in stage order) and the layers they hold. With tied embeddings
+    the last stage's LM head gets its own copy of the table (module docstring)."""
     parts, layers = [], []
+    if model.cfg.tie_embeddings and layout.stages - 1 in rank_stages(layout, pp_rank):
+        model.lm_head.weight = nn.Parameter(model.embed.weight.detach().clone())
     for s in rank_stages(layout, pp_rank):
         span = stage_layers(model.cfg.n_layers, layout.stages, s)
         part = StageModule(model, span, first=s == 0, last=s == layout.stages - 1)
@@ -213,9 +271,10 @@ def split_stages(model: Transformer, layout: Layout, pp_rank: int,
 
 
 def build_pipeline(parts: list[nn.Module], layout: Layout, pp_rank: int, group, device: torch.device,
-                   micro_batches: int) -> Pipeline:
+                   micro_batches: int, tie_embeddings: bool = False) -> Pipeline:
     """PipelineStages for `parts` (this rank's stage modules, already sharded and wrapped) and the
-    schedule of parallel.pp_schedule; a second, one-micro-batch GPipe-style schedule for evaluation."""
+    schedule of parallel.pp_schedule; a second, one-micro-batch GPipe-style schedule for evaluation; with
+    tie_embeddings the group that sums the tied table's gradients (every rank calls this: a collective)."""
     ids = rank_stages(layout, pp_rank)
     stages = [PipelineStage(part, s, layout.stages, device, group=group) for part, s in zip(parts, ids)]
     cls = SCHEDULES[layout.pp_schedule]
@@ -224,4 +283,9 @@ def build_pipeline(parts: list[nn.Module], layout: Layout, pp_rank: int, group, 
     eval_cls = ScheduleInterleaved1F1B if multi else ScheduleGPipe
     eval_schedule = eval_cls(stages if multi else stages[0], n_microbatches=1, loss_fn=cross_entropy)
     unwrapped = [getattr(p, "_orig_mod", p) for p in parts]
-    return Pipeline(layout, unwrapped, stages, schedule, group, device, eval_schedule)
+    tied, tied_pg = None, tied_group(layout) if tie_embeddings else None
+    if tied_pg is not None:
+        first = next((p.embed for p in unwrapped if p.embed is not None), None)
+        last = next((p.lm_head for p in unwrapped if p.lm_head is not None), None)
+        tied = TiedEmbedding(first if first is not None else last, tied_pg, last=first is None)
+    return Pipeline(layout, unwrapped, stages, schedule, group, device, eval_schedule, tied)

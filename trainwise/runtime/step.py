@@ -16,7 +16,9 @@ calibration, the roofline, the simulator and the scaling sweep all take their mo
         averaged over ranks, so every rank holds the same bias)
 
 With pipeline parallelism (runtime.pipeline) the K micro-batches go through PyTorch's pipeline schedule
-instead of the loop above (the schedule scales gradients by 1/K), and the loss is the pipeline's.
+instead of the loop above (the schedule scales gradients by 1/K), and the loss is the pipeline's; a tied
+embedding's two copies (first and last stage) have their gradients summed before the clip, which counts
+the table once.
 
 A hook sees the step between its phases ("forward" and "backward" after each micro-batch, "step" after
 the update, before the gradients are freed): memory tracking, operator recording and the trainer's
@@ -106,7 +108,8 @@ class TrainingStep:
         if self.optimizer is None:
             return StepResult(total / k, None, None)
         self.scaler.unscale_(self.optimizer)
-        grad_norm = distributed.clip_grad_norm(self.params, self.grad_clip or float("inf"), self.dist)
+        shared = self.pipeline.shared_params() if self.pipeline is not None else []
+        grad_norm = distributed.clip_grad_norm(self.params, self.grad_clip or float("inf"), self.dist, shared)
         skipped = None
         if self.scaler.is_enabled():  # fp16: the scaler skips a step with inf/NaN and lowers the scale
             self.scaler.step(self.optimizer)
@@ -222,7 +225,8 @@ def _build_divided(model: nn.Module, train: TrainConfig, device: torch.device, p
         distributed.wrap(part, dist, device, precision)
     pipeline = None
     if layout.pp > 1:
-        pipeline = build_pipeline(parts, layout, dist.pp_rank, mesh["pp"].get_group(), device, train.grad_accum_steps)
+        pipeline = build_pipeline(parts, layout, dist.pp_rank, mesh["pp"].get_group(), device, train.grad_accum_steps,
+                                  tie_embeddings=model.cfg.tie_embeddings)
         model = RankModel(model, pipeline.parts, layers)
     model.train()
     opt = build_optimizer(model, train) if optimizer else None
