@@ -20,6 +20,20 @@ def test_simulated_step_matches_plan():
     assert "peak" in simulate_report(plan, mem)
 
 
+def test_accumulation_peaks_at_the_second_micro_batch():
+    """The step's peak with K >= 2 micro-batches is the second one's (gradients kept beside its activations),
+    so simulate_step runs two of any K: the peak of K = 4096 is the planner's for K = 4096, and above K = 1's."""
+    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+    def planned(k: int) -> int:
+        return plan_run(Run(cfg, micro_batch=2, seq_len=64, grad_accum=k, recipe=get_recipe("amp"), tokens=1,
+                            machine=Machine(peak_flops=1e12))).peak_bytes
+
+    one, many = simulate_step(cfg, 2, 64, "bf16", grad_accum=1), simulate_step(cfg, 2, 64, "bf16", grad_accum=4096)
+    assert many.peak_bytes == simulate_step(cfg, 2, 64, "bf16", grad_accum=2).peak_bytes > one.peak_bytes
+    assert many.peak_bytes == pytest.approx(planned(4096), rel=0.10)
+
+
 @pytest.mark.slow
 def test_llama_3_8b_simulates_without_allocating():
     import resource

@@ -19,14 +19,16 @@ from trainwise.runtime.step import build_model, build_step
 def simulate_step(model_cfg: ModelConfig, micro_batch: int, seq_len: int, precision: str = "fp32",
                   checkpointing: str = "none", optimizer: str = "adamw", grad_accum: int = 1) -> MemoryBreakdown:
     """Tracked memory of one steady-state step (optimizer states already present) on fake CPU tensors.
-    precision: "fp32" or "bf16" (bf16 autocast over fp32 weights, the trainer's recipe)."""
+    precision: "fp32" or "bf16" (bf16 autocast over fp32 weights, the trainer's recipe). Of K micro-batches
+    two are run: every one after the second holds what the second holds (the gradients kept from the first
+    backward beside its own activations), so the step's peak is theirs, and K = 4096 takes two steps' time."""
     device = torch.device("cpu")
     train_cfg = TrainConfig(optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len,
                             grad_accum_steps=grad_accum, activation_checkpointing=checkpointing)
     with fake_step_mode():
         step = build_step(build_model(model_cfg), train_cfg, device, precision)
         ids = torch.randint(0, model_cfg.vocab_size, (micro_batch, seq_len + 1))
-        batches = [(ids[:, :-1], ids[:, 1:])] * grad_accum
+        batches = [(ids[:, :-1], ids[:, 1:])] * min(grad_accum, 2)
         step(batches[:1])  # creates the optimizer states
         return track_train_step(step, batches)
 
