@@ -98,11 +98,12 @@ FAMILIES = (FIRST, H100, FSDP, CP, FP8, MOE)
 
 
 def plan2(cfg: ModelConfig, gpus: int, *, seq: int, micro_batch: int, grad_accum: int, recipe: str,
-          checkpointing: str, machine: Machine, compiled: bool = False, **layout):
+          checkpointing: str, machine: Machine, compiled: bool = False, fused: bool | None = None, **layout):
     """A second-set row planned with `trainwise plan`'s function (no per-row setting: the table's assumption)."""
     lay = make_layout(gpus, micro_batches=grad_accum, **layout)
     return plan_run(Run(cfg, micro_batch=micro_batch, seq_len=seq, grad_accum=grad_accum, recipe=get_recipe(recipe),
-                        checkpointing=checkpointing, compiled=compiled, layout=lay, tokens=1e9, machine=machine))
+                        checkpointing=checkpointing, compiled=compiled, layout=lay, tokens=1e9, machine=machine,
+                        fused=fused))
 
 
 def header(table: S2.Table, note: str = "") -> None:
@@ -196,7 +197,7 @@ def table_c(rows: list) -> None:
                                   checkpointing="none",
                                   machine=DGX_H100, ep=r.ep, etp=1 if r.moe else None,
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp or 1, zero=3 if r.fsdp else 1, dp_overlap=True,
-                                  tp_overlap=r.tp > 1))
+                                  tp_overlap=r.tp > 1, ep_overlap=r.a2a_overlap, fused=True))
 
 
 def table_d(rows: list) -> None:

@@ -210,7 +210,7 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     j = p.to_json()
     assert j["layout"] == {"dp": 4, "tp": 2, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False,
                            "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash",
-                           "cp_impl": "ring", "etp": 2}
+                           "cp_impl": "ring", "etp": 2, "ep_overlap": False}
     assert (j["hardware"]["gpus_per_node"], j["hardware"]["intra_node_bytes_per_s"],
             j["hardware"]["inter_node_bytes_per_s"]) == (8, 300e9, 25e9)
     t = j["time"]

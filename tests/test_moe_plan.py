@@ -82,3 +82,38 @@ def test_experts_fold_onto_the_tensor_and_data_parallel_ranks():
     a, b = plan(), plan_run(run_of(MOE, tokens=1e9, seq_len=4096, micro_batch=1, grad_accum=8, gpus=16, tp=2, ep=8,
                                    etp=1, zero=1, precision="bf16-mixed", gpu="h100-sxm"))
     assert a.cluster.breakdown["experts_s"] > 0 and b.cluster.breakdown["experts_s"] > 0
+
+
+def test_overlapped_dispatch_hides_under_the_micro_batch_work():
+    """--ep-overlap: each micro-batch's all-to-alls run under the other micro-batch's work, so only what
+    exceeds one micro-batch's operators is exposed; nothing else in the step moves. On a slow network (the
+    dispatch longer than the work) the excess remains; on a fast one it is all hidden."""
+    for intra in (1e9, 900e9):
+        plain, over = plan(intra_node_bw=intra), plan(intra_node_bw=intra, ep_overlap=True)
+        b, o = plain.cluster.breakdown, over.cluster.breakdown
+        m = plain.layout.micro_batches
+        work = plain.cluster.stage_seconds[0] - b["ep_comm_s"] / m  # one micro-batch's operators (pp 1)
+        assert o["ep_comm_s"] == pytest.approx(m * max(0.0, b["ep_comm_s"] / m - work))
+        assert {k: v for k, v in o.items() if k != "ep_comm_s"} == pytest.approx(
+            {k: v for k, v in b.items() if k != "ep_comm_s"})
+    assert b["ep_comm_s"] > 0 and o["ep_comm_s"] == 0  # the fast network: all hidden
+    slow = plan(intra_node_bw=1e9, ep_overlap=True).cluster.breakdown["ep_comm_s"]
+    assert slow > 0
+
+
+def test_a_fused_stack_moves_less_element_wise_traffic(capsys):
+    """--fused prices a bf16-mixed run's element-wise work as Transformer Engine's kernels run it (the
+    megatron and FP8 recipes and compiled runs are fused already): less compute, the same GEMMs and
+    collectives; --no-fused prices an FP8 run eager. --explain says which."""
+    eager, fused = plan(), plan(fused=True)
+    assert fused.cluster.breakdown["compute_s"] < 0.9 * eager.cluster.breakdown["compute_s"]
+    assert fused.cluster.breakdown["experts_s"] == pytest.approx(eager.cluster.breakdown["experts_s"])
+    assert fused.cluster.breakdown["ep_comm_s"] == pytest.approx(eager.cluster.breakdown["ep_comm_s"])
+    fp8 = plan_run(run_of(MOE, tokens=1e9, seq_len=4096, micro_batch=1, grad_accum=8, gpus=16, ep=8, zero=1,
+                          precision="fp8", gpu="h100-sxm", fused=False))
+    assert not fp8.cluster.fused and fused.cluster.fused
+    args = ["plan", "--model", "qwen3-30b-a3b", "--gpu", "h100-sxm", "--gpus", "16", "--ep", "8", "--zero", "1",
+            "--seq-len", "4096", "--micro-batch", "1", "--grad-accum", "4", "--precision", "bf16-mixed", "--explain"]
+    for flag, word in (([], "element-wise work eager"), (["--fused"], "element-wise work fused")):
+        assert main(args + flag) == 0
+        assert word in capsys.readouterr().out

@@ -69,6 +69,11 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--no-dp-overlap", action="store_true",
                    help="reduce gradients after backward instead of under it (Megatron-LM's 'local' DDP)")
     p.add_argument("--tp-overlap", action="store_true", help="tensor-parallel communication under the matmuls")
+    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="the stack fuses element-wise work (Transformer Engine, Megatron's kernels; default: compiled "
+                        "runs and the megatron and FP8 recipes)")
+    p.add_argument("--ep-overlap", action="store_true",
+                   help="MoE: expert-parallel all-to-alls under another micro-batch's work (Megatron's combined 1F1B)")
     p.add_argument("--gpus-per-node", type=whole_number, help="override the GPU's node (hardware table)")
     p.add_argument("--intra-node-bw", type=number, help="NVLink bandwidth, bytes/s per GPU per direction")
     p.add_argument("--inter-node-bw", type=number, help="network bandwidth, bytes/s per GPU per direction")
@@ -141,7 +146,7 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
     base = toml_run or Run(model, seq_len=2048 if model is None else min(2048, model.max_seq_len),
                            recipe=get_recipe("bf16"))
     given = {key: getattr(args, key) for key in ("seq_len", "micro_batch", "grad_accum", "optimizer", "checkpointing",
-                                                 "moe_imbalance") if getattr(args, key) is not None}
+                                                 "moe_imbalance", "fused") if getattr(args, key) is not None}
     run = replace(base, model=model, tokens=args.tokens, **given)
     if args.global_batch and not args.fit:
         run = replace(run, grad_accum=accumulation_for(args.global_batch, run.micro_batch,
@@ -152,7 +157,8 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
         layout = make_layout(args.gpus, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
                              sequence_parallel=args.sequence_parallel, zero=args.zero, micro_batches=run.grad_accum,
                              dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
-                             tp_overlap=args.tp_overlap, cp_impl=args.cp_impl, etp=args.etp)
+                             tp_overlap=args.tp_overlap, cp_impl=args.cp_impl, etp=args.etp,
+                             ep_overlap=args.ep_overlap)
     machine = Machine(gpu=args.gpu, peak_flops=args.peak_flops, bandwidth=args.bandwidth, memory=args.memory,
                       gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
                       inter_node_bw=args.inter_node_bw)
@@ -202,7 +208,7 @@ def _cmd_fit(args, model, toml_run) -> int:
         raise TrainwiseError("--fit needs a target: --global-batch SEQUENCES or --global-batch-tokens TOKENS.")
     if args.gpu and args.gpu.lower() not in ("cpu", "cuda") and args.peak_flops is None and args.mfu is None:
         layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
-                             cp_impl=args.cp_impl, tp_overlap=args.tp_overlap)
+                             cp_impl=args.cp_impl, tp_overlap=args.tp_overlap, ep_overlap=args.ep_overlap)
         return _cmd_fit_layouts(args, run_from_args(args, model, toml_run, layout), budget)
     run = run_from_args(args, model, toml_run, fit_layout(args.gpus, args.tp, args.pp))
     seq = run.seq_len

@@ -79,6 +79,7 @@ class ClusterStep:
     ops: list[dict]  # {"op", "calls", "seconds"} per operator and per collective, the slowest rank, per step
     comm: dict[str, dict]  # per rank per step: {kind: {"calls", "bytes"}} (bytes the rank sends)
     stage_seconds: list[float] = field(default_factory=list)  # each pipeline rank's micro-batch
+    fused: bool = False  # element-wise work priced fused (RankWork.fused)
 
 
 def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: ParamCounts, *, acc: Accelerator,
@@ -122,7 +123,7 @@ def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: Param
     breakdown["dp_comm_s"] += _step_reductions(cfg, layout, tiers, grad_bytes, log)
     breakdown["optimizer_s"] = _optimizer(cfg, layout, work, stage_idx[slowest], slowest, acc, log)
     breakdown["overhead_s"] = DEFAULT_OVERHEAD[0]
-    return ClusterStep(sum(breakdown.values()), breakdown, log.ops(), log.comm(), stages)
+    return ClusterStep(sum(breakdown.values()), breakdown, log.ops(), log.comm(), stages, work.fused)
 
 
 class _Log:
@@ -187,6 +188,8 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
     if layout.ep > 1 and n_moe:  # dispatch and combine per MoE layer and pass
         routed = act * cfg.top_k / (layout.tp if layout.sequence_parallel else 1)
         ep = coll("ep", "all_to_all", routed, layout.ep, 2 * passes * n_moe)
+        if layout.ep_overlap:  # under the other micro-batch's work, as long as there is work to hide under
+            ep = max(0.0, ep - t["all"])
     if layout.cp > 1:  # each layer's keys and values (MLA: the latent) on T / cp positions, `kv` bytes a rank
         width = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
                  else 2 * max(1, cfg.n_kv_heads // layout.tp) * cfg.head_dim)

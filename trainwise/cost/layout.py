@@ -39,6 +39,9 @@ class Layout:
     micro_batches: int = 1  # m: micro-batches per pipeline (per data-parallel rank) per optimizer step
     dp_overlap: bool = True  # gradient reduction under backward (DDP buckets); False: after backward
     tp_overlap: bool = False  # tensor-parallel collectives overlapped with the GEMMs (torchtitan's AsyncTP)
+    # the expert-parallel all-to-alls under another micro-batch's computation (Megatron-Core's combined 1F1B:
+    # one micro-batch's forward and another's backward interleaved, each one's dispatch under the other's work)
+    ep_overlap: bool = False
     attention_impl: str = "flash"  # ATTENTION_IMPLS; "unfused": scores in memory, softmax between two matmuls
     pp_schedule: str = "1f1b"  # the trainer's pipeline schedule: 1f1b | gpipe | interleaved (vpp > 1)
     cp_impl: str = "ring"  # CP_IMPLS: how context parallelism exchanges keys and values
@@ -84,13 +87,14 @@ class Layout:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "cp": self.cp, "ep": self.ep,
                 "sequence_parallel": self.sequence_parallel, "zero": self.zero,
                 "micro_batches": self.micro_batches, "dp_overlap": self.dp_overlap,
-                "attention_impl": self.attention_impl, "cp_impl": self.cp_impl, "etp": self.expert_tp}
+                "attention_impl": self.attention_impl, "cp_impl": self.cp_impl, "etp": self.expert_tp,
+                "ep_overlap": self.ep_overlap}
 
 
 def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
                 sequence_parallel: bool | None = None, zero: int = 0, micro_batches: int = 1,
                 dp_overlap: bool = True, attention_impl: str = "flash", tp_overlap: bool = False,
-                cp_impl: str = "ring", etp: int | None = None) -> Layout:
+                cp_impl: str = "ring", etp: int | None = None, ep_overlap: bool = False) -> Layout:
     """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1."""
     for name, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--cp", cp), ("--ep", ep), ("--gpus", gpus),
                         ("micro-batches per step", micro_batches), ("--etp", 1 if etp is None else etp)):
@@ -111,7 +115,7 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
     return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=gpus // split, sequence_parallel=sp, zero=zero,
                   micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl,
                   tp_overlap=tp_overlap, pp_schedule="interleaved" if vpp > 1 else "1f1b", cp_impl=cp_impl,
-                  etp=None if etp is None or etp == tp else etp)
+                  etp=None if etp is None or etp == tp else etp, ep_overlap=ep_overlap and ep > 1)
 
 
 def _divisor_hint(gpus: int, tp: int, pp: int, cp: int) -> str:

@@ -46,6 +46,9 @@ class Run:
     # MoE routing: the most loaded expert-parallel rank's tokens over the mean (1.0: balanced, as the published
     # MoE benchmarks force it); the planner prices that rank's expert GEMMs and dispatch
     moe_imbalance: float = 1.0
+    # the stack fuses its element-wise work (Transformer Engine's and Megatron's fused kernels, torch.compile):
+    # None: as the recipe and torch.compile imply (planner.cluster_step.fuses)
+    fused: bool | None = None
 
     @property
     def tokens_per_micro_batch(self) -> int:

@@ -105,22 +105,25 @@ def _fp8(ops: list[Op], scaling: str) -> list[Op]:
     return out
 
 
-def fuses(recipe: Recipe, compiled: bool) -> bool:
-    """Whether a run's stack fuses its element-wise work: torch.compile (inductor's generated kernels), and
-    the stacks that train in Megatron's mixed precision or FP8 (Megatron-LM's fused LayerNorm, bias-GELU,
-    bias-dropout-add and softmax kernels; Transformer Engine's fused norms, RoPE and gated activations).
-    Fused, an operator moves only the tensors that must be in memory (cost.ops.Op.fused)."""
+def fuses(recipe: Recipe, compiled: bool, fused: bool | None = None) -> bool:
+    """Whether a run's stack fuses its element-wise work: `fused` where the run says (cost.run.Run.fused),
+    else torch.compile (inductor's generated kernels) and the stacks that train in Megatron's mixed precision
+    or FP8 (Megatron-LM's fused LayerNorm, bias-GELU, bias-dropout-add and softmax kernels; Transformer
+    Engine's fused norms, RoPE and gated activations). Fused, an operator moves only the tensors that must be
+    in memory (cost.ops.Op.fused)."""
+    if fused is not None:
+        return fused
     return compiled or recipe.name == "megatron" or bool(recipe.fp8)
 
 
 def predict_cluster_step(cfg: ModelConfig, layout: Layout, acc: Accelerator, node: Node, *, micro_batch: int,
                          seq_len: int, recipe: Recipe, checkpointing: str, optimizer: str = "adamw",
                          tp_overlap: bool = False, compiled: bool = False,
-                         moe_imbalance: float = 1.0) -> ClusterStep:
+                         moe_imbalance: float = 1.0, fused: bool | None = None) -> ClusterStep:
     """One optimizer step of `cfg` under `layout` on a cluster of `acc` in `node`s (cost.cluster)."""
     precision = record_precision(recipe)
     work = rank_work(cfg, layout, micro_batch, seq_len, precision, checkpointing, optimizer, recipe.fp8,
-                     fuses(recipe, compiled))
+                     fuses(recipe, compiled, fused))
     return cluster_step(cfg, layout, work, param_counts(cfg, layout), acc=acc, node=node, micro_batch=micro_batch,
                         seq_len=seq_len, checkpointing=checkpointing, act_bytes=recipe.compute_bytes,
                         grad_bytes=_reduced_grad_bytes(recipe), param_bytes=recipe.param_bytes, tp_overlap=tp_overlap,

@@ -71,7 +71,9 @@ def explain_cluster(p) -> str:
         f"{p.hardware.kernel_source})")
     add(f"   layout: dp={lay.dp} tp={lay.tp} pp={pp} vpp={v} cp={lay.cp} ep={lay.ep}, sequence parallel "
         f"{'on' if lay.sequence_parallel else 'off'}, ZeRO-{lay.zero}, {m} micro-batch(es) of {p.micro_batch} per "
-        f"pipeline per step, {lay.attention_impl} attention; ranks ordered tp-cp-ep-dp-pp (tp inside a node)")
+        f"pipeline per step, {lay.attention_impl} attention, element-wise work "
+        f"{'fused' if st.fused else 'eager'}; "
+        "ranks ordered tp-cp-ep-dp-pp (tp inside a node)")
     add("   each pipeline rank's micro-batch (forward + backward, its layers; exposed in-step communication): "
         + ", ".join(f"{s:.4g} s" for s in st.stage_seconds[:8]) + (" ..." if len(st.stage_seconds) > 8 else ""))
     add(f"   compute    = m x operators of the slowest rank{' but the expert GEMMs' if b['experts_s'] else ''} = "
@@ -84,7 +86,9 @@ def explain_cluster(p) -> str:
     add(f"   recompute  = m x its {p.checkpointing} checkpointing's re-run forward = {b['recompute_s']:.4g} s")
     add(f"   tp comm    = m x (2 collectives of B x T x H per layer and pass, exposed) = {b['tp_comm_s']:.4g} s")
     add(f"   cp comm    = m x (KV ring sends past the attention kernels) = {b['cp_comm_s']:.4g} s")
-    add(f"   ep comm    = m x (all-to-all dispatch + combine per MoE layer and pass) = {b['ep_comm_s']:.4g} s")
+    add(f"   ep comm    = m x (all-to-all dispatch + combine per MoE layer and pass"
+        + (", past the other micro-batch's work: --ep-overlap" if p.run.layout.ep_overlap else "")
+        + f") = {b['ep_comm_s']:.4g} s")
     if lay.ep > 1 and b["experts_s"]:
         add(f"   imbalance  = m x ({p.run.moe_imbalance:g} - 1) x (experts + ep comm): the most loaded rank's extra "
             f"(--moe-imbalance; 1: balanced) = {b['imbalance_s']:.4g} s")

@@ -304,7 +304,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         cluster = predict_cluster_step(model, layout, hw.accelerator, hw.node, micro_batch=micro_batch,
                                        seq_len=seq_len, recipe=recipe, checkpointing=checkpointing,
                                        optimizer=optimizer, tp_overlap=layout.tp_overlap, compiled=compiled,
-                                       moe_imbalance=run.moe_imbalance)
+                                       moe_imbalance=run.moe_imbalance, fused=run.fused)
         source = "published microbenchmarks"
         tokens_per_s = seq_len * micro_batch * grad_accum * dp / cluster.seconds
         mfu = model_flops_utilization(model_fpt * tokens_per_s, hw.peak_flops, gpus)
