@@ -137,10 +137,16 @@ def test_grad_accum_composes_with_fsdp_and_checkpointing(corpus, tmp_path, strat
     assert losses(multi) == pytest.approx(losses(single), rel=1e-5)
 
 
-def test_strategy_none_under_torchrun_is_a_clear_error(corpus, tmp_path):
-    proc = torchrun("--out", str(tmp_path / "run"), *sets(corpus, "train.max_steps=2"), timeout=120)
-    assert proc.returncode != 0
-    assert "parallel.strategy=ddp" in proc.stderr
+def test_strategy_none_with_more_than_one_rank_is_a_clear_error(corpus, tmp_path, monkeypatch, capsys):
+    """Rank 0 of the environment torchrun sets for 2 ranks (read before any process group is joined, so the
+    check runs in this process): exit 2, the strategies named, no run directory written."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main(["train", "--out", str(tmp_path / "run"), "--quiet", *sets(corpus, "train.max_steps=2")]) == 2
+    err = capsys.readouterr().err
+    assert "launched by torchrun as one of 2 ranks" in err and "parallel.strategy=ddp" in err
+    assert not (tmp_path / "run").exists()
 
 
 def _workers(parent: int) -> list[int]:
