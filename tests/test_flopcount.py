@@ -23,7 +23,7 @@ def tiny(activation="swiglu", norm="rmsnorm", position="rope", bias=False, **kw)
 
 
 @pytest.mark.parametrize("activation,norm,position,bias", OPTIONS)
-@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "op", "full"])
 def test_counted_step_matches_planner(activation, norm, position, bias, checkpointing):
     cfg = tiny(activation, norm, position, bias)
     torch.manual_seed(0)

@@ -216,7 +216,7 @@ def wrapped_copy_has_the_same_gradients(wrap, rtol: float, atol: float):
     return plain, wrapped, x
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
 def test_activation_checkpointing_gives_the_same_gradients(mode):
     wrapped_copy_has_the_same_gradients(lambda m: apply_activation_checkpointing(m, mode), rtol=1e-6, atol=1e-7)
 

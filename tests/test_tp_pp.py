@@ -1,5 +1,5 @@
-"""Tensor, sequence and pipeline parallelism under torchrun on gloo (issue 30): the same losses as one process,
-a DCP checkpoint mid-run that resumes to the same losses and reshards, every rank's states, peak and
+"""Tensor, sequence, pipeline and expert parallelism under torchrun on gloo (issue 30): the same losses as one
+process, a DCP checkpoint mid-run that resumes to the same losses and reshards, every rank's states, peak and
 messages as trainwise.cost.rank plans them (tied embeddings across pipeline stages included), and layouts that
 cannot work refused before anything starts.
 
@@ -30,6 +30,7 @@ from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.planner.derivation import plan_table
 from trainwise.planner.plan import plan_run
+from trainwise.runtime.context_parallel import cp_ranks, head_tail_order, rank_positions, sequence_order
 from trainwise.runtime.mesh import check_layout, layout_for
 from trainwise.verify.per_rank import predicted_ranks
 
@@ -43,8 +44,8 @@ def rank_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp"]
-FOUR_RANKS = ["fsdp_tp", "pp_tp"]
+TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "cp"]
+FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "cp_dp", "tp_cp"]
 
 
 def _launch(n: int, out: Path, cases: list[str], timeout: float) -> dict:
@@ -59,14 +60,15 @@ def _launch(n: int, out: Path, cases: list[str], timeout: float) -> dict:
 def runs(tmp_path_factory) -> dict:
     """Every layout's per-rank results: one 2-rank launch, one 4-rank launch (about 20 s each on 2 cores)."""
     out = tmp_path_factory.mktemp("tp_pp")
-    results = _launch(2, out / "two", [*TWO_RANKS, "reshard"], timeout=240)
+    results = _launch(2, out / "two", [*TWO_RANKS, "reshard", "reshard_ep"], timeout=240)
     results.update(_launch(4, out / "four", FOUR_RANKS, timeout=240))
     return results
 
 
-def plan(case: str, world: int) -> list[dict]:
+def plan(case: str, world: int, expert_tokens: list | None = None) -> list[dict]:
+    """Every rank's plan; with expert parallelism its all-to-alls at the routing the run measured."""
     cfg = config(case)
-    return predicted_ranks(cfg, "fp32", layout_for(cfg.parallel, world))
+    return predicted_ranks(cfg, "fp32", layout_for(cfg.parallel, world), expert_tokens)
 
 
 @pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)
@@ -98,7 +100,7 @@ def test_each_rank_holds_and_sends_what_the_plan_says(runs, case):
     that rank; the step's peak within 10% of cost.rank_memory.rank_peak (the least of the MEASURED steps
     before SAVE_AT: see tp_pp_worker.train), GPipe included: its first backward finds all K micro-batches
     in flight but no gradients yet, its second one gradients and K - 1."""
-    predicted = plan(case, len(runs[case]))
+    predicted = plan(case, len(runs[case]), [rank["measured"].get("expert_tokens") for rank in runs[case]])
     for r, (p, rank) in enumerate(zip(predicted, runs[case])):
         m = rank["measured"]
         for name in ("params", "grads", "optimizer"):
@@ -141,6 +143,26 @@ def test_tp_messages_worked_by_hand():
     comm = R.rank_comm(cfg.model, Layout(tp=2), 0, R.StepShape(2, 16, 2, 4, 4))
     assert comm == {"all_gather": {"calls": 22, "bytes": 79360}, "all_reduce": {"calls": 6, "bytes": 644},
                     "reduce_scatter": {"calls": 20, "bytes": 40960}}
+
+
+def test_cp_messages_worked_by_hand():
+    """cp 2 ("cp": DDP over the 2 ranks), micro_batch 2 x seq_len 16, 2 nkv heads of 8, 2 layers, K = 2, fp32.
+    Rank 0 holds positions 0-3 and 12-15, rank 1 4-11. Per layer and micro-batch each rank's k and v (2 x 8
+    positions x 2 x 2 x 8 floats) are all-gathered into 2 x 2 x 2 x 16 x 8 x 4 = 4096 bytes, of which it sends
+    half, and their gradients reduce-scattered in backward (2048 B): 4 calls of each, 8192 B. All-reduces: each
+    micro-batch's loss (a 4-byte scalar: 2 x 1/2 x 4 = 4 B) and DDP's one bucket of every gradient (40480 floats,
+    161920 B) over dp x cp = 2 ranks: 3 calls, 161928 B. dp 2 x cp 2: ranks 0, 1 divide one sequence, 2, 3 the
+    next."""
+    assert rank_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert rank_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert all(torch.equal(sequence_order(24, cp), head_tail_order(24, cp)) for cp in (2, 3, 6))
+    assert [cp_ranks(Layout(dp=2, cp=2), r) for r in (0, 3)] == [[0, 1], [2, 3]]
+    assert cp_ranks(Layout(dp=2, cp=2, tp=2), 5) == [5, 7]
+    cfg, layout = config("cp"), layout_for(config("cp").parallel, 2)
+    for rank in (0, 1):
+        assert R.rank_comm(cfg.model, layout, rank, R.StepShape(2, 16, 2, 4, 4)) == {
+            "all_gather": {"calls": 4, "bytes": 8192}, "all_reduce": {"calls": 3, "bytes": 161928},
+            "reduce_scatter": {"calls": 4, "bytes": 8192}}
 
 
 def test_pp_messages_worked_by_hand():
@@ -215,6 +237,51 @@ def test_dcp_checkpoint_reshards_and_loads_in_one_process(runs):
     assert one["one_process_next_step"] == pytest.approx(one["tp_next_step"], rel=1e-4)
 
 
+def test_expert_parallel_routes_resumes_and_reshards_as_one_process(runs):
+    """ep 2 (dp 2, and dp 4 as edp 2 x ep 2, with capacity drops): the last data-parallel rank's last forward routes
+    as one process routes that micro-batch; the DCP checkpoint resumes to bit-identical losses; loaded at ep 1
+    (tp 2 on the same two ranks) and into one process, every expert and optimizer state is the checkpoint's
+    bit for bit, each stored once, and the next step's loss is the ep run's."""
+    for case in ("ep", "dp_ep"):
+        ranks = runs[case]
+        assert ranks[0]["reference_routing"] and ranks[-1]["routing"] == ranks[0]["reference_routing"]
+        assert all(rank["resumed"] == rank["losses"][SAVE_AT:] for rank in ranks)
+    loss = runs["ep"][0]["losses"][SAVE_AT]
+    for rank in runs["reshard_ep"]:
+        assert rank["stored_once"] and rank["model_equal"] and rank["optimizer_equal"]
+        assert rank["tp_next_step"] == pytest.approx(loss, rel=1e-4)
+    one = runs["reshard_ep"][0]
+    assert one["one_process_equal"] and one["one_process_next_step"] == pytest.approx(loss, rel=1e-4)
+
+
+def test_ep_messages_worked_by_hand():
+    """dp 2 = ep 2 ("ep": 2 MoE layers of 4 experts, top 2, d_model 32), K = 2 micro-batches of 2 x 16 tokens,
+    fp32. Each rank routes 2 layers x 2 micro-batches x 32 tokens x 2 = 128 assignments in the step; say rank 0
+    sent [40, 30, 50, 8] to experts 0-3 and rank 1 [20, 44, 36, 28]. Rank 0 holds experts 0 and 1: it sends
+    50 + 8 = 58 rows to rank 1 and receives 20 + 44 = 64 (rank 1 the reverse), each row 32 x 4 = 128 bytes,
+    once forward (dispatch, combine) and once backward (their gradients): 2 x 122 x 128 = 31232 B; and per layer
+    and micro-batch one exchange of the counts (2 int64 to the other rank: 16 B): 4 x 16 = 64 B; 4 x 5 = 20
+    calls. Uniform routing (64 per expert) sends 2 x 256 x 128 + 64 = 65600 B. All-reduces: DDP's one bucket
+    of the dense gradients (embedding 9600 + 2 blocks x 15552 + final norm 32 = 40736 floats; 2 x 1/2 x 162944
+    B), the gradient norm (4 B) and the two layers' expert loads (8 floats: 32 B); the experts' gradients have
+    no other rank to be reduced with (edp 1). dp 4 = edp 2 x ep 2 ("dp_ep": a dense and a MoE layer, K = 1): DDP's
+    bucket (9600 + 15424 + 15552 + 32 = 40608 floats, 162432 B: 2 x 3/4 x 162432 = 243648 B sent), the rank's
+    expert gradients (2 experts x 3 x 32 x 128 floats = 98304 B) over edp 2 (98304 B sent), the norm (6 B) and
+    the load (4 floats: 24 B)."""
+    cfg, layout = config("ep").model, Layout(dp=2, ep=2)
+    tokens = ((40, 30, 50, 8), (20, 44, 36, 28))
+    all_reduce = {"calls": 3, "bytes": 162944 + 4 + 32}
+    for rank in (0, 1):
+        assert R.rank_comm(cfg, layout, rank, R.StepShape(2, 16, 2, 4, 4, expert_tokens=tokens)) == {
+            "all_reduce": all_reduce, "all_to_all": {"calls": 20, "bytes": 31296}}
+        assert R.rank_comm(cfg, layout, rank, R.StepShape(2, 16, 2, 4, 4))["all_to_all"] == {
+            "calls": 20, "bytes": 65600}
+    assert [R.expert_group(Layout(dp=4, ep=2), r) for r in range(4)] == [([0, 1], 0), ([0, 1], 1), ([2, 3], 0),
+                                                                          ([2, 3], 1)]
+    dp_ep = R.rank_comm(config("dp_ep").model, Layout(dp=4, ep=2), 3, R.StepShape(2, 16, 1, 4, 4))
+    assert dp_ep["all_reduce"] == {"calls": 4, "bytes": 243648 + 98304 + 6 + 24}
+
+
 def losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -235,7 +302,7 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
     assert (run / "checkpoints/step_00000003/dcp/.metadata").is_file()
     assert load(run).generate("The ", max_new_tokens=5, seed=0).startswith("The ")
     section = json.loads((run / "verify.json").read_text())["per_rank"]
-    assert section["layout"] == {"dp": 1, "pp": 1, "tp": 2, "vpp": 1, "pp_schedule": None}
+    assert section["layout"] == {"dp": 1, "pp": 1, "tp": 2, "cp": 1, "ep": 1, "vpp": 1, "pp_schedule": None}
     for rank in section["ranks"]:
         for name in ("params", "grads", "optimizer"):
             assert rank[name]["error"] == 0, (name, rank[name])
@@ -257,10 +324,15 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
     (["parallel.pp=2", "model.tie_embeddings=false"], "at least 2 micro-batches per step"),
     (["parallel.pp=2", "model.tie_embeddings=false", "parallel.pp_schedule=interleaved", "parallel.vpp=2",
       "model.n_layers=4", "train.grad_accum_steps=3"], "use 4 micro-batches or parallel.vpp=1"),
-    (["parallel.cp=2"], "parallel.cp=1"),
-    (["parallel.pp=2", "model.tie_embeddings=false", "train.grad_accum_steps=2", "model.n_experts=4", "model.top_k=2"],
-     "parallel.pp=1"),
+    (["parallel.cp=2", "parallel.strategy=ddp"], "torchrun --nproc-per-node 2"),
+    (["parallel.cp=3", "parallel.strategy=ddp"], "train.seq_len = 32 is not a multiple of 6"),
+    (["parallel.cp=2", "parallel.pp=2", "parallel.strategy=ddp"], "set parallel.pp=1 (or parallel.cp=1)"),
+    (["parallel.cp=2", "parallel.strategy=ddp", "model.n_experts=4", "model.top_k=2"], "dense models"),
     (["parallel.tp=2"], "torchrun --nproc-per-node 2"),
+    (["parallel.ep=2", "parallel.strategy=ddp"], "model.n_experts = 0"),
+    (["parallel.ep=3", "parallel.strategy=ddp", "model.n_experts=4", "model.top_k=2"], "parallel.ep=2 or 4"),
+    (["parallel.ep=2", "parallel.strategy=fsdp", "model.n_experts=4", "model.top_k=2"], "parallel.strategy=ddp"),
+    (["parallel.ep=2", "parallel.strategy=ddp", "model.n_experts=4", "model.top_k=2"], "torchrun --nproc-per-node 2"),
 ])
 def test_a_layout_that_cannot_work_is_one_clear_error_before_anything_starts(corpus, tmp_path, capsys, sets, hint):
     """The trainer's own rules (runtime.mesh.check_layout) and the ones a plan shares (cost.layout.check_layout,
@@ -277,6 +349,20 @@ def test_world_size_not_divisible_by_the_layout_names_one_that_works():
         layout_for(ParallelConfig(tp=4, strategy="fsdp"), 6)
     assert layout_for(ParallelConfig(tp=2, pp=2, strategy="fsdp"), 8, micro_batches=4) == Layout(
         dp=2, pp=2, tp=2, zero=3, sequence_parallel=True, micro_batches=4)
+    with pytest.raises(TrainwiseError, match=r"parallel.ep = 4 does not divide the 6 data-parallel.*Start 4 ranks"):
+        layout_for(ParallelConfig(ep=4, strategy="ddp"), 6)
+    assert layout_for(ParallelConfig(ep=2, strategy="ddp"), 4).expert_dp == 2
+    with pytest.raises(TrainwiseError, match=r"6 ranks.*parallel.cp = 4 = 4.*Start 4 ranks.*divisor of 6 \(2, 3, 6\)"):
+        layout_for(ParallelConfig(cp=4, strategy="ddp"), 6)
+    with pytest.raises(TrainwiseError, match="parallel.strategy=ddp"):
+        layout_for(ParallelConfig(cp=2), 2)
+    assert layout_for(ParallelConfig(cp=2, strategy="fsdp"), 4) == Layout(dp=2, cp=2, zero=3, cp_impl="allgather")
+
+
+def test_a_mixture_of_experts_model_passes_the_check_under_pipeline_parallelism():
+    """moe_pp trains as one process does (test_losses_equal_one_process_with_the_same_global_batch): the trainer
+    lets it start."""
+    check_layout(config("moe_pp"))
 
 
 def test_heads_not_divisible_by_tp_names_the_numbers():

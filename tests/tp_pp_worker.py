@@ -1,6 +1,6 @@
-"""Run by tests/test_tp_pp.py under torchrun (gloo, one thread per rank): tensor- and pipeline-parallel
-layouts built by trainwise's one step builder, each trained STEPS steps on seeded batches, with a DCP
-checkpoint at step SAVE_AT resumed into a fresh model for the steps after it, and every rank's states, peak
+"""Run by tests/test_tp_pp.py under torchrun (gloo, one thread per rank): tensor-, pipeline-, expert- and
+context-parallel layouts built by trainwise's one step builder, each trained STEPS steps on seeded batches, with
+a DCP checkpoint at step SAVE_AT resumed into a fresh model for the steps after it, and every rank's states, peak
 and messages of the MEASURED steps before it measured as the trainer measures its last step. Rank 0 also
 trains one process on the same global batch (dp x K micro-batches a step) from the same seed.
 
@@ -8,25 +8,34 @@ trains one process on the same global batch (dp x K micro-batches a step) from t
 
 Each rank writes OUT/CASE.rankR.json (the test compares it with one process and with the plan). With tied
 embeddings each pipeline end also records a digest of its copy of the table after the straight run and after
-the resumed one, and rank 0 the loss one process computes from the checkpoint's weights.
+the resumed one, and rank 0 the loss one process computes from the checkpoint's weights. Under expert
+parallelism each rank also records the assignments it routed to each expert in its measured step (the plan's
+all-to-alls are evaluated at them).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+from trainwise import rundir
 from trainwise.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from trainwise.cost.run import Run
 from trainwise.measure.memtrack import StepPeakMeter, foreign_storages
 from trainwise.runtime import checkpoint as ckpt
 from trainwise.runtime import distributed
 from trainwise.runtime.comms import CommCounter
+from trainwise.runtime.expert_parallel import routed_tokens
+from trainwise.runtime.fused import split_fused
 from trainwise.runtime.mesh import layout_for
 from trainwise.runtime.step import build_model, build_step
 
@@ -43,13 +52,22 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "moe_tp": (MOE, dict(tp=2), 2, 1),
     "fsdp_tp": (dict(), dict(tp=2, strategy="fsdp"), 1, 2),
     "pp_tp": (dict(tie_embeddings=False), dict(pp=2, tp=2), 1, 2),
+    "moe_pp": ({**MOE, "n_layers": 3}, dict(pp=2), 1, 4),  # stage 0: a dense and a MoE layer; stage 1: a MoE
+    "pp_dp": (dict(), dict(pp=2, strategy="ddp"), 1, 3),
+    "ep": ({**MOE, "first_dense_layers": 0}, dict(ep=2, strategy="ddp"), 2, 2),  # 2 ranks: dp 2 = ep 2
+    "dp_ep": ({**MOE, "dropless": False, "capacity_factor": 1.0}, dict(ep=2, strategy="ddp"), 2, 1),  # dp 4
+    "cp": (dict(), dict(cp=2, strategy="ddp"), 2, 2),  # 16 positions: 4 chunks of 4, rank 0 holds 0-3 and 12-15
+    "cp_dp": (dict(position="learned", n_kv_heads=1), dict(cp=2, strategy="fsdp"), 2, 2),  # dp 2 x cp 2
+    "tp_cp": (dict(), dict(tp=2, cp=2, strategy="ddp"), 2, 2),  # each rank: 4 of a sequence's 16 positions
 }
 
 
 def config(name: str) -> RunConfig:
     model, parallel, micro_batch, grad_accum = CASES[name]
+    # the expert-parallel cases clip (their norms are 0.6-0.8), so that a norm counting an expert twice would show
+    clip = 0.5 if parallel.get("ep", 1) > 1 else 1.0
     train = TrainConfig(micro_batch=micro_batch, grad_accum_steps=grad_accum, seq_len=16, max_steps=STEPS, lr=1e-2,
-                        warmup_steps=0, precision="fp32", seed=7)
+                        warmup_steps=0, precision="fp32", seed=7, grad_clip=clip)
     return RunConfig(model=ModelConfig(**{**TINY, **model}), train=train, parallel=ParallelConfig(**parallel))
 
 
@@ -73,6 +91,7 @@ def reference(cfg: RunConfig, dp: int) -> tuple[list[float], list]:
 
 def routing(model: torch.nn.Module) -> list:
     """Assignments per expert of each MoE layer in the last forward (a pipeline rank: its own layers)."""
+    model = distributed.unwrap(model)
     blocks = model.blocks.values() if isinstance(model.blocks, torch.nn.ModuleDict) else model.blocks
     return [b.mlp.last_expert_counts.tolist() for b in blocks if getattr(b.mlp, "last_expert_counts", None) is not None]
 
@@ -97,9 +116,11 @@ def train(cfg: RunConfig, d, step, steps: range, foreign: set[int] | None = None
     for i in steps:
         mine = global_batches(cfg, d.layout.dp, i)[d.dp_rank * K:(d.dp_rank + 1) * K]
         if foreign is not None and i >= steps[-MEASURED]:
-            grads = {}
+            grads, routed = {}, []
 
             def hook(phase: str) -> None:
+                if phase == "forward" and routed_tokens(step.model) is not None:
+                    routed.append(routed_tokens(step.model))
                 if phase == "step":
                     grads["bytes"] = distributed.local_bytes(p.grad for p in step.params)
 
@@ -111,6 +132,7 @@ def train(cfg: RunConfig, d, step, steps: range, foreign: set[int] | None = None
             measured = distributed.rank_state_bytes(step.params, step.optimizer, grads["bytes"])
             measured["peak_memory_bytes"] = min(peaks)
             measured["comm"] = counter.result()
+            measured["expert_tokens"] = torch.stack(routed).sum(0).tolist() if routed else None
         else:
             result = step(mine)
         losses.append(distributed.mean_across_ranks(result.loss.float(), d, d.dp_group).item())
@@ -129,6 +151,7 @@ def save(out: Path, name: str, d, step) -> Path:
 def tied_digest(d, model: torch.nn.Module) -> str | None:
     """SHA-256 of a pipeline rank's copy of a tied table (the embedding on the first stage, the LM head on
     the last), None elsewhere: equal digests are bit-equal copies."""
+    model = distributed.unwrap(model)
     module = model.embed if model.embed is not None else model.lm_head
     if not model.cfg.tie_embeddings or d.layout.pp == 1 or module is None:
         return None
@@ -188,11 +211,57 @@ def reshard(out: Path) -> None:
     (out / f"reshard.rank{d.rank}.json").write_text(json.dumps(result))
 
 
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a DCP checkpoint holds, read whole in one process ("model.<name>", "optimizer.state.<name>.<key>"),
+    and whether each was stored once (its chunks add up to its size: no shard written twice)."""
+    meta = dcp.FileSystemReader(str(path / ckpt.SHARDED)).read_metadata().state_dict_metadata
+    tensors = {k: m for k, m in meta.items() if isinstance(m, TensorStorageMetadata)}
+    once = all(sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size) for m in tensors.values())
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in tensors.items()}
+    dcp.load(state, checkpoint_id=str(path / ckpt.SHARDED), no_dist=True)
+    return state, once
+
+
+def bit_equal(state: dict, saved: dict, prefix: str) -> bool:
+    """Every tensor of `state` (whole, by name) is the checkpoint's, bit for bit, and none is missing."""
+    names = {k[len(prefix):] for k in saved if k.startswith(prefix)}
+    return names == set(state) and all(torch.equal(distributed.local_value(v), saved[prefix + k])
+                                       for k, v in state.items())
+
+
+def reshard_ep(out: Path) -> None:
+    """DCP across expert-parallel sizes: the "ep" case's checkpoint of step SAVE_AT (ep 2, run before it in this
+    launch) loaded at ep 1 on the same two ranks (tp 2: every expert on both, split by width) and into one
+    process. Each rank's model and optimizer states gathered whole, and the one-process model, against the
+    checkpoint's tensors read whole; the next step's loss."""
+    cfg = config("ep")
+    path = rundir.checkpoint_dir(out / "ep-run") / rundir.checkpoint_name(SAVE_AT)
+    saved, once = checkpoint_tensors(path)
+    cfg.parallel = ParallelConfig(tp=2)
+    cfg.train.grad_accum_steps *= 2  # one tp replica takes both data-parallel ranks' micro-batches
+    d, step = fresh(cfg)
+    ckpt.load_sharded(path, step.model, step.optimizer)
+    whole = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+    model_equal = bit_equal(get_model_state_dict(step.model, options=whole), saved, "model.")
+    optimizer = get_optimizer_state_dict(step.model, step.optimizer, options=whole)
+    optimizer_equal = bit_equal({k: v for k, v in optimizer.items() if k.startswith("state.")}, saved, "optimizer.")
+    after, _ = train(cfg, d, step, range(SAVE_AT, SAVE_AT + 1))
+    result = {"stored_once": once, "model_equal": model_equal, "optimizer_equal": optimizer_equal,
+              "tp_next_step": after[0]}
+    if d.is_main:
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+        ckpt.load_weights(model, path)
+        result["one_process_equal"] = bit_equal(split_fused(model).state_dict(), saved, "model.")
+        result["one_process_next_step"] = one_process_loss(cfg, path, 1)
+    (out / f"reshard_ep.rank{d.rank}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out = Path(sys.argv[1])
     for name in sys.argv[2:]:
-        reshard(out) if name == "reshard" else run(name, out)
+        {"reshard": reshard, "reshard_ep": reshard_ep}.get(name, lambda out: run(name, out))(out)
     distributed.shutdown(distributed.Dist("x", world_size=2))
 
 

@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 
 from trainwise.commands.args import byte_size, number, whole_number
-from trainwise.config import load_config
+from trainwise.config import CHECKPOINTING, load_config
 from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, Layout, make_layout
 from trainwise.cost.memory import FP8_SCALINGS, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES, get_recipe
 from trainwise.cost.run import Machine, Run
@@ -48,7 +48,7 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--fp8-recipe", choices=list(FP8_SCALINGS),
                    help="with --precision fp8: the FP8 scaling (default current: per-tensor, just in time)")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_MOMENTS), help="adamw, sgd, sgd-momentum")
-    p.add_argument("--checkpointing", choices=["none", "selective", "full"])
+    p.add_argument("--checkpointing", choices=list(CHECKPOINTING))
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (FSDP = 3)")
     p.add_argument("--tp", type=whole_number, default=1, help="tensor-parallel ranks (inside a node)")
     p.add_argument("--pp", type=whole_number, default=1, help="pipeline stages")

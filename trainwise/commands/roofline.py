@@ -8,6 +8,7 @@ import json
 
 import torch
 
+from trainwise.config import CHECKPOINTING
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import get_accelerator
 from trainwise.planner.machine import resolve_hardware
@@ -37,7 +38,7 @@ def register(sub, help_text: str) -> None:
                    help="default: what the trainer picks there (bf16 on a GPU or a CPU with native bf16)")
     r.add_argument("--seq-len", type=int)
     r.add_argument("--micro-batch", type=int, default=1)
-    r.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none")
+    r.add_argument("--checkpointing", choices=list(CHECKPOINTING), default="none")
     r.add_argument("--measure", action="store_true",
                    help="also profile one real training step on this CPU (torch.profiler) and put each "
                         "operator's achieved FLOP/s beside its bound (models up to 200M parameters)")

@@ -34,6 +34,7 @@ from trainwise.config.run import (
                                   SourceConfig,
                                   TokenizerConfig,
                                   TrainConfig,
+                                  check_op_checkpointing,
 )
 from trainwise.config.toml import (
                                   apply_overrides,
@@ -48,5 +49,6 @@ from trainwise.config.toml import (
 __all__ = ["ACTIVATIONS", "ATTENTIONS", "CHECKPOINTING", "COMPILE", "FSDP_STRATEGIES", "GATINGS", "NORMS", "OPTIMIZERS",
            "POSITIONS", "PRECISIONS", "RESUME_POLICIES", "ROPE_SCALINGS", "SECTIONS", "STRATEGIES", "STRATEGY_OF_STAGE",
            "ZERO_STAGE", "DataConfig", "LogConfig", "ModelConfig", "ParallelConfig", "RunConfig", "SourceConfig",
-           "TokenizerConfig", "TrainConfig", "apply_overrides", "config_from_dict", "config_to_dict",
+           "TokenizerConfig", "TrainConfig", "apply_overrides",
+           "check_op_checkpointing", "config_from_dict", "config_to_dict",
            "default_ffn_hidden", "load_config", "save_config", "section_from_dict", "to_toml"]

@@ -11,7 +11,9 @@ from trainwise.errors import TrainwiseError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
-CHECKPOINTING = ("none", "selective", "full")
+# selective: Korthikanti et al.'s attention-core recompute; op: torchtitan's op-level policy (the output of every
+# other matmul and of attention kept, the rest of each block recomputed); full: each block's input kept
+CHECKPOINTING = ("none", "selective", "op", "full")
 COMPILE = ("auto", "true", "false")
 STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
 PP_SCHEDULES = ("1f1b", "interleaved", "gpipe")
@@ -171,8 +173,11 @@ class TokenizerConfig:
 class ParallelConfig:
     """How a torchrun job divides the work: world size = dp x pp x tp (x cp); `strategy` says how the
     data-parallel dimension shards (trainwise.runtime.mesh). tp runs with sequence parallelism; pp splits
-    the layers into pp x vpp stages fed grad_accum_steps micro-batches per step. cp and ep are planned
-    (`trainwise plan`) but not trained: more than 1 in a run is an error."""
+    the layers into pp x vpp stages fed grad_accum_steps micro-batches per step. ep divides each MoE layer's
+    routed experts over ep of the data-parallel ranks (dp = edp x ep, trainwise.runtime.expert_parallel), with
+    parallel.strategy = ddp and without tp or pp so far. cp divides each sequence over cp ranks, which join the
+    data-parallel ones in the gradient reduction (world size = dp x cp x tp; attention over all-gathered keys and
+    values, trainwise.runtime.context_parallel), without pp so far."""
 
     strategy: str = "none"
     tp: int = 1
@@ -188,12 +193,13 @@ class ParallelConfig:
         for key in ("tp", "pp", "vpp", "cp", "ep"):
             if getattr(self, key) < 1:
                 raise TrainwiseError(f"parallel.{key} = {getattr(self, key)} must be a positive integer (1 = off).")
-        for key, what in (("cp", "context"), ("ep", "expert")):
-            if getattr(self, key) > 1:
-                raise TrainwiseError(
-                    f"parallel.{key} = {getattr(self, key)}: {what} parallelism is planned (`trainwise plan`) but "
-                    f"trainwise does not train with it; set parallel.{key}=1 and divide the work with parallel.tp, "
-                    "parallel.pp and the data-parallel dimension instead.")
+        if self.cp > 1 and self.pp > 1:
+            raise TrainwiseError(
+                f"parallel.cp = {self.cp} with parallel.pp = {self.pp}: trainwise trains context parallelism with "
+                "tensor parallelism and the data-parallel dimension, not across pipeline stages yet; set "
+                "parallel.pp=1 (or parallel.cp=1).")
+        if self.ep > 1:
+            self._check_ep()
         if self.vpp > 1 and self.pp_schedule != "interleaved":
             raise TrainwiseError(
                 f"parallel.vpp = {self.vpp} gives each pipeline rank {self.vpp} stages, which only the interleaved "
@@ -207,6 +213,19 @@ class ParallelConfig:
                 f"parallel.strategy = zero1 with parallel.tp = {self.tp}, parallel.pp = {self.pp}: ZeRO-1's optimizer "
                 "(ZeroRedundancyOptimizer) does not take tensor- or pipeline-parallel parameters; use "
                 "parallel.strategy=zero2 (optimizer states and gradients sharded, FSDP2) or fsdp instead.")
+
+    def _check_ep(self) -> None:
+        """Expert parallelism as trainwise trains it: over DDP's data-parallel ranks, without tp or pp."""
+        if self.strategy != "ddp":
+            raise TrainwiseError(
+                f"parallel.ep = {self.ep} with parallel.strategy = {self.strategy}: expert parallelism divides the "
+                "experts over data-parallel ranks that DDP replicates the rest over; set parallel.strategy=ddp "
+                "(zero1, zero2 and fsdp do not shard the divided experts yet), or parallel.ep=1.")
+        if self.tp > 1 or self.pp > 1:
+            raise TrainwiseError(
+                f"parallel.ep = {self.ep} with parallel.tp = {self.tp}, parallel.pp = {self.pp}: trainwise trains "
+                "expert parallelism over the data-parallel ranks alone so far; set parallel.tp=1 and "
+                "parallel.pp=1 (the experts then fold onto ep of the data-parallel ranks), or parallel.ep=1.")
 
     @property
     def model_parallel(self) -> int:
@@ -243,6 +262,17 @@ class RunConfig:
                 f"{self.model.max_seq_len}: the model cannot attend over more positions than it was built "
                 f"for. Lower train.seq_len or raise model.max_seq_len to at least {self.train.seq_len}."
             )
+        check_op_checkpointing(self.model, self.train.activation_checkpointing, "train.activation_checkpointing")
+
+
+def check_op_checkpointing(model: ModelConfig, checkpointing: str, name: str) -> None:
+    """Op-level selective checkpointing is built (and its memory modelled) for dense blocks of multi-head or
+    grouped-query attention; a clear error for the others."""
+    if checkpointing == "op" and (model.is_moe or model.attention == "mla"):
+        what = "a mixture-of-experts model" if model.is_moe else "multi-head latent attention"
+        raise TrainwiseError(
+            f"{name} = 'op' with {what}: op-level selective checkpointing covers dense blocks of multi-head or "
+            "grouped-query attention; use 'selective' (the attention core recomputed) or 'full' instead.")
 
 
 SECTIONS = [f.name for f in fields(RunConfig)]

@@ -178,11 +178,14 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
     tp = ep = cp = pp = 0.0
     if layout.tp > 1:  # 2 per layer and pass; + the embedding's (first rank) and the LM head's (last)
         count = 2 * passes * len(idx) + first + last
+        # op-level checkpointing keeps the reduce-scatters' outputs and runs the rest of the block again: the
+        # two all-gathers of its inputs (sequence parallel), or the output projection's all-reduce
+        redo = (2 if layout.sequence_parallel else 1) * len(idx) if checkpointing == "op" else 0
         if layout.sequence_parallel:  # + backward's all-gather of each TP region's input for its weight gradient
             tp = (coll("tp", "reduce_scatter", act, layout.tp, count)
-                  + coll("tp", "all_gather", act, layout.tp, count + 2 * len(idx)))
+                  + coll("tp", "all_gather", act, layout.tp, count + 2 * len(idx) + redo))
         else:
-            tp = coll("tp", "all_reduce", act, layout.tp, count)
+            tp = coll("tp", "all_reduce", act, layout.tp, count + redo)
         if tp_overlap:
             tp = max(0.0, tp - t["matmul"])
     if layout.ep > 1 and n_moe:  # dispatch and combine per MoE layer and pass

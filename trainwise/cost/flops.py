@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from trainwise.config import ModelConfig
 from trainwise.cost.params import mha_params, mla_params, mlp_params
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "op", "full")
 
 
 def six_nd(n_params: float, tokens: float) -> float:
@@ -138,11 +138,18 @@ def recompute_flops_per_token(fwd: ForwardFlops, checkpointing: str, cfg: ModelC
     so it is not re-run. (Measured with trainwise.measure.flopcount; MoE layers end in the weighted
     combine, which needs the experts' outputs, so they recompute in full.)"""
     if cfg is None:
-        return {"none": 0.0, "selective": fwd.attention_core, "full": fwd.blocks}[checkpointing]
+        return {"none": 0.0, "selective": fwd.attention_core, "full": fwd.blocks,
+                "op": fwd.attention_proj / 2}[checkpointing]
     extra = loss_recompute_flops_per_token(cfg) + mla_padding_flops_per_token(fwd, cfg, checkpointing)
     if checkpointing == "full":
         n_dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
         return fwd.blocks - n_dense * 2.0 * cfg.ffn_hidden * cfg.d_model + extra
+    if checkpointing == "op":  # the even matmuls of each block run again (memory.op_saved_bytes): k, the output
+        # projection and a gated MLP's up; a plain MLP's second matrix is not (early stop: backward needs no
+        # tensor it makes)
+        q, kv, H = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_model
+        per_layer = 2 * H * (kv + q) + (2 * H * cfg.ffn_hidden if cfg.gated else 0)
+        return cfg.n_layers * per_layer + extra
     return {"none": 0.0, "selective": fwd.attention_core}[checkpointing] + extra
 
 

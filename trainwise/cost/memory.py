@@ -163,6 +163,8 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: in
     Selective checkpointing recomputes the attention core, dropping its logsumexp; its output stays, as
     the o_proj's saved input (measured: 16 of 272 bytes per token fewer at nh 4, hd 16, fp32).
     Autocast's bf16 copies of the weights are per parameter, not per token: see autocast_weight_bytes."""
+    if checkpointing == "op":
+        return op_saved_bytes(cfg, recipe)
     c, s, H = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model
     nh = cfg.n_heads
     norm = norm_saved_bytes(cfg, s)
@@ -268,8 +270,20 @@ def autocast_weight_bytes(cfg: ModelConfig, recipe: Recipe, checkpointing: str =
     c = recipe.compute_bytes
     if c == recipe.residual_bytes:
         return 0
-    blocks = 0 if checkpointing == "full" else sum(matmul_weight_params(cfg, i) for i in range(cfg.n_layers))
+    blocks = 0 if checkpointing in ("full", "op") else sum(matmul_weight_params(cfg, i) for i in range(cfg.n_layers))
     return c * (blocks + cfg.vocab_size * cfg.d_model)
+
+
+def op_saved_bytes(cfg: ModelConfig, recipe: Recipe) -> float:
+    """Bytes per token one dense block keeps under op-level selective checkpointing
+    (runtime.parallelize._op_policy): the block's input sH (the checkpointed region's input); the outputs of
+    its odd matmuls, the projections run unfused: q cq and v c kv (k, the 2nd, and the output projection,
+    the 4th, are recomputed), gate cF and down cH (gated; up, the 6th, recomputed) or the MLP's first
+    matrix cF (plain: its second, the 6th, recomputed); attention's output cq and logsumexp 4nh.
+    Everything else, the autocast weight copies included, is recomputed in backward."""
+    c, s, H, F = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model, cfg.ffn_hidden
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return s * H + c * (q + kv) + c * q + 4 * cfg.n_heads + c * (F + (H if cfg.gated else 0))
 
 
 def compiled_block_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, seq_len: int,
@@ -307,12 +321,12 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
     With pipeline parallelism under 1F1B the first stage holds pp micro-batches of L/pp layers, i.e. the
     same L-layer total (Korthikanti section 4.2.3); tensor parallelism with sequence parallelism
     divides everything by tp."""
-    if checkpointing not in ("none", "selective", "full"):
-        raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective or full.")
+    if checkpointing not in ("none", "selective", "op", "full"):
+        raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective, op or full.")
     tokens = micro_batch * seq_len
     if checkpointing == "full":
         layers = cfg.n_layers * recipe.residual_bytes * cfg.d_model
-    elif compiled:
+    elif compiled and checkpointing != "op":
         layers = sum(compiled_block_bytes_per_token(cfg, recipe, i, seq_len, checkpointing)
                      for i in range(cfg.n_layers))
     else:
@@ -361,11 +375,12 @@ def compiled_loss_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, 
     return 4 * V * H + (c * V * H if c != recipe.residual_bytes else 0)
 
 
-def recompute_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1) -> int:
+def recompute_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1, checkpointing: str = "full") -> int:
     """Full checkpointing: one block's activations (and, under autocast, its weight copies) rebuilt in
-    backward while that block's gradients are computed."""
+    backward while that block's gradients are computed; op-level: the part of them it did not keep."""
     weights = recipe.compute_bytes if recipe.compute_bytes != recipe.residual_bytes else 0
-    return math.ceil(max(tokens * activation_bytes_per_token_layer(cfg, recipe, i)
+    kept = op_saved_bytes(cfg, recipe) if checkpointing == "op" else 0
+    return math.ceil(max(tokens * (activation_bytes_per_token_layer(cfg, recipe, i) - kept)
                          + weights * matmul_weight_params(cfg, i)
                          for i in _distinct_layers(cfg)) / tp)
 

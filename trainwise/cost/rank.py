@@ -1,18 +1,21 @@
-"""Per rank of a torchrun job: what trainwise's own tensor-, pipeline- and data-parallel runs hold and send.
+"""Per rank of a torchrun job: what trainwise's own tensor-, pipeline-, expert- and data-parallel runs hold and send.
 
 The planner's multi-GPU model (cost.memory, cost.comm) describes layouts in general; this module
 describes, parameter by parameter and collective by collective, the layouts trainwise trains
-(trainwise.runtime.mesh, fused, tensor_parallel, pipeline, distributed), so that verify can hold each
-rank of a run to its prediction:
+(trainwise.runtime.mesh, fused, tensor_parallel, pipeline, expert_parallel, distributed), so that verify can
+hold each rank of a run to its prediction:
 
     parameters      the model in split form (runtime.fused: q, k, v and gate, up as separate matrices),
                     each with the dimension tensor parallelism shards (Megatron-LM's column/row split) or
                     none (replicated: norms, the MoE router); a pipeline rank holds its stages' layers,
-                    the embedding on stage 0, the final norm and LM head on the last; FSDP2 then shards
-                    dim 0 of each rank's tensor over dp (torch.chunk's split)
+                    the embedding on stage 0, the final norm and LM head on the last; expert parallelism
+                    E / ep of each MoE layer's routed experts; FSDP2 then shards dim 0 of each rank's
+                    tensor over dp x cp (torch.chunk's split; context-parallel ranks hold the same parameters)
     communication   per step: tensor parallelism's all-gathers and reduce-scatters of the sequence,
-                    pipeline sends and receives of activations and gradients, FSDP2's all-gathers and
-                    reduce-scatters (or replicate's all-reduces), and the few small all-reduces of the
+                    pipeline sends and receives of activations and gradients, context parallelism's
+                    all-gathers of keys and values, expert parallelism's all-to-alls, FSDP2's all-gathers
+                    and reduce-scatters (or replicate's and DDP's all-reduces; the divided experts' over
+                    edp), and the few small all-reduces of the
                     step (partial gradients of replicated weights, the gradient norm, the loss; a tied
                     embedding's gradient between the first and last pipeline stage)
     memory          parameters, gradients and optimizer states from the above (the step's peak, with the
@@ -229,7 +232,7 @@ def rank_params(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = Fa
     ranks (a routed expert's over its edp ranks, Layout.expert_dp). With tied embeddings and pipeline stages
     the last stage holds its own copy of the table as the LM head (their gradients all-reduced between the
     two stages)."""
-    dp_rank, pp_rank, _ = layout.coords(rank)
+    pp_rank = layout.coords(rank)[1]
     specs = model_params(cfg)
     if cfg.tie_embeddings and layout.pp > 1:
         specs.append(ParamSpec(TIED_COPY, (cfg.vocab_size, cfg.d_model), 0, False, "last", "root"))
@@ -243,7 +246,7 @@ def rank_params(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = Fa
         if _fsdp(layout):
             shards = layout.expert_dp if is_expert(spec) else layout.dp * layout.cp
             index = (rank % (layout.tp * layout.cp * layout.dp) // (layout.ep * layout.expert_tp) if is_expert(spec)
-                     else dp_rank)
+                     else rank // layout.tp % (layout.cp * layout.dp))  # dp_rank x cp + cp_rank
             rest = tp_numel // shape[0] if shape[0] else 0
             numel = chunk(shape[0], shards, index % shards) * rest
             padded = -(-shape[0] // shards) * rest
@@ -262,6 +265,10 @@ class StepShape:
     residual_bytes: int  # the residual stream and norm outputs (4; FSDP2's bf16 policy: 2)
     param_bytes: int = 4  # parameters as FSDP2 gathers them (its mixed-precision param_dtype)
     recompute: bool = False  # full activation checkpointing: each block's forward runs again in backward
+    attention_recompute: bool = False  # any activation checkpointing: the attention core runs again in backward
+    # ep: per global rank, its assignments to each expert in the step (all micro-batches and MoE layers, after any
+    # capacity drop: runtime.expert_parallel.routed_tokens); None: uniform, micro_batch x seq_len x top_k / E each
+    expert_tokens: tuple[tuple[int, ...], ...] | None = None
 
 
 def _add(out: dict, kind: str, calls: int, nbytes: int, world: int) -> None:
@@ -288,7 +295,7 @@ def _tp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[in
     embedding reduce-scatters its output (backward: an all-gather); the head all-gathers its input and the
     logits (backward: a reduce-scatter of its input's gradient; the logits' gradient is cut locally)."""
     tp = layout.tp
-    tokens = shape.micro_batch * shape.seq_len  # the sequence's positions, T / tp on each rank
+    tokens = shape.micro_batch * shape.seq_len // layout.cp  # the cp rank's positions, T / (cp tp) on each tp rank
     s, c, H = shape.residual_bytes, shape.compute_bytes, cfg.d_model
     blocks = sum(len(stage_layers(cfg.n_layers, layout.stages, st)) for st in stages)
     forwards = 2 if shape.recompute else 1  # full checkpointing recomputes each block, collectives included
@@ -300,12 +307,26 @@ def _tp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[in
         _add(out, "reduce_scatter", 1, tokens * H * s, tp)
         _add(out, "all_gather", 1, tokens * H * s, tp)
         if cfg.position == "learned":
-            _add(out, "reduce_scatter", 1, shape.seq_len * H * s, tp)
-            _add(out, "all_gather", 1, shape.seq_len * H * s, tp)
+            _add(out, "reduce_scatter", 1, shape.seq_len // layout.cp * H * s, tp)
+            _add(out, "all_gather", 1, shape.seq_len // layout.cp * H * s, tp)
     if layout.stages - 1 in stages:
         _add(out, "all_gather", 1, tokens * H * s, tp)
         _add(out, "all_gather", 1, tokens * -(-cfg.vocab_size // tp) * tp * c, tp)  # vocabulary padded to tp
         _add(out, "reduce_scatter", 1, tokens * H * s, tp)
+
+
+def _cp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[int], shape: StepShape) -> None:
+    """Context parallelism's collectives of one micro-batch (runtime.context_parallel, the all-gather form:
+    cost.layout's cp_impl "allgather"): per layer the keys and values of the rank's T/cp positions all-gathered
+    over cp together, a (B, 2 nkv/tp, T, hd) buffer in the compute dtype (again in backward where activation
+    checkpointing recomputes attention), their gradients reduce-scattered in backward; and the loss, one fp32
+    scalar all-reduced over cp (each rank's mean -> the sequence's)."""
+    blocks = sum(len(stage_layers(cfg.n_layers, layout.stages, st)) for st in stages)
+    kv = shape.micro_batch * shape.seq_len * 2 * (cfg.n_kv_heads // layout.tp) * cfg.head_dim * shape.compute_bytes
+    _add(out, "all_gather", blocks * (2 if shape.attention_recompute or shape.recompute else 1), kv, layout.cp)
+    _add(out, "reduce_scatter", blocks, kv, layout.cp)
+    if layout.stages - 1 in stages:
+        _add(out, "all_reduce", 1, 4, layout.cp)
 
 
 def _pp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[int], shape: StepShape) -> None:
@@ -316,6 +337,42 @@ def _pp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[in
     for st in stages:
         links = (st < layout.stages - 1) + (st > 0)  # each link: one send and one receive
         _p2p(out, links, links, act)
+
+
+def expert_group(layout: Layout, rank: int) -> tuple[list[int], int]:
+    """The ep group of `rank` (global ranks, in ep order) and its index in it: ep ranks etp apart among the
+    tp x cp x dp ranks of its pipeline stage (cost.layout.placement's folding, etp innermost)."""
+    inner = layout.tp * layout.cp * layout.dp
+    stage, i = rank - rank % inner, rank % inner
+    ep_rank = i // layout.expert_tp % layout.ep
+    base = stage + i - ep_rank * layout.expert_tp
+    return [base + j * layout.expert_tp for j in range(layout.ep)], ep_rank
+
+
+def _ep_exchanges(out: dict, cfg: ModelConfig, layout: Layout, rank: int, stages: list[int],
+                  shape: StepShape) -> None:
+    """Expert parallelism's all-to-alls in a step (runtime.expert_parallel). Per MoE layer and micro-batch the
+    forward exchanges the (E,) int64 counts (E/ep to each other rank), dispatches the assignments routed to
+    other ranks' experts (d_model wide, compute dtype) and combines the outputs of those it received; backward
+    sends their two gradients the other way; full checkpointing runs the forward's three again. Bytes are what
+    leaves the rank: the rows it sends (its assignments to experts it does not hold) and the rows it received
+    (the group's assignments to its experts), each once in the forward and once in the backward."""
+    layers = [i for st in stages for i in stage_layers(cfg.n_layers, layout.stages, st) if cfg.is_moe_layer(i)]
+    if layout.ep <= 1 or not layers:
+        return
+    (group, ep_rank), local = expert_group(layout, rank), cfg.n_experts // layout.ep
+    mine, tokens = range(ep_rank * local, (ep_rank + 1) * local), shape.expert_tokens
+    if tokens is None:  # uniform: each rank routes the same share to every expert
+        each = len(layers) * shape.grad_accum * shape.micro_batch * shape.seq_len * cfg.top_k / cfg.n_experts
+        tokens = {r: [each] * cfg.n_experts for r in group}
+    sent = sum(c for e, c in enumerate(tokens[rank]) if e not in mine)
+    received = sum(tokens[r][e] for r in group if r != rank for e in mine)
+    forwards = 2 if shape.recompute else 1
+    exchanges = len(layers) * shape.grad_accum
+    entry = out.setdefault("all_to_all", {"calls": 0, "bytes": 0})
+    entry["calls"] += exchanges * (3 * forwards + 2)
+    entry["bytes"] += round((forwards + 1) * (sent + received) * cfg.d_model * shape.compute_bytes
+                            + exchanges * forwards * (layout.ep - 1) * local * 8)
 
 
 def units(cfg: ModelConfig, layout: Layout, rank: int) -> dict:
@@ -372,8 +429,9 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
     """The dp dimension's collectives of one step (runtime.distributed.wrap): FSDP2 all-gathers each
     unit's shards (fsdp: before forward and again before backward, per micro-batch; zero2: once per
     micro-batch) and reduce-scatters its fp32 gradients on the last micro-batch; replicate all-reduces
-    each unit's gradients once; DDP all-reduces its buckets once."""
-    dp, K = layout.dp, shape.grad_accum
+    each unit's gradients once; DDP all-reduces its buckets once. Divided experts (ep > 1) are not DDP's: their
+    gradients, flattened, are all-reduced once over the edp ranks that hold the same experts."""
+    dp, K = layout.dp * layout.cp, shape.grad_accum  # the cp ranks hold the same parameters: they reduce too
     if dp <= 1 or layout.strategy == "none":
         return
     by_unit = units(cfg, layout, rank)
@@ -388,18 +446,23 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
         for params in by_unit.values():
             _add(out, "all_reduce", 1, sum(p.tp_numel for p in params) * 4, dp)
     else:  # DDP (ddp, zero1)
-        for bucket in _ddp_buckets([4 * p.tp_numel for p in rank_params(cfg, layout, rank)]):
+        params = rank_params(cfg, layout, rank)
+        if layout.ep > 1:  # runtime.expert_parallel: the experts outside DDP, reduced over edp
+            _add(out, "all_reduce", 1, 4 * sum(p.tp_numel for p in params if is_expert(p.spec)), layout.expert_dp)
+            params = [p for p in params if not is_expert(p.spec)]
+        for bucket in _ddp_buckets([4 * p.tp_numel for p in params]):
             _add(out, "all_reduce", 1, bucket, dp)
 
 
 def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> dict[str, dict[str, int]]:
     """What `rank` sends in one training step, per collective type: {"all_gather": {"calls", "bytes"}, ...}
-    (bytes as bytes_sent counts them). The sum of the tensor-parallel, pipeline and data-parallel
-    collectives above and the step's small all-reduces:
+    (bytes as bytes_sent counts them; an all-to-all's: what leaves the rank). The sum of the tensor-parallel,
+    pipeline, expert-parallel and data-parallel collectives above and the step's small all-reduces:
       partial gradients   one all-reduce per replicated weight with a partial gradient (norms, q/k norms,
                           the MoE router and row-parallel MoE biases) when tp > 1, fp32, over tp;
-      gradient norm       one fp32 scalar over the world when the model is divided (DTensor or stages);
-      loss                one fp32 scalar over pp (the pipeline's losses, summed to every stage);
+      gradient norm       one fp32 scalar over the world when the model is divided (DTensor, stages or experts);
+      loss                one fp32 scalar over pp (the pipeline's losses, summed to every stage); with cp > 1
+                          one per micro-batch over cp (_cp_micro_batch);
       tied embedding      with tied embeddings and pp > 1, on the first and the last stage: one all-reduce of
                           the rank's share of the table's fp32 gradient with its copy on the other end
                           (runtime.pipeline.TiedEmbedding: 2 ranks, after the step's backward);
@@ -412,13 +475,16 @@ def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> 
             _tp_micro_batch(out, cfg, layout, stages, shape)
         if layout.pp > 1:
             _pp_micro_batch(out, cfg, layout, stages, shape)
+        if layout.cp > 1:
+            _cp_micro_batch(out, cfg, layout, stages, shape)
+    _ep_exchanges(out, cfg, layout, rank, stages, shape)
     _data_parallel(out, cfg, layout, rank, shape)
     params = rank_params(cfg, layout, rank)
     if layout.tp > 1:
         for p in params:
             if p.spec.partial:
                 _add(out, "all_reduce", 1, 4 * p.tp_numel, layout.tp)
-    if layout.model_parallel > 1 or _fsdp(layout):  # DTensor parameters or pipeline stages: runtime.distributed
+    if layout.model_parallel > 1 or layout.ep > 1 or _fsdp(layout):  # DTensors or stages: runtime.distributed
         _add(out, "all_reduce", 1, 4, layout.gpus)  # .clip_grad_norm's one scalar
     if layout.pp > 1:
         _add(out, "all_reduce", 1, 4, layout.pp)

@@ -4,11 +4,13 @@ the pipeline schedule holds at once. The memory check before step 1, the plan of
 per-rank comparison all read `rank_peak`.
 
 A layout trainwise trains (one process; DDP, ZeRO-1, FSDP2's zero2 and fsdp; tensor and pipeline
-parallelism and their mixes, in fp32 or autocast) is priced as its trainer runs it. Any other (context
-or expert parallelism, Megatron's precision recipes, unfused attention, tensor parallelism without
-sequence parallelism) is priced as Megatron-Core runs it, the stack of the cluster planner's development
-sets: sequence parallelism saves each rank's shard of the column-parallel inputs and gathers it again in
-backward, the cross-entropy is vocabulary-parallel, ZeRO shards over dp x cp (experts over dp x cp / ep).
+parallelism and their mixes; expert parallelism over DDP's ranks; in fp32 or autocast) is priced as its
+trainer runs it, and so is context parallelism as trainwise trains it (all-gather attention). Any other (context
+parallelism of other forms, expert parallelism beside tp or pp, Megatron's precision
+recipes, unfused attention, tensor parallelism without sequence parallelism) is priced as Megatron-Core runs
+it, the stack of the cluster planner's development sets: sequence parallelism saves each rank's shard of the
+column-parallel inputs and gathers it again in backward, the cross-entropy is vocabulary-parallel, ZeRO shards
+over dp x cp (experts over dp x cp / ep).
 
 cost.memory's bytes per token (read off the tensors autograd saves) are divided by tp where sequence
 parallelism splits the positions or tensor parallelism the heads and widths, and kept whole where every
@@ -30,9 +32,13 @@ from trainwise.cost.run import Run
 
 def trains(run: Run) -> bool:
     """Whether trainwise's trainer runs this layout as planned: fp32 or autocast over fp32 weights, sequence
-    parallel with tp, flash attention, no context or expert parallelism."""
+    parallel with tp, flash attention, context parallelism only as all-gather attention without pp
+    (runtime.context_parallel), expert parallelism only over the data-parallel ranks (runtime.expert_parallel: no
+    tp, pp or etp beside it)."""
     lay = run.layout
-    return (run.recipe.name in ("fp32", "amp") and lay.cp == 1 and lay.ep == 1 and lay.attention_impl == "flash"
+    experts = lay.ep == 1 or lay.tp == lay.pp == lay.expert_tp == 1
+    context = lay.cp == 1 or lay.cp_impl == "allgather" and lay.pp == 1
+    return (run.recipe.name in ("fp32", "amp") and context and experts and lay.attention_impl == "flash"
             and (lay.tp == 1 or lay.sequence_parallel))
 
 
@@ -54,6 +60,12 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int, layout
     sp = layout.sequence_parallel or t == 1
     if checkpointing == "full":
         return s * H / (t if sp else 1)
+    if checkpointing == "op":  # the block's input (/ tp with sequence parallelism); the down projection's
+        # output, a row-parallel matmul's partial sums on every position; the rest each rank's heads and width,
+        # and with sequence parallelism the two reduce-scatters' outputs, kept too
+        down = c * H if cfg.gated else 0
+        rest = M.op_saved_bytes(cfg, recipe) - s * H - down
+        return s * H / (t if sp else 1) + down + (rest + (2 * c * H if t > 1 and sp else 0)) / t
     total = M.activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing)
     if layout.attention_impl == "unfused" and checkpointing != "selective":
         total += cfg.n_heads * seq_len * (c + (1 + c if cfg.dropout > 0 else 0)) - 4 * cfg.n_heads
@@ -63,6 +75,8 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int, layout
     routed = 0.0
     if moe:
         routed = M.moe_saved_bytes(cfg, recipe, 0) + (c * H if cfg.n_shared_experts and not (c == 4 and s == 4) else 0)
+        if regather and sp and layout.expert_tp == 1:  # Megatron-Core's folded experts (etp 1): each rank routes
+            routed /= t  # and dispatches its own T / tp positions over the expert-parallel group
     gathered = c * H * (1 if moe else 2)
     if not sp:
         whole = 2 * M.norm_saved_bytes(cfg, s) + gathered + routed + (2 * H if cfg.dropout > 0 else 0)
@@ -87,7 +101,7 @@ def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, rec
     tokens, H, c, s, tp = run.tokens_per_micro_batch / lay.cp, cfg.d_model, recipe.compute_bytes, \
         recipe.residual_bytes, lay.tp
     seq = tp if lay.sequence_parallel or tp == 1 else 1  # what splits the residual stream's positions
-    if compiled and ckpt != "full":
+    if compiled and ckpt not in ("full", "op"):
         per_token = sum(M.compiled_block_bytes_per_token(cfg, recipe, i, run.seq_len, ckpt) for i in layers)
     else:
         per_token = sum(layer_bytes_per_token(cfg, recipe, i, lay, run.seq_len, ckpt, megatron) for i in layers)
@@ -101,9 +115,23 @@ def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, rec
         per_token += c * cfg.vocab_size if last else s * H / seq
     weights = 0
     if c != s:
-        blocks = 0 if ckpt == "full" else sum(M.matmul_weight_params(cfg, i) for i in layers)
+        blocks = 0 if ckpt in ("full", "op") else sum(M.matmul_weight_params(cfg, i) for i in layers)
         weights = c * (blocks + (cfg.vocab_size * cfg.d_model if last else 0)) / tp
+    if lay.cp > 1 and not megatron and ckpt == "none":
+        weights += len(layers) * cp_attention_bytes(cfg, recipe, lay, run.micro_batch, run.seq_len)
     return math.ceil(tokens * per_token + weights)
+
+
+def cp_attention_bytes(cfg: ModelConfig, recipe: M.Recipe, layout: Layout, micro_batch: int, seq_len: int) -> float:
+    """What one layer's all-gather attention (trainwise.runtime.context_parallel) keeps per micro-batch beyond the
+    same block on the rank's T/cp positions alone (layer_bytes_per_token): SDPA saves the gathered keys and values,
+    B x T x 2 nkv/tp x hd, and its (T/cp, T) mask, both in the compute dtype; with RoPE and no qk_norm the qkv
+    output, of which v was a view, is then not kept: B x T/cp x (q + 2 kv)/tp fewer. Activation checkpointing
+    (any) recomputes the core and keeps none of it."""
+    c, tp, hd, local = recipe.compute_bytes, layout.tp, cfg.head_dim, seq_len // layout.cp
+    gathered = micro_batch * seq_len * 2 * cfg.n_kv_heads // tp * hd * c + local * seq_len * c
+    freed = micro_batch * local * (cfg.n_heads + 2 * cfg.n_kv_heads) // tp * hd * c
+    return gathered - (freed if cfg.position == "rope" and not cfg.qk_norm else 0)
 
 
 @dataclass(frozen=True)
@@ -134,8 +162,9 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         two blocks) + the most, over the backwards of the schedule (cost.rank.schedule_ops), of the
         activations of the micro-batches in flight and the gradients, which exist once a backward of the
         step has run: the rank's gradients, DDP's buckets (which hold them all run long, plus under no_sync
-        the micro-batches' own .grad tensors; Megatron-LM's gradient buffer takes them directly), or
-        FSDP2's unsharded fp32 gradients of the micro-batches before the last;
+        the micro-batches' own .grad tensors; Megatron-LM's gradient buffer takes them directly; experts
+        divided by ep are outside the buckets), or FSDP2's unsharded fp32 gradients of the micro-batches
+        before the last;
       optimizer step: parameters + gradients + states + one moment of scratch (a foreach AdamW's sqrt(v)).
     States: the recipe's bytes per element of the rank's shards (cost.rank.rank_params: fp32 parameters and
     gradients in trainwise's runs) and its optimizer moments and master copy; ZeRO-1 keeps `optimizer_share`
@@ -157,7 +186,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     optimizer, master = math.ceil(recipe.moment_bytes * moments * sharded), math.ceil(recipe.master_bytes * sharded)
     scratch_step = math.ceil(recipe.moment_bytes * sharded) if moments >= 2 else 0
     acts_recipe = replace(recipe, residual_bytes=recipe.compute_bytes) if fsdp else recipe
-    compiled = run.compiled and lay.model_parallel == 1 and not fsdp
+    compiled = run.compiled and lay.model_parallel == 1 and lay.cp == 1 and not fsdp  # cp: eager (runtime.mesh)
     pp_rank = lay.coords(rank)[1]
     stages = rank_stages(lay, pp_rank) if lay.pp > 1 else [0]
     per_stage = [stage_activation_bytes(run, stage_layers(cfg.n_layers, lay.stages, st), st == 0,
@@ -168,8 +197,8 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         scratch = M.loss_backward_bytes(cfg, acts_recipe, tokens) // (lay.tp if megatron else 1)
         if compiled and not cfg.loss_chunk_tokens:
             scratch = M.compiled_loss_backward_bytes(cfg, acts_recipe, tokens, run.checkpointing)
-    if run.checkpointing == "full":
-        scratch = max(scratch, math.ceil(M.recompute_bytes(cfg, acts_recipe, tokens) / lay.tp))
+    if run.checkpointing in ("full", "op"):
+        scratch = max(scratch, math.ceil(M.recompute_bytes(cfg, acts_recipe, tokens, 1, run.checkpointing) / lay.tp))
     gathered = accumulated = 0
     if fsdp:
         sizes = {unit: sum(p.tp_numel for p in ps) for unit, ps in units(cfg, lay, rank).items()}
@@ -179,12 +208,14 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         gathered = recipe.compute_bytes * kept
         accumulated = 4 * sum(sizes.values()) if K > 1 else 0
     grads = recipe.grad_bytes * numel
-    # what holds gradients in backward, once a backward of the step has run (DDP's buckets: from the start)
-    held = (grads if lay.pp > 1 else 0) + accumulated if fsdp else grads
-    no_sync = grads if ddp and K > 1 and not megatron else 0  # Megatron accumulates into its grad buffer
+    # what holds gradients in backward, once a backward of the step has run (DDP's buckets: from the start; experts
+    # divided by ep are outside them, runtime.expert_parallel: their gradients exist once a backward has run)
+    outside = recipe.grad_bytes * sum(p.numel for p in params if is_expert(p.spec)) if ddp and lay.ep > 1 else 0
+    held = (grads if lay.pp > 1 else 0) + accumulated if fsdp else grads - outside
+    no_sync = grads - outside if ddp and K > 1 and not megatron else 0  # Megatron accumulates into its grad buffer
     flights = [sum(per_stage[c] for c in live) for live in in_flight(lay, pp_rank, K)]
     held_from = 0 if ddp else 1  # the first backward finds no gradients (zero_grad sets them to None)
-    in_flight_high = max(f + (held if i >= held_from else 0) for i, f in enumerate(flights))
+    in_flight_high = max(f + (held if i >= held_from else 0) + (outside if i else 0) for i, f in enumerate(flights))
     buffers = 0
     if lay.pp > 1:
         act = tokens // (lay.tp if lay.sequence_parallel else 1) * cfg.d_model * acts_recipe.residual_bytes

@@ -14,7 +14,7 @@ from einops import rearrange
 from torch import nn
 
 from trainwise.config import ModelConfig
-from trainwise.model.layers import Rotary
+from trainwise.model.layers import Rotary, split_matmuls
 
 # The eps of MLA's two latent RMSNorms (q_a_layernorm, kv_a_layernorm): RMSNorm's default 1e-6 whatever the
 # block norms' eps (model.norm_eps), as in DeepSeek's reference inference/model.py and transformers'
@@ -46,6 +46,8 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    split = False  # q, k and v as three matmuls (split_matmuls): op-level checkpointing sets it
+
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -68,7 +70,9 @@ class Attention(nn.Module):
                 layer: int = 0) -> torch.Tensor:
         nh, nkv = self.n_heads, self.n_kv_heads
         # (B, T, nh + 2 nkv, hd): q and k heads first, so one RoPE call turns both
-        qk, v = self.qkv(x).unflatten(-1, (nh + 2 * nkv, self.head_dim)).split([nh + nkv, nkv], dim=2)
+        hd = self.head_dim
+        qkv = split_matmuls(self.qkv, [nh * hd, nkv * hd, nkv * hd], x) if self.split else self.qkv(x)
+        qk, v = qkv.unflatten(-1, (nh + 2 * nkv, hd)).split([nh + nkv, nkv], dim=2)
         if self.q_norm is not None:
             q, k = qk.split([nh, nkv], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)

@@ -132,8 +132,21 @@ def gated_activation(cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor],
     return lambda gate, up: act(gate) * up
 
 
+def split_matmuls(linear: nn.Module, parts: list[int], x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` as one matmul per block of its output features (`parts`), concatenated: the same values
+    as the fused projection, run as the unfused projections' matmuls (op-level selective checkpointing
+    keeps every other matmul's output, counted one by one). A module already split (runtime.fused
+    .SplitLinear) runs its parts anyway."""
+    if not isinstance(linear, nn.Linear):
+        return linear(x)
+    biases = linear.bias.split(parts) if linear.bias is not None else [None] * len(parts)
+    return torch.cat([F.linear(x, w, b) for w, b in zip(linear.weight.split(parts), biases)], dim=-1)
+
+
 class MLP(nn.Module):
     """Two matrices (H->F->H), or three for gated activations: down(act(gate(x)) * up(x))."""
+
+    split = False  # gate and up as two matmuls (split_matmuls): op-level checkpointing sets it
 
     def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
@@ -145,7 +158,7 @@ class MLP(nn.Module):
         self.proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
+        h = split_matmuls(self.fc, [self.proj.in_features] * 2, x) if self.split and self.gated else self.fc(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             return self.proj(self.act(gate, up))

@@ -75,6 +75,13 @@ class ExpertLinear(nn.Module):
         y = x @ self.weight[e]  # autocast casts matmul inputs as it does nn.Linear's
         return y if self.bias is None else y + self.bias[e].to(y.dtype)
 
+    def forward_grouped(self, x: torch.Tensor, offsets: torch.Tensor, expert_of: torch.Tensor) -> torch.Tensor:
+        """x (S', d_in) grouped by expert -> (S', d_out), one torch._grouped_mm in x's dtype (autocast does not
+        cover it: the weight is cast by hand). offsets (E,) int32: where each group ends; expert_of (S',):
+        each row's expert (for the bias)."""
+        y = torch._grouped_mm(x, self.weight.to(x.dtype), offs=offsets)
+        return y if self.bias is None else y + self.bias.to(x.dtype)[expert_of]
+
 
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts). forward: (B, T, H) -> (B, T, H).
@@ -108,6 +115,9 @@ class MoE(nn.Module):
         self.last_dropped = 0
         self.grouped_mm: bool | None = None  # None = torch._grouped_mm where usable; False = loop over experts
         self.pad_groups = True  # pad the groups where it pays (pads_groups); False: always as routed
+        # expert parallelism (trainwise.runtime.expert_parallel) sets it: called as exchange(self, grouped, counts),
+        # it carries the grouped assignments to the ranks that hold their experts and their outputs back
+        self.exchange = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
@@ -175,7 +185,9 @@ class MoE(nn.Module):
         # indexing's (index_put_, accumulating) took 3.8 ms per layer on a CPU at 4096 rows of 256 (profiler,
         # `moe T512` of benchmarks/time_model.py: 15 ms of its step; index_add_ there: 0.1 ms per layer)
         grouped = tokens.index_select(0, token_of)
-        if self.use_grouped_mm(grouped):
+        if self.exchange is not None:
+            y = self.exchange(self, grouped, counts)
+        elif self.use_grouped_mm(grouped):
             y = self.experts_grouped(grouped, counts, chosen.flatten()[order])
         else:
             y = self.experts_looped(grouped, counts)
@@ -208,7 +220,7 @@ class MoE(nn.Module):
             return False
         if dtype != torch.bfloat16 and is_fake(grouped):  # its meta kernel takes bf16 only (the CUDA rule), so
             return False  # fake tensors (the planner's records, `plan --simulate`) loop: same FLOPs and bytes
-        widths = (grouped.shape[1], self.experts_proj.weight.shape[1], self.experts_fc.weight.shape[2])
+        widths = (grouped.shape[1], self.experts_proj.weight.shape[1])  # H and F (experts_fc's 2F follows)
         return all(w * dtype.itemsize % 16 == 0 for w in widths)
 
     def experts_grouped(self, x: torch.Tensor, counts: torch.Tensor, expert_of: torch.Tensor) -> torch.Tensor:
@@ -228,14 +240,9 @@ class MoE(nn.Module):
             if self.experts_fc.bias is not None or self.experts_proj.bias is not None:  # the padded rows' experts
                 expert_of = torch.arange(counts.numel(), device=x.device).repeat_interleave(counts)
         offsets = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's group
-        with torch.autocast(device, enabled=False):  # autocast does not cover _grouped_mm: cast by hand
-            h = torch._grouped_mm(x, self.experts_fc.weight.to(dtype), offs=offsets)  # (S', 2F)
-            if self.experts_fc.bias is not None:
-                h = h + self.experts_fc.bias.to(dtype)[expert_of]
-            h = self.activate(h)
-            y = torch._grouped_mm(h, self.experts_proj.weight.to(dtype), offs=offsets)  # (S', H)
-            if self.experts_proj.bias is not None:
-                y = y + self.experts_proj.bias.to(dtype)[expert_of]
+        with torch.autocast(device, enabled=False):
+            h = self.activate(self.experts_fc.forward_grouped(x, offsets, expert_of))  # (S', 2F) -> (S', F)
+            y = self.experts_proj.forward_grouped(h, offsets, expert_of)  # (S', H)
         return y if rows is None else y.index_select(0, rows)
 
     def experts_looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from trainwise.config import ModelConfig
+from trainwise.config import CHECKPOINTING, ModelConfig
 from trainwise.cost.layout import make_layout
 from trainwise.cost.run import Run
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 from trainwise.planner.plan import Plan, plan_run
 
-CHECKPOINTING = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -43,8 +42,9 @@ def candidate_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, global_
     at most the layers; vpp when the layers split evenly into pp x vpp chunks; cp for sequences of 8k and
     more; ep a divisor of the experts; micro-batches dividing each data-parallel rank's share of the
     global batch, leaving at least pp micro-batches per pipeline (a multiple of pp when interleaved); ZeRO
-    0, 1 and 3 (FSDP; with data parallelism); every checkpointing mode. Sequence parallelism with every tp > 1."""
-    out = []
+    0, 1 and 3 (FSDP; with data parallelism); every checkpointing mode (op-level: dense attention models).
+    Sequence parallelism with every tp > 1."""
+    out, dense = [], not model.is_moe and model.attention != "mla"
     for tp in (t for t in _divisors(gpus) if t <= gpus_per_node and model.n_heads % t == 0):
         for pp in (p for p in _divisors(gpus // tp) if p <= model.n_layers):
             for cp in (c for c in _divisors(gpus // (tp * pp)) if c == 1 or (seq_len >= 8192 and c <= 8)):
@@ -59,7 +59,7 @@ def candidate_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, global_
                     for vpp in (v for v in vpps if m >= pp and (v == 1 or m % pp == 0)):
                         for ep in eps:
                             for zero in ((0, 1, 3) if dp * cp > 1 else (0,)):
-                                for ckpt in CHECKPOINTING:
+                                for ckpt in (c for c in CHECKPOINTING if c != "op" or dense):
                                     out.append(dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, zero=zero, micro_batch=b,
                                                     grad_accum=m, checkpointing=ckpt))
     return out

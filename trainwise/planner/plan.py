@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainwise.config import ZERO_STAGE, ModelConfig, RunConfig
+from trainwise.config import ZERO_STAGE, ModelConfig, RunConfig, check_op_checkpointing
 from trainwise.cost import flops as FL
 from trainwise.cost import memory as M
 from trainwise.cost.cluster import ClusterStep
@@ -249,7 +249,9 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
     if model is None and params_count is None:
         raise TrainwiseError("give a model (--model PRESET|FILE) or a parameter count (--params N).")
     if checkpointing not in FL.RECOMPUTE:
-        raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective or full.")
+        raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective, op or full.")
+    if model is not None:
+        check_op_checkpointing(model, checkpointing, "--checkpointing")
     if not run.moe_imbalance >= 1:
         raise TrainwiseError(
             f"--moe-imbalance {run.moe_imbalance} is the most loaded expert-parallel rank's tokens over the mean, "

@@ -7,10 +7,11 @@ Layout of one checkpoint, DIR/checkpoints/step_XXXXXXXX/:
     trainer.json        step, token count, sampler state, Python/NumPy RNG states, scaler state
     manifest.json       SHA-256 and size of every file above
 
-A run whose model is divided (parallel.tp or pp > 1) keeps it divided on disk: model.safetensors and
+A run whose model is divided (parallel.tp, pp or ep > 1) keeps it divided on disk: model.safetensors and
 optimizer.pt are replaced by dcp/, written by every rank with torch.distributed.checkpoint (DCP): each
-rank saves its own shards (DTensor shards, its pipeline stages) under the whole model's parameter
-names, in the split form of runtime.fused. DCP reshards on load, so the same files load on another
+rank saves its own shards (DTensor shards, its pipeline stages, its experts: runtime.expert_parallel) under
+the whole model's parameter names, in the split form of runtime.fused; a tensor several ranks hold alike is
+written once. DCP reshards on load, so the same files load on another
 layout, and into one process (sampling, export: `load_weights` joins the split projections again). A tied
 table under pipeline parallelism is saved by both of its holders, as embed.weight by the first stage and
 lm_head.weight by the last (equal copies, runtime.pipeline), with each copy's optimizer states.

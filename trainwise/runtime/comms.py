@@ -11,7 +11,8 @@ and are seen through the comm hook runtime.distributed installs (torch's default
 Bytes are what the rank sends, as the ring algorithms move them (trainwise.cost.comm.bytes_sent, the
 function the plan uses, of the collective's buffer S, rounded to whole bytes): an all-reduce of S bytes
 over w ranks sends 2 (w - 1)/w S, an all-gather (w - 1)/w of its gathered output, a reduce-scatter
-(w - 1)/w of its input, an all-to-all what leaves the rank, a send its tensor (a receive counts a call and
+(w - 1)/w of its input, an all-to-all what leaves the rank (its input but the rows it keeps: (w - 1)/w S when
+the splits are even, as the expert-parallel dispatch's are not), a send its tensor (a receive counts a call and
 no bytes). A broadcast counts its calls only (its bytes depend on the root).
 """
 
@@ -37,16 +38,28 @@ def _nbytes(tensors) -> int:
     return sum(_nbytes(t) for t in tensors)
 
 
-def _group_size(group) -> int:
+def _group(group) -> ProcessGroup:
     if isinstance(group, str):
-        return _resolve_process_group(group).size()
-    return group.size() if isinstance(group, ProcessGroup) else ProcessGroup.unbox(group).size()
+        return _resolve_process_group(group)
+    return group if isinstance(group, ProcessGroup) else ProcessGroup.unbox(group)
+
+
+def _group_size(group) -> int:
+    return _group(group).size()
+
+
+def _leaving(tensor: torch.Tensor, input_splits, group) -> int:
+    """Bytes of an all-to-all's input that leave the rank: all but its own split (even splits when none given)."""
+    g = _group(group)
+    rows, size = tensor.shape[0] if tensor.ndim else 1, g.size()
+    splits = list(input_splits) if input_splits else [rows // size] * size
+    return _nbytes(tensor) - (splits[g.rank()] * _nbytes(tensor) // rows if rows else 0)
 
 
 def _record(func, args, kwargs, out) -> tuple[str, int, int] | None:
     """(type, buffer bytes S, group size) of a communication op, None for any other op: the whole buffer
-    for all_reduce / all_to_all / broadcast / send, the gathered output of an all_gather, the input of a
-    reduce_scatter (cost.comm.bytes_sent's S)."""
+    for all_reduce / broadcast / send, the gathered output of an all_gather, the input of a reduce_scatter
+    (cost.comm.bytes_sent's S); for an all_to_all the bytes that leave the rank (_leaving)."""
     op = func._overloadpacket
     a = list(args) + list(kwargs.values())
     if op in (_f.all_reduce, _f.all_reduce_coalesced):
@@ -56,7 +69,7 @@ def _record(func, args, kwargs, out) -> tuple[str, int, int] | None:
     if op in (_f.reduce_scatter_tensor, _f.reduce_scatter_tensor_coalesced):
         return "reduce_scatter", _nbytes(a[0]), a[2]
     if op is _f.all_to_all_single:
-        return "all_to_all", _nbytes(a[0]), _group_size(a[3])
+        return "all_to_all", _leaving(a[0], a[2], a[3]), _group_size(a[3])
     if op is _f.broadcast:
         return "broadcast", _nbytes(a[0]), _group_size(a[2])
     if op in (_c.allreduce_, _c.allreduce_coalesced_):
@@ -68,7 +81,7 @@ def _record(func, args, kwargs, out) -> tuple[str, int, int] | None:
     if op in (_c._reduce_scatter_base_, _c.reduce_scatter_tensor_coalesced_):
         return "reduce_scatter", _nbytes(a[1]), _group_size(a[2])
     if op is _c.alltoall_base_:
-        return "all_to_all", _nbytes(a[1]), _group_size(a[2])
+        return "all_to_all", _leaving(a[1], a[4], a[2]), _group_size(a[2])
     if op is _c.broadcast_:
         return "broadcast", _nbytes(a[0]), _group_size(a[1])
     if op is _c.send:
@@ -99,7 +112,9 @@ class CommCounter(TorchDispatchMode):
             kind, nbytes, world = seen
             key = "send_recv" if kind in ("send", "recv") else kind
             self.counts[key]["calls"] += 1
-            if kind not in ("recv", "broadcast"):
+            if kind == "all_to_all":
+                self.counts[key]["bytes"] += nbytes
+            elif kind not in ("recv", "broadcast"):
                 self.counts[key]["bytes"] += round(bytes_sent(key, nbytes, world))
         return out
 

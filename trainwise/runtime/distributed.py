@@ -3,6 +3,7 @@ tensor and pipeline parallelism (runtime.mesh, runtime.tensor_parallel, runtime.
 
     torchrun --nproc-per-node N -m trainwise train --set parallel.strategy=ddp|zero1|zero2|fsdp ...
     torchrun --nproc-per-node N -m trainwise train --set parallel.tp=2 --set parallel.pp=2 ...
+    torchrun --nproc-per-node N -m trainwise train --set parallel.strategy=ddp --set parallel.ep=2 ...
 
 ddp replicates everything (ZeRO stage 0); zero1 is DDP with the optimizer states sharded by
 ZeroRedundancyOptimizer (ZeRO stage 1); zero2 is FSDP2 keeping the gathered parameters from forward
@@ -14,7 +15,9 @@ wrapped from outside, after activation checkpointing; checkpoints are gathered t
 single-process format, so any run directory loads in one process for sampling and export. Runs with
 tp or pp > 1 keep their model divided: their checkpoints are DCP's (runtime.checkpoint), and the
 data-parallel dimension of the mesh is sharded by FSDP2 (zero2, fsdp) or replicated (ddp) with
-FSDP2's replicate, which compose with DTensor parameters and pipeline stages.
+FSDP2's replicate, which compose with DTensor parameters and pipeline stages. With ep > 1 the routed experts
+are divided over ep data-parallel ranks (runtime.expert_parallel): DDP replicates the rest, the experts'
+gradients are reduced over the ranks that hold the same experts, and checkpoints are DCP's.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from torch.distributed.tensor.experimental import implicit_replication
 from trainwise.config import FSDP_STRATEGIES
 from trainwise.cost.run import Run
 from trainwise.errors import TrainwiseError
+from trainwise.runtime import context_parallel, expert_parallel
+from trainwise.runtime.fused import split_fused
 from trainwise.runtime.mesh import Layout, build_mesh
 from trainwise.runtime.optim import local_optimizer
 from trainwise.runtime.precision import DTYPES
@@ -55,7 +60,12 @@ class Dist:
     local_rank: int = 0
     control: object = None  # a gloo group for host-side agreement (any_rank), also beside NCCL
     layout: Layout = field(default_factory=Layout)
-    mesh: DeviceMesh | None = None  # (dp, pp, tp) when tp or pp > 1
+    mesh: DeviceMesh | None = None  # (pp, dp, tp) when tp or pp > 1
+    experts: DeviceMesh | None = None  # (pp, edp, ep) when ep > 1: the mesh the divided experts live on
+    cp_group: object = None  # this rank's context-parallel group when cp > 1 (runtime.context_parallel)
+    # with a mesh, the ranks that hold the same parameters (FSDP2 shards, replicate reduces over them): the mesh's
+    # dp dimension, dp x cp flattened when cp > 1 (runtime.mesh.build_mesh)
+    replicas: DeviceMesh | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -70,9 +80,18 @@ class Dist:
         return self.layout.coords(self.rank)[2]
 
     @property
+    def cp_rank(self) -> int:
+        return self.rank // self.layout.tp % self.layout.cp
+
+    @property
     def dp_group(self):
         """The data-parallel process group (the whole world when the model is not divided)."""
         return self.mesh["dp"].get_group() if self.mesh is not None else dist.group.WORLD
+
+    @property
+    def divided(self) -> bool:
+        """The model is divided over ranks (tp, pp or ep > 1): each rank holds a share, checkpoints are DCP's."""
+        return self.mesh is not None or self.experts is not None
 
     @property
     def is_main(self) -> bool:
@@ -95,9 +114,9 @@ def world_size() -> int:
 
 def init(run: Run, device_request: str, timeout_s: float = 120.0) -> Dist:
     """Join the process group torchrun set up (env WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR...) for the
-    run's layout and, when tp or pp > 1, build the job's DeviceMesh. `run.layout` is runtime.mesh.layout_for's
-    for this world size (checked there, before anything starts); the strategy is the layout's (none with one
-    replica). A process started alone is Dist("none")."""
+    run's layout and, when tp or pp > 1, build the job's DeviceMesh (with cp > 1, the context-parallel groups
+    too). `run.layout` is runtime.mesh.layout_for's for this world size (checked there, before anything starts);
+    the strategy is the layout's (none with one replica). A process started alone is Dist("none")."""
     layout, ranks = run.layout, world_size()
     if layout.gpus != ranks:
         raise TrainwiseError(
@@ -112,8 +131,11 @@ def init(run: Run, device_request: str, timeout_s: float = 120.0) -> Dist:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    mesh = build_mesh(layout, "cuda" if use_cuda else "cpu") if layout.model_parallel > 1 else None
-    return Dist(layout.strategy, rank, ranks, local_rank, control, layout, mesh)
+    device_type = "cuda" if use_cuda else "cpu"
+    mesh, replicas = build_mesh(layout, device_type) if layout.model_parallel > 1 else (None, None)
+    experts = expert_parallel.build_expert_mesh(layout, device_type) if layout.ep > 1 else None
+    cp_group = context_parallel.build_cp_group(layout) if layout.cp > 1 else None
+    return Dist(layout.strategy, rank, ranks, local_rank, control, layout, mesh, experts, cp_group, replicas)
 
 
 def local_device(device: torch.device) -> torch.device:
@@ -128,13 +150,21 @@ def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.
     """DDP: replicate and all-reduce gradients. FSDP2: shard every block and the root, gathering weights
     just in time (fsdp frees each block's gathered weights after its forward and gathers them again for
     backward; zero2 keeps them until backward); with bf16/fp16 the mixed-precision policy computes in
-    that dtype and reduces in fp32. On a mesh (tp or pp > 1) the same over its dp dimension, ddp as
-    FSDP2's replicate (DDP does not take DTensor parameters)."""
+    that dtype and reduces in fp32. On a mesh (tp or pp > 1) the same over its dp dimension (with cp > 1 the
+    flattened dp x cp: Dist.replicas), ddp as FSDP2's replicate (DDP does not take DTensor parameters).
+    With ep > 1 (ddp, no mesh) the model is split into the divided models' form (runtime.fused: their
+    checkpoints' names), its experts divided over the ep ranks (runtime.expert_parallel), and DDP told to
+    leave them alone."""
     if not d.active or d.strategy == "none":
         return model
     if d.strategy in ("ddp", "zero1") and d.mesh is None:
         from torch.nn.parallel import DistributedDataParallel
 
+        if d.experts is not None:  # DDP's own way to leave parameters alone (torchrec uses it too)
+            split_fused(model)
+            expert_parallel.apply_expert_parallel(model, d.experts)
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, expert_parallel.expert_param_names(model))
         # gradient_as_bucket_view: each .grad is a view into DDP's all-reduce buckets instead of a second
         # copy beside them, so a rank holds N x 4 bytes of gradients, as the planner says (measured:
         # peak RSS -73 / -106 MiB per rank for a 27.8M-parameter model whose fp32 gradients are 106 MiB).
@@ -147,7 +177,7 @@ def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.
     policy = MixedPrecisionPolicy()
     if precision != "fp32":
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
-    mesh = {} if d.mesh is None else {"mesh": d.mesh["dp"]}
+    mesh = {} if d.mesh is None else {"mesh": d.replicas}
     if d.strategy == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -167,15 +197,21 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def gradient_sync(model: nn.Module, d: Dist, last_micro_batch: bool):
-    """Under gradient accumulation, communicate gradients only on the last micro-batch of a step."""
+    """Under gradient accumulation, communicate gradients only on the last micro-batch of a step (divided
+    experts: once its backward is done, runtime.expert_parallel.reduce_expert_grads)."""
     if not d.active:
         return contextlib.nullcontext()
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (fully_shard, replicate)
         model.set_requires_gradient_sync(last_micro_batch)
-        return contextlib.nullcontext()
-    if hasattr(model, "no_sync") and not last_micro_batch:  # DDP
+    elif hasattr(model, "no_sync") and not last_micro_batch:  # DDP
         return model.no_sync()
-    return contextlib.nullcontext()
+    return _then_reduce_experts(model, d) if d.experts is not None and last_micro_batch else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _then_reduce_experts(model: nn.Module, d: Dist):
+    yield
+    expert_parallel.reduce_expert_grads(unwrap(model), d.experts["edp"].get_group(), d.layout.dp)
 
 
 def mean_across_ranks(value: torch.Tensor, d: Dist, group=None) -> torch.Tensor:
@@ -226,7 +262,8 @@ def _counted_here(p: torch.Tensor, d: Dist) -> bool:
     if isinstance(p, DTensor):
         mesh = p.device_mesh
         return all(not isinstance(pl, Replicate) or mesh.get_local_rank(i) == 0 for i, pl in enumerate(p.placements))
-    return d.tp_rank == 0 and d.dp_rank == 0  # a plain tensor is whole on every tp and dp rank of its stage
+    # a plain tensor is whole on every tp, cp and dp rank of its stage
+    return d.tp_rank == 0 and d.cp_rank == 0 and d.dp_rank == 0
 
 
 def any_rank(flag: bool, d: Dist) -> bool:

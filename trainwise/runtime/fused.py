@@ -50,6 +50,12 @@ class SplitExperts(nn.Module):
     def forward_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.gate.forward_expert(e, x), self.up.forward_expert(e, x)], dim=-1)
 
+    def forward_grouped(self, x: torch.Tensor, offsets: torch.Tensor, expert_of: torch.Tensor) -> torch.Tensor:
+        """One grouped matmul per part, outputs concatenated: `weight` would concatenate the parts' weights
+        at every forward, a copy the grouped matmul saves for backward in each micro-batch in flight."""
+        return torch.cat([self.gate.forward_grouped(x, offsets, expert_of),
+                          self.up.forward_grouped(x, offsets, expert_of)], dim=-1)
+
 
 def _split_linear(linear: nn.Linear, parts: dict[str, int]) -> SplitLinear:
     out = SplitLinear()

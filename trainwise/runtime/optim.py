@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainwise.config import TrainConfig
 
@@ -21,10 +22,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             continue
         is_embedding = "embed" in name or (tied and name == "lm_head.weight")
         (decay if p.ndim >= 2 and not is_embedding else no_decay).append(p)
-    return [
+    groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    # A fused or foreach kernel takes DTensors or plain tensors, not both in one call: where the two meet (divided
+    # experts beside the dense weights DDP replicates, runtime.expert_parallel) the DTensors get groups of their own
+    split = []
+    for group in groups:
+        kinds = [[p for p in group["params"] if isinstance(p, DTensor) == is_dtensor] for is_dtensor in (False, True)]
+        split += [{**group, "params": kind} for kind in kinds if kind] if all(kinds) else [group]
+    return split
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, shard_states: bool = False) -> torch.optim.Optimizer:

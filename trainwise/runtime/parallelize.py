@@ -8,28 +8,64 @@ without them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from trainwise.config import FSDP_STRATEGIES, ModelConfig
 from trainwise.model.attention import explicit_attention, unfused_attention
 
 
-def _checkpointed(forward):
+def _checkpointed(forward, context_fn=None):
     def run(*args, **kwargs):
         # use_reentrant=False: works with keyword arguments, and with inputs that need no grad.
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        if context_fn is None:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return run
 
 
+_aten = torch.ops.aten
+MATMULS = {_aten.mm.default, _aten.addmm.default}
+# kept whole under op-level checkpointing: attention (any SDPA kernel: its output and logsumexp) and a
+# tensor-parallel block's reduce-scatters (recomputing them would run the collectives again)
+KEPT = {_aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        _aten._scaled_dot_product_efficient_attention.default, _aten._scaled_dot_product_cudnn_attention.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default}
+
+
+def _op_policy(counts: dict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """torchtitan's op-level policy: keep the output of every other matmul of a block, the 1st, 3rd, ...
+    (the fused projections run as their parts, Attention.split and MLP.split, so that these are
+    torchtitan's: q, v, gate and down kept; k, the output projection and up recomputed), and of the
+    operators in KEPT; recompute everything else in backward. The matmuls are counted per pass (forward,
+    recompute), so the recompute finds the same ones kept."""
+    if op in MATMULS:
+        phase = "recompute" if ctx.is_recompute else "forward"
+        counts[phase] += 1
+        keep = counts[phase] % 2 == 1
+    else:
+        keep = op in KEPT
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_contexts():
+    return create_selective_checkpoint_contexts(functools.partial(_op_policy, {"forward": 0, "recompute": 0}))
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """full: keep only each block's input and recompute the block in backward.
-    selective: recompute only the attention core (softmax(q k^T) v), as in Korthikanti et al. 2022."""
+    selective: recompute only the attention core (softmax(q k^T) v), as in Korthikanti et al. 2022.
+    op: torchtitan's op-level selective checkpointing (_op_policy), each block one checkpointed region."""
     for block in model.blocks:
         if mode == "full":
             block.forward = _checkpointed(block.forward)
+        elif mode == "op":
+            block.attn.split = block.mlp.split = True  # the unfused projections' matmuls (_op_policy)
+            block.forward = _checkpointed(block.forward, _op_contexts)
         else:
             block.attn.core = _checkpointed(block.attn.core)
 

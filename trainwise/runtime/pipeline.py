@@ -22,6 +22,12 @@ MoE layers on any stage add their auxiliary loss's gradient where they run (the 
 on the last stage only): each stage hooks its layers' auxiliary losses onto its output with an identity
 whose backward hands them a gradient of one, as Megatron-LM's MoEAuxLossAutoScaler does; the schedule then
 divides every gradient by the number of micro-batches, as (loss / K).backward() does in one process.
+
+The schedule's first step infers the shapes passed between stages by running each stage's forward once more,
+with gradients on (has_backward), before the K micro-batches: on the first micro-batch on the first stage,
+on uninitialised tensors of the received shape on the others. That forward routes tokens and computes
+auxiliary losses that are not the step's, so a stage records every training forward's and the step keeps the
+last K (StageModule.keep_last): the logged loss and the choice bias's expert load are the K micro-batches'.
 """
 
 from __future__ import annotations
@@ -74,8 +80,8 @@ class StageModule(nn.Module):
             self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.seq_shards = 1  # tp under sequence parallelism: hidden states hold T / seq_shards positions
         self.amp = contextlib.nullcontext  # the autocast of the run's precision: the forward's, not backward's
-        self.aux_losses: list[torch.Tensor] = []  # this step's MoE auxiliary losses, detached (for the log)
-        self.expert_load: dict[int, torch.Tensor] = {}  # id(MoE) -> assignments per expert, this step
+        self.aux_losses: list[torch.Tensor] = []  # each training forward's MoE auxiliary loss, detached (the log)
+        self.expert_counts: list[dict[int, torch.Tensor]] = []  # each training forward's id(MoE) -> assignments
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.amp():
@@ -93,24 +99,29 @@ class StageModule(nn.Module):
         rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.cfg.position == "rope" else None
         for block in self.blocks:
             h = block(h, rope)
-        self._moe_bookkeeping()
-        aux = [b.mlp.last_aux_loss for b in self.blocks if torch.is_tensor(getattr(b.mlp, "last_aux_loss", None))]
-        if aux and self.training and torch.is_grad_enabled():
-            total = torch.stack([a.float() for a in aux]).sum()
+        moe = [b.mlp for b in self.blocks if isinstance(b.mlp, MoE)]
+        if moe and self.training and torch.is_grad_enabled():
+            self.expert_counts.append({id(m): m.last_expert_counts for m in moe})
+            total = torch.stack([m.last_aux_loss.float() for m in moe]).sum()
             self.aux_losses.append(total.detach())
             h = _AttachAux.apply(h, total)
         if self.lm_head is not None:
             h = self.lm_head(self.norm(h))  # (B, T, V)
         return h
 
-    def _moe_bookkeeping(self) -> None:
-        if not (self.training and torch.is_grad_enabled()):
-            return
-        for block in self.blocks:
-            if isinstance(block.mlp, MoE) and block.mlp.last_expert_counts is not None:
-                key = id(block.mlp)
-                counts = block.mlp.last_expert_counts
-                self.expert_load[key] = counts if key not in self.expert_load else self.expert_load[key] + counts
+    def keep_last(self, forwards: int) -> None:
+        """Keep the records of the last `forwards` training forwards: the step's micro-batches, without the
+        schedule's shape inference before them (module docstring)."""
+        del self.aux_losses[:max(0, len(self.aux_losses) - forwards)]
+        del self.expert_counts[:max(0, len(self.expert_counts) - forwards)]
+
+    def expert_load(self) -> dict[int, torch.Tensor]:
+        """id(MoE) -> its assignments per expert (E,), summed over the recorded forwards."""
+        load: dict[int, torch.Tensor] = {}
+        for counts in self.expert_counts:
+            for key, c in counts.items():
+                load[key] = c if key not in load else load[key] + c
+        return load
 
 
 class RankModel(nn.Module):
@@ -207,11 +218,10 @@ class Pipeline:
         """One training step's forward and backward over the K micro-batches (the schedule's order); the
         sum of their losses (cross-entropy + MoE auxiliary losses), the same on every pipeline rank."""
         for part in self.parts:
-            part.aux_losses.clear()
-            part.expert_load.clear()
+            part.keep_last(0)
         x = torch.cat([b[0] for b in batches])  # (K B, T): the schedule cuts it into K micro-batches again
         y = torch.cat([b[1] for b in batches])
-        total = self._step(self.schedule, x, y)
+        total = self._step(self.schedule, x, y, micro_batches=len(batches))
         if self.tied is not None:
             self.tied.all_reduce_grads()
         return total
@@ -223,23 +233,26 @@ class Pipeline:
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The loss of one batch, forward only, on every rank."""
         with torch.no_grad():
-            return self._step(self.eval_schedule, x, y, train=False)
+            return self._step(self.eval_schedule, x, y)
 
-    def _step(self, schedule, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> torch.Tensor:
+    def _step(self, schedule, x: torch.Tensor, y: torch.Tensor, micro_batches: int = 0) -> torch.Tensor:
+        """A training step over `micro_batches`, or (0) an evaluation: the mean loss of one batch, as one
+        process's model in eval mode computes it (without auxiliary losses)."""
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
-        if train:  # return_outputs=False: the last stage would keep every micro-batch's logits to merge them
+        if micro_batches:  # return_outputs=False: the last stage would keep every micro-batch's logits
             schedule.step(*args, return_outputs=False, **kwargs)
         else:
             schedule.eval(*args, **kwargs)
         total = torch.zeros((), device=self.device)
         if losses:
             total = total + torch.stack([loss.detach().float() for loss in losses]).sum()
-        for part in self.parts:
+        for part in self.parts if micro_batches else ():
+            part.keep_last(micro_batches)
             for aux in part.aux_losses:
                 total = total + aux
-        if not train:
+        if not micro_batches:
             total = total / max(1, len(losses))
         dist.all_reduce(total, group=self.group)  # the last stage's losses + every stage's auxiliary ones
         return total
@@ -248,7 +261,7 @@ class Pipeline:
         """This step's assignments per expert of `modules` (this rank's balanced MoE layers), stacked."""
         loads = {}
         for part in self.parts:
-            loads.update(part.expert_load)
+            loads.update(part.expert_load())
         if not modules or any(id(m) not in loads for m in modules):
             return None
         return torch.stack([loads[id(m)] for m in modules])

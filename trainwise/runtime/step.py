@@ -13,12 +13,12 @@ calibration, the roofline, the simulator and the scaling sweep all take their mo
         NonFiniteGradient raised (stop); fp16: the GradScaler unscales, steps and updates
     zero the gradients (set to None)
     MoE layers with a choice bias (model.router_bias): move it by the step's expert load (all micro-batches,
-        averaged over ranks, so every rank holds the same bias)
+        averaged over the data-parallel ranks, so every replica of a layer holds the same bias)
 
 With pipeline parallelism (runtime.pipeline) the K micro-batches go through PyTorch's pipeline schedule
-instead of the loop above (the schedule scales gradients by 1/K), and the loss is the pipeline's; a tied
-embedding's two copies (first and last stage) have their gradients summed before the clip, which counts
-the table once.
+instead of the loop above (the schedule scales gradients by 1/K), and the loss and the expert load are the
+pipeline's (each stage's own layers, from the K micro-batches' forwards only); a tied embedding's two copies
+(first and last stage) have their gradients summed before the clip, which counts the table once.
 
 A hook sees the step between its phases ("forward" and "backward" after each micro-batch, "step" after
 the update, before the gradients are freed): memory tracking, operator recording and the trainer's
@@ -39,6 +39,7 @@ from trainwise.errors import TrainwiseError
 from trainwise.model import Transformer
 from trainwise.model.moe import MoE
 from trainwise.runtime import distributed
+from trainwise.runtime.context_parallel import apply_cp
 from trainwise.runtime.fused import split_fused
 from trainwise.runtime.optim import build_optimizer, step_if_finite
 from trainwise.runtime.parallelize import apply_activation_checkpointing, apply_compile, use_compiled_attention
@@ -168,13 +169,15 @@ def build_step(model: nn.Module, train: TrainConfig, device: torch.device, preci
                dist: distributed.Dist | None = None, compile: bool = False, optimizer: bool = True,
                optimizer_state: dict | None = None) -> TrainingStep:
     """Make `model` (built by build_model, weights loaded, on `device`) ready to train as `train` says,
-    from outside: a compiled CPU step's attention, activation checkpointing, torch.compile (whole model,
-    or per block under FSDP2), DDP/FSDP2 for `dist`'s strategy; then its optimizer (ZeRO-1's sharded one
-    under zero1; `optimizer_state` loaded into it) and loss scaler. On a mesh with tp or pp > 1 see
-    _build_divided."""
+    from outside: context parallelism (runtime.context_parallel), a compiled CPU step's attention, activation
+    checkpointing, torch.compile (whole model, or per block under FSDP2), DDP/FSDP2 for `dist`'s strategy (over
+    the dp x cp ranks); then its optimizer (ZeRO-1's sharded one under zero1; `optimizer_state` loaded into it)
+    and loss scaler. On a mesh with tp or pp > 1 see _build_divided."""
     dist = dist or distributed.Dist("none")
     if dist.mesh is not None:
         return _build_divided(model, train, device, precision, dist, compile, optimizer)
+    if dist.cp_group is not None:
+        apply_cp(model, dist.cp_group)
     if compile and device.type == "cpu":
         use_compiled_attention(model)
     if train.activation_checkpointing != "none":
@@ -198,10 +201,11 @@ def build_step(model: nn.Module, train: TrainConfig, device: torch.device, preci
 def _build_divided(model: nn.Module, train: TrainConfig, device: torch.device, precision: str,
                    dist: distributed.Dist, compile: bool, optimizer: bool) -> TrainingStep:
     """The model divided over the mesh, torchtitan's order: fused projections split (runtime.fused); with
-    pp > 1 this rank's pipeline stages cut out (runtime.pipeline); on each part tensor parallelism
-    (runtime.tensor_parallel), activation checkpointing, per-block compile, then the data-parallel
-    dimension (FSDP2 or replicate); then the pipeline schedule and the optimizer over this rank's
-    parameters. The weights are the whole model's, initialised (or loaded) before it was divided."""
+    pp > 1 this rank's pipeline stages cut out (runtime.pipeline); on each part context parallelism
+    (runtime.context_parallel), tensor parallelism (runtime.tensor_parallel), activation checkpointing,
+    per-block compile, then the data-parallel dimension (FSDP2 or replicate, over dp x cp); then the pipeline
+    schedule and the optimizer over this rank's parameters. The weights are the whole model's, initialised (or
+    loaded) before it was divided."""
     layout, mesh = dist.layout, dist.mesh
     split_fused(model)
     parts, layers = [model], list(range(model.cfg.n_layers))
@@ -214,6 +218,8 @@ def _build_divided(model: nn.Module, train: TrainConfig, device: torch.device, p
         for part in parts:
             part.amp = functools.partial(autocast, device, precision)
     for part in parts:
+        if dist.cp_group is not None:  # before tensor parallelism: its hooks then see the rank's positions
+            apply_cp(part, dist.cp_group)
         if layout.tp > 1:
             apply_tp(part, mesh["tp"])
         if compile and device.type == "cpu":

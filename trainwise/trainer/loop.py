@@ -256,7 +256,9 @@ def _build(cfg: RunConfig, out: Path, resume: bool, init_state: dict | None, tok
         torch.manual_seed(cfg.train.seed + d.rank)  # ranks draw different dropout masks
     start_step = state.trainer_state["step"] if state is not None else 0
     compiled, why_compile = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps - start_step,
-                                            d.strategy, divided=d.layout.model_parallel > 1)
+                                            d.strategy, divided=d.divided)
+    if d.layout.cp > 1:  # runtime.mesh.check_layout refuses train.compile = true
+        compiled, why_compile = False, "auto: context-parallel steps run eager"
     step = build_step(model, cfg.train, device, precision, dist=d, compile=compiled)
     if state is not None and state.optimizer_state is None:
         ckpt.load_sharded(latest, step.model, step.optimizer)
@@ -302,6 +304,7 @@ def _say_setup(run: _Run, tokens, why_precision: str, say) -> None:
     say(f"precision: {step.precision} ({why_precision}); compile: {'on' if step.compiled else 'off'} "
         f"({run.why_compile}" + ("; the first step compiles, tens of seconds" if step.compiled else "")
         + f"); device: {step.device}" + (f"; {d.strategy} over {d.world_size} ranks" if d.active and d.mesh is None
+                                         and d.layout.cp == 1
                                          else f"; {d.world_size} ranks: {describe(d.layout)}, data parallel "
                                               f"{d.strategy}" if d.active else ""))
     say(f"data: {len(tokens.train):,} train / {len(tokens.val):,} val tokens; "
@@ -374,7 +377,9 @@ def _optimizer_step(run: _Run, step: int, observer: StepObserver) -> tuple[float
     batches = [tuple(t.to(ts.device, non_blocking=True) for t in run.sampler.next_batch())
                for _ in range(cfg.grad_accum_steps)]
 
-    def after_update(phase: str) -> None:  # the gradients, before they are freed
+    def after_update(phase: str) -> None:  # each forward's routing; the gradients, before they are freed
+        if phase == "forward":
+            observer.forward(step)
         if phase == "step":
             observer.gradients(step, (p.grad for p in ts.params))
 
@@ -415,9 +420,9 @@ def _log_row(run: _Run, account: RunAccount, step: int, tokens_seen: int, lr: fl
 
 def _save(run: _Run, out: Path, step: int, tokens_seen: int) -> None:
     """A checkpoint of this step (a collective: every rank calls it): gathered to rank 0 in the
-    single-process format, or, for a divided model (tp or pp > 1), each rank's shards with DCP."""
+    single-process format, or, for a divided model (tp, pp or ep > 1), each rank's shards with DCP."""
     d, ts = run.d, run.step
-    sharded = d.mesh is not None
+    sharded = d.divided
     model_state, optimizer_state = (None, None) if sharded else distributed.full_state(ts.model, ts.optimizer)
     rng_tensors, rng_plain = zip(*distributed.gather_objects(ckpt.capture_rng(), d))
     trainer_state = rng_state = None

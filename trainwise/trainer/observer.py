@@ -7,6 +7,9 @@ know what is measured.
     messages            runtime.comms.CommCounter over the last step of a torchrun job, per collective
     states              this rank's parameter, gradient and optimizer bytes at the last step, and zero2's
                         gathered parameters (runtime.distributed), for the per-rank check
+    routing             under expert parallelism, the assignments the rank routed to each expert in the last
+                        step (runtime.expert_parallel.routed_tokens after each forward): the plan's all-to-alls
+                        are evaluated at them
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from trainwise.measure.memtrack import StepPeakMeter
-from trainwise.runtime import distributed
+from trainwise.runtime import distributed, expert_parallel
 from trainwise.runtime.comms import CommCounter
 from trainwise.runtime.step import TrainingStep
 
@@ -37,6 +40,7 @@ class StepObserver:
         self.peak_bytes: int | None = None  # peak allocated bytes of the measured steps (the least)
         self.comm: dict | None = None  # what this rank sent in the last step, per collective
         self._grad_bytes = 0
+        self._expert_tokens: torch.Tensor | None = None
 
     def _last(self, i: int) -> bool:
         return self._d.active and i + 1 == self._max_steps
@@ -58,6 +62,12 @@ class StepObserver:
         if counter is not None:
             self.comm = counter.result()
 
+    def forward(self, i: int) -> None:
+        """After each micro-batch's forward of step `i`."""
+        tokens = expert_parallel.routed_tokens(self._step.model) if self._last(i) else None
+        if tokens is not None:
+            self._expert_tokens = tokens if self._expert_tokens is None else self._expert_tokens + tokens
+
     def gradients(self, i: int, grads: Iterable[torch.Tensor | None]) -> None:
         """The gradients of step `i` after the update, before they are freed."""
         grads = list(grads)
@@ -70,4 +80,5 @@ class StepObserver:
         """This rank's states, step peak and messages at the last step, for verify.per_rank."""
         ts = self._step
         measured = distributed.rank_state_bytes(ts.params, ts.optimizer, self._grad_bytes, self._gathered["bytes"])
-        return {**measured, "peak_memory_bytes": self.peak_bytes, "comm": self.comm}
+        tokens = None if self._expert_tokens is None else self._expert_tokens.tolist()
+        return {**measured, "peak_memory_bytes": self.peak_bytes, "comm": self.comm, "expert_tokens": tokens}

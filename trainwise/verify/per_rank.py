@@ -1,7 +1,8 @@
 """Per rank under torchrun: each rank's params, grads, optimizer states, step peak and what it sent in the
 step (per collective: calls and bytes), measured in the run, against the plan for that rank (verify.json's
-"per_rank"). Data parallel only: the planner's ZeRO stage for the strategy (cost.memory); tensor or
-pipeline parallel: trainwise.cost.rank, parameter by parameter and collective by collective."""
+"per_rank"). Data parallel only: the planner's ZeRO stage for the strategy (cost.memory); tensor, pipeline or
+expert parallel: trainwise.cost.rank, parameter by parameter and collective by collective (expert parallelism's
+all-to-alls at the routing the run measured: each rank's "expert_tokens")."""
 
 from __future__ import annotations
 
@@ -22,22 +23,25 @@ from trainwise.verify.verify import entry
 STATES = ("params", "grads", "optimizer", "peak_memory_bytes")
 
 
-def step_shape(cfg: RunConfig, precision: str, layout: Layout) -> R.StepShape:
+def step_shape(cfg: RunConfig, precision: str, layout: Layout, expert_tokens: list | None = None) -> R.StepShape:
     """The step of `cfg` as trainwise.cost.rank counts its messages: under bf16/fp16 autocast matmul outputs
     are 2 bytes; FSDP2's mixed-precision policy also gathers parameters and runs the residual stream in
-    that dtype."""
+    that dtype. expert_tokens: each rank's assignments per expert in the step (None: uniform routing)."""
     t, low = cfg.train, precision in ("bf16", "fp16")
-    fsdp_low = low and layout.dp > 1 and layout.strategy in ("zero2", "fsdp")
+    fsdp_low = low and layout.dp * layout.cp > 1 and layout.strategy in ("zero2", "fsdp")
+    tokens = tuple(tuple(r) for r in expert_tokens) if expert_tokens and all(expert_tokens) else None
     return R.StepShape(t.micro_batch, t.seq_len, t.grad_accum_steps, 2 if low else 4, 2 if fsdp_low else 4,
-                       2 if fsdp_low else 4, recompute=t.activation_checkpointing == "full")
+                       2 if fsdp_low else 4, recompute=t.activation_checkpointing == "full",
+                       attention_recompute=t.activation_checkpointing != "none", expert_tokens=tokens)
 
 
-def predicted_ranks(cfg: RunConfig, precision: str, layout: Layout) -> list[dict]:
+def predicted_ranks(cfg: RunConfig, precision: str, layout: Layout, expert_tokens: list | None = None) -> list[dict]:
     """Every rank's predicted params, grads, optimizer, peak_memory_bytes (cost.rank_memory.rank_peak, the
-    model the plan and the memory check read) and comm."""
+    model the plan and the memory check read) and comm (with expert parallelism at `expert_tokens`, each
+    rank's measured assignments per expert, when given)."""
     run = Run.of(cfg, precision, layout)
-    shape = step_shape(cfg, precision, layout)
-    if layout.model_parallel > 1:
+    shape = step_shape(cfg, precision, layout, expert_tokens)
+    if layout.model_parallel > 1 or layout.ep > 1:
         peaks = [rank_peak(run, r) for r in range(layout.gpus)]
         ranks = [{"params": p.params, "grads": p.grads, "optimizer": p.optimizer + p.master,
                   "peak_memory_bytes": p.peak} for p in peaks]
@@ -49,12 +53,12 @@ def predicted_ranks(cfg: RunConfig, precision: str, layout: Layout) -> list[dict
 
 
 def _zero_plan(cfg: RunConfig, run: Run) -> list[dict]:
-    """Data parallel only: ZeRO-0 for DDP, ZeRO-1 for zero1 (each rank's optimizer share follows
-    ZeroRedundancyOptimizer's whole-tensor partition of this model's parameter groups:
-    cost.memory.zero1_partition), ZeRO-2 for zero2 (planned in FSDP2's layout: cost.memory.fsdp2_zero2_recipe),
+    """Data parallel only (its dp x cp ranks with context parallelism): ZeRO-0 for DDP, ZeRO-1 for zero1 (each
+    rank's optimizer share follows ZeroRedundancyOptimizer's whole-tensor partition of this model's parameter
+    groups: cost.memory.zero1_partition), ZeRO-2 for zero2 (planned in FSDP2's layout: cost.memory.fsdp2_zero2_recipe),
     ZeRO-3 for FSDP; the step's peak on each rank is cost.rank_memory.rank_peak."""
     layout = run.layout
-    zero, dp = ZERO_STAGE[layout.strategy], layout.dp
+    zero, dp = ZERO_STAGE[layout.strategy], layout.dp * layout.cp  # context-parallel ranks shard alike
     n_params = count_params(cfg.model).total
     recipe = M.fsdp2_zero2_recipe(run.recipe) if zero == 2 else run.recipe
     plan = M.state_bytes(n_params, recipe, run.optimizer, zero=zero, dp=dp)
@@ -83,15 +87,15 @@ def comm_entries(predicted: dict, measured: dict | None) -> dict:
 def per_rank_verify(cfg: RunConfig, measured: list[dict], d: Dist, precision: str = "fp32") -> dict:
     """Predicted vs measured, per rank (module docstring)."""
     layout = d.layout
-    predicted = predicted_ranks(cfg, precision, layout)
+    predicted = predicted_ranks(cfg, precision, layout, [m.get("expert_tokens") for m in measured])
     ranks = []
     for p, m in zip(predicted, measured):
         rank = {k: entry(p[k], m.get(k)) for k in STATES}
         rank["comm"] = comm_entries(p["comm"], m.get("comm"))
         ranks.append(rank)
     return {"strategy": layout.strategy, "world_size": d.world_size, "zero_stage_planned": ZERO_STAGE[layout.strategy],
-            "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "vpp": layout.vpp,
-                       "pp_schedule": layout.pp_schedule if layout.pp > 1 else None},
+            "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "cp": layout.cp, "ep": layout.ep,
+                       "vpp": layout.vpp, "pp_schedule": layout.pp_schedule if layout.pp > 1 else None},
             "ranks": ranks}
 
 
@@ -103,10 +107,14 @@ def _group_numels(cfg: RunConfig) -> list[list[int]]:
 
 def format_per_rank(section: dict) -> str:
     layout = section.get("layout", {})
-    divided = layout.get("tp", 1) > 1 or layout.get("pp", 1) > 1
-    what = (f"tp {layout['tp']} x pp {layout['pp']} x dp {layout['dp']} ({section['strategy']}) vs trainwise.cost.rank"
-            if divided else f"{section['strategy']} on {section['world_size']} ranks vs the "
-                            f"ZeRO-{section['zero_stage_planned']} plan")
+    divided = layout.get("tp", 1) > 1 or layout.get("pp", 1) > 1 or layout.get("ep", 1) > 1
+    ep = f" (ep {layout['ep']})" if layout.get("ep", 1) > 1 else ""
+    cp = f" x cp {layout['cp']}" if layout.get("cp", 1) > 1 else ""
+    what = (f"tp {layout['tp']} x pp {layout['pp']}{cp} x dp {layout['dp']}{ep} ({section['strategy']}) vs "
+            "trainwise.cost.rank"
+            if divided else f"{section['strategy']} on {section['world_size']} ranks"
+                            + (f" (dp {layout['dp']} x cp {layout['cp']})" if layout.get("cp", 1) > 1 else "")
+                            + f" vs the ZeRO-{section['zero_stage_planned']} plan")
     lines = [f"per-rank model states, step peak and communication, {what}:",
              f"{'rank':>4}  {'state':<10}{'predicted':>16}{'measured':>16}{'error':>9}"]
     for r, entries in enumerate(section["ranks"]):
