@@ -58,7 +58,7 @@ RULES = {  # candidate_layouts' docstring, per dimension
     "cp": "1, or up to 8 for sequences of 8k and more", "ep": "divisors of the experts (MoE only)",
     "zero": "ZeRO 0, 1 and 3 (ZeRO-2 is not searched)",
     "micro_batch": f"divisors of a data-parallel rank's batch up to {SEARCH_MAX_MB}, leaving >= pp micro-batches",
-    "checkpointing": "none, selective, full"}
+    "checkpointing": "none, selective, op (dense models), full"}
 
 
 # --------------------------------------------------------------------------------------------------- the rows

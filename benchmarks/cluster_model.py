@@ -211,7 +211,8 @@ def table_d(rows: list) -> None:
                 S2.published_step_d(r), r.global_batch * S2.D_SEQ, r.gpus,
                 lambda r=r, m=m: plan2(S2.titan_model(r.model), r.gpus, seq=S2.D_SEQ, micro_batch=r.local_batch // m,
                                        grad_accum=m, recipe="fp8" if r.float8 else "amp",
-                                       checkpointing=r.checkpointing, machine=teton, compiled=r.compiled, tp=r.tp,
+                                       checkpointing="op" if r.checkpointing == "selective" else r.checkpointing,
+                                       machine=teton, compiled=r.compiled, tp=r.tp,
                                        pp=r.pp, vpp=r.vpp, zero=3, tp_overlap=r.async_tp),
                 r.memory_gib)
     for r in S2.TABLE_D_CP:
