@@ -45,7 +45,7 @@ def rank_env() -> dict:
 
 
 TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "cp"]
-FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "cp_dp", "tp_cp"]
+FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "cp_dp", "tp_cp", "pp_dp_ep"]
 
 
 def _launch(n: int, out: Path, cases: list[str], timeout: float) -> dict:

@@ -59,6 +59,7 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "cp": (dict(), dict(cp=2, strategy="ddp"), 2, 2),  # 16 positions: 4 chunks of 4, rank 0 holds 0-3 and 12-15
     "cp_dp": (dict(position="learned", n_kv_heads=1), dict(cp=2, strategy="fsdp"), 2, 2),  # dp 2 x cp 2
     "tp_cp": (dict(), dict(tp=2, cp=2, strategy="ddp"), 2, 2),  # each rank: 4 of a sequence's 16 positions
+    "pp_dp_ep": ({**MOE, "n_layers": 3}, dict(pp=2, ep=2, strategy="ddp"), 1, 2),  # pp 2 x dp 2 = ep 2
 }
 
 

@@ -215,17 +215,17 @@ class ParallelConfig:
                 "parallel.strategy=zero2 (optimizer states and gradients sharded, FSDP2) or fsdp instead.")
 
     def _check_ep(self) -> None:
-        """Expert parallelism as trainwise trains it: over DDP's data-parallel ranks, without tp or pp."""
+        """Expert parallelism as trainwise trains it: over DDP's data-parallel ranks (of each stage), without tp."""
         if self.strategy != "ddp":
             raise TrainwiseError(
                 f"parallel.ep = {self.ep} with parallel.strategy = {self.strategy}: expert parallelism divides the "
                 "experts over data-parallel ranks that DDP replicates the rest over; set parallel.strategy=ddp "
                 "(zero1, zero2 and fsdp do not shard the divided experts yet), or parallel.ep=1.")
-        if self.tp > 1 or self.pp > 1:
+        if self.tp > 1:
             raise TrainwiseError(
-                f"parallel.ep = {self.ep} with parallel.tp = {self.tp}, parallel.pp = {self.pp}: trainwise trains "
-                "expert parallelism over the data-parallel ranks alone so far; set parallel.tp=1 and "
-                "parallel.pp=1 (the experts then fold onto ep of the data-parallel ranks), or parallel.ep=1.")
+                f"parallel.ep = {self.ep} with parallel.tp = {self.tp}: trainwise trains expert parallelism over the "
+                "data-parallel ranks of each pipeline stage, without tensor parallelism so far; set parallel.tp=1 "
+                "(the experts then fold onto ep of the data-parallel ranks), or parallel.ep=1.")
 
     @property
     def model_parallel(self) -> int:

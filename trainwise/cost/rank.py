@@ -429,8 +429,8 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
     """The dp dimension's collectives of one step (runtime.distributed.wrap): FSDP2 all-gathers each
     unit's shards (fsdp: before forward and again before backward, per micro-batch; zero2: once per
     micro-batch) and reduce-scatters its fp32 gradients on the last micro-batch; replicate all-reduces
-    each unit's gradients once; DDP all-reduces its buckets once. Divided experts (ep > 1) are not DDP's: their
-    gradients, flattened, are all-reduced once over the edp ranks that hold the same experts."""
+    each unit's gradients once; DDP all-reduces its buckets once. Divided experts (ep > 1) are neither DDP's nor
+    replicate's: their gradients, flattened, are all-reduced once over the edp ranks that hold the same experts."""
     dp, K = layout.dp * layout.cp, shape.grad_accum  # the cp ranks hold the same parameters: they reduce too
     if dp <= 1 or layout.strategy == "none":
         return
@@ -442,15 +442,15 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
             gathers = _fsdp_gathers(ops, _unit_chunk(unit, cfg, layout), layout.strategy == "fsdp", layout.pp > 1)
             _add(out, "all_gather", gathers, dp * padded * shape.param_bytes, dp)
             _add(out, "reduce_scatter", 1, dp * padded * 4, dp)
-    elif layout.model_parallel > 1:  # ddp on a mesh: FSDP2's replicate
-        for params in by_unit.values():
-            _add(out, "all_reduce", 1, sum(p.tp_numel for p in params) * 4, dp)
+        return
+    params = rank_params(cfg, layout, rank)
+    if layout.ep > 1:  # runtime.expert_parallel: the experts outside DDP or replicate, reduced over edp
+        _add(out, "all_reduce", 1, 4 * sum(p.tp_numel for p in params if is_expert(p.spec)), layout.expert_dp)
+    if layout.model_parallel > 1:  # ddp on a mesh: FSDP2's replicate
+        for unit in by_unit.values():
+            _add(out, "all_reduce", 1, sum(p.tp_numel for p in unit if not is_expert(p.spec)) * 4, dp)
     else:  # DDP (ddp, zero1)
-        params = rank_params(cfg, layout, rank)
-        if layout.ep > 1:  # runtime.expert_parallel: the experts outside DDP, reduced over edp
-            _add(out, "all_reduce", 1, 4 * sum(p.tp_numel for p in params if is_expert(p.spec)), layout.expert_dp)
-            params = [p for p in params if not is_expert(p.spec)]
-        for bucket in _ddp_buckets([4 * p.tp_numel for p in params]):
+        for bucket in _ddp_buckets([4 * p.tp_numel for p in params if not is_expert(p.spec)]):
             _add(out, "all_reduce", 1, bucket, dp)
 
 

@@ -6,7 +6,7 @@ per-rank comparison all read `rank_peak`.
 A layout trainwise trains (one process; DDP, ZeRO-1, FSDP2's zero2 and fsdp; tensor and pipeline
 parallelism and their mixes; expert parallelism over DDP's ranks; in fp32 or autocast) is priced as its
 trainer runs it, and so is context parallelism as trainwise trains it (all-gather attention). Any other (context
-parallelism of other forms, expert parallelism beside tp or pp, Megatron's precision
+parallelism of other forms, expert parallelism beside tp, Megatron's precision
 recipes, unfused attention, tensor parallelism without sequence parallelism) is priced as Megatron-Core runs
 it, the stack of the cluster planner's development sets: sequence parallelism saves each rank's shard of the
 column-parallel inputs and gathers it again in backward, the cross-entropy is vocabulary-parallel, ZeRO shards
@@ -33,10 +33,10 @@ from trainwise.cost.run import Run
 def trains(run: Run) -> bool:
     """Whether trainwise's trainer runs this layout as planned: fp32 or autocast over fp32 weights, sequence
     parallel with tp, flash attention, context parallelism only as all-gather attention without pp
-    (runtime.context_parallel), expert parallelism only over the data-parallel ranks (runtime.expert_parallel: no
-    tp, pp or etp beside it)."""
+    (runtime.context_parallel), expert parallelism only over the data-parallel ranks (of each pipeline stage:
+    runtime.expert_parallel, no tp or etp beside it)."""
     lay = run.layout
-    experts = lay.ep == 1 or lay.tp == lay.pp == lay.expert_tp == 1
+    experts = lay.ep == 1 or lay.tp == lay.expert_tp == 1
     context = lay.cp == 1 or lay.cp_impl == "allgather" and lay.pp == 1
     return (run.recipe.name in ("fp32", "amp") and context and experts and lay.attention_impl == "flash"
             and (lay.tp == 1 or lay.sequence_parallel))

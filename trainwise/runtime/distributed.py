@@ -152,9 +152,9 @@ def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.
     backward; zero2 keeps them until backward); with bf16/fp16 the mixed-precision policy computes in
     that dtype and reduces in fp32. On a mesh (tp or pp > 1) the same over its dp dimension (with cp > 1 the
     flattened dp x cp: Dist.replicas), ddp as FSDP2's replicate (DDP does not take DTensor parameters).
-    With ep > 1 (ddp, no mesh) the model is split into the divided models' form (runtime.fused: their
-    checkpoints' names), its experts divided over the ep ranks (runtime.expert_parallel), and DDP told to
-    leave them alone."""
+    With ep > 1 (ddp) the model is split into the divided models' form (runtime.fused: their checkpoints'
+    names; a pipeline stage is split already), its experts divided over the ep ranks (runtime.expert_parallel),
+    and DDP, or replicate on a pipeline's mesh, told to leave them alone."""
     if not d.active or d.strategy == "none":
         return model
     if d.strategy in ("ddp", "zero1") and d.mesh is None:
@@ -181,15 +181,22 @@ def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.
     if d.strategy == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
+        if d.experts is not None:  # a pipeline stage's experts: divided, left out of replicate (reduce_expert_grads)
+            expert_parallel.apply_expert_parallel(model, d.experts)
         for block in model.blocks:
-            replicate(block, mp_policy=policy, **mesh)
-        replicate(model, mp_policy=policy, **mesh)
+            replicate(block, mp_policy=policy, ignored_params=_experts_of(block), **mesh)
+        replicate(model, mp_policy=policy, ignored_params=_experts_of(model), **mesh)
         return model
     reshard = d.strategy == "fsdp"
     for block in model.blocks:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard, **mesh)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard, **mesh)
     return model
+
+
+def _experts_of(module: nn.Module) -> set[nn.Parameter] | None:
+    """The divided expert parameters under `module` (None without any)."""
+    return set(expert_parallel.expert_params(module)) or None
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -248,8 +255,12 @@ def clip_grad_norm(params: list, max_norm: float, d: Dist, shared: list | None =
             squares += _local(p.grad).float().pow(2).sum()
     dist.all_reduce(squares)
     norm = squares.sqrt()
+    by_mesh: dict = {}  # one foreach call takes DTensors of one mesh (divided experts beside replicate's)
+    for p in params:
+        by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
     with implicit_replication():
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
 
 

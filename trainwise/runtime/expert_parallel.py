@@ -27,7 +27,9 @@ tokens', reduced over dp as without ep (runtime.step), so nothing is counted onc
 Gradients. A rank's expert gradient sums the contributions of every token its ep group routed to it. DDP
 averages the dense gradients over dp; the experts' are left out of DDP and, after the step's last backward,
 scaled by 1/dp and summed over edp (one all-reduce of the rank's expert gradients, flattened): the gradient
-one process computes on the global batch.
+one process computes on the global batch. With pipeline stages (pp > 1, tp = 1) the same per stage: each
+stage's experts divided over the ep ranks of its dp ranks, left out of replicate (runtime.distributed.wrap),
+and reduced over edp once the schedule's backward is done (runtime.step).
 
 Parameters. The experts' weights are DTensors on the (edp, ep) mesh, [Replicate(), Shard(0)]: the whole
 (E, ...) tensor, each rank holding its E/ep rows. DCP then stores each expert once (the edp copies of a
@@ -176,6 +178,11 @@ def reduce_expert_grads(model: nn.Module, group: dist.ProcessGroup, dp: int) -> 
 
 def routed_tokens(model: nn.Module) -> torch.Tensor | None:
     """(E,) the assignments this rank sent to each expert in the last forward, summed over its divided MoE
-    layers (None without expert parallelism): what cost.rank's all-to-alls are evaluated at."""
-    counts = [m.exchange.last_counts for m in moe_layers(model) if m.exchange.last_counts is not None]
+    layers (None without expert parallelism): what cost.rank's all-to-alls are evaluated at. A pipeline rank
+    (runtime.pipeline.RankModel, its stages run by the schedule): those of the step's K micro-batches."""
+    stages = getattr(model, "stages", None)
+    if stages is not None:
+        counts = [c for stage in stages for c in stage.routed]
+    else:
+        counts = [m.exchange.last_counts for m in moe_layers(model) if m.exchange.last_counts is not None]
     return torch.stack(counts).sum(0) if counts else None

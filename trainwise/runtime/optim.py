@@ -26,12 +26,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # A fused or foreach kernel takes DTensors or plain tensors, not both in one call: where the two meet (divided
-    # experts beside the dense weights DDP replicates, runtime.expert_parallel) the DTensors get groups of their own
+    # A fused or foreach kernel takes the tensors of one kind in a call: plain tensors, or DTensors on one mesh.
+    # Where kinds meet (divided experts beside the dense weights DDP or replicate holds, runtime.expert_parallel)
+    # each kind gets groups of its own, in order of first appearance (the same on every rank)
     split = []
     for group in groups:
-        kinds = [[p for p in group["params"] if isinstance(p, DTensor) == is_dtensor] for is_dtensor in (False, True)]
-        split += [{**group, "params": kind} for kind in kinds if kind] if all(kinds) else [group]
+        kinds: dict = {}
+        for p in group["params"]:
+            kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        split += [{**group, "params": kind} for kind in kinds.values()] if len(kinds) > 1 else [group]
     return split
 
 

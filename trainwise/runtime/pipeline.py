@@ -28,6 +28,9 @@ with gradients on (has_backward), before the K micro-batches: on the first micro
 on uninitialised tensors of the received shape on the others. That forward routes tokens and computes
 auxiliary losses that are not the step's, so a stage records every training forward's and the step keeps the
 last K (StageModule.keep_last): the logged loss and the choice bias's expert load are the K micro-batches'.
+Under expert parallelism that forward also runs the experts' all-to-alls (the ep group's ranks are on the same
+stage and infer together): real collectives of the first step only; the rows a stage sent to each expert
+(expert_parallel.routed_tokens) are the K micro-batches' too.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class StageModule(nn.Module):
         self.amp = contextlib.nullcontext  # the autocast of the run's precision: the forward's, not backward's
         self.aux_losses: list[torch.Tensor] = []  # each training forward's MoE auxiliary loss, detached (the log)
         self.expert_counts: list[dict[int, torch.Tensor]] = []  # each training forward's id(MoE) -> assignments
+        self.routed: list[torch.Tensor] = []  # each training forward's (E,) rows sent to each divided expert
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.amp():
@@ -102,6 +106,9 @@ class StageModule(nn.Module):
         moe = [b.mlp for b in self.blocks if isinstance(b.mlp, MoE)]
         if moe and self.training and torch.is_grad_enabled():
             self.expert_counts.append({id(m): m.last_expert_counts for m in moe})
+            sent = [m.exchange.last_counts for m in moe if m.exchange is not None]
+            if sent:
+                self.routed.append(torch.stack(sent).sum(0))
             total = torch.stack([m.last_aux_loss.float() for m in moe]).sum()
             self.aux_losses.append(total.detach())
             h = _AttachAux.apply(h, total)
@@ -114,6 +121,7 @@ class StageModule(nn.Module):
         schedule's shape inference before them (module docstring)."""
         del self.aux_losses[:max(0, len(self.aux_losses) - forwards)]
         del self.expert_counts[:max(0, len(self.expert_counts) - forwards)]
+        del self.routed[:max(0, len(self.routed) - forwards)]
 
     def expert_load(self) -> dict[int, torch.Tensor]:
         """id(MoE) -> its assignments per expert (E,), summed over the recorded forwards."""

@@ -18,7 +18,8 @@ calibration, the roofline, the simulator and the scaling sweep all take their mo
 With pipeline parallelism (runtime.pipeline) the K micro-batches go through PyTorch's pipeline schedule
 instead of the loop above (the schedule scales gradients by 1/K), and the loss and the expert load are the
 pipeline's (each stage's own layers, from the K micro-batches' forwards only); a tied embedding's two copies
-(first and last stage) have their gradients summed before the clip, which counts the table once.
+(first and last stage) have their gradients summed before the clip, which counts the table once; divided
+experts (parallel.ep) have theirs reduced over edp once the schedule's backward is done.
 
 A hook sees the step between its phases ("forward" and "backward" after each micro-batch, "step" after
 the update, before the gradients are freed): memory tracking, operator recording and the trainer's
@@ -98,7 +99,8 @@ class TrainingStep:
         loss is added to in place (the trainer's running sum between log rows)."""
         k = len(batches)
         if self.pipeline is not None:
-            total = self.pipeline.run(batches)  # forward and backward of all K micro-batches
+            with distributed.gradient_sync(self.model, self.dist, last_micro_batch=True):  # divided experts
+                total = self.pipeline.run(batches)  # forward and backward of all K micro-batches
             hook("forward")
             hook("backward")
             load = self.pipeline.expert_load(self.balanced)
