@@ -175,7 +175,7 @@ class ParallelConfig:
     data-parallel dimension shards (trainwise.runtime.mesh). tp runs with sequence parallelism; pp splits
     the layers into pp x vpp stages fed grad_accum_steps micro-batches per step. ep divides each MoE layer's
     routed experts over ep of the data-parallel ranks (dp = edp x ep, trainwise.runtime.expert_parallel), with
-    parallel.strategy = ddp and without tp or pp so far. cp divides each sequence over cp ranks, which join the
+    parallel.strategy = ddp and without tp so far. cp divides each sequence over cp ranks, which join the
     data-parallel ones in the gradient reduction (world size = dp x cp x tp; attention over all-gathered keys and
     values, trainwise.runtime.context_parallel), without pp so far."""
 
