@@ -137,9 +137,8 @@ def recompute_flops_per_token(fwd: ForwardFlops, checkpointing: str, cfg: ModelC
     default), and a dense block's last matmul, the MLP down projection 2FH, produces no saved tensor,
     so it is not re-run. (Measured with trainwise.measure.flopcount; MoE layers end in the weighted
     combine, which needs the experts' outputs, so they recompute in full.)"""
-    if cfg is None:
-        return {"none": 0.0, "selective": fwd.attention_core, "full": fwd.blocks,
-                "op": fwd.attention_proj / 2}[checkpointing]
+    if cfg is None:  # op-level recompute depends on the projections' widths: it needs `cfg`
+        return {"none": 0.0, "selective": fwd.attention_core, "full": fwd.blocks}[checkpointing]
     extra = loss_recompute_flops_per_token(cfg) + mla_padding_flops_per_token(fwd, cfg, checkpointing)
     if checkpointing == "full":
         n_dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
