@@ -173,3 +173,38 @@ def test_step_peak_meter_keeps_the_profilers_unknown_block_line_out_of_the_termi
     assert "Memory block" not in captured.err and "Memory block" not in captured.out, captured.err
     assert not [w for w in recwarn if "Memory block" in str(w.message)]
     assert peak - sum(meter._base.values()) == pytest.approx(new.numel() * new.element_size(), rel=0.01)
+
+
+def test_step_peak_meter_leaves_out_what_a_worker_thread_holds_past_the_runs_use():
+    """A collective's worker thread (gloo's) keeps its input and output until its next job: the run has let
+    go of them, the allocator frees them late, on that thread, or after the step. Played with a real thread:
+    a buffer handed to it and released by the run before the step's own peak is not in that peak, whether
+    the thread frees it during the step or after; the run's own tensors are."""
+    import threading
+
+    from trainwise.measure.memtrack import StepPeakMeter
+
+    mib = 1 << 20
+    for free_during_step in (True, False):
+        held, release, done = [], threading.Event(), threading.Event()
+
+        def worker():
+            release.wait()
+            held.clear()
+            done.set()
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        meter = StepPeakMeter(CPU)
+        meter.start()
+        # 4 MiB the run allocates, hands to the worker and drops; the worker holds the storage, no tensor of
+        # Python's (gloo holds it in C++)
+        held.append(torch.ones(mib).untyped_storage())
+        own = torch.ones(2 * mib)  # 8 MiB of its own, alive at the peak
+        if free_during_step:
+            release.set()
+            done.wait()
+        peak = meter.stop() - sum(meter._base.values())
+        release.set()
+        thread.join()
+        assert peak == pytest.approx(own.numel() * own.element_size(), rel=0.01), free_during_step

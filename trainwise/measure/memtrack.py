@@ -119,13 +119,14 @@ def _storages(tensors, device: torch.device) -> dict[int, int]:
     return out
 
 
-def live_tensors():
+def live_tensors(collect: bool = True):
     """Every tensor Python can reach (what the process holds between steps: parameters, buffers,
-    optimizer states, FSDP2's shard storage, batches)."""
+    optimizer states, FSDP2's shard storage, batches); collect=False: garbage in reference cycles too."""
     import gc
     import warnings
 
-    gc.collect()  # garbage in reference cycles is not resident: the allocator may reuse it any time
+    if collect:  # garbage in reference cycles is not resident: the allocator may reuse it any time
+        gc.collect()
     with warnings.catch_warnings():  # isinstance on deprecated module proxies warns
         warnings.simplefilter("ignore")
         objects = [obj for obj in gc.get_objects() if _is_tensor(obj)]
@@ -193,11 +194,13 @@ class StepPeakMeter:
         self._filter.close()
         self._filter = None
         events = _allocations(self._prof)
-        allocated = {ptr for _, _, ptr in events}
-        base = sum(self._base.values()) + sum(n for ptr, n in self._late.items()
-                                               if ptr not in self._base and ptr not in allocated)
+        allocated = {ptr for _, _, ptr, _ in events}
+        late = {ptr: n for ptr, n in self._late.items() if ptr not in self._base and ptr not in allocated}
+        counted = {**self._base, **late}
+        base = sum(counted.values())
+        reachable = set(_storages(live_tensors(collect=False), self.device)) | set(self._late)
         running = highest = 0
-        for _, nbytes, _ in events:
+        for nbytes in _own_events(events, counted, reachable):
             running += nbytes
             highest = max(highest, running)
         self._prof = None
@@ -293,8 +296,8 @@ def _quiet_stderr(fn):
         os.close(null)
 
 
-def _allocations(prof) -> list[tuple[int, int, int]]:
-    """(time ns, bytes (+ alloc, - free), address) of every CPU allocator event, in time order."""
+def _allocations(prof) -> list[tuple[int, int, int, int]]:
+    """(time ns, bytes (+ alloc, - free), address, thread) of every CPU allocator event, in time order."""
     from torch._C._profiler import _EventType
 
     out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -302,7 +305,31 @@ def _allocations(prof) -> list[tuple[int, int, int]]:
         event = stack.pop()
         if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
             f = event.extra_fields
-            out.append((event.start_time_ns, f.alloc_size, f.ptr))
+            out.append((event.start_time_ns, f.alloc_size, f.ptr, event.start_tid))
         stack.extend(event.children)
     out.sort()
     return out
+
+
+def _own_events(events, counted: dict[int, int], reachable: set[int]) -> list[int]:
+    """The byte changes of the run's own tensors among the allocator's `events`, in order.
+
+    A collective's worker thread (gloo's) holds its input and output until it takes its next job, which on
+    a busy machine can come after the step's peak or the step itself: a block the run allocated during
+    the stretch and that another thread freed, or that is still allocated at the end while nothing reaches
+    it (`reachable`: the storages Python reaches and the caller's `resident` ones), was the transport's
+    to free and is left out. A free of a block allocated before the stretch counts only if its bytes are in
+    `counted` (the resident bytes at start), else it is one of those buffers from an earlier step."""
+    born: dict[int, tuple[int, int]] = {}  # address -> (index of its allocation, thread)
+    kept = [True] * len(events)
+    for i, (_, nbytes, ptr, tid) in enumerate(events):
+        if nbytes > 0:
+            born[ptr] = (i, tid)
+        elif ptr in born:
+            j, alloc_tid = born.pop(ptr)
+            kept[i] = kept[j] = tid == alloc_tid
+        else:
+            kept[i] = counted.pop(ptr, None) is not None
+    for ptr, (j, _) in born.items():
+        kept[j] = ptr in reachable
+    return [e[1] for e, keep in zip(events, kept) if keep]

@@ -24,9 +24,9 @@ from trainwise.runtime import distributed, expert_parallel
 from trainwise.runtime.comms import CommCounter
 from trainwise.runtime.step import TrainingStep
 
-# Under tp a finished all-gather's output is sometimes freed only at a later wait (gloo's thread): 1-3
-# logits-sized buffers join a step's peak at random (+12-18% on the tests' models); the least of these
-# steps' peaks is the step's own.
+# Under tp gloo's worker threads hold a finished all-gather's buffers until their next job; the meter leaves
+# out what they free or still hold (measure.memtrack._own_events), and the least of these steps' peaks
+# is the step's own should a buffer still slip into one (+12-18% on the tests' models when it did).
 TP_PEAK_STEPS = 3
 
 
