@@ -259,7 +259,10 @@ BRIDGE_2511 = Table(
     "the models' config.json on the Hugging Face hub",
     "FP8-CS = Transformer Engine's per-tensor current scaling (Float8CurrentScaling: the planner's `fp8` "
     "recipe) over Megatron's mixed precision (bf16 weights and activations, fp32 main gradients, master weights "
-    "and Adam moments); no activation recompute (none published); flash attention; sequence parallelism and tp "
+    "and Adam moments); no activation recompute (none published); cuDNN's fused attention (--attention-impl cudnn: "
+    "Transformer Engine's DotProductAttention prefers FusedAttention over FlashAttention on Hopper for 16-bit "
+    "inputs since TE 1.8, get_attention_backend in transformer_engine/pytorch/attention; with attention sinks, as "
+    "gpt-oss has, TE 2.8+ disables FlashAttention and keeps FusedAttention); sequence parallelism and tp "
     "communication overlapped with tp > 1; the distributed optimizer (ZeRO-1) with gradient reduce-scatter and "
     "parameter all-gather overlapped; FSDP 1 = Megatron FSDP: ZeRO-3 over DP; VP as given (n/a: 1); ring "
     "attention over CP; GA = GBS / (MBS x DP) (the published GA column on every row but GPT OSS 120B's, whose 2 "

@@ -197,7 +197,7 @@ def table_c(rows: list) -> None:
                                   checkpointing="none",
                                   machine=DGX_H100, ep=r.ep, etp=1 if r.moe else None,
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp or 1, zero=3 if r.fsdp else 1, dp_overlap=True,
-                                  tp_overlap=r.tp > 1, ep_overlap=r.a2a_overlap, fused=True))
+                                  tp_overlap=r.tp > 1, ep_overlap=r.a2a_overlap, fused=True, attention_impl="cudnn"))
 
 
 def table_d(rows: list) -> None:
