@@ -203,6 +203,23 @@ def test_per_rank_memory_under_pp_and_cp():
     assert zero_cp.optimizer == pytest.approx(one.optimizer / 4, rel=1e-6)
 
 
+def test_megatron_fsdp_accumulates_into_its_gradient_shard_where_fsdp2_keeps_unsharded_gradients():
+    """ZeRO-3 over 8 ranks, K = 1 against K = 4 micro-batches: trainwise's FSDP2 keeps each micro-batch's unsharded
+    fp32 gradients until the last one's reduce-scatter (4 bytes x every parameter of the model, on every rank);
+    Megatron-FSDP reduce-scatters each micro-batch's into the rank's gradient shard (its 1/8 of 4-byte main
+    gradients), which the second micro-batch's backward finds."""
+    cfg = gpt(4, 512, 8, max_seq_len=1024)
+    whole = sum(p.numel for p in rank_params(cfg, make_layout(1), 0))
+
+    def backward(recipe: str, k: int) -> int:
+        lay = make_layout(8, micro_batches=k, zero=3)
+        return rank_peak(Run(cfg, micro_batch=1, seq_len=1024, grad_accum=k, recipe=get_recipe(recipe),
+                             layout=lay)).backward
+
+    assert backward("amp", 4) - backward("amp", 1) == pytest.approx(4 * whole, rel=0.01)
+    assert backward("megatron", 4) - backward("megatron", 1) == pytest.approx(4 * whole / 8, rel=0.01)
+
+
 def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     cfg = gpt(8, 256, 4, max_seq_len=256, dropout=0.0)
     p = plan_run(run_of(cfg, tokens=1e9, seq_len=256, micro_batch=2, grad_accum=4, gpus=16, tp=2, pp=2,

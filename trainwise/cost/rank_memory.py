@@ -164,7 +164,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         step has run: the rank's gradients, DDP's buckets (which hold them all run long, plus under no_sync
         the micro-batches' own .grad tensors; Megatron-LM's gradient buffer takes them directly; experts
         divided by ep are outside the buckets), or FSDP2's unsharded fp32 gradients of the micro-batches
-        before the last;
+        before the last (outside trainwise and torch's pipeline schedules: the rank's gradient shard);
       optimizer step: parameters + gradients + states + one moment of scratch (a foreach AdamW's sqrt(v)).
     States: the recipe's bytes per element of the rank's shards (cost.rank.rank_params: fp32 parameters and
     gradients in trainwise's runs) and its optimizer moments and master copy; ZeRO-1 keeps `optimizer_share`
@@ -206,12 +206,17 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         blocks = sorted((n for unit, n in sizes.items() if not str(unit).startswith("root")), reverse=True)
         kept = sum(sizes.values()) if strategy == "zero2" else roots + sum(blocks[:2])
         gathered = recipe.compute_bytes * kept
-        accumulated = 4 * sum(sizes.values()) if K > 1 else 0
+        # trainwise's trainer, and torch's pipeline schedules (gradient sync off until a stage's last backward), keep
+        # the micro-batches' unsharded fp32 gradients until the last one's reduce-scatter; other stacks' FSDP
+        # without them (Megatron-FSDP, FSDP2 with gradient sync on) reduce-scatter each micro-batch's into the
+        # rank's shard
+        accumulated = 4 * sum(sizes.values()) if K > 1 and (not megatron or lay.pp > 1) else 0
     grads = recipe.grad_bytes * numel
     # what holds gradients in backward, once a backward of the step has run (DDP's buckets: from the start; experts
     # divided by ep are outside them, runtime.expert_parallel: their gradients exist once a backward has run)
     outside = recipe.grad_bytes * sum(p.numel for p in params if is_expert(p.spec)) if ddp and lay.ep > 1 else 0
-    held = (grads if lay.pp > 1 else 0) + accumulated if fsdp else grads - outside
+    sharded = K > 1 and megatron  # the rank's gradient shard, from the first micro-batch's reduce-scatter on
+    held = (grads if lay.pp > 1 or sharded else 0) + accumulated if fsdp else grads - outside
     no_sync = grads - outside if ddp and K > 1 and not megatron else 0  # Megatron accumulates into its grad buffer
     flights = [sum(per_stage[c] for c in live) for live in in_flight(lay, pp_rank, K)]
     held_from = 0 if ddp else 1  # the first backward finds no gradients (zero_grad sets them to None)
