@@ -80,6 +80,23 @@ def test_cli_tables_and_explain(capsys, tmp_path):
     assert j["run"]["micro_batch"] == 4 and j["run"]["seq_len"] == 128
 
 
+def test_a_plan_whose_step_peak_is_over_the_budget_says_so_beside_fits(capsys):
+    """`fits` holds states + activations to the budget; when the highest rank's step peak (with the step's
+    transient buffers: the loss's fp32 B x T x V scratch, gathered FSDP blocks) is over it, the table, the
+    derivation and the JSON say so instead of a bare yes."""
+    argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--precision", "fp8", "--seq-len",
+            "8192", "--micro-batch", "1", "--global-batch", "128", "--zero", "3", "--tokens", "1e9"]
+    assert main([*argv, "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["per_device_bytes"] < memory["budget_bytes"] < memory["peak_bytes"] and memory["fits"] is True
+    assert memory["peak_over_budget_bytes"] == memory["peak_bytes"] - memory["budget_bytes"]
+    over = f"does not fit by {memory['peak_over_budget_bytes'] / 2**30:.2f} GiB"
+    for extra in ([], ["--explain"]):
+        assert main([*argv, *extra]) == 0
+        out = capsys.readouterr().out
+        assert "yes by states + activations, but the step peak" in out and over in out, out
+
+
 def test_moe_flops_active_memory_total():
     p = plan_run(Run(get_preset("mixtral-8x7b"), seq_len=4096, recipe=get_recipe("fp32"), tokens=1e9,
                      machine=Machine(gpu="h100")))

@@ -226,7 +226,10 @@ def fits_text(plan) -> str:
     if plan.fits is None:
         return "unknown" + ("" if plan.budget else " (no budget: give --gpu NAME or --memory-budget)")
     if plan.fits:
-        return "yes"
+        over = plan.peak_over_budget_bytes
+        return "yes" if over is None else (
+            f"yes by states + activations, but the step peak (the highest rank's, with the step's transient "
+            f"buffers) {does_not_fit(over)}")
     return f"NO: {does_not_fit(plan.over_budget_bytes)} per device"
 
 

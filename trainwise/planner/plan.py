@@ -118,6 +118,14 @@ class Plan:
         return None if self.activations_bytes is None else True
 
     @property
+    def peak_over_budget_bytes(self) -> int | None:
+        """Bytes of the highest rank's step peak beyond the budget; None when it is within it or unknown. `fits`
+        holds states + activations to the budget; the step peak adds the step's transient buffers."""
+        if self.budget is None or self.peak_bytes is None or self.peak_bytes <= self.budget:
+            return None
+        return self.peak_bytes - self.budget
+
+    @property
     def cost(self) -> float | None:
         return None if self.price is None or self.time is None else cost_usd(self.time.device_hours, self.price)
 
@@ -134,7 +142,7 @@ class Plan:
                        "optimizer_bytes": self.states.optimizer, "master_bytes": self.states.master,
                        "states_bytes": self.states.total, "activations_bytes": self.activations_bytes,
                        "total_bytes": self.per_device_bytes * self.gpus, "per_device_bytes": self.per_device_bytes,
-                       "peak_bytes": self.peak_bytes,
+                       "peak_bytes": self.peak_bytes, "peak_over_budget_bytes": self.peak_over_budget_bytes,
                        "fits": self.fits, "over_budget_bytes": self.over_budget_bytes, "budget_bytes": self.budget,
                        "precision": self.recipe.name,
                        "optimizer": self.optimizer, "checkpointing": self.checkpointing, "zero": self.zero,
