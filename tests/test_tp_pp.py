@@ -329,6 +329,7 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
     (["parallel.cp=2", "parallel.pp=2", "parallel.strategy=ddp"], "set parallel.pp=1 (or parallel.cp=1)"),
     (["parallel.cp=2", "parallel.strategy=ddp", "model.n_experts=4", "model.top_k=2"], "dense models"),
     (["parallel.tp=2"], "torchrun --nproc-per-node 2"),
+    (["parallel.tp=2", "train.compile=true"], "set train.compile=false or auto"),
     (["parallel.ep=2", "parallel.strategy=ddp"], "model.n_experts = 0"),
     (["parallel.ep=3", "parallel.strategy=ddp", "model.n_experts=4", "model.top_k=2"], "parallel.ep=2 or 4"),
     (["parallel.ep=2", "parallel.strategy=fsdp", "model.n_experts=4", "model.top_k=2"], "parallel.strategy=ddp"),
