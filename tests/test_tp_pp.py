@@ -318,6 +318,28 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
     torch.testing.assert_close(exported["model.embed_tokens.weight"], reference["embed.weight"], rtol=1e-4, atol=1e-5)
 
 
+def test_compiled_pipeline_stages_train_the_losses_of_one_process(corpus, tmp_path):
+    """`trainwise train` under torchrun with parallel.pp=2 and train.compile=true (each stage's blocks compiled):
+    the losses of one eager process on the same global batch, and every rank's states and messages equal to
+    the plan's (its step peak is the eager step's plan, not checked here)."""
+    extra = ("train.eval_every=0", "train.max_steps=4", "train.micro_batch=2", "train.checkpoint_every=4",
+             "model.tie_embeddings=false", "train.grad_accum_steps=2")
+    single = tmp_path / "single"
+    assert main(["train", "--out", str(single), "--quiet", *set_args(corpus, *extra)]) == 0
+    run = tmp_path / "pp"
+    proc = subprocess.run([*TORCHRUN, "--nproc-per-node", "2", "-m", "trainwise", "train", "--quiet", "--out", str(run),
+                           *set_args(corpus, *extra, "parallel.pp=2", "train.compile=true")], capture_output=True,
+                          text=True, timeout=300, env=rank_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert losses(run) == pytest.approx(losses(single), rel=1e-4)
+    verify = json.loads((run / "verify.json").read_text())
+    assert verify["run"]["compiled"] is True
+    for rank in verify["per_rank"]["ranks"]:
+        assert all(rank[name]["error"] == 0 for name in ("params", "grads", "optimizer")), rank
+        assert all(e[k]["measured"] == e[k]["predicted"] for e in rank["comm"].values() for k in ("calls", "bytes")), \
+            rank["comm"]
+
+
 @pytest.mark.parametrize("sets, hint", [
     (["parallel.tp=3"], "parallel.tp=2"),
     (["parallel.pp=4", "model.tie_embeddings=false", "train.grad_accum_steps=4"], "parallel.pp=2"),
