@@ -317,22 +317,30 @@ def _own_events(events, counted: dict[int, int], reachable: set[int]) -> list[in
     A collective's worker thread (gloo's) holds its input and output until it takes its next job, which on
     a busy machine can come after the step's peak or the step itself: a block the run allocated during
     the stretch and that another thread freed, or that is still allocated at the end while nothing reaches
-    it (`reachable`: the storages Python reaches and the caller's `resident` ones), or whose address is
-    allocated again with no free recorded between (the worker's frees are not always recorded), was the
-    transport's to free and is left out. A free of a block allocated before the stretch counts only if its bytes are in
-    `counted` (the resident bytes at start), else it is one of those buffers from an earlier step."""
-    born: dict[int, tuple[int, int]] = {}  # address -> (index of its allocation, thread)
+    it (`reachable`: the storages Python reaches and the caller's `resident` ones), was the transport's
+    to free and is left out. The profiler does not record every free of the worker's: an address allocated
+    again with no free between ends the first block there. A free of a block allocated before the stretch
+    counts only if its bytes are in `counted` (the resident bytes at start), else it is one of those
+    buffers from an earlier step."""
+    born: dict[int, tuple[int, int, int]] = {}  # address -> (index of its allocation, bytes, thread)
     kept = [True] * len(events)
+    ended: dict[int, int] = {}  # event index -> bytes of an unrecorded free just before it
     for i, (_, nbytes, ptr, tid) in enumerate(events):
         if nbytes > 0:
-            if ptr in born:  # allocated again with no free between: freed where the profiler does not record
-                kept[born[ptr][0]] = False
-            born[ptr] = (i, tid)
+            if ptr in born:
+                ended[i] = -born[ptr][1]
+            born[ptr] = (i, nbytes, tid)
         elif ptr in born:
-            j, alloc_tid = born.pop(ptr)
+            j, _, alloc_tid = born.pop(ptr)
             kept[i] = kept[j] = tid == alloc_tid
         else:
             kept[i] = counted.pop(ptr, None) is not None
-    for ptr, (j, _) in born.items():
+    for ptr, (j, _, _) in born.items():
         kept[j] = ptr in reachable
-    return [e[1] for e, keep in zip(events, kept) if keep]
+    out = []
+    for i, (e, keep) in enumerate(zip(events, kept)):
+        if i in ended:
+            out.append(ended[i])
+        if keep:
+            out.append(e[1])
+    return out
