@@ -25,7 +25,8 @@ from trainwise.api import load
 from trainwise.cli import main
 from trainwise.config import ModelConfig, ParallelConfig, RunConfig
 from trainwise.cost import rank as R
-from trainwise.cost.layout import Layout
+from trainwise.cost.layout import Layout, rank_stages, schedule_ops
+from trainwise.cost.rank_memory import in_flight
 from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.planner.derivation import plan_table
@@ -44,7 +45,8 @@ def rank_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "cp"]
+TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "cp", "pp_zb",
+             "pp_zbv", "pp_dualpipev"]
 FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "cp_dp", "tp_cp", "pp_dp_ep"]
 
 
@@ -186,13 +188,53 @@ def test_pp_tied_messages_worked_by_hand():
             "all_reduce": {"calls": 3, "bytes": 38408}, "send_recv": {"calls": 6, "bytes": 3 * 2048}}
 
 
-def test_tied_copies_stay_bit_equal_and_the_checkpoint_loads_in_one_process(runs):
-    """pp 2, tied: stage 0's embedding and stage 1's LM head (its own copy of the table) are bit-equal after
-    STEPS steps, straight and resumed; the DCP checkpoint of step SAVE_AT gathered into one process gives
-    step SAVE_AT's loss (its weights before that step's update)."""
-    first, last = runs["pp_tied"]
-    assert first["tied"] is not None and first["tied"] == last["tied"] == first["tied_resumed"] == last["tied_resumed"]
+@pytest.mark.parametrize("case", ["pp_tied", "pp_zb", "pp_zbv"])
+def test_tied_copies_stay_bit_equal_and_the_checkpoint_loads_in_one_process(runs, case):
+    """pp 2, tied: the first stage's embedding and the last stage's LM head (its own copy of the table) are
+    bit-equal after STEPS steps, straight and resumed, on two ranks (1F1B, interleaved zero bubble) or on rank
+    0, which holds both ends of a V (zbv: the worker digests the embedding there; the copy takes the same
+    summed gradient); the DCP checkpoint of step SAVE_AT gathered into one process gives step SAVE_AT's loss
+    (its weights before that step's update)."""
+    first, last = runs[case]
+    assert first["tied"] is not None and first["tied"] == first["tied_resumed"]
+    assert last["tied"] == last["tied_resumed"] == (None if case == "pp_zbv" else first["tied"])
     assert first["one_process_at_save"] == pytest.approx(first["losses"][SAVE_AT], rel=1e-5)
+
+
+def test_v_schedule_messages_worked_by_hand():
+    """zbv (and dualpipev), pp 2: stages 0 and 3 on rank 0, 1 and 2 on rank 1, tied, 4 micro-batches of 1 x 16
+    positions, d_model 32, fp32. Each micro-batch's activation (2048 bytes) crosses 0 -> 1 and 2 -> 3 forward
+    and back as a gradient; 1 -> 2 stays on rank 1. Each rank: 2 sends and 2 receives a micro-batch (16 calls,
+    8 x 2048 bytes), the loss and the squared norm over pp (4 B each), and no tied all-reduce: rank 0 sums the
+    table's two gradients itself."""
+    for schedule in ("zbv", "dualpipev"):
+        layout = Layout(pp=2, vpp=2, pp_schedule=schedule, micro_batches=4)
+        assert rank_stages(layout, 0) == [0, 3] and rank_stages(layout, 1) == [1, 2]
+        for rank in (0, 1):
+            assert R.rank_comm(config("pp_zbv").model, layout, rank, R.StepShape(1, 16, 4, 4, 4)) == {
+                "all_reduce": {"calls": 2, "bytes": 8}, "send_recv": {"calls": 16, "bytes": 8 * 2048}}
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv", "dualpipev"])
+@pytest.mark.parametrize("pp, micro_batches", [(2, 4), (4, 8), (4, 12)])
+def test_zero_bubble_orders_run_each_micro_batch_once_per_stage(schedule, pp, micro_batches):
+    """cost.layout.schedule_ops reads torch's own order: on every rank and local stage, K forwards, and K
+    backwards, whole (B) or as an input half (I) each followed later by its weight half (W); the micro-batches
+    in flight at a backward never exceed the forwards run."""
+    layout = Layout(pp=pp, vpp=2, pp_schedule=schedule, micro_batches=micro_batches)
+    for rank in range(pp):
+        ops = schedule_ops(layout, rank, micro_batches)
+        for chunk in (0, 1):
+            kinds = [k for k, c in ops if c == chunk]
+            assert kinds.count("F") == micro_batches
+            assert kinds.count("B") + kinds.count("I") == micro_batches == kinds.count("B") + kinds.count("W")
+            pending = 0
+            for kind in kinds:
+                pending += (kind == "I") - (kind == "W")
+                assert pending >= 0
+        flights = in_flight(layout, rank, micro_batches)
+        assert all(len(live) <= 2 * micro_batches for live, _ in flights)
+        assert not flights[0][1] and all(after for _, after in flights[micro_batches * 2 - 1:])
 
 
 def test_pp_tp_messages_worked_by_hand():
@@ -352,6 +394,13 @@ def test_compiled_pipeline_stages_train_the_losses_of_one_process(corpus, tmp_pa
     (["parallel.cp=2", "parallel.strategy=ddp", "model.n_experts=4", "model.top_k=2"], "dense models"),
     (["parallel.tp=2"], "torchrun --nproc-per-node 2"),
     (["parallel.tp=2", "train.compile=true"], "set train.compile=false or auto"),
+    (["parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4", "train.grad_accum_steps=2"], "parallel.vpp=2"),
+    (["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.vpp=2", "model.n_layers=4",
+      "train.grad_accum_steps=2"], "at least as many micro-batches per step as stages, 2 pp = 4"),
+    (["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.vpp=2", "model.n_layers=4", "train.grad_accum_steps=4",
+      "parallel.strategy=fsdp"], "use parallel.strategy=ddp"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_zb", "parallel.vpp=2", "model.n_layers=4",
+      "train.grad_accum_steps=4", "model.n_experts=4", "model.top_k=2"], "train this model with"),
     (["parallel.ep=2", "parallel.strategy=ddp"], "model.n_experts = 0"),
     (["parallel.ep=3", "parallel.strategy=ddp", "model.n_experts=4", "model.top_k=2"], "parallel.ep=2 or 4"),
     (["parallel.ep=2", "parallel.strategy=fsdp", "model.n_experts=4", "model.top_k=2"], "parallel.strategy=ddp"),

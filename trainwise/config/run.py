@@ -16,7 +16,9 @@ OPTIMIZERS = ("adamw", "sgd")
 CHECKPOINTING = ("none", "selective", "op", "full")
 COMPILE = ("auto", "true", "false")
 STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
-PP_SCHEDULES = ("1f1b", "interleaved", "gpipe")
+PP_SCHEDULES = ("1f1b", "interleaved", "gpipe", "interleaved_zb", "zbv", "dualpipev")
+# schedules that run several stages per pipeline rank (parallel.vpp of them); zbv and dualpipev two, in a V
+MULTI_STAGE_SCHEDULES = ("interleaved", "interleaved_zb", "zbv", "dualpipev")
 FSDP_STRATEGIES = ("zero2", "fsdp")  # both run on FSDP2 (fully_shard)
 # The ZeRO stage each parallel.strategy realises on the data-parallel dimension, and back (a plan's stage as
 # the trainer runs it over more than one rank).
@@ -200,14 +202,19 @@ class ParallelConfig:
                 "parallel.pp=1 (or parallel.cp=1).")
         if self.ep > 1:
             self._check_ep()
-        if self.vpp > 1 and self.pp_schedule != "interleaved":
+        if self.vpp > 1 and self.pp_schedule not in MULTI_STAGE_SCHEDULES:
             raise TrainwiseError(
-                f"parallel.vpp = {self.vpp} gives each pipeline rank {self.vpp} stages, which only the interleaved "
-                f"schedule runs; set parallel.pp_schedule=interleaved (or parallel.vpp=1 for {self.pp_schedule}).")
-        if self.pp_schedule == "interleaved" and self.pp > 1 and self.vpp < 2:
+                f"parallel.vpp = {self.vpp} gives each pipeline rank {self.vpp} stages, which the {self.pp_schedule} "
+                f"schedule does not run; set parallel.pp_schedule to one of {', '.join(MULTI_STAGE_SCHEDULES)} (or "
+                f"parallel.vpp=1 for {self.pp_schedule}).")
+        if self.pp_schedule in ("interleaved", "interleaved_zb") and self.pp > 1 and self.vpp < 2:
             raise TrainwiseError(
-                "parallel.pp_schedule = interleaved needs parallel.vpp >= 2 stages per pipeline rank (with one it "
-                "is 1F1B); set parallel.vpp=2, or parallel.pp_schedule=1f1b.")
+                f"parallel.pp_schedule = {self.pp_schedule} needs parallel.vpp >= 2 stages per pipeline rank (with "
+                "one it is 1F1B); set parallel.vpp=2, or parallel.pp_schedule=1f1b.")
+        if self.pp_schedule in ("zbv", "dualpipev") and self.pp > 1 and self.vpp != 2:
+            raise TrainwiseError(
+                f"parallel.pp_schedule = {self.pp_schedule} runs exactly two stages per pipeline rank, placed in a V "
+                f"(rank r holds stages r and 2 pp - 1 - r); set parallel.vpp=2 (it is {self.vpp}).")
         if self.strategy == "zero1" and (self.tp > 1 or self.pp > 1):
             raise TrainwiseError(
                 f"parallel.strategy = zero1 with parallel.tp = {self.tp}, parallel.pp = {self.pp}: ZeRO-1's optimizer "

@@ -43,7 +43,9 @@ class Layout:
     # one micro-batch's forward and another's backward interleaved, each one's dispatch under the other's work)
     ep_overlap: bool = False
     attention_impl: str = "flash"  # ATTENTION_IMPLS; "unfused": scores in memory, softmax between two matmuls
-    pp_schedule: str = "1f1b"  # the trainer's pipeline schedule: 1f1b | gpipe | interleaved (vpp > 1)
+    # the trainer's pipeline schedule: 1f1b | gpipe | interleaved (vpp > 1) | interleaved_zb (zero bubble, vpp > 1)
+    # | zbv | dualpipev (vpp = 2 in a V: rank_stages)
+    pp_schedule: str = "1f1b"
     cp_impl: str = "ring"  # CP_IMPLS: how context parallelism exchanges keys and values
     # expert tensor parallelism: the routed experts' width split over etp ranks (None: over tp, Megatron-Core's
     # default). The experts fold onto the same tp x cp x dp ranks as etp x ep x edp (Megatron-Core's MoE
@@ -144,6 +146,10 @@ def check_layout(cfg: ModelConfig, layout: Layout, seq_len: int) -> None:
     if v > 1 and p == 1:
         raise TrainwiseError(
             f"--vpp {v} needs pipeline parallelism (--pp > 1): virtual stages interleave pipeline ranks.")
+    if layout.pp_schedule == "dualpipev" and m < 2 * p:
+        raise TrainwiseError(
+            f"the dualpipev schedule needs at least as many micro-batches per step as stages, 2 pp = {2 * p} (here "
+            f"{m}); raise the micro-batches (--grad-accum) to {2 * p} or more.")
     if v > 1 and m % p:
         raise TrainwiseError(
             f"the interleaved schedule (vpp = {v}) needs the micro-batches per step ({m}) to be a multiple of "
@@ -215,9 +221,80 @@ def stage_layers(n_layers: int, stages: int, stage: int) -> range:
     return range(start, start + sizes[stage])
 
 
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank placed in a V: rank r holds r and 2 pp - 1 - r
+
+
+def v_shape(layout: Layout) -> bool:
+    """The stages sit in a V (zbv, dualpipev): both ends of the pipeline on rank 0."""
+    return layout.pp_schedule in V_SCHEDULES and layout.pp > 1
+
+
 def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
-    """Stages of pipeline rank `pp_rank`: pp_rank, pp_rank + pp, ... (the interleaved schedule's loop)."""
+    """Stages of pipeline rank `pp_rank`: pp_rank, pp_rank + pp, ... (the interleaved schedules' loop), or
+    pp_rank and 2 pp - 1 - pp_rank (the V of zbv and dualpipev: the first and the last stage on rank 0, the
+    middle two on the last rank, which passes its activations from one to the other without a send)."""
+    if v_shape(layout):
+        return [pp_rank, 2 * layout.pp - 1 - pp_rank]
     return [pp_rank + i * layout.pp for i in range(layout.vpp)]
+
+
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")  # schedules that split a backward into its I and W halves
+
+
+def schedule_ops(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The order in which a pipeline rank runs forwards ("F") and backwards ("B") of its local stages
+    (index into rank_stages), as torch.distributed.pipelining's schedules do: GPipe all forwards, then all
+    backwards; 1F1B (PipeDream-Flush) min(K, pp - rank) forwards, then a backward and a forward in turn;
+    interleaved 1F1B (Narayanan et al. 2021) min((vpp - 1) K/rounds + 2 (pp - 1 - rank), K vpp) forwards,
+    then a forward and a backward in turn, the local stage of each from ScheduleInterleaved1F1B's
+    formulas (K/rounds micro-batches per stage before the next). The zero-bubble schedules (ZERO_BUBBLE)
+    also run a backward in two halves, "I" (the input's gradient, sent on at once) and "W" (the weights'),
+    in the order torch's own schedule computes (_zero_bubble_ops)."""
+    K, pp, vpp = micro_batches, layout.pp, layout.vpp
+    if pp == 1:
+        return [op for _ in range(K) for op in (("F", 0), ("B", 0))]
+    if layout.pp_schedule in ZERO_BUBBLE:
+        return _zero_bubble_ops(layout, pp_rank, K)
+    if layout.pp_schedule == "gpipe":
+        return [("F", 0)] * K + [("B", 0)] * K
+    if layout.pp_schedule == "1f1b":
+        warmup = min(K, pp - pp_rank)
+        ops = [("F", 0)] * warmup
+        for i in range(K - warmup):
+            ops += [("B", 0), ("F", 0)]
+        return ops + [("B", 0)] * warmup
+    per_round = K // max(1, K // pp)
+    total = K * vpp
+    warmup = min((vpp - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
+    forward = [("F", (op // per_round) % vpp) for op in range(total)]
+    backward = [("B", vpp - 1 - ((op - warmup) // per_round) % vpp) for op in range(warmup, warmup + total)]
+    ops = forward[:warmup]
+    for i in range(total - warmup):
+        ops += [forward[warmup + i], backward[i]]
+    return ops + backward[total - warmup:]
+
+
+def _zero_bubble_ops(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple[str, int]]:
+    """A zero-bubble schedule's actions on `pp_rank`, from the generator torch.distributed.pipelining's schedule
+    runs (each rank's list of the whole pipeline's order, computed the same on every rank), read without
+    building stages: the generator needs only the pipeline's sizes. DualPipeV's overlapped forward-and-backward
+    pairs run their forward first."""
+    from torch.distributed.pipelining import schedules
+
+    cls = {"interleaved_zb": schedules.ScheduleInterleavedZeroBubble, "zbv": schedules.ScheduleZBVZeroBubble,
+           "dualpipev": schedules.ScheduleDualPipeV}[layout.pp_schedule]
+    order = cls.__new__(cls)  # the sizes the generator reads (each schedule's __init__ sets them from its stages)
+    order.pp_group_size, order._n_microbatches, order.rank = layout.pp, micro_batches, pp_rank
+    order.n_local_stages, order.num_stages, order._num_stages = layout.vpp, layout.stages, layout.stages
+    order.number_of_rounds = max(1, micro_batches // layout.pp)
+    order.microbatches_per_round = micro_batches // order.number_of_rounds
+    kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}
+    local = rank_stages(layout, pp_rank)
+    ops = []
+    for action in order._calculate_single_rank_operations(pp_rank):
+        for a in (action.sub_actions or (action,)) if action is not None else ():
+            ops.append((kinds[a.computation_type.value], local.index(a.stage_index)))
+    return ops
 
 
 def bubble_fraction(pp: int, vpp: int, micro_batches: int) -> float:

@@ -31,39 +31,10 @@ from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
 from trainwise.cost.comm import DDP_BUCKET_BYTES, bytes_sent
-from trainwise.cost.layout import Layout, rank_stages, stage_layers
+from trainwise.cost.layout import Layout, rank_stages, schedule_ops, stage_layers, v_shape
 
 DDP_FIRST_BUCKET_BYTES = 2**20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 TIED_COPY = "lm_head.weight (tied copy)"  # the last pipeline stage's own copy of a tied embedding table
-
-
-def schedule_ops(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The order in which a pipeline rank runs forwards ("F") and backwards ("B") of its local stages
-    (index into rank_stages), as torch.distributed.pipelining's schedules do: GPipe all forwards, then all
-    backwards; 1F1B (PipeDream-Flush) min(K, pp - rank) forwards, then a backward and a forward in turn;
-    interleaved 1F1B (Narayanan et al. 2021) min((vpp - 1) K/rounds + 2 (pp - 1 - rank), K vpp) forwards,
-    then a forward and a backward in turn, the local stage of each from ScheduleInterleaved1F1B's
-    formulas (K/rounds micro-batches per stage before the next)."""
-    K, pp, vpp = micro_batches, layout.pp, layout.vpp
-    if pp == 1:
-        return [op for _ in range(K) for op in (("F", 0), ("B", 0))]
-    if layout.pp_schedule == "gpipe":
-        return [("F", 0)] * K + [("B", 0)] * K
-    if layout.pp_schedule == "1f1b":
-        warmup = min(K, pp - pp_rank)
-        ops = [("F", 0)] * warmup
-        for i in range(K - warmup):
-            ops += [("B", 0), ("F", 0)]
-        return ops + [("B", 0)] * warmup
-    per_round = K // max(1, K // pp)
-    total = K * vpp
-    warmup = min((vpp - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
-    forward = [("F", (op // per_round) % vpp) for op in range(total)]
-    backward = [("B", vpp - 1 - ((op - warmup) // per_round) % vpp) for op in range(warmup, warmup + total)]
-    ops = forward[:warmup]
-    for i in range(total - warmup):
-        ops += [forward[warmup + i], backward[i]]
-    return ops + backward[total - warmup:]
 
 
 @dataclass(frozen=True)
@@ -335,7 +306,8 @@ def _pp_micro_batch(out: dict, cfg: ModelConfig, layout: Layout, stages: list[in
     its input and sends the input's gradient. send_recv counts both directions' calls, the sends' bytes."""
     act = shape.micro_batch * shape.seq_len // layout.tp * cfg.d_model * shape.residual_bytes
     for st in stages:
-        links = (st < layout.stages - 1) + (st > 0)  # each link: one send and one receive
+        # each link to a stage on another rank: one send and one receive (a V's middle stages share a rank)
+        links = sum(0 <= n < layout.stages and n not in stages for n in (st - 1, st + 1))
         _p2p(out, links, links, act)
 
 
@@ -465,7 +437,8 @@ def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> 
                           one per micro-batch over cp (_cp_micro_batch);
       tied embedding      with tied embeddings and pp > 1, on the first and the last stage: one all-reduce of
                           the rank's share of the table's fp32 gradient with its copy on the other end
-                          (runtime.pipeline.TiedEmbedding: 2 ranks, after the step's backward);
+                          (runtime.pipeline.TiedEmbedding: 2 ranks, after the step's backward; none under
+                          a V schedule, whose rank 0 holds both and sums them);
       MoE load            one all-reduce of the choice-biased layers' expert loads (fp32, E each) over dp."""
     out: dict = {}
     dp_rank, pp_rank, tp_rank = layout.coords(rank)
@@ -488,8 +461,8 @@ def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> 
         _add(out, "all_reduce", 1, 4, layout.gpus)  # .clip_grad_norm's one scalar
     if layout.pp > 1:
         _add(out, "all_reduce", 1, 4, layout.pp)
-        for p in params:
-            if cfg.tie_embeddings and p.spec.name in ("embed.weight", TIED_COPY):
+        for p in params:  # a V holds both ends on one rank: their gradients are summed there
+            if cfg.tie_embeddings and p.spec.name in ("embed.weight", TIED_COPY) and not v_shape(layout):
                 _add(out, "all_reduce", 1, 4 * p.numel, 2)
     biased = [p for p in params if p.spec.name.endswith("router.weight")] if cfg.router_bias else []
     if biased:

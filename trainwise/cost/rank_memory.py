@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
 from trainwise.cost import memory as M
-from trainwise.cost.layout import Layout, rank_stages, stage_layers
-from trainwise.cost.rank import is_expert, rank_params, schedule_ops, units
+from trainwise.cost.layout import Layout, rank_stages, schedule_ops, stage_layers
+from trainwise.cost.rank import is_expert, rank_params, units
 from trainwise.cost.run import Run
 
 
@@ -159,7 +159,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         compiled: one fused kernel, see cost.memory.compiled_loss_backward_bytes) or, under full
         checkpointing, one recomputed block's activations + under FSDP2 the gathered parameters in the
         compute dtype (zero2: all of the rank's, kept from forward to backward; fsdp: the stage roots and
-        two blocks) + the most, over the backwards of the schedule (cost.rank.schedule_ops), of the
+        two blocks) + the most, over the backwards of the schedule (cost.layout.schedule_ops), of the
         activations of the micro-batches in flight and the gradients, which exist once a backward of the
         step has run: the rank's gradients, DDP's buckets (which hold them all run long, plus under no_sync
         the micro-batches' own .grad tensors; Megatron-LM's gradient buffer takes them directly; experts
@@ -218,13 +218,15 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     sharded = K > 1 and megatron  # the rank's gradient shard, from the first micro-batch's reduce-scatter on
     held = (grads if lay.pp > 1 or sharded else 0) + accumulated if fsdp else grads - outside
     no_sync = grads - outside if ddp and K > 1 and not megatron else 0  # Megatron accumulates into its grad buffer
-    flights = [sum(per_stage[c] for c in live) for live in in_flight(lay, pp_rank, K)]
-    held_from = 0 if ddp else 1  # the first backward finds no gradients (zero_grad sets them to None)
-    in_flight_high = max(f + (held if i >= held_from else 0) + (outside if i else 0) for i, f in enumerate(flights))
+    # the first backward finds no gradients (zero_grad sets them to None), DDP's buckets excepted
+    backwards = [(sum(per_stage[c] for c in live), after) for live, after in in_flight(lay, pp_rank, K)]
+    flights = [f for f, _ in backwards]
+    in_flight_high = max(f + (held if ddp or after else 0) + (outside if after else 0) for f, after in backwards)
     buffers = 0
     if lay.pp > 1:
         act = tokens // (lay.tp if lay.sequence_parallel else 1) * cfg.d_model * acts_recipe.residual_bytes
-        buffers = sum(K * act * ((st > 0) + (st < lay.stages - 1)) for st in stages)
+        buffers = sum(K * act * sum(0 <= n < lay.stages and n not in stages for n in (st - 1, st + 1))
+                      for st in stages)  # a link to another rank's stage (a V's middle two share one)
     params_bytes = recipe.param_bytes * numel
     resident = params_bytes + optimizer + master + buffers + fp8_weight_bytes(recipe, params)
     backward = resident + in_flight_high + scratch + gathered + no_sync
@@ -245,17 +247,21 @@ def fp8_weight_bytes(recipe: M.Recipe, params: list) -> int:
     return math.ceil(2 * n * (1 + scales))
 
 
-def in_flight(layout: Layout, pp_rank: int, micro_batches: int) -> list[list[int]]:
+def in_flight(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple[list[int], bool]]:
     """The micro-batches in flight on a pipeline rank at each backward of its schedule (the one being run
-    included), as the local stage index of each, replaying cost.rank.schedule_ops: GPipe holds all K at
-    its first backward, 1F1B min(K, pp - rank), interleaved 1F1B its warm-up forwards and one more."""
-    live, out = [], []
+    included), as the local stage index of each, and whether the weights' gradients exist by then (a backward
+    has finished), replaying cost.layout.schedule_ops: GPipe holds all K at its first backward, 1F1B
+    min(K, pp - rank), interleaved 1F1B its warm-up forwards and one more. A zero-bubble schedule's input half
+    ("I") keeps what the weights' half ("W") needs, so a micro-batch is in flight until its W."""
+    live, out, after = [], [], False
     for kind, chunk in schedule_ops(layout, pp_rank, micro_batches):
         if kind == "F":
             live.append(chunk)
-        else:
-            out.append(list(live))
+        elif kind in ("B", "I"):
+            out.append((list(live), after))
+        if kind in ("B", "W"):
             live.remove(chunk)
+            after = True
     return out
 
 

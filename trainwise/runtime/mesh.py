@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from trainwise.config import ZERO_STAGE, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from trainwise.config.checks import divisors
 from trainwise.cost import layout as planned
-from trainwise.cost.layout import Layout, make_layout
+from trainwise.cost.layout import ZERO_BUBBLE, Layout, make_layout
 from trainwise.errors import TrainwiseError
 
 DIMS = ("pp", "dp", "tp")
@@ -155,6 +155,8 @@ def check_layout(cfg: RunConfig) -> None:
         _check_ep(p.ep, m, t)
     if p.cp > 1:
         _check_cp(p, m, t)
+    if p.pp > 1 and p.pp_schedule in ZERO_BUBBLE:
+        _check_zero_bubble(p, m, t)
     layout = Layout(tp=p.tp, pp=p.pp, vpp=p.vpp if p.pp > 1 else 1, cp=p.cp, micro_batches=t.grad_accum_steps,
                     sequence_parallel=p.tp > 1, pp_schedule=p.pp_schedule, cp_impl=_cp_impl(p))
     try:
@@ -248,3 +250,20 @@ def _check_tp(tp: int, m: ModelConfig, t: TrainConfig) -> None:
                 f"parallel.tp = {tp} does not divide {name} = {value}: tensor parallelism gives each rank "
                 f"1/tp of the heads, KV heads and MLP width, and sequence parallelism 1/tp of the sequence. Use "
                 f"parallel.tp={good}, or a model whose n_heads, n_kv_heads, ffn_hidden and seq_len tp divides.")
+
+
+def _check_zero_bubble(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:
+    """What the zero-bubble schedules (a backward split into the input's and the weights' halves) do not train
+    with here: FSDP2's sharded parameters (a step left some without gradients), an MoE stage (its auxiliary
+    loss rides the stage's output as a view, which the input half cannot detach) and compiled stages (torch's
+    schedules refuse them)."""
+    other = "parallel.pp_schedule=1f1b or interleaved"
+    why = (f"FSDP2 (parallel.strategy = {p.strategy}) takes no weight gradients from the split backward here: use "
+           f"parallel.strategy=ddp (or keep {p.strategy} with {other})" if p.strategy in ("zero2", "fsdp") else
+           "an MoE stage's auxiliary loss rides its output as a view, which the split backward cannot detach: train "
+           f"this model with {other}" if m.is_moe else
+           "torch's zero-bubble schedules do not run compiled stages: set train.compile=false (or keep it with "
+           f"{other})" if t.compile == "true" else None)
+    if why:
+        raise TrainwiseError(f"parallel.pp_schedule = {p.pp_schedule} splits each backward into its input and weight "
+                             f"halves, and {why}.")

@@ -42,13 +42,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                         ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                         ScheduleZBVZeroBubble)
 
-from trainwise.cost.layout import Layout, rank_stages, stage_layers
+from trainwise.config.run import MULTI_STAGE_SCHEDULES
+from trainwise.cost.layout import V_SCHEDULES, Layout, rank_stages, stage_layers
 from trainwise.model import Transformer
 from trainwise.model.moe import MoE
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             "interleaved_zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+             "dualpipev": ScheduleDualPipeV}
 
 
 class _AttachAux(torch.autograd.Function):
@@ -165,30 +170,37 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class TiedEmbedding:
-    """This rank's copy of a tied embedding table (the embedding's weight on the first stage, the LM head's
-    on the last) and the group of the two ranks holding it with the same dp and tp coordinates."""
+    """This rank's copies of a tied embedding table (the embedding's weight on the first stage, the LM head's
+    on the last; both under a V schedule, whose rank 0 holds both ends) and the group of the two ranks holding
+    them with the same dp and tp coordinates (None when one rank holds both)."""
 
-    def __init__(self, module: nn.Module, group, last: bool):
-        self.module = module  # model.embed or model.lm_head: its weight is read when used (wrapping replaces it)
-        self.group = group
-        self.last = last
+    def __init__(self, modules: list[nn.Module], group, last: bool):
+        self.modules = modules  # model.embed and / or model.lm_head: their weights are read when used (wrapping
+        self.group = group  # replaces them)
+        self.last = last  # the last stage's copy is here
 
     def all_reduce_grads(self) -> None:
         """Sum the two copies' gradients (this rank's shard of them, fp32) so both hold the whole model's."""
-        weight = self.module.weight
-        if weight.grad is None:  # no gradient reached it: a zero, so the other rank's all-reduce has a partner
-            weight.grad = torch.zeros_like(weight)
-        grad = weight.grad
-        if hasattr(grad, "placements") and grad.placements != weight.placements:
-            # the vocabulary-parallel embedding's gradient comes back whole (Replicate): cut to the rank's
-            # rows, the placement of the head's copy (the clip would do the same, runtime.distributed)
-            weight.grad = grad.redistribute(grad.device_mesh, weight.placements)
+        for module in self.modules:
+            weight = module.weight
+            if weight.grad is None:  # no gradient reached it: a zero, so the sum has its other term
+                weight.grad = torch.zeros_like(weight)
+            grad = weight.grad
+            if hasattr(grad, "placements") and grad.placements != weight.placements:
+                # the vocabulary-parallel embedding's gradient comes back whole (Replicate): cut to the rank's
+                # rows, the placement of the head's copy (the clip would do the same, runtime.distributed)
+                weight.grad = grad.redistribute(grad.device_mesh, weight.placements)
         with torch.no_grad():
-            dist.all_reduce(_local(weight.grad), group=self.group)
+            if len(self.modules) == 2:  # both copies here: the same sum in both
+                table, copy = (_local(m.weight.grad) for m in self.modules)
+                table.add_(copy)
+                copy.copy_(table)
+            else:
+                dist.all_reduce(_local(self.modules[0].weight.grad), group=self.group)
 
     def copies(self) -> list[torch.Tensor]:
         """The parameter that the first stage counts in the gradient norm already: the last stage's copy."""
-        return [self.module.weight] if self.last else []
+        return [self.modules[-1].weight] if self.last else []
 
 
 def tied_group(layout: Layout):
@@ -299,14 +311,17 @@ def build_pipeline(parts: list[nn.Module], layout: Layout, pp_rank: int, group, 
     ids = rank_stages(layout, pp_rank)
     stages = [PipelineStage(part, s, layout.stages, device, group=group) for part, s in zip(parts, ids)]
     cls = SCHEDULES[layout.pp_schedule]
-    multi = layout.pp_schedule == "interleaved"
+    multi = layout.pp_schedule in MULTI_STAGE_SCHEDULES
     schedule = cls(stages if multi else stages[0], n_microbatches=micro_batches, loss_fn=cross_entropy)
-    eval_cls = ScheduleInterleaved1F1B if multi else ScheduleGPipe
+    # evaluation: one micro-batch forward through the stages as they are placed (DualPipeV takes no fewer
+    # micro-batches than stages; ZBV's forwards are the same V)
+    eval_cls = (ScheduleZBVZeroBubble if layout.pp_schedule in V_SCHEDULES
+                else ScheduleInterleaved1F1B if multi else ScheduleGPipe)
     eval_schedule = eval_cls(stages if multi else stages[0], n_microbatches=1, loss_fn=cross_entropy)
     unwrapped = [getattr(p, "_orig_mod", p) for p in parts]
-    tied, tied_pg = None, tied_group(layout) if tie_embeddings else None
-    if tied_pg is not None:
-        first = next((p.embed for p in unwrapped if p.embed is not None), None)
-        last = next((p.lm_head for p in unwrapped if p.lm_head is not None), None)
-        tied = TiedEmbedding(first if first is not None else last, tied_pg, last=first is None)
+    v_shape = layout.pp_schedule in V_SCHEDULES  # both ends of the pipeline on rank 0: no group
+    tied, tied_pg = None, tied_group(layout) if tie_embeddings and not v_shape else None
+    ends = [m for p in unwrapped for m in (p.embed, p.lm_head) if m is not None]
+    if tie_embeddings and ends:
+        tied = TiedEmbedding(ends, tied_pg, last=any(p.lm_head is not None for p in unwrapped))
     return Pipeline(layout, unwrapped, stages, schedule, group, device, eval_schedule, tied)
