@@ -15,7 +15,8 @@ from trainwise.config import ModelConfig
 from trainwise.cost import comm as C
 from trainwise.cost.cluster import BREAKDOWN, _tier
 from trainwise.cost.gpu import GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, matmul_seconds
-from trainwise.cost.layout import bubble_fraction, chunk_layers, make_layout, placement, rank_stages, stage_layers
+from trainwise.cost.layout import (bubble_fraction, chunk_layers, make_layout, placement, rank_stages,
+                                    schedule_seconds, stage_layers)
 from trainwise.cost.memory import get_recipe
 from trainwise.cost.rank import rank_params
 from trainwise.cost.rank_memory import in_flight, layer_bytes_per_token, rank_peak
@@ -48,12 +49,56 @@ def test_pipeline_bubble_stages_and_micro_batches_in_flight():
     assert per_rank(96, 8, 3) == [12] * 8 and per_rank(10, 2, 2) == [5, 5]
     def chunks_in_flight(pp: int, vpp: int, k: int) -> int:  # on the first rank, at its fullest
         lay = make_layout(pp, pp=pp, vpp=vpp, micro_batches=k)
-        return max(len(live) for live in in_flight(lay, 0, k))
+        return max(len(live) for live, _ in in_flight(lay, 0, k))
 
     assert chunks_in_flight(8, 1, 64) == 8 and chunks_in_flight(8, 1, 3) == 3
     # interleaved: 8 (1 + 7/24) micro-batches of 3 chunks each (Korthikanti et al. 2022, section 4.2.3)
     assert chunks_in_flight(8, 3, 64) == 8 * 3 * (1 + 7 / 24)
 
+
+
+@pytest.mark.parametrize("pp, vpp, m", [(2, 1, 4), (4, 1, 8), (8, 1, 32), (4, 2, 8), (8, 2, 32), (4, 4, 16)])
+def test_the_schedules_orders_run_against_each_other_give_the_published_bubbles(pp, vpp, m):
+    # each rank's forward 1 s and backward 2 s per micro-batch: the published (p - 1) / (v m) x m x 3 s comes
+    # back from torch's own orders for 1F1B, GPipe and interleaved 1F1B
+    for schedule in (("interleaved",) if vpp > 1 else ("1f1b", "gpipe")):
+        lay = make_layout(pp, pp=pp, vpp=vpp, micro_batches=m, pp_schedule=schedule)
+        assert schedule_seconds(lay, [1.0] * pp, [2.0] * pp) - 3 * m == pytest.approx(
+            bubble_fraction(pp, vpp, m) * 3 * m)
+
+
+def test_zero_bubble_schedules_leave_one_stage_forward_idle():
+    # pp 2, two stages a rank, 4 micro-batches of 1 s forward and 2 s backward a rank: a stage's forward takes
+    # 0.5 s, its input- and weight-gradient halves 0.5 s each. The second rank waits for the first stage's
+    # first forward and is never idle after: 0.5 + 4 x 3 = 12.5 s, where 1F1B interleaved takes 13.5 s
+    for schedule in ("interleaved_zb", "zbv", "dualpipev"):
+        lay = make_layout(2, pp=2, vpp=2, micro_batches=4, pp_schedule=schedule)
+        assert schedule_seconds(lay, [1.0, 1.0], [2.0, 2.0]) == pytest.approx(12.5)
+    lay = make_layout(2, pp=2, vpp=2, micro_batches=4)
+    assert schedule_seconds(lay, [1.0, 1.0], [2.0, 2.0]) == pytest.approx(12 + 1.5)
+    # a slow rank: the step is at least its own work, and a zero-bubble order hides the fast rank's waiting
+    lay = make_layout(4, pp=4, vpp=2, micro_batches=8, pp_schedule="zbv")
+    assert schedule_seconds(lay, [2.0, 1, 1, 1], [4.0, 2, 2, 2]) >= 8 * 6
+
+
+def test_a_zero_bubble_plan_prices_its_schedule_and_its_v(capsys):
+    cfg = gpt(8, 256, 8, max_seq_len=256, dropout=0.0)  # tied: the V holds both ends on rank 0
+    plans = {s: plan_run(run_of(cfg, tokens=1e9, seq_len=256, micro_batch=2, grad_accum=8, gpus=4, pp=4, vpp=2,
+                                gpu="h100", pp_schedule=s)).to_json() for s in ("interleaved", "zbv", "dualpipev")}
+    bubble = {s: j["time"]["breakdown"]["bubble_s"] for s, j in plans.items()}
+    assert 0 <= bubble["zbv"] < bubble["interleaved"] and bubble["dualpipev"] < bubble["interleaved"]
+    ops = {s: {o["op"] for o in j["time"]["ops"]} for s, j in plans.items()}
+    assert "nccl all_reduce (tied embedding)" in ops["interleaved"] and "nccl all_reduce (tied embedding)" not in \
+        ops["zbv"]
+    assert plans["zbv"]["layout"]["pp_schedule"] == "zbv"
+    # the slowest rank under a V is rank 0 (embedding, LM head and its layers), two sends each way per micro-batch
+    assert plans["zbv"]["comm"]["send_recv"]["calls"] == 8 * 4
+    argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100", "--gpus", "8", "--pp", "4", "--global-batch", "16",
+            "--seq-len", "4096", "--tokens", "1e12", "--pp-schedule", "zbv"]
+    assert main(argv) == 2
+    assert "use --vpp 2" in capsys.readouterr().err
+    assert main(argv + ["--vpp", "2", "--explain"]) == 0
+    assert "the zbv schedule's orders run against each other" in capsys.readouterr().out
 
 def test_each_collective_by_the_nccl_tests_formulas():
     nvlink = C.Tier("nvlink", ring_busbw=235e9, alltoall_busbw=210e9, p2p_bytes_per_s=0.65 * 300e9)
@@ -227,7 +272,7 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     j = p.to_json()
     assert j["layout"] == {"dp": 4, "tp": 2, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False,
                            "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash",
-                           "cp_impl": "ring", "etp": 2, "ep_overlap": False}
+                           "cp_impl": "ring", "etp": 2, "ep_overlap": False, "pp_schedule": "1f1b"}
     assert (j["hardware"]["gpus_per_node"], j["hardware"]["intra_node_bytes_per_s"],
             j["hardware"]["inter_node_bytes_per_s"]) == (8, 300e9, 25e9)
     t = j["time"]

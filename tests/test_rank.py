@@ -77,11 +77,11 @@ def test_micro_batches_in_flight_per_schedule():
     (chunks 0, 0, 1, 1) and runs a fifth before its first backward; rank 1 warms up with 2. in_flight
     lists the micro-batches in flight at each backward of the step; the most is the first."""
     def most(layout: Layout, rank: int, k: int) -> list[int]:
-        return max(in_flight(layout, rank, k), key=len)
+        return max((live for live, _ in in_flight(layout, rank, k)), key=len)
 
     assert [len(most(Layout(pp=4), r, 8)) for r in range(4)] == [4, 3, 2, 1]
     gpipe = in_flight(Layout(pp=2, pp_schedule="gpipe"), 1, 3)
-    assert [len(live) for live in gpipe] == [3, 2, 1]  # every forward first, then the backwards free them
+    assert [len(live) for live, _ in gpipe] == [3, 2, 1]  # every forward first, then the backwards free them
     interleaved = Layout(pp=2, vpp=2, pp_schedule="interleaved")
     assert sorted(most(interleaved, 0, 4)) == [0, 0, 0, 1, 1]
     assert len(most(interleaved, 1, 4)) == 3

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import CHECKPOINTING, load_config
+from trainwise.config.run import PP_SCHEDULES
 from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, Layout, make_layout
 from trainwise.cost.memory import FP8_SCALINGS, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES, get_recipe
 from trainwise.cost.run import Machine, Run
@@ -53,6 +54,9 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--tp", type=whole_number, default=1, help="tensor-parallel ranks (inside a node)")
     p.add_argument("--pp", type=whole_number, default=1, help="pipeline stages")
     p.add_argument("--vpp", type=whole_number, default=1, help="virtual stages per pipeline rank (interleaved 1F1B)")
+    p.add_argument("--pp-schedule", choices=list(PP_SCHEDULES), default=None,
+                   help="pipeline schedule (default 1f1b, interleaved with --vpp > 1); interleaved_zb, zbv and "
+                        "dualpipev split each backward in two (zero bubble), zbv and dualpipev with --vpp 2 in a V")
     p.add_argument("--cp", type=whole_number, default=1, help="context-parallel ranks (the sequence split)")
     p.add_argument("--cp-impl", choices=list(CP_IMPLS), default="ring",
                    help="how cp exchanges keys and values: ring (p2p under attention), allgather, a2a (Ulysses)")
@@ -158,7 +162,7 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
                              sequence_parallel=args.sequence_parallel, zero=args.zero, micro_batches=run.grad_accum,
                              dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
                              tp_overlap=args.tp_overlap, cp_impl=args.cp_impl, etp=args.etp,
-                             ep_overlap=args.ep_overlap)
+                             ep_overlap=args.ep_overlap, pp_schedule=args.pp_schedule)
     machine = Machine(gpu=args.gpu, peak_flops=args.peak_flops, bandwidth=args.bandwidth, memory=args.memory,
                       gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
                       inter_node_bw=args.inter_node_bw)

@@ -18,10 +18,12 @@
                             all-gathered before each pass and their gradients reduce-scattered, or Ulysses'
                             all-to-alls of q, k, v and the output, exposed
           expert parallel   per MoE layer an all-to-all to dispatch and one to combine, forward and backward
-          pipeline          an activation forward and a gradient backward per micro-batch and virtual stage,
-                            B x T x H / tp (scatter-gather / sequence parallel), exposed
-    pipeline            m x (the slowest rank's micro-batch) + the bubble (p - 1) / v x (the mean rank's)
-                        (Narayanan et al. 2021 sections 2.2.1-2.2.2)
+          pipeline          an activation forward and a gradient backward per micro-batch and run of stages
+                            the rank holds in a row, B x T x H / tp (scatter-gather / sequence parallel), exposed
+    pipeline            m x (the slowest rank's micro-batch) + the bubble: (p - 1) / v x (the mean rank's) for
+                        1F1B, GPipe and interleaved 1F1B (Narayanan et al. 2021 sections 2.2.1-2.2.2); for the
+                        zero-bubble schedules the ranks' own orders run against each other
+                        (cost.layout.schedule_seconds, which gives the formula back for the other three)
     once per step       the tied embedding's gradient between the first and last stage, the gradient norm's
                         and the loss's scalars, all-reduced and exposed (_step_reductions)
     data parallel       the rank's gradients all-reduced (ZeRO 1-2: reduce-scattered, parameters
@@ -42,7 +44,8 @@ from dataclasses import dataclass, field
 from trainwise.config import ModelConfig
 from trainwise.cost import comm as C
 from trainwise.cost.gpu import copy_bandwidth, op_seconds
-from trainwise.cost.layout import Layout, ParamCounts, bubble_fraction, chunk_layers, placement
+from trainwise.cost.layout import (ZERO_BUBBLE, Layout, ParamCounts, bubble_fraction, chunk_layers, placement,
+                                    rank_stages, schedule_seconds, v_shape)
 from trainwise.cost.ops import Op, for_cuda
 from trainwise.hardware.profile import DEFAULT_OVERHEAD
 from trainwise.hardware.table import Accelerator, Node
@@ -92,14 +95,14 @@ def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: Param
     tiers = {d: _tier(layout, d, node) for d in ("tp", "cp", "ep", "dp", "pp")} if node else {}  # one GPU: no links
     m, v, p = layout.micro_batches, layout.vpp, layout.pp
     layers = chunk_layers(cfg.n_layers, p * v)
-    stage_idx = [[i for c in range(r, p * v, p) for i in range(sum(layers[:c]), sum(layers[:c + 1]))]
+    stage_idx = [[i for c in sorted(rank_stages(layout, r)) for i in range(sum(layers[:c]), sum(layers[:c + 1]))]
                  for r in range(p)]
-    slowest = max(range(p), key=lambda r: _stage_key(cfg, stage_idx[r], r, p))
+    slowest = max(range(p), key=lambda r: _stage_key(cfg, layout, stage_idx[r], r))
     log = _Log()
     stages, parts, seen = [], [], {}
     for r in range(p):  # ranks alike (the same layers, neither end) are priced once
         n_moe = sum(cfg.is_moe_layer(i) for i in stage_idx[r])
-        key = (len(stage_idx[r]) - n_moe, n_moe, r == 0, r == p - 1, r == slowest)
+        key = (len(stage_idx[r]) - n_moe, n_moe, *_ends(layout, r), r == slowest)
         if key not in seen:
             seen[key] = _micro_batch(cfg, layout, work, stage_idx[r], r, tiers, acc, micro_batch, seq_len,
                                      checkpointing, act_bytes, tp_overlap, moe_imbalance,
@@ -112,7 +115,13 @@ def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: Param
     for key in ("compute_s", "experts_s", "recompute_s", "tp_comm_s", "ep_comm_s", "imbalance_s", "cp_comm_s",
                 "pp_p2p_s"):
         breakdown[key] = m * worst[key]
-    breakdown["bubble_s"] = bubble_fraction(p, v, m) * m * sum(stages) / p
+    if layout.pp_schedule in ZERO_BUBBLE and p > 1:  # the schedule's own order, simulated
+        share = [part["forward"] / max(part["forward"] + part["backward"], 1e-30) for part in parts]
+        span = schedule_seconds(layout, [t * f for t, f in zip(stages, share)],
+                                [t * (1 - f) for t, f in zip(stages, share)])
+        breakdown["bubble_s"] = max(0.0, span - m * stages[slowest])  # never below the slowest rank's own work
+    else:
+        breakdown["bubble_s"] = bubble_fraction(p, v, m) * m * sum(stages) / p
     log.repeat(m)  # the micro-batch's operators and collectives, m times; what follows is once per step
     if layout.zero == 3 and layout.dp * layout.cp > 1:
         breakdown["dp_comm_s"] = _fsdp(cfg, layout, counts, stage_idx[slowest], slowest, worst, tiers, grad_bytes,
@@ -160,8 +169,7 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
     """One micro-batch (forward + backward) of pipeline rank r: its operators and in-step collectives. Under
     expert parallelism with imbalanced routing the rank waits for the most loaded one: its grouped expert
     GEMMs and its dispatch take `imbalance` x the mean's."""
-    p, v = layout.pp, layout.vpp
-    first, last = r == 0, r == p - 1
+    first, last = _ends(layout, r)
     t = _rank_compute(cfg, work, idx, first, last, acc, log)
     plain = _rank_compute(cfg, work.plain, idx, first, last, acc, None) if work.plain else t
     tokens = micro_batch * seq_len // layout.cp
@@ -206,8 +214,10 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
         else:  # Ulysses: q, k, v and the output trade positions for heads, each pass, exposed
             queries = tokens * cfg.n_heads // layout.tp * cfg.head_dim * act_bytes
             cp = coll("cp", "all_to_all", 2 * queries + kv, layout.cp, passes * n)
-    if p > 1:  # activation forward and gradient backward per virtual stage, B x T x H / tp each
-        pp = coll("pp", "send_recv", act / layout.tp, 2, 2 * v)
+    if layout.pp > 1:  # an activation forward and a gradient backward, B x T x H / tp, per run of stages the
+        own = rank_stages(layout, r)  # rank holds in a row (a V's middle two pass theirs without a send)
+        runs = sum(st - 1 not in own for st in own)
+        pp = coll("pp", "send_recv", act / layout.tp, 2, 2 * runs)
     skew = (imbalance - 1) * (t["experts"] + ep) if layout.ep > 1 and n_moe else 0.0
     if log is not None and skew:
         log.op("expert imbalance (the most loaded rank's extra)", 0, skew)
@@ -222,9 +232,17 @@ def _tier(layout: Layout, dim: str, node: Node) -> C.Tier:
     return C.group_tier(g.per_node, g.nodes, node, bridged_pair=g.size == 2 and g.stride == 1)
 
 
-def _stage_key(cfg: ModelConfig, idx: list[int], r: int, p: int) -> tuple:
+def _ends(layout: Layout, r: int) -> tuple[bool, bool]:
+    """Whether pipeline rank r holds the first stage (the embedding) and the last (final norm, LM head, loss):
+    ranks 0 and pp - 1, or rank 0 both under a V schedule (cost.layout.rank_stages)."""
+    own = rank_stages(layout, r)
+    return 0 in own, layout.stages - 1 in own
+
+
+def _stage_key(cfg: ModelConfig, layout: Layout, idx: list[int], r: int) -> tuple:
     """Order of pipeline ranks by work, to find the slowest: MoE layers, layers, then the LM head's rank."""
-    return sum(cfg.is_moe_layer(i) for i in idx), len(idx), r == p - 1, r == 0
+    first, last = _ends(layout, r)
+    return sum(cfg.is_moe_layer(i) for i in idx), len(idx), last, first
 
 
 def _rank_compute(cfg: ModelConfig, work: RankWork, idx: list[int], first: bool, last: bool, acc: Accelerator,
@@ -261,7 +279,8 @@ def _data_parallel(cfg, layout: Layout, rp: ParamCounts, idx, r, backward_s, tie
     (Layout.expert_dp: dp x cp / ep with etp = tp)."""
     n_moe = sum(cfg.is_moe_layer(i) for i in idx)
     dense = (len(idx) - n_moe) * rp.layer + n_moe * (rp.moe_layer - rp.moe_experts)
-    dense += (rp.embedding if r == 0 else 0) + (rp.head if r == layout.pp - 1 else 0)
+    first, last = _ends(layout, r)
+    dense += (rp.embedding if first else 0) + (rp.head if last else 0)
     groups = [(dense, layout.dp * layout.cp), (n_moe * rp.moe_experts, layout.expert_dp)]
     total = 0.0
     for n_params, ranks in groups:
@@ -290,7 +309,8 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
     Blocks priced alike (the rank's layers' mean; experts over their own group, Layout.expert_dp)."""
     n_moe = sum(cfg.is_moe_layer(i) for i in idx)
     blocks = max(1, len(idx))
-    root = (rp.embedding if r == 0 else 0) + (rp.head if r == layout.pp - 1 else 0)
+    first, last = _ends(layout, r)
+    root = (rp.embedding if first else 0) + (rp.head if last else 0)
     dense = (len(idx) - n_moe) * rp.layer + n_moe * (rp.moe_layer - rp.moe_experts)
     ranks, expert_ranks = layout.dp * layout.cp, layout.expert_dp
     m = layout.micro_batches
@@ -329,7 +349,7 @@ def _step_reductions(cfg: ModelConfig, layout: Layout, tiers, grad_bytes: int, l
             total += seconds
             log.coll("all_reduce", what, 1, seconds, C.bytes_sent("all_reduce", nbytes, n))
 
-    if cfg.tie_embeddings and layout.pp > 1:
+    if cfg.tie_embeddings and layout.pp > 1 and not v_shape(layout):  # a V holds both ends on rank 0
         reduce("pp", -(-cfg.vocab_size // layout.tp) * cfg.d_model * grad_bytes, 2, "tied embedding")
     reduce("pp" if layout.pp > 1 else "tp", 4, layout.tp * layout.pp, "gradient norm")
     reduce("dp", 4, layout.dp * layout.cp, "loss")
@@ -338,7 +358,7 @@ def _step_reductions(cfg: ModelConfig, layout: Layout, tiers, grad_bytes: int, l
 
 def _optimizer(cfg, layout: Layout, work: RankWork, idx, r, acc: Accelerator, log: _Log) -> float:
     """The fused update of rank r's parameters (its share of them under ZeRO >= 1), memory-bound."""
-    nbytes = sum(count * op.bytes for ops, count in _parts(cfg, work, idx, r == 0, r == layout.pp - 1)
+    nbytes = sum(count * op.bytes for ops, count in _parts(cfg, work, idx, *_ends(layout, r))
                  for op in ops if op.phase == "optimizer")
     seconds = nbytes / (layout.dp if layout.zero >= 1 else 1) / copy_bandwidth(acc)
     log.op("optimizer (fused AdamW)", 1, seconds)

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, replace
 
 from trainwise.config import STRATEGY_OF_STAGE, ModelConfig
+from trainwise.config.run import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
 from trainwise.cost.params import embedding_params, layer_params, mlp_params, norm_params
 from trainwise.errors import TrainwiseError
 
@@ -90,14 +91,16 @@ class Layout:
                 "sequence_parallel": self.sequence_parallel, "zero": self.zero,
                 "micro_batches": self.micro_batches, "dp_overlap": self.dp_overlap,
                 "attention_impl": self.attention_impl, "cp_impl": self.cp_impl, "etp": self.expert_tp,
-                "ep_overlap": self.ep_overlap}
+                "ep_overlap": self.ep_overlap, "pp_schedule": self.pp_schedule}
 
 
 def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
                 sequence_parallel: bool | None = None, zero: int = 0, micro_batches: int = 1,
                 dp_overlap: bool = True, attention_impl: str = "flash", tp_overlap: bool = False,
-                cp_impl: str = "ring", etp: int | None = None, ep_overlap: bool = False) -> Layout:
-    """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1."""
+                cp_impl: str = "ring", etp: int | None = None, ep_overlap: bool = False,
+                pp_schedule: str | None = None) -> Layout:
+    """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1;
+    the pipeline schedule 1F1B, or interleaved 1F1B with vpp > 1, unless `pp_schedule` names one."""
     for name, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--cp", cp), ("--ep", ep), ("--gpus", gpus),
                         ("micro-batches per step", micro_batches), ("--etp", 1 if etp is None else etp)):
         if value < 1:
@@ -106,6 +109,8 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
         raise TrainwiseError(f"--attention-impl '{attention_impl}' must be one of {', '.join(ATTENTION_IMPLS)}.")
     if cp_impl not in CP_IMPLS:
         raise TrainwiseError(f"--cp-impl '{cp_impl}' must be one of {', '.join(CP_IMPLS)}.")
+    pp_schedule = pp_schedule or ("interleaved" if vpp > 1 else "1f1b")
+    _check_schedule(pp_schedule, pp, vpp)
     split = tp * pp * cp
     if gpus % split:
         raise TrainwiseError(
@@ -116,8 +121,26 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
     return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=gpus // split, sequence_parallel=sp, zero=zero,
                   micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl,
-                  tp_overlap=tp_overlap, pp_schedule="interleaved" if vpp > 1 else "1f1b", cp_impl=cp_impl,
+                  tp_overlap=tp_overlap, pp_schedule=pp_schedule, cp_impl=cp_impl,
                   etp=None if etp is None or etp == tp else etp, ep_overlap=ep_overlap and ep > 1)
+
+
+def _check_schedule(schedule: str, pp: int, vpp: int) -> None:
+    """The stages per rank `schedule` runs (the trainer's rules, config.run.ParallelConfig.validate)."""
+    if schedule not in PP_SCHEDULES:
+        raise TrainwiseError(f"--pp-schedule '{schedule}' must be one of {', '.join(PP_SCHEDULES)}.")
+    if pp == 1:
+        return
+    if vpp > 1 and schedule not in MULTI_STAGE_SCHEDULES:
+        raise TrainwiseError(
+            f"--vpp {vpp} gives each pipeline rank {vpp} stages, which the {schedule} schedule does not run; use "
+            f"--pp-schedule {' or '.join(MULTI_STAGE_SCHEDULES)}, or --vpp 1.")
+    if schedule in ("interleaved", "interleaved_zb") and vpp < 2:
+        raise TrainwiseError(f"--pp-schedule {schedule} needs --vpp 2 or more stages per pipeline rank (with one "
+                             "it is 1F1B); add --vpp 2, or use --pp-schedule 1f1b.")
+    if schedule in V_SCHEDULES and vpp != 2:
+        raise TrainwiseError(f"--pp-schedule {schedule} runs exactly two stages per pipeline rank, placed in a V; "
+                             f"use --vpp 2 (here {vpp}).")
 
 
 def _divisor_hint(gpus: int, tp: int, pp: int, cp: int) -> str:
@@ -302,6 +325,51 @@ def bubble_fraction(pp: int, vpp: int, micro_batches: int) -> float:
     (v = 1) and the interleaved schedule (Narayanan et al. 2021, sections 2.2.1-2.2.2)."""
     return (pp - 1) / (vpp * micro_batches)
 
+
+
+def schedule_seconds(layout: Layout, forward: list[float], backward: list[float]) -> float:
+    """Seconds from a step's first forward to its last backward when every pipeline rank runs its schedule_ops
+    in order, each action as soon as its rank is free and its input is there: a stage's forward after the
+    previous stage's forward of the same micro-batch, its backward or input-gradient half (I) after the next
+    stage's (the last stage's after its own forward), a weight-gradient half (W) after the oldest I of its stage
+    still waiting for one (torch's queue). forward[r] / backward[r]: rank r's seconds per micro-batch, all its
+    stages, split evenly between them; I and W each half a backward (the zero-bubble schedules' premise that the
+    two halves cost alike). Transfers take no time here: the step prices them apart."""
+    p, m, last = layout.pp, layout.micro_batches, layout.stages - 1
+    ops = [[(kind, rank_stages(layout, r)[j]) for kind, j in schedule_ops(layout, r, m)] for r in range(p)]
+    done: dict[tuple, float] = {}  # ("F" | "G" (input gradient), stage, micro-batch) -> when it finished
+    next_mb: dict[tuple, int] = {}  # (kind, stage) -> its next micro-batch
+    waiting: dict[int, list[int]] = {}  # stage -> micro-batches whose I ran and W has not
+    pos, free = [0] * p, [0.0] * p
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            share = len(rank_stages(layout, r))
+            while pos[r] < len(ops[r]):
+                kind, s = ops[r][pos[r]]
+                if kind == "W":
+                    k, need, seconds = waiting[s][0], [("G", s, waiting[s][0])], backward[r] / share / 2
+                else:
+                    k = next_mb.get((kind in "BI", s), 0)
+                    need = ([("F", s - 1, k)] if s else []) if kind == "F" else [("F", s, k)] + (
+                        [("G", s + 1, k)] if s < last else [])
+                    seconds = (forward[r] if kind == "F" else backward[r] / (2 if kind == "I" else 1)) / share
+                if any(d not in done for d in need):
+                    break
+                free[r] = max([free[r]] + [done[d] for d in need]) + seconds
+                if kind == "W":
+                    waiting[s].pop(0)
+                else:
+                    done["F" if kind == "F" else "G", s, k] = free[r]
+                    next_mb[kind in "BI", s] = k + 1
+                    if kind == "I":
+                        waiting.setdefault(s, []).append(k)
+                pos[r] += 1
+                moved = True
+    if any(pos[r] < len(ops[r]) for r in range(p)):
+        raise RuntimeError(f"the {layout.pp_schedule} schedule's order does not run to its end (pp {p}, m {m})")
+    return max(free)
 
 # ---------------------------------------------------------------------------------------------------
 # where a group's ranks sit

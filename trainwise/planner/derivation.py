@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from trainwise.cost import memory as M
 from trainwise.cost.steptime import COMPILED_ELEMENTWISE
+from trainwise.cost.layout import ZERO_BUBBLE
 from trainwise.units import fmt_bytes
 
 NO_HARDWARE = ("no hardware given, so no time: add --gpu NAME (see `trainwise hardware`), --gpu cpu (this "
@@ -92,9 +93,15 @@ def explain_cluster(p) -> str:
     if lay.ep > 1 and b["experts_s"]:
         add(f"   imbalance  = m x ({p.run.moe_imbalance:g} - 1) x (experts + ep comm): the most loaded rank's extra "
             f"(--moe-imbalance; 1: balanced) = {b['imbalance_s']:.4g} s")
-    add(f"   pp p2p     = m x 2 x vpp sends of B x T x H / tp = {b['pp_p2p_s']:.4g} s")
-    add(f"   bubble     = (p - 1) / (v m) x m x mean rank micro-batch = ({pp} - 1) / ({v} x {m}) x {m} x "
-        f"{sum(st.stage_seconds) / pp:.4g} = {b['bubble_s']:.4g} s")
+    add(f"   pp p2p     = m x 2 sends of B x T x H / tp per run of stages a rank holds in a row (vpp of them; 2 "
+        f"in a V) = {b['pp_p2p_s']:.4g} s")
+    if lay.pp_schedule in ZERO_BUBBLE and pp > 1:
+        add(f"   bubble     = the {lay.pp_schedule} schedule's orders run against each other (each rank's forwards, "
+            f"input- and weight-gradient halves as torch orders them, each half a backward) - m x the slowest "
+            f"rank's micro-batch {max(st.stage_seconds):.4g} = {b['bubble_s']:.4g} s")
+    else:
+        add(f"   bubble     = (p - 1) / (v m) x m x mean rank micro-batch = ({pp} - 1) / ({v} x {m}) x {m} x "
+            f"{sum(st.stage_seconds) / pp:.4g} = {b['bubble_s']:.4g} s")
     add(f"   dp comm    = gradient reduction over dp x cp, exposed "
         f"{'past the last backward' if lay.dp_overlap else 'in full'} = {b['dp_comm_s']:.4g} s")
     add(f"   optimizer  = the rank's fused update at the copy bandwidth = {b['optimizer_s']:.4g} s")

@@ -62,7 +62,8 @@ def layout_for(p: ParallelConfig, world_size: int, micro_batches: int = 1) -> La
     if p.cp > 1:
         _check_cp_ranks(p, world_size)
     layout = make_layout(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp if p.pp > 1 else 1, cp=p.cp, ep=p.ep,
-                         zero=ZERO_STAGE[p.strategy], micro_batches=micro_batches, cp_impl=_cp_impl(p))
+                         zero=ZERO_STAGE[p.strategy], micro_batches=micro_batches, cp_impl=_cp_impl(p),
+                         pp_schedule=p.pp_schedule)
     if world_size == 1 and p.ep > 1:
         raise TrainwiseError(
             f"parallel.ep = {p.ep} divides the experts over {p.ep} data-parallel ranks, but this is a single "
@@ -84,7 +85,7 @@ def layout_for(p: ParallelConfig, world_size: int, micro_batches: int = 1) -> La
             + (f" for the {layout.dp} data-parallel replicas of tp {layout.tp} x pp {layout.pp}"
                if layout.model_parallel > 1 else "") + "."
         )
-    return Layout(**{**vars(layout), "pp_schedule": p.pp_schedule})
+    return layout
 
 
 def _cp_impl(p: ParallelConfig) -> str:
