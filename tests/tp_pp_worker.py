@@ -39,7 +39,7 @@ from trainwise.runtime.fused import split_fused
 from trainwise.runtime.mesh import layout_for
 from trainwise.runtime.step import build_model, build_step
 
-STEPS, SAVE_AT = 10, 6
+STEPS, SAVE_AT = 6, 4
 MEASURED = 3  # steady-state steps whose peak is read (the least taken: see train)
 TINY = dict(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 MOE = dict(n_experts=4, top_k=2, n_shared_experts=1, router_bias=True, first_dense_layers=1)
