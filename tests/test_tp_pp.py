@@ -360,20 +360,31 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
     torch.testing.assert_close(exported["model.embed_tokens.weight"], reference["embed.weight"], rtol=1e-4, atol=1e-5)
 
 
-def test_compiled_pipeline_stages_train_the_losses_of_one_process(corpus, tmp_path):
-    """`trainwise train` under torchrun with parallel.pp=2 and train.compile=true (each stage's blocks compiled):
-    the losses of one eager process on the same global batch, and every rank's states and messages equal to
-    the plan's (its step peak is the eager step's plan, not checked here)."""
-    extra = ("train.eval_every=0", "train.max_steps=4", "train.micro_batch=2", "train.checkpoint_every=4",
-             "model.tie_embeddings=false", "train.grad_accum_steps=2")
-    single = tmp_path / "single"
-    assert main(["train", "--out", str(single), "--quiet", *set_args(corpus, *extra)]) == 0
-    run = tmp_path / "pp"
+@pytest.fixture(scope="module")
+def eager_single(corpus, tmp_path_factory) -> Path:
+    """One eager process on COMPILED_RUN's global batch."""
+    single = tmp_path_factory.mktemp("single")
+    assert main(["train", "--out", str(single), "--quiet", *set_args(corpus, *COMPILED_RUN)]) == 0
+    return single
+
+
+COMPILED_RUN = ("train.eval_every=0", "train.max_steps=4", "train.micro_batch=2", "train.checkpoint_every=4",
+                "model.tie_embeddings=false", "train.grad_accum_steps=2")
+
+
+@pytest.mark.parametrize("layout", ["parallel.pp=2", "parallel.tp=2"])
+def test_compiled_blocks_train_the_losses_of_one_process(corpus, eager_single, tmp_path, layout):
+    """`trainwise train` under torchrun with train.compile=true, each rank's blocks compiled: pipeline stages
+    (pp 2), or blocks of DTensor shards (tp 2, sequence parallel; a block compiles whole, with no graph break,
+    and the embedding's collective is waited for before the first block). The losses of one eager process on
+    the same global batch, and every rank's states and messages equal to the plan's (its step peak is the
+    eager step's plan, not checked here)."""
+    run = tmp_path / "run"
     proc = subprocess.run([*TORCHRUN, "--nproc-per-node", "2", "-m", "trainwise", "train", "--quiet", "--out", str(run),
-                           *set_args(corpus, *extra, "parallel.pp=2", "train.compile=true")], capture_output=True,
+                           *set_args(corpus, *COMPILED_RUN, layout, "train.compile=true")], capture_output=True,
                           text=True, timeout=300, env=rank_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert losses(run) == pytest.approx(losses(single), rel=1e-4)
+    assert losses(run) == pytest.approx(losses(eager_single), rel=1e-4)
     verify = json.loads((run / "verify.json").read_text())
     assert verify["run"]["compiled"] is True
     for rank in verify["per_rank"]["ranks"]:
@@ -393,7 +404,6 @@ def test_compiled_pipeline_stages_train_the_losses_of_one_process(corpus, tmp_pa
     (["parallel.cp=2", "parallel.pp=2", "parallel.strategy=ddp"], "set parallel.pp=1 (or parallel.cp=1)"),
     (["parallel.cp=2", "parallel.strategy=ddp", "model.n_experts=4", "model.top_k=2"], "dense models"),
     (["parallel.tp=2"], "torchrun --nproc-per-node 2"),
-    (["parallel.tp=2", "train.compile=true"], "set train.compile=false or auto"),
     (["parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4", "train.grad_accum_steps=2"], "parallel.vpp=2"),
     (["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.vpp=2", "model.n_layers=4",
       "train.grad_accum_steps=2"], "at least as many micro-batches per step as stages, 2 pp = 4"),

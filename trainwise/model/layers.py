@@ -78,9 +78,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Each pair (x1, x2) = (x[..., i], x[..., i + hd/2]) turned by its angle: (x1 cos - x2 sin,
     x2 cos + x1 sin). cos, sin are the half tables (hd/2 columns), broadcastable to x's halves.
-    Written into one output with four in-place ops: no concatenation, no negated copy."""
+    Written into one output with four in-place ops: no concatenation, no negated copy; while torch.compile
+    traces it, out of place (its tracer stops at an `out=` view, which splits a compiled block in two)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
+    if torch.compiler.is_compiling():
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     out = torch.empty_like(x)
     out1, out2 = out[..., :half], out[..., half:]
     torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)

@@ -236,10 +236,6 @@ def _check_tp(tp: int, m: ModelConfig, t: TrainConfig) -> None:
         raise TrainwiseError(f"parallel.tp = {tp} with model.loss_chunk_tokens = {m.loss_chunk_tokens}: under tensor "
                              "parallelism the LM head is sharded by vocabulary, which the chunked loss does not "
                              "take; set model.loss_chunk_tokens=0.")
-    if t.compile == "true":
-        raise TrainwiseError(f"parallel.tp = {tp} with train.compile = true: compiled blocks hand their backward a "
-                             "plain tensor where a tensor-parallel redistribution expects a DTensor, and the step "
-                             "fails; set train.compile=false or auto (auto keeps tensor-parallel steps eager).")
     widths = [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.ffn_hidden", m.ffn_hidden),
               ("train.seq_len", t.seq_len)]
     if m.is_moe:

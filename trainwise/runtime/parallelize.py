@@ -125,15 +125,14 @@ def resolve_compile(requested: str, model: ModelConfig, steps_left: int, strateg
     """(compile?, reason) for train.compile. auto compiles a dense model's run of COMPILE_MIN_STEPS or
     more steps: the default model compiles in tens of seconds with a cold cache and then steps ~1.4x
     faster on a CPU (benchmarks/RESULTS.md), so it pays off after about a hundred steps. A model divided
-    by pipeline parallelism (`divided`) compiles only when asked (per block, as torchtitan does): its
-    per-rank plan describes the eager step. Under tensor parallelism train.compile=true is refused
-    (runtime.mesh.check_layout: the compiled blocks' backward fails at the DTensor redistributions)."""
+    by tensor or pipeline parallelism (`divided`) compiles only when asked (per block, as torchtitan does):
+    its per-rank plan describes the eager step."""
     if requested != "auto":
-        return requested == "true", "set in the config" + ("; per block, within each pipeline stage"
+        return requested == "true", "set in the config" + ("; per block, on this rank's share of the model"
                                                           if divided and requested == "true" else "")
     if divided:
-        return False, "auto: tensor/pipeline-parallel steps run eager (train.compile=true compiles a pipeline " \
-            "stage's blocks)"
+        return False, "auto: tensor/pipeline-parallel steps run eager (train.compile=true compiles this " \
+            "rank's blocks)"
     if model.is_moe:
         return False, "auto: MoE routing has data-dependent shapes, which compile poorly"
     if model.attention == "mla":

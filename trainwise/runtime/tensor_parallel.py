@@ -48,6 +48,19 @@ def _columns(module: nn.Module, prefix: str) -> dict:
     return {prefix: ColwiseParallel()}
 
 
+class _EndsRowwise(RowwiseParallel):
+    """RowwiseParallel whose output collective is waited for where it is issued. torch's style leaves it in
+    flight (an AsyncCollectiveTensor), which compiled blocks take as their input but whose gradient they hand
+    back as a plain tensor where the collective's backward expects a DTensor; the embeddings' output feeds the
+    first block straight away, so nothing is lost by waiting."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts)
+        return outputs.to_local() if use_local_output else outputs
+
+
 def block_plan(block: nn.Module) -> dict:
     """parallelize_module's plan for one Transformer block (dense MLP or MoE)."""
     attn = block.attn
@@ -84,9 +97,9 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
         parallelize_module(block, mesh, plan)
     top = {}
     if getattr(model, "embed", None) is not None:
-        top["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        top["embed"] = _EndsRowwise(input_layouts=Replicate(), output_layouts=Shard(1))
     if getattr(model, "pos_embed", None) is not None:  # learned positions: (T, H), sharded like the stream
-        top["pos_embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+        top["pos_embed"] = _EndsRowwise(input_layouts=Replicate(), output_layouts=Shard(0))
     if getattr(model, "lm_head", None) is not None:
         top["norm"] = SequenceParallel()
         top["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
