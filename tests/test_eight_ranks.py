@@ -33,7 +33,7 @@ def test_losses_equal_one_process_with_the_same_global_batch(ranks):
         assert rank["losses"] == pytest.approx(reference, rel=1e-4)
 
 
-def test_the_checkpoint_of_step_ten_resumes_to_the_same_losses(ranks):
+def test_the_mid_run_checkpoint_resumes_to_the_same_losses(ranks):
     """A fresh model of the same layout loads the DCP checkpoint of step SAVE_AT: the steps after it within 1e-6."""
     for rank in ranks:
         assert rank["resumed"] == pytest.approx(rank["losses"][SAVE_AT:], rel=1e-6)

@@ -46,7 +46,7 @@ def rank_env() -> dict:
 
 
 TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "cp", "pp_zb",
-             "pp_zbv", "pp_dualpipev"]
+             "pp_zbv", "pp_dualpipev", "pp_fp16"]
 FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "cp_dp", "tp_cp", "pp_dp_ep"]
 
 
@@ -70,12 +70,13 @@ def runs(tmp_path_factory) -> dict:
 def plan(case: str, world: int, expert_tokens: list | None = None) -> list[dict]:
     """Every rank's plan; with expert parallelism its all-to-alls at the routing the run measured."""
     cfg = config(case)
-    return predicted_ranks(cfg, "fp32", layout_for(cfg.parallel, world), expert_tokens)
+    return predicted_ranks(cfg, cfg.train.precision, layout_for(cfg.parallel, world), expert_tokens)
 
 
 @pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)
 def test_losses_equal_one_process_with_the_same_global_batch(runs, case):
-    """fp32, STEPS steps: every rank's losses within 1e-4 of one process's on the same dp x K micro-batches."""
+    """fp32 (pp_fp16: fp16 autocast and its loss scaler, one process's too), STEPS steps: every rank's losses
+    within 1e-4 of one process's on the same dp x K micro-batches."""
     reference = runs[case][0]["reference"]
     assert len(reference) == STEPS
     for rank in runs[case]:
@@ -83,7 +84,7 @@ def test_losses_equal_one_process_with_the_same_global_batch(runs, case):
 
 
 @pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)
-def test_the_checkpoint_of_step_ten_resumes_to_the_same_losses(runs, case):
+def test_the_mid_run_checkpoint_resumes_to_the_same_losses(runs, case):
     """A fresh model of the same layout loads the DCP checkpoint of step SAVE_AT: the steps after it within 1e-6."""
     for rank in runs[case]:
         assert rank["resumed"] == pytest.approx(rank["losses"][SAVE_AT:], rel=1e-6)
@@ -112,6 +113,20 @@ def test_each_rank_holds_and_sends_what_the_plan_says(runs, case):
         assert abs(error) < 0.10, (r, m["peak_memory_bytes"], p["peak_memory_bytes"])
 
 
+def test_fp16_stages_scale_each_micro_batch_and_check_for_inf_over_the_job(runs):
+    """fp16 under pp 2: each micro-batch's loss is multiplied by the scaler's scale inside the schedule (the
+    losses of one fp16 process, above), and whether any rank's gradient is inf or NaN is one all-reduce of a
+    4-byte flag over both ranks per step, beside the gradient norm's, the loss's and the tied table's: so both
+    ranks skip alike and hold the same scale after the resumed steps."""
+    ranks = runs["pp_fp16"]
+    assert ranks[0]["scale"] == ranks[1]["scale"] > 1
+    fp32 = plan("pp_tied", 2)  # the same layout, tied, in fp32: no scaler
+    for rank, p in zip(ranks, fp32):
+        measured = rank["measured"]["comm"]["all_reduce"]
+        assert measured["calls"] == p["comm"]["all_reduce"]["calls"] + 1
+        assert measured["bytes"] == p["comm"]["all_reduce"]["bytes"] + 4  # 2 ranks: 2 (n - 1) / n x 4 bytes
+
+
 @pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)
 def test_the_plan_printed_before_the_run_is_what_verify_holds_it_to(case, capsys):
     """The plan of the run (plan_run on the trainer's layout) prints, as its step peak, states and activations,
@@ -119,8 +134,8 @@ def test_the_plan_printed_before_the_run_is_what_verify_holds_it_to(case, capsys
     cfg = config(case)
     world = 4 if case in FOUR_RANKS else 2
     layout = layout_for(cfg.parallel, world, cfg.train.grad_accum_steps)
-    plan = plan_run(Run.of(cfg, "fp32", layout, machine=Machine(peak_flops=1e12)))
-    predicted = predicted_ranks(cfg, "fp32", layout)
+    plan = plan_run(Run.of(cfg, cfg.train.precision, layout, machine=Machine(peak_flops=1e12)))
+    predicted = predicted_ranks(cfg, cfg.train.precision, layout)
     rank, _ = plan.peak_rank
     assert plan.peak_bytes == max(p["peak_memory_bytes"] for p in predicted) == predicted[rank]["peak_memory_bytes"]
     states = plan.to_json()["memory"]

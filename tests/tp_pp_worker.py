@@ -66,7 +66,9 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "pp_zb": (dict(n_layers=4), dict(pp=2, pp_schedule="interleaved_zb", vpp=2), 1, 4),
     "pp_zbv": (dict(n_layers=4), dict(pp=2, pp_schedule="zbv", vpp=2), 1, 4),
     "pp_dualpipev": (dict(n_layers=4, tie_embeddings=False), dict(pp=2, pp_schedule="dualpipev", vpp=2), 1, 4),
+    "pp_fp16": (dict(), dict(pp=2), 1, 3),  # fp16 autocast with its loss scaler (PRECISION), tied
 }
+PRECISION = {"pp_fp16": "fp16"}  # the others: fp32
 
 
 def config(name: str) -> RunConfig:
@@ -74,7 +76,7 @@ def config(name: str) -> RunConfig:
     # the expert-parallel cases clip (their norms are 0.6-0.8), so that a norm counting an expert twice would show
     clip = 0.5 if parallel.get("ep", 1) > 1 else 1.0
     train = TrainConfig(micro_batch=micro_batch, grad_accum_steps=grad_accum, seq_len=16, max_steps=STEPS, lr=1e-2,
-                        warmup_steps=0, precision="fp32", seed=7, grad_clip=clip)
+                        warmup_steps=0, precision=PRECISION.get(name, "fp32"), seed=7, grad_clip=clip)
     return RunConfig(model=ModelConfig(**{**TINY, **model}), train=train, parallel=ParallelConfig(**parallel))
 
 
@@ -91,7 +93,7 @@ def reference(cfg: RunConfig, dp: int) -> tuple[list[float], list]:
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     train = TrainConfig(**{**vars(cfg.train), "grad_accum_steps": cfg.train.grad_accum_steps * dp})
-    step = build_step(model, train, torch.device("cpu"), "fp32")
+    step = build_step(model, train, torch.device("cpu"), cfg.train.precision)
     losses = [step(global_batches(cfg, dp, i)).loss.item() for i in range(cfg.train.max_steps)]
     return losses, routing(model)
 
@@ -107,9 +109,9 @@ def fresh(cfg: RunConfig):
     """The model initialised whole from the run's seed, then divided by the layout (the trainer's: its run
     description over this world size)."""
     layout = layout_for(cfg.parallel, distributed.world_size(), cfg.train.grad_accum_steps)
-    d = distributed.init(Run.of(cfg, "fp32", layout), "cpu")
+    d = distributed.init(Run.of(cfg, cfg.train.precision, layout), "cpu")
     torch.manual_seed(cfg.train.seed)
-    return d, build_step(build_model(cfg.model), cfg.train, torch.device("cpu"), "fp32", dist=d)
+    return d, build_step(build_model(cfg.model), cfg.train, torch.device("cpu"), cfg.train.precision, dist=d)
 
 
 def train(cfg: RunConfig, d, step, steps: range, foreign: set[int] | None = None) -> tuple[list[float], dict]:
@@ -184,12 +186,16 @@ def run(name: str, out: Path) -> None:
     d, step = fresh(cfg)
     losses, measured = train(cfg, d, step, range(SAVE_AT), foreign)
     path = save(out, name, d, step)
+    scaler = step.scaler.state_dict()  # fp16's loss scale (the trainer keeps it in trainer.json)
     more, _ = train(cfg, d, step, range(SAVE_AT, STEPS))
     result = {"losses": losses + more, "measured": measured, "routing": routing(step.model),
               "tied": tied_digest(d, step.model)}
     d, step = fresh(cfg)
     ckpt.load_sharded(path, step.model, step.optimizer)
+    if scaler:
+        step.scaler.load_state_dict(scaler)
     result["resumed"], _ = train(cfg, d, step, range(SAVE_AT, STEPS))
+    result["scale"] = step.scaler.get_scale() if step.scaler.is_enabled() else None
     result["tied_resumed"] = tied_digest(d, step.model)
     if d.is_main:
         result["reference"], result["reference_routing"] = reference(cfg, d.layout.dp)

@@ -237,6 +237,7 @@ class StepShape:
     param_bytes: int = 4  # parameters as FSDP2 gathers them (its mixed-precision param_dtype)
     recompute: bool = False  # full activation checkpointing: each block's forward runs again in backward
     attention_recompute: bool = False  # any activation checkpointing: the attention core runs again in backward
+    loss_scaled: bool = False  # fp16's loss scaler: whether a gradient is inf or NaN, all-reduced over the world
     # ep: per global rank, its assignments to each expert in the step (all micro-batches and MoE layers, after any
     # capacity drop: runtime.expert_parallel.routed_tokens); None: uniform, micro_batch x seq_len x top_k / E each
     expert_tokens: tuple[tuple[int, ...], ...] | None = None
@@ -439,7 +440,9 @@ def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> 
                           the rank's share of the table's fp32 gradient with its copy on the other end
                           (runtime.pipeline.TiedEmbedding: 2 ranks, after the step's backward; none under
                           a V schedule, whose rank 0 holds both and sums them);
-      MoE load            one all-reduce of the choice-biased layers' expert loads (fp32, E each) over dp."""
+      MoE load            one all-reduce of the choice-biased layers' expert loads (fp32, E each) over dp;
+      loss scaler         under fp16, one fp32 flag over the world: any rank's inf or NaN gradient (the
+                          scaler's unscale_, runtime.step.loss_scaler)."""
     out: dict = {}
     dp_rank, pp_rank, tp_rank = layout.coords(rank)
     stages = rank_stages(layout, pp_rank) if layout.pp > 1 else [0]
@@ -467,4 +470,6 @@ def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> 
     biased = [p for p in params if p.spec.name.endswith("router.weight")] if cfg.router_bias else []
     if biased:
         _add(out, "all_reduce", 1, 4 * cfg.n_experts * len(biased), layout.dp)
+    if shape.loss_scaled:
+        _add(out, "all_reduce", 1, 4, layout.gpus)
     return {kind: out[kind] for kind in sorted(out)}

@@ -57,16 +57,17 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": Schedu
 
 
 class _AttachAux(torch.autograd.Function):
-    """Identity on the stage's output; backward gives the MoE auxiliary loss a gradient of one."""
+    """Identity on the stage's output; backward gives the MoE auxiliary loss a gradient of `scale` (the loss
+    scale: one without fp16)."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        ctx.aux_shape = aux.shape
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.aux_shape, ctx.scale = aux.shape, scale
         return hidden.view_as(hidden)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.ones(ctx.aux_shape, device=grad.device, dtype=torch.float32)
+        return grad, torch.full(ctx.aux_shape, ctx.scale, device=grad.device, dtype=torch.float32), None
 
 
 class StageModule(nn.Module):
@@ -88,6 +89,7 @@ class StageModule(nn.Module):
             self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.seq_shards = 1  # tp under sequence parallelism: hidden states hold T / seq_shards positions
         self.amp = contextlib.nullcontext  # the autocast of the run's precision: the forward's, not backward's
+        self.loss_scale = 1.0  # fp16's loss scale this step (Pipeline.run)
         self.aux_losses: list[torch.Tensor] = []  # each training forward's MoE auxiliary loss, detached (the log)
         self.expert_counts: list[dict[int, torch.Tensor]] = []  # each training forward's id(MoE) -> assignments
         self.routed: list[torch.Tensor] = []  # each training forward's (E,) rows sent to each divided expert
@@ -116,7 +118,7 @@ class StageModule(nn.Module):
                 self.routed.append(torch.stack(sent).sum(0))
             total = torch.stack([m.last_aux_loss.float() for m in moe]).sum()
             self.aux_losses.append(total.detach())
-            h = _AttachAux.apply(h, total)
+            h = _AttachAux.apply(h, total, self.loss_scale)
         if self.lm_head is not None:
             h = self.lm_head(self.norm(h))  # (B, T, V)
         return h
@@ -162,6 +164,18 @@ class RankModel(nn.Module):
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The model's loss on the last stage: mean next-token cross-entropy in fp32 (Transformer.forward)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class ScaledLoss:
+    """The schedule's loss function: cross_entropy x `scale`, fp16's loss scale for the step (1 otherwise), as
+    one process scales each micro-batch's loss before its backward."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = cross_entropy(logits, targets)
+        return loss * self.scale if self.scale != 1.0 else loss
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -224,6 +238,7 @@ class Pipeline:
     device: torch.device
     eval_schedule: object = None
     tied: TiedEmbedding | None = None  # this rank's copy of a tied embedding, on the first or the last stage
+    loss: ScaledLoss = field(default_factory=ScaledLoss)  # the training schedule's loss function
     _losses: list = field(default_factory=list)
 
     @property
@@ -234,11 +249,14 @@ class Pipeline:
     def last(self) -> bool:
         return any(s.is_last for s in self.stages)
 
-    def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One training step's forward and backward over the K micro-batches (the schedule's order); the
-        sum of their losses (cross-entropy + MoE auxiliary losses), the same on every pipeline rank."""
+    def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float = 1.0) -> torch.Tensor:
+        """One training step's forward and backward over the K micro-batches (the schedule's order), each
+        micro-batch's losses multiplied by `loss_scale` for its backward (fp16's scaler); the sum of their
+        losses (cross-entropy + MoE auxiliary losses, unscaled), the same on every pipeline rank."""
+        self.loss.scale = loss_scale
         for part in self.parts:
             part.keep_last(0)
+            part.loss_scale = loss_scale
         x = torch.cat([b[0] for b in batches])  # (K B, T): the schedule cuts it into K micro-batches again
         y = torch.cat([b[1] for b in batches])
         total = self._step(self.schedule, x, y, micro_batches=len(batches))
@@ -266,8 +284,9 @@ class Pipeline:
         else:
             schedule.eval(*args, **kwargs)
         total = torch.zeros((), device=self.device)
-        if losses:
-            total = total + torch.stack([loss.detach().float() for loss in losses]).sum()
+        if losses:  # the training schedule's losses carry the loss scale
+            scale = self.loss.scale if micro_batches else 1.0
+            total = total + torch.stack([loss.detach().float() for loss in losses]).sum() / scale
         for part in self.parts if micro_batches else ():
             part.keep_last(micro_batches)
             for aux in part.aux_losses:
@@ -312,7 +331,8 @@ def build_pipeline(parts: list[nn.Module], layout: Layout, pp_rank: int, group, 
     stages = [PipelineStage(part, s, layout.stages, device, group=group) for part, s in zip(parts, ids)]
     cls = SCHEDULES[layout.pp_schedule]
     multi = layout.pp_schedule in MULTI_STAGE_SCHEDULES
-    schedule = cls(stages if multi else stages[0], n_microbatches=micro_batches, loss_fn=cross_entropy)
+    loss = ScaledLoss()
+    schedule = cls(stages if multi else stages[0], n_microbatches=micro_batches, loss_fn=loss)
     # evaluation: one micro-batch forward through the stages as they are placed (DualPipeV takes no fewer
     # micro-batches than stages; ZBV's forwards are the same V)
     eval_cls = (ScheduleZBVZeroBubble if layout.pp_schedule in V_SCHEDULES
@@ -324,4 +344,4 @@ def build_pipeline(parts: list[nn.Module], layout: Layout, pp_rank: int, group, 
     ends = [m for p in unwrapped for m in (p.embed, p.lm_head) if m is not None]
     if tie_embeddings and ends:
         tied = TiedEmbedding(ends, tied_pg, last=any(p.lm_head is not None for p in unwrapped))
-    return Pipeline(layout, unwrapped, stages, schedule, group, device, eval_schedule, tied)
+    return Pipeline(layout, unwrapped, stages, schedule, group, device, eval_schedule, tied, loss=loss)

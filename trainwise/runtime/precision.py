@@ -37,10 +37,8 @@ def resolve_precision(requested: str, device: torch.device) -> tuple[str, str]:
     CUDA GPUs without bf16, else fp32. Reads the device's type and, on CUDA, the capability of `device` (the
     current device when it has no index), so it can be asked before torchrun's rank selects its GPU."""
     if requested == "fp16" and device.type != "cuda":
-        raise TrainwiseError(
-            "train.precision = 'fp16' needs a CUDA GPU (fp16 autocast with a GradScaler); on this CPU use "
-            "bf16 or fp32."
-        )
+        return "fp16", "set in the config (on a CPU fp16 runs as it does on a GPU, loss scaler included, but " \
+            "slowly: few CPUs multiply fp16 natively; bf16 is the CPU's fast format)"
     if requested != "auto":
         return requested, "set in the config"
     if device.type == "cuda":

@@ -89,7 +89,7 @@ class TrainingStep:
 
     def __post_init__(self) -> None:
         if self.scaler is None:
-            self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+            self.scaler = loss_scaler(self.device, self.precision, self.dist)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.balanced = [m for m in self.model.modules() if isinstance(m, MoE) and m.expert_bias is not None]
 
@@ -99,8 +99,10 @@ class TrainingStep:
         loss is added to in place (the trainer's running sum between log rows)."""
         k = len(batches)
         if self.pipeline is not None:
+            # fp16: the scaler's scale (scaling a one sets it up, as scaling the loss does in one process)
+            scale = self.scaler.scale(torch.ones((), device=self.device)).item() if self.scaler.is_enabled() else 1.0
             with distributed.gradient_sync(self.model, self.dist, last_micro_batch=True):  # divided experts
-                total = self.pipeline.run(batches)  # forward and backward of all K micro-batches
+                total = self.pipeline.run(batches, scale)  # forward and backward of all K micro-batches
             hook("forward")
             hook("backward")
             load = self.pipeline.expert_load(self.balanced)
@@ -155,6 +157,26 @@ class TrainingStep:
             return self.pipeline.eval_loss(x, y)
         forward = self.eval_forward or self.model
         return forward(x, y)
+
+
+class _JobScaler(torch.amp.GradScaler):
+    """GradScaler whose inf/NaN flag is the whole job's: unscale_ takes the maximum of every rank's (one
+    all-reduce of one float), so that every rank skips the same steps and keeps the same scale. (torch's
+    ShardedGradScaler does the same with a flag of shape (1,), which the fused AdamW kernel refuses.)"""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        for found in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+
+
+def loss_scaler(device: torch.device, precision: str, dist: distributed.Dist | None) -> torch.amp.GradScaler:
+    """fp16's loss scaler (disabled otherwise). Under torchrun every rank holds other gradients (pipeline
+    stages, tensor or FSDP shards), so whether any is inf or NaN is all-reduced over the job once per step
+    (_JobScaler)."""
+    if precision == "fp16" and dist is not None and dist.active:
+        return _JobScaler(device.type)
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> Transformer:
@@ -212,10 +234,6 @@ def _build_divided(model: nn.Module, train: TrainConfig, device: torch.device, p
     split_fused(model)
     parts, layers = [model], list(range(model.cfg.n_layers))
     if layout.pp > 1:
-        if precision == "fp16":
-            raise TrainwiseError("train.precision = fp16 with parallel.pp > 1: the loss scaler would have to scale "
-                                 "the loss inside the pipeline schedule, which trainwise does not do; use bf16 "
-                                 "(or fp32).")
         parts, layers = split_stages(model, layout, dist.pp_rank, seq_shards=layout.tp)
         for part in parts:
             part.amp = functools.partial(autocast, device, precision)

@@ -32,7 +32,8 @@ def step_shape(cfg: RunConfig, precision: str, layout: Layout, expert_tokens: li
     tokens = tuple(tuple(r) for r in expert_tokens) if expert_tokens and all(expert_tokens) else None
     return R.StepShape(t.micro_batch, t.seq_len, t.grad_accum_steps, 2 if low else 4, 2 if fsdp_low else 4,
                        2 if fsdp_low else 4, recompute=t.activation_checkpointing == "full",
-                       attention_recompute=t.activation_checkpointing != "none", expert_tokens=tokens)
+                       attention_recompute=t.activation_checkpointing != "none", expert_tokens=tokens,
+                       loss_scaled=precision == "fp16")
 
 
 def predicted_ranks(cfg: RunConfig, precision: str, layout: Layout, expert_tokens: list | None = None) -> list[dict]:
