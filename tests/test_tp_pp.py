@@ -23,7 +23,7 @@ from tp_pp_worker import SAVE_AT, STEPS, config
 
 from trainwise.api import load
 from trainwise.cli import main
-from trainwise.config import ModelConfig, ParallelConfig, RunConfig
+from trainwise.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from trainwise.cost import rank as R
 from trainwise.cost.layout import Layout, rank_stages, schedule_ops
 from trainwise.cost.rank_memory import in_flight
@@ -32,7 +32,7 @@ from trainwise.errors import TrainwiseError
 from trainwise.planner.derivation import plan_table
 from trainwise.planner.plan import plan_run
 from trainwise.runtime.context_parallel import cp_ranks, head_tail_order, rank_positions, sequence_order
-from trainwise.runtime.mesh import check_layout, layout_for
+from trainwise.runtime.mesh import check_layout, layout_for, pipeline_micro_batches
 from trainwise.verify.per_rank import predicted_ranks
 
 WORKER = Path(__file__).with_name("tp_pp_worker.py")
@@ -411,7 +411,7 @@ def test_compiled_blocks_train_the_losses_of_one_process(corpus, eager_single, t
 @pytest.mark.parametrize("sets, hint", [
     (["parallel.tp=3"], "parallel.tp=2"),
     (["parallel.pp=4", "model.tie_embeddings=false", "train.grad_accum_steps=4"], "parallel.pp=2"),
-    (["parallel.pp=2", "model.tie_embeddings=false"], "at least 2 micro-batches per step"),
+    (["parallel.pp=2", "model.tie_embeddings=false", "train.micro_batch=1"], "at least 2 micro-batches per step"),
     (["parallel.pp=2", "model.tie_embeddings=false", "parallel.pp_schedule=interleaved", "parallel.vpp=2",
       "model.n_layers=4", "train.grad_accum_steps=3"], "use 4 micro-batches or parallel.vpp=1"),
     (["parallel.cp=2", "parallel.strategy=ddp"], "torchrun --nproc-per-node 2"),
@@ -421,7 +421,8 @@ def test_compiled_blocks_train_the_losses_of_one_process(corpus, eager_single, t
     (["parallel.tp=2"], "torchrun --nproc-per-node 2"),
     (["parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4", "train.grad_accum_steps=2"], "parallel.vpp=2"),
     (["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.vpp=2", "model.n_layers=4",
-      "train.grad_accum_steps=2"], "at least as many micro-batches per step as stages, 2 pp = 4"),
+      "train.grad_accum_steps=2", "train.micro_batch=1"],
+     "at least as many micro-batches per step as stages, 2 pp = 4"),
     (["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.vpp=2", "model.n_layers=4", "train.grad_accum_steps=4",
       "parallel.strategy=fsdp"], "use parallel.strategy=ddp"),
     (["parallel.pp=2", "parallel.pp_schedule=interleaved_zb", "parallel.vpp=2", "model.n_layers=4",
@@ -439,6 +440,21 @@ def test_a_layout_that_cannot_work_is_one_clear_error_before_anything_starts(cor
     err = capsys.readouterr().err
     assert hint in " ".join(err.split()) and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_pipeline_cuts_its_micro_batches_from_the_steps_sequences():
+    """parallel.pp = 2 on a run of one micro-batch of 16 sequences (the default): 2 micro-batches of 8, the
+    global batch the same, and a sentence that says so; dualpipev's 2 pp; none where the sequences do not
+    divide (check_layout's error then) or the micro-batches are enough already."""
+    cfg = RunConfig(parallel=ParallelConfig(pp=2))
+    note = pipeline_micro_batches(cfg)
+    assert (cfg.train.micro_batch, cfg.train.grad_accum_steps) == (8, 2)
+    assert "16 sequences run as 2 micro-batches of 8" in note
+    cfg = RunConfig(parallel=ParallelConfig(pp=2, pp_schedule="dualpipev", vpp=2))
+    assert pipeline_micro_batches(cfg) and (cfg.train.micro_batch, cfg.train.grad_accum_steps) == (4, 4)
+    for train in (TrainConfig(micro_batch=3), TrainConfig(micro_batch=4, grad_accum_steps=2)):
+        cfg = RunConfig(train=train, parallel=ParallelConfig(pp=2))
+        assert pipeline_micro_batches(cfg) is None and cfg.train == train
 
 
 def test_world_size_not_divisible_by_the_layout_names_one_that_works():

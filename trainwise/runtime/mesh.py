@@ -144,6 +144,22 @@ def build_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, DeviceMesh
     return mesh, mesh["dp", "cp"]._flatten("dp_cp")
 
 
+def pipeline_micro_batches(cfg: RunConfig) -> str | None:
+    """A pipeline needs at least pp micro-batches a step (dualpipev 2 pp): where train.grad_accum_steps gives
+    fewer and the step's sequences divide, they are cut into that many micro-batches, the global batch
+    unchanged (as torchtitan cuts its local batch into the pipeline's micro-batches). Changes cfg.train in
+    place, before the run's config is stored; the sentence that says so, or None."""
+    p, t = cfg.parallel, cfg.train
+    needed = 2 * p.pp if p.pp_schedule == "dualpipev" else p.pp
+    sequences = t.micro_batch * t.grad_accum_steps
+    if p.pp == 1 or t.grad_accum_steps >= needed or sequences % needed:
+        return None
+    t.micro_batch, t.grad_accum_steps = sequences // needed, needed
+    return (f"parallel.pp = {p.pp}: the step's {sequences} sequences run as {needed} micro-batches of "
+            f"{t.micro_batch} (train.micro_batch={t.micro_batch}, train.grad_accum_steps={needed}; the same "
+            "global batch): a pipeline keeps its stages busy with at least as many micro-batches as stages")
+
+
 def check_layout(cfg: RunConfig) -> None:
     """The model and batch against parallel.tp / pp / vpp, before anything starts; each error names the
     numbers and a layout that works. What only the trainer needs first (tensor parallelism divides KV heads,

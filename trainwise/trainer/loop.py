@@ -37,7 +37,7 @@ from trainwise.report.html import write_report
 from trainwise.runtime import checkpoint as ckpt
 from trainwise.runtime import distributed
 from trainwise.runtime.allocator import keep_freed_memory
-from trainwise.runtime.mesh import check_layout, describe, layout_for
+from trainwise.runtime.mesh import check_layout, describe, layout_for, pipeline_micro_batches
 from trainwise.runtime.optim import lr_at
 from trainwise.runtime.parallelize import remove_compile, resolve_compile
 from trainwise.runtime.precision import autocast, resolve_device, resolve_precision
@@ -67,7 +67,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     """Run (or continue) a training run; see the module docstring. Returns the final numbers."""
     keep_freed_memory()  # steps reuse the heap instead of faulting in fresh pages (runtime.allocator)
     out = Path(out) if out else rundir.default_run_dir()
-    cfg, resume = _resolve_config(cfg, out, resume, max_steps, init_from)
+    cfg, resume, note = _resolve_config(cfg, out, resume, max_steps, init_from)
     t = cfg.train
     layout = layout_for(cfg.parallel, distributed.world_size(), t.grad_accum_steps)  # before anything starts
     device = distributed.local_device(resolve_device(t.device))
@@ -78,6 +78,8 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     relaunch.check_ranks_agree(out, resume, d)
     quiet = quiet or not d.is_main
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    if note:
+        say(note)
     foreign = foreign_storages(device)  # what the process held before this run: not the run's memory
     tokenizer, tokens, init_state = _prepare_inputs(cfg, out, resume, init_from, d, say)
     check_memory(planned, t.memory_check, device, precision, d, say)  # before the model and the run directory
@@ -104,14 +106,18 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
 
 
 def _resolve_config(cfg: RunConfig | None, out: Path, resume: bool, max_steps: int | None,
-                    init_from: str | None) -> tuple[RunConfig, bool]:
-    """(the validated config, resume?). The same command run again (a requeued job) continues its run
-    (train.resume); a resumed run takes DIR's config.toml, where only max_steps may change."""
+                    init_from: str | None) -> tuple[RunConfig, bool, str | None]:
+    """(the validated config, resume?, a note on what was adjusted). The same command run again (a requeued
+    job) continues its run (train.resume); a resumed run takes DIR's config.toml, where only max_steps may
+    change. A pipeline's micro-batches are cut from the step's sequences where too few were asked for
+    (runtime.mesh.pipeline_micro_batches), before the config is compared with a stored run's."""
+    note = None
     if not resume:
         cfg = cfg or RunConfig()
         if max_steps is not None:
             cfg.train.max_steps = max_steps
         cfg.validate()
+        note = pipeline_micro_batches(cfg)
         resume = relaunch.should_resume(out, cfg, init_from)
         max_steps = cfg.train.max_steps if resume else max_steps
     rundir.check_run_dir(out, resume)
@@ -124,7 +130,7 @@ def _resolve_config(cfg: RunConfig | None, out: Path, resume: bool, max_steps: i
     check_layout(cfg)  # tp / pp / vpp against the model and batch, before anything starts
     if cfg.log.wandb:  # a missing package is a message now, before any file is written
         require_wandb()
-    return cfg, resume
+    return cfg, resume, note
 
 
 class _StopRequest:
