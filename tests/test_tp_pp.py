@@ -55,7 +55,11 @@ def _launch(n: int, out: Path, cases: list[str], timeout: float) -> dict:
     proc = subprocess.run([*TORCHRUN, "--nproc-per-node", str(n), str(WORKER), str(out), *cases],
                           capture_output=True, text=True, timeout=timeout, env=rank_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {case: [json.loads((out / f"{case}.rank{r}.json").read_text()) for r in range(n)] for case in cases}
+    results = {case: [json.loads((out / f"{case}.rank{r}.json").read_text()) for r in range(n)] for case in cases}
+    for case, ranks in results.items():  # the one-process run, with rank 0's results (tp_pp_worker.one_process)
+        if (out / f"{case}.reference.json").exists():
+            ranks[0].update(json.loads((out / f"{case}.reference.json").read_text()))
+    return results
 
 
 @pytest.fixture(scope="module")

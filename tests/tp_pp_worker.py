@@ -1,8 +1,8 @@
 """Run by tests/test_tp_pp.py under torchrun (gloo, one thread per rank): tensor-, pipeline-, expert- and
 context-parallel layouts built by trainwise's one step builder, each trained STEPS steps on seeded batches, with
 a DCP checkpoint at step SAVE_AT resumed into a fresh model for the steps after it, and every rank's states, peak
-and messages of the MEASURED steps before it measured as the trainer measures its last step. Rank 0 also
-trains one process on the same global batch (dp x K micro-batches a step) from the same seed.
+and messages of the MEASURED steps before it measured as the trainer measures its last step. After every case,
+the ranks share out the one-process runs on the same global batch (dp x K micro-batches a step, same seed).
 
     python -m torch.distributed.run --nproc-per-node N tests/tp_pp_worker.py OUT CASE [CASE ...]
 
@@ -180,7 +180,7 @@ def one_process_loss(cfg: RunConfig, path: Path, dp: int) -> float:
 
 def run(name: str, out: Path) -> None:
     """STEPS steps straight with a checkpoint after step SAVE_AT (the MEASURED steps before it measured), then
-    the steps after it again from that checkpoint in a freshly built model; rank 0 adds the one-process run."""
+    the steps after it again from that checkpoint in a freshly built model (one_process adds the one-process run)."""
     cfg = config(name)
     foreign = foreign_storages(torch.device("cpu"))
     d, step = fresh(cfg)
@@ -197,12 +197,21 @@ def run(name: str, out: Path) -> None:
     result["resumed"], _ = train(cfg, d, step, range(SAVE_AT, STEPS))
     result["scale"] = step.scaler.get_scale() if step.scaler.is_enabled() else None
     result["tied_resumed"] = tied_digest(d, step.model)
-    if d.is_main:
-        result["reference"], result["reference_routing"] = reference(cfg, d.layout.dp)
-        if cfg.model.tie_embeddings and d.layout.pp > 1:
-            result["one_process_at_save"] = one_process_loss(cfg, path, d.layout.dp)
     (out / f"{name}.rank{d.rank}.json").write_text(json.dumps(result))
     distributed.barrier(d)
+
+
+def one_process(name: str, out: Path, world: int) -> None:
+    """The one-process run of a case on the same global batch (and, tied across stages, the loss one process
+    computes from the checkpoint's weights): OUT/CASE.reference.json. Each rank takes its share of the cases
+    after all of them have run, so the ranks compute them side by side."""
+    cfg = config(name)
+    dp = layout_for(cfg.parallel, world, cfg.train.grad_accum_steps).dp
+    result = dict(zip(("reference", "reference_routing"), reference(cfg, dp)))
+    if cfg.model.tie_embeddings and cfg.parallel.pp > 1:
+        path = rundir.checkpoint_dir(out / f"{name}-run") / rundir.checkpoint_name(SAVE_AT)
+        result["one_process_at_save"] = one_process_loss(cfg, path, dp)
+    (out / f"{name}.reference.json").write_text(json.dumps(result))
 
 
 def reshard(out: Path) -> None:
@@ -273,8 +282,13 @@ def reshard_ep(out: Path) -> None:
 def main() -> None:
     torch.set_num_threads(1)
     out = Path(sys.argv[1])
+    special = {"reshard": reshard, "reshard_ep": reshard_ep}
     for name in sys.argv[2:]:
-        {"reshard": reshard, "reshard_ep": reshard_ep}.get(name, lambda out: run(name, out))(out)
+        special.get(name, lambda out: run(name, out))(out)
+    world, rank = distributed.world_size(), torch.distributed.get_rank()
+    for i, name in enumerate(n for n in sys.argv[2:] if n not in special):
+        if i % world == rank:
+            one_process(name, out, world)
     distributed.shutdown(distributed.Dist("x", world_size=2))
 
 
