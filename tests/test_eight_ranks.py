@@ -10,7 +10,7 @@ Its own launch: the cases of tests/test_tp_pp.py run on 2 or 4 ranks; this is th
 from __future__ import annotations
 
 import pytest
-from test_tp_pp import _launch, plan
+from test_tp_pp import _launch, assert_ranks_as_planned, plan
 from tp_pp_worker import SAVE_AT, STEPS, config
 
 from trainwise.cost import rank as R
@@ -42,14 +42,7 @@ def test_the_mid_run_checkpoint_resumes_to_the_same_losses(ranks):
 def test_each_rank_holds_and_sends_what_the_plan_says(ranks):
     """params, grads and optimizer bytes and every collective's calls and bytes equal cost.rank's plan for each
     of the 8 ranks; the step's peak within 10% of the plan's (the least of the worker's MEASURED steps)."""
-    predicted = plan(CASE, WORLD)
-    for r, (p, rank) in enumerate(zip(predicted, ranks)):
-        m = rank["measured"]
-        for name in ("params", "grads", "optimizer"):
-            assert m[name] == p[name], (r, name)
-        assert m["comm"] == p["comm"], r
-        error = m["peak_memory_bytes"] / p["peak_memory_bytes"] - 1
-        assert abs(error) < 0.10, (r, m["peak_memory_bytes"], p["peak_memory_bytes"])
+    assert_ranks_as_planned(ranks, plan(CASE, WORLD))
 
 
 def test_tied_copies_stay_bit_equal_and_the_checkpoint_loads_in_one_process(ranks):

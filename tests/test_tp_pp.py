@@ -108,7 +108,12 @@ def test_each_rank_holds_and_sends_what_the_plan_says(runs, case):
     before SAVE_AT: see tp_pp_worker.train), GPipe included: its first backward finds all K micro-batches
     in flight but no gradients yet, its second one gradients and K - 1."""
     predicted = plan(case, len(runs[case]), [rank["measured"].get("expert_tokens") for rank in runs[case]])
-    for r, (p, rank) in enumerate(zip(predicted, runs[case])):
+    assert_ranks_as_planned(runs[case], predicted)
+
+
+def assert_ranks_as_planned(ranks: list[dict], predicted: list[dict]) -> None:
+    """Each rank's measured states and messages equal its plan's, its peak within 10%."""
+    for r, (p, rank) in enumerate(zip(predicted, ranks, strict=True)):
         m = rank["measured"]
         for name in ("params", "grads", "optimizer"):
             assert m[name] == p[name], (r, name)
