@@ -122,6 +122,15 @@ def assert_ranks_as_planned(ranks: list[dict], predicted: list[dict]) -> None:
         assert abs(error) < 0.10, (r, m["peak_memory_bytes"], p["peak_memory_bytes"])
 
 
+@pytest.mark.parametrize("case", ["pp_zbv", "pp_dualpipev"])
+def test_a_v_schedule_evaluates_as_one_process(runs, case):
+    """Evaluation through a V schedule (torch's V runtime runs its backward actions in eval() too: the batch's
+    backward runs and its gradients are dropped): every rank's loss of one batch after the resumed steps is one
+    process's after the same steps."""
+    for rank in runs[case]:
+        assert rank["eval"] == pytest.approx(runs[case][0]["reference_eval"], rel=1e-5)
+
+
 def test_fp16_stages_scale_each_micro_batch_and_check_for_inf_over_the_job(runs):
     """fp16 under pp 2: each micro-batch's loss is multiplied by the scaler's scale inside the schedule (the
     losses of one fp16 process, above), and whether any rank's gradient is inf or NaN is one all-reduce of a

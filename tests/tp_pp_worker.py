@@ -70,6 +70,7 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "pp_fp16": (dict(), dict(pp=2), 1, 3),  # fp16 autocast with its loss scaler (PRECISION), tied
 }
 PRECISION = {"pp_fp16": "fp16"}  # the others: fp32
+V_EVAL = ("zbv", "dualpipev")  # schedules whose cases also evaluate one batch after the resumed steps
 
 
 def config(name: str) -> RunConfig:
@@ -89,14 +90,16 @@ def global_batches(cfg: RunConfig, dp: int, step: int) -> list[tuple[torch.Tenso
     return [(b[:, :-1], b[:, 1:]) for b in ids]
 
 
-def reference(cfg: RunConfig, dp: int) -> tuple[list[float], list]:
-    """One process, the same global batch and seed: its losses and the routing of its last forward."""
+def reference(cfg: RunConfig, dp: int) -> tuple[list[float], list, float | None]:
+    """One process, the same global batch and seed: its losses, the routing of its last forward and (V_EVAL)
+    the loss of one evaluation batch after its steps."""
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     train = TrainConfig(**{**vars(cfg.train), "grad_accum_steps": cfg.train.grad_accum_steps * dp})
     step = build_step(model, train, torch.device("cpu"), cfg.train.precision)
     losses = [step(global_batches(cfg, dp, i)).loss.item() for i in range(cfg.train.max_steps)]
-    return losses, routing(model)
+    evaluated = step.loss(*global_batches(cfg, 1, STEPS)[0]).item() if cfg.parallel.pp_schedule in V_EVAL else None
+    return losses, routing(model), evaluated
 
 
 def routing(model: torch.nn.Module) -> list:
@@ -198,6 +201,8 @@ def run(name: str, out: Path) -> None:
     result["resumed"], _ = train(cfg, d, step, range(SAVE_AT, STEPS))
     result["scale"] = step.scaler.get_scale() if step.scaler.is_enabled() else None
     result["tied_resumed"] = tied_digest(d, step.model)
+    if cfg.parallel.pp_schedule in V_EVAL:  # evaluation through the V's own schedule (runtime.pipeline.eval_loss)
+        result["eval"] = step.loss(*global_batches(cfg, 1, STEPS)[0]).item()
     (out / f"{name}.rank{d.rank}.json").write_text(json.dumps(result))
     distributed.barrier(d)
 
@@ -208,7 +213,7 @@ def one_process(name: str, out: Path, world: int) -> None:
     after all of them have run, so the ranks compute them side by side."""
     cfg = config(name)
     dp = layout_for(cfg.parallel, world, cfg.train.grad_accum_steps).dp
-    result = dict(zip(("reference", "reference_routing"), reference(cfg, dp)))
+    result = dict(zip(("reference", "reference_routing", "reference_eval"), reference(cfg, dp)))
     if cfg.model.tie_embeddings and cfg.parallel.pp > 1:
         path = rundir.checkpoint_dir(out / f"{name}-run") / rundir.checkpoint_name(SAVE_AT)
         result["one_process_at_save"] = one_process_loss(cfg, path, dp)

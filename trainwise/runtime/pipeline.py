@@ -269,17 +269,30 @@ class Pipeline:
         return self.tied.copies() if self.tied is not None else []
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The loss of one batch, forward only, on every rank."""
-        with torch.no_grad():
-            return self._step(self.eval_schedule, x, y)
+        """The loss of one batch on every rank: forward only, except in a V (zbv, dualpipev), whose torch
+        runtime runs its backward actions in eval() too: there the batch's backward runs as well and its
+        gradients are dropped (evaluation comes between steps, when there are none), and both schedules set
+        up the stages they share again (for one micro-batch, then for the step's K)."""
+        if self.layout.pp_schedule not in V_SCHEDULES:
+            with torch.no_grad():
+                return self._step(self.eval_schedule, x, y)
+        for schedule in (self.eval_schedule, self.schedule):  # the stages they share: one micro-batch, then K
+            schedule._stages_forward_initialized = schedule._stages_backward_initialized = False
+        with torch.enable_grad():
+            loss = self._step(self.eval_schedule, x, y, backward=True)
+        for part in self.parts:
+            for p in part.parameters():
+                p.grad = None
+        return loss
 
-    def _step(self, schedule, x: torch.Tensor, y: torch.Tensor, micro_batches: int = 0) -> torch.Tensor:
+    def _step(self, schedule, x: torch.Tensor, y: torch.Tensor, micro_batches: int = 0,
+              backward: bool = False) -> torch.Tensor:
         """A training step over `micro_batches`, or (0) an evaluation: the mean loss of one batch, as one
         process's model in eval mode computes it (without auxiliary losses)."""
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
-        if micro_batches:  # return_outputs=False: the last stage would keep every micro-batch's logits
+        if micro_batches or backward:  # return_outputs=False: the last stage would keep every micro-batch's logits
             schedule.step(*args, return_outputs=False, **kwargs)
         else:
             schedule.eval(*args, **kwargs)
