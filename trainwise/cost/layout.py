@@ -335,7 +335,7 @@ def schedule_seconds(layout: Layout, forward: list[float], backward: list[float]
     still waiting for one (torch's queue). forward[r] / backward[r]: rank r's seconds per micro-batch, all its
     stages, split evenly between them; I and W each half a backward (the zero-bubble schedules' premise that the
     two halves cost alike). Transfers take no time here: the step prices them apart."""
-    p, m, last = layout.pp, layout.micro_batches, layout.stages - 1
+    p, m, last, share = layout.pp, layout.micro_batches, layout.stages - 1, layout.vpp  # share: stages a rank holds
     ops = [[(kind, rank_stages(layout, r)[j]) for kind, j in schedule_ops(layout, r, m)] for r in range(p)]
     done: dict[tuple, float] = {}  # ("F" | "G" (input gradient), stage, micro-batch) -> when it finished
     next_mb: dict[tuple, int] = {}  # (kind, stage) -> its next micro-batch
@@ -345,7 +345,6 @@ def schedule_seconds(layout: Layout, forward: list[float], backward: list[float]
     while moved:
         moved = False
         for r in range(p):
-            share = len(rank_stages(layout, r))
             while pos[r] < len(ops[r]):
                 kind, s = ops[r][pos[r]]
                 if kind == "W":
