@@ -34,9 +34,10 @@ def test_losses_equal_one_process_with_the_same_global_batch(ranks):
 
 
 def test_the_mid_run_checkpoint_resumes_to_the_same_losses(ranks):
-    """A fresh model of the same layout loads the DCP checkpoint of step SAVE_AT: the steps after it within 1e-6."""
+    """A fresh model of the same layout loads the DCP checkpoint of step SAVE_AT: the steps after it are the
+    straight run's, bit for bit."""
     for rank in ranks:
-        assert rank["resumed"] == pytest.approx(rank["losses"][SAVE_AT:], rel=1e-6)
+        assert rank["resumed"] == rank["losses"][SAVE_AT:]
 
 
 def test_each_rank_holds_and_sends_what_the_plan_says(ranks):

@@ -1,7 +1,7 @@
 """Tensor, sequence, pipeline and expert parallelism under torchrun on gloo (issue 30): the same losses as one
 process, a DCP checkpoint mid-run that resumes to the same losses and reshards, every rank's states, peak and
-messages as trainwise.cost.rank plans them (tied embeddings across pipeline stages included), and layouts that
-cannot work refused before anything starts.
+messages as trainwise.cost.rank plans them (tied embeddings across pipeline stages, fp16's loss scaler and
+torch.compile's blocks included), and layouts that cannot work refused before anything starts.
 
 Two torchrun launches (tests/tp_pp_worker.py: the step builder, the comm counter and the peak meter the
 trainer uses) train every layout STEPS steps with the checkpoint at step SAVE_AT and its resumption; one trainer
@@ -46,7 +46,7 @@ def rank_env() -> dict:
 
 
 TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "cp", "pp_zb",
-             "pp_zbv", "pp_dualpipev", "pp_fp16"]
+             "pp_zbv", "pp_dualpipev", "pp_fp16", "pp_compiled", "tp_compiled"]
 FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "cp_dp", "tp_cp", "pp_dp_ep"]
 
 
@@ -89,9 +89,10 @@ def test_losses_equal_one_process_with_the_same_global_batch(runs, case):
 
 @pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)
 def test_the_mid_run_checkpoint_resumes_to_the_same_losses(runs, case):
-    """A fresh model of the same layout loads the DCP checkpoint of step SAVE_AT: the steps after it within 1e-6."""
+    """A fresh model of the same layout (compiled again, for the compiled cases) loads the DCP checkpoint of step
+    SAVE_AT: the steps after it are the straight run's, bit for bit."""
     for rank in runs[case]:
-        assert rank["resumed"] == pytest.approx(rank["losses"][SAVE_AT:], rel=1e-6)
+        assert rank["resumed"] == rank["losses"][SAVE_AT:]
 
 
 def test_moe_routing_under_tp_is_one_process_routing(runs):
@@ -221,7 +222,7 @@ def test_pp_tied_messages_worked_by_hand():
             "all_reduce": {"calls": 3, "bytes": 38408}, "send_recv": {"calls": 6, "bytes": 3 * 2048}}
 
 
-@pytest.mark.parametrize("case", ["pp_tied", "pp_zb", "pp_zbv"])
+@pytest.mark.parametrize("case", ["pp_tied", "pp_zb", "pp_zbv", "pp_compiled"])
 def test_tied_copies_stay_bit_equal_and_the_checkpoint_loads_in_one_process(runs, case):
     """pp 2, tied: the first stage's embedding and the last stage's LM head (its own copy of the table) are
     bit-equal after STEPS steps, straight and resumed, on two ranks (1F1B, interleaved zero bubble) or on rank
@@ -391,39 +392,6 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     reference = load_file(single / "checkpoints/step_00000003/model.safetensors")
     torch.testing.assert_close(exported["model.embed_tokens.weight"], reference["embed.weight"], rtol=1e-4, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def eager_single(corpus, tmp_path_factory) -> Path:
-    """One eager process on COMPILED_RUN's global batch."""
-    single = tmp_path_factory.mktemp("single")
-    assert main(["train", "--out", str(single), "--quiet", *set_args(corpus, *COMPILED_RUN)]) == 0
-    return single
-
-
-COMPILED_RUN = ("train.eval_every=0", "train.max_steps=4", "train.micro_batch=2", "train.checkpoint_every=4",
-                "model.tie_embeddings=false", "train.grad_accum_steps=2")
-
-
-@pytest.mark.parametrize("layout", ["parallel.pp=2", "parallel.tp=2"])
-def test_compiled_blocks_train_the_losses_of_one_process(corpus, eager_single, tmp_path, layout):
-    """`trainwise train` under torchrun with train.compile=true, each rank's blocks compiled: pipeline stages
-    (pp 2), or blocks of DTensor shards (tp 2, sequence parallel; a block compiles whole, with no graph break,
-    and the embedding's collective is waited for before the first block). The losses of one eager process on
-    the same global batch, and every rank's states and messages equal to the plan's (its step peak is the
-    eager step's plan, not checked here)."""
-    run = tmp_path / "run"
-    proc = subprocess.run([*TORCHRUN, "--nproc-per-node", "2", "-m", "trainwise", "train", "--quiet", "--out", str(run),
-                           *set_args(corpus, *COMPILED_RUN, layout, "train.compile=true")], capture_output=True,
-                          text=True, timeout=300, env=rank_env())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert losses(run) == pytest.approx(losses(eager_single), rel=1e-4)
-    verify = json.loads((run / "verify.json").read_text())
-    assert verify["run"]["compiled"] is True
-    for rank in verify["per_rank"]["ranks"]:
-        assert all(rank[name]["error"] == 0 for name in ("params", "grads", "optimizer")), rank
-        assert all(e[k]["measured"] == e[k]["predicted"] for e in rank["comm"].values() for k in ("calls", "bytes")), \
-            rank["comm"]
 
 
 @pytest.mark.parametrize("sets, hint", [

@@ -68,8 +68,12 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "pp_zbv": (dict(n_layers=4), dict(pp=2, pp_schedule="zbv", vpp=2), 1, 4),
     "pp_dualpipev": (dict(n_layers=4, tie_embeddings=False), dict(pp=2, pp_schedule="dualpipev", vpp=2), 1, 4),
     "pp_fp16": (dict(), dict(pp=2), 1, 3),  # fp16 autocast with its loss scaler (PRECISION), tied
+    # torch.compile per block (COMPILED): a pipeline stage's blocks, tied; blocks of DTensor shards
+    "pp_compiled": (dict(), dict(pp=2), 1, 4),
+    "tp_compiled": (dict(), dict(tp=2), 2, 2),
 }
 PRECISION = {"pp_fp16": "fp16"}  # the others: fp32
+COMPILED = ("pp_compiled", "tp_compiled")
 V_EVAL = ("zbv", "dualpipev")  # schedules whose cases also evaluate one batch after the resumed steps
 
 
@@ -78,7 +82,8 @@ def config(name: str) -> RunConfig:
     # the expert-parallel cases clip (their norms are 0.6-0.8), so that a norm counting an expert twice would show
     clip = 0.5 if parallel.get("ep", 1) > 1 else 1.0
     train = TrainConfig(micro_batch=micro_batch, grad_accum_steps=grad_accum, seq_len=16, max_steps=STEPS, lr=1e-2,
-                        warmup_steps=0, precision=PRECISION.get(name, "fp32"), seed=7, grad_clip=clip)
+                        warmup_steps=0, precision=PRECISION.get(name, "fp32"), seed=7, grad_clip=clip,
+                        compile="true" if name in COMPILED else "false")
     return RunConfig(model=ModelConfig(**{**TINY, **model}), train=train, parallel=ParallelConfig(**parallel))
 
 
@@ -115,7 +120,8 @@ def fresh(cfg: RunConfig):
     layout = layout_for(cfg.parallel, distributed.world_size(), cfg.train.grad_accum_steps)
     d = distributed.init(Run.of(cfg, cfg.train.precision, layout), "cpu")
     torch.manual_seed(cfg.train.seed)
-    return d, build_step(build_model(cfg.model), cfg.train, torch.device("cpu"), cfg.train.precision, dist=d)
+    return d, build_step(build_model(cfg.model), cfg.train, torch.device("cpu"), cfg.train.precision, dist=d,
+                         compile=cfg.train.compile == "true")
 
 
 def train(cfg: RunConfig, d, step, steps: range, foreign: set[int] | None = None) -> tuple[list[float], dict]:

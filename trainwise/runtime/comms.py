@@ -96,6 +96,12 @@ class CommCounter(TorchDispatchMode):
     Types: all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send_recv (verify.json's
     "comm" keys; sends and receives together: calls of both, bytes of the sends)."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """A compiled graph runs compiled under the counter (the default would run it eager, op by op): the
+        counter sees the collectives the graph's code issues through the dispatcher, not its fused ops."""
+        return True
+
     def __init__(self):
         super().__init__()
         self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
