@@ -158,7 +158,7 @@ def table_a(rows: list) -> None:
                 r.global_batch * S2.A_SEQ, r.gpus,
                 lambda r=r, m=m: plan2(S2.megatron_gpt(r), r.gpus, seq=S2.A_SEQ, micro_batch=1, grad_accum=m,
                                        recipe="megatron", checkpointing="none", machine=DGX_H100, tp=r.tp, pp=r.pp,
-                                       sequence_parallel=True, zero=1, dp_overlap=True, tp_overlap=True))
+                                       sequence_parallel=True, zero=1, dp_overlap=True, tp_overlap="te"))
 
 
 def table_b(rows: list) -> None:
@@ -172,7 +172,8 @@ def table_b(rows: list) -> None:
                 [H100, FP8] + [CP] * (r.cp > 1), S2.published_step_from_tokens(r), r.global_batch * r.seq, r.gpus,
                 lambda r=r: plan2(S2.nemo_model(r.model, r.seq), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
                                   grad_accum=r.grad_accum, recipe="fp8-delayed", checkpointing="none", machine=DGX_H100,
-                                  tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp, zero=1, dp_overlap=True, tp_overlap=r.tp > 1))
+                                  tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp, zero=1, dp_overlap=True,
+                                  tp_overlap="te" if r.tp > 1 else None))
     header(S2.NEMO_LONG, f"{PEAK_NOTE}; TFLOP/s/GPU: published (with CP) vs predicted, both by NeMo's llama2 formula")
     m = S2.B2_MICRO_BATCHES
     for r in S2.TABLE_B_LONG:
@@ -180,7 +181,7 @@ def table_b(rows: list) -> None:
                 [H100, FP8] + [CP] * (r.cp > 1), S2.published_step_b2(r), m * r.dp * r.seq, r.gpus,
                 lambda r=r: plan2(S2.nemo_model("LLAMA2-7B", r.seq), r.gpus, seq=r.seq, micro_batch=1, grad_accum=m,
                                   recipe="fp8-delayed", checkpointing="none", machine=DGX_H100, tp=r.tp, pp=r.pp,
-                                  cp=r.cp, zero=1, dp_overlap=True, tp_overlap=r.tp > 1),
+                                  cp=r.cp, zero=1, dp_overlap=True, tp_overlap="te" if r.tp > 1 else None),
                 published_tflops=r.tflops_with_cp)
 
 
@@ -197,7 +198,8 @@ def table_c(rows: list) -> None:
                                   checkpointing="none",
                                   machine=DGX_H100, ep=r.ep, etp=1 if r.moe else None,
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp or 1, zero=3 if r.fsdp else 1, dp_overlap=True,
-                                  tp_overlap=r.tp > 1, ep_overlap=r.a2a_overlap, fused=True, attention_impl="cudnn"))
+                                  tp_overlap="te" if r.tp > 1 else None, ep_overlap=r.a2a_overlap, fused=True,
+                                  attention_impl="cudnn"))
 
 
 def table_d(rows: list) -> None:
@@ -213,7 +215,7 @@ def table_d(rows: list) -> None:
                                        grad_accum=m, recipe="fp8" if r.float8 else "amp",
                                        checkpointing="op" if r.checkpointing == "selective" else r.checkpointing,
                                        machine=teton, compiled=r.compiled, tp=r.tp,
-                                       pp=r.pp, vpp=r.vpp, zero=3, tp_overlap=r.async_tp),
+                                       pp=r.pp, vpp=r.vpp, zero=3, tp_overlap="async" if r.async_tp else None),
                 r.memory_gib)
     for r in S2.TABLE_D_CP:
         compare(rows, S2.TORCHTITAN_2412, f"8B seq {r.seq // 1024}K FSDP {r.dp} CP {r.cp}, compile + Float8",

@@ -23,6 +23,7 @@ from trainwise.cost.rank_memory import in_flight, layer_bytes_per_token, rank_pe
 from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import ACCELERATORS, NODES
+from trainwise.planner.derivation import explain_cluster
 from trainwise.planner.layouts import fit_run_layouts
 from trainwise.planner.plan import plan_run
 
@@ -272,7 +273,8 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     j = p.to_json()
     assert j["layout"] == {"dp": 4, "tp": 2, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False,
                            "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash",
-                           "cp_impl": "ring", "etp": 2, "ep_overlap": False, "pp_schedule": "1f1b"}
+                           "cp_impl": "ring", "etp": 2, "ep_overlap": False, "pp_schedule": "1f1b",
+                           "tp_overlap": None}
     assert (j["hardware"]["gpus_per_node"], j["hardware"]["intra_node_bytes_per_s"],
             j["hardware"]["inter_node_bytes_per_s"]) == (8, 300e9, 25e9)
     t = j["time"]
@@ -350,17 +352,42 @@ def test_fit_over_layouts_lists_the_fastest_that_fit(capsys):
               layout=make_layout(16, attention_impl="unfused"), machine=Machine(gpu="a100-40gb"))
     good, bad = fit_run_layouts(run, global_batch=32, memory_budget=8 * 2**30)
     assert good and bad and all(c.fits for c in good)
-    overlapped, _ = fit_run_layouts(replace(run, layout=replace(run.layout, tp_overlap=True)), global_batch=32,
+    overlapped, _ = fit_run_layouts(replace(run, layout=replace(run.layout, tp_overlap="async")), global_batch=32,
                                     memory_budget=8 * 2**30)  # the search keeps the run's --tp-overlap
+    assert all(c.layout["tp_overlap"] == "async" for c in overlapped)
+
     def tp_times(cands) -> dict:
-        return {(json.dumps(c.layout, sort_keys=True), c.micro_batch, c.checkpointing): c.breakdown["tp_comm_s"]
-                for c in cands if c.layout["tp"] > 1}
+        return {(json.dumps({k: v for k, v in c.layout.items() if k != "tp_overlap"}, sort_keys=True), c.micro_batch,
+                 c.checkpointing): c.breakdown["tp_comm_s"] for c in cands if c.layout["tp"] > 1}
 
     hidden, exposed = tp_times(overlapped), tp_times(good)
     both = hidden.keys() & exposed.keys()
     assert both and all(hidden[k] < exposed[k] for k in both)
     assert [c.step_seconds for c in good] == sorted(c.step_seconds for c in good)
     assert any("GiB per GPU" in c.reason for c in bad)
+
+
+def test_async_tp_hides_the_forwards_collectives_and_te_every_passs():
+    """tp 4 with sequence parallelism, 8 layers, no recompute, one stage, 2 micro-batches: per micro-batch
+    4 L + 2 = 34 reduce-scatters and 6 L + 2 = 50 all-gathers of B x T x H (2 per layer and pass, the backward's
+    all-gathers again for the weight gradients, the embedding's and the LM head's). AsyncTP hides the forward's,
+    2 L + 1 = 17 of each (the layers', the embedding's output, the LM head's input), under GEMMs that take longer;
+    Transformer Engine's overlap all of them."""
+    cfg = gpt(64, 8192, 8, max_seq_len=2048, dropout=0.0)
+
+    def plan(kind):
+        return plan_run(run_of(cfg, tokens=1e9, seq_len=2048, micro_batch=1, grad_accum=2, gpus=4, tp=4,
+                               gpu="h100-sxm", precision="bf16", tp_overlap=kind))
+
+    exposed = plan(None).to_json()["time"]
+    calls = {o["op"]: (o["calls"], o["seconds"]) for o in exposed["ops"]}
+    (ag_calls, ag), (rs_calls, rs) = calls["nccl all_gather (tp)"], calls["nccl reduce_scatter (tp)"]
+    assert (ag_calls, rs_calls) == (2 * 50, 2 * 34) and exposed["breakdown"]["tp_comm_s"] == pytest.approx(ag + rs)
+    forward = 2 * 17 * (ag / ag_calls + rs / rs_calls)
+    async_tp = plan("async")
+    assert async_tp.to_json()["time"]["breakdown"]["tp_comm_s"] == pytest.approx(ag + rs - forward, rel=1e-9)
+    assert plan("te").to_json()["time"]["breakdown"]["tp_comm_s"] == 0
+    assert "exposed, the forward's under its work (--tp-overlap async)" in explain_cluster(async_tp)
 
 
 def test_published_runs_are_reproduced():

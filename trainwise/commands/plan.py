@@ -9,7 +9,7 @@ from dataclasses import replace
 from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import CHECKPOINTING, load_config
 from trainwise.config.run import PP_SCHEDULES
-from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, Layout, make_layout
+from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, TP_OVERLAPS, Layout, make_layout
 from trainwise.cost.memory import FP8_SCALINGS, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES, get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
@@ -72,7 +72,9 @@ def register(sub, help_text: str) -> None:
                         "(Hopper), or unfused (scores in memory: the published 2021-22 runs)")
     p.add_argument("--no-dp-overlap", action="store_true",
                    help="reduce gradients after backward instead of under it (Megatron-LM's 'local' DDP)")
-    p.add_argument("--tp-overlap", action="store_true", help="tensor-parallel communication under the matmuls")
+    p.add_argument("--tp-overlap", nargs="?", const="async", choices=TP_OVERLAPS,
+                   help="tensor-parallel collectives under the GEMMs: async (the bare flag: torchtitan's AsyncTP, the "
+                        "forward's) or te (Transformer Engine's, as Megatron-Core's --tp-comm-overlap: every pass's)")
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                    help="the stack fuses element-wise work (Transformer Engine, Megatron's kernels; default: compiled "
                         "runs and the megatron and FP8 recipes)")

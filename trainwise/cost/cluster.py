@@ -12,7 +12,8 @@
                             overlaps it with the input-gradient GEMM, yet Korthikanti et al.'s Table 4
                             has the backward no faster with sequence parallelism, 11.8 vs 11.9 ms, for
                             all its sharded element-wise work: counted exposed); all exposed (Megatron-LM
-                            runs them between the GEMMs) unless tp_overlap
+                            runs them between the GEMMs) unless tp_overlap: "te" hides every pass's under
+                            the GEMMs, "async" (torchtitan's AsyncTP) the forward's (cost.layout.TP_OVERLAPS)
           context parallel  per layer the KV chunks around the ring, cp - 1 sends forward and twice that
                             backward, under the attention kernels (exposed only past them); or (cp_impl)
                             all-gathered before each pass and their gradients reduce-scattered, or Ulysses'
@@ -87,7 +88,7 @@ class ClusterStep:
 
 def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: ParamCounts, *, acc: Accelerator,
                  node: Node | None, micro_batch: int, seq_len: int, checkpointing: str, act_bytes: int,
-                 grad_bytes: int, param_bytes: int, tp_overlap: bool = False,
+                 grad_bytes: int, param_bytes: int, tp_overlap: str | None = None,
                  moe_imbalance: float = 1.0) -> ClusterStep:
     """The step (module docstring). act_bytes: bytes per element of the activations sent (2 in bf16/fp16);
     grad_bytes / param_bytes: per parameter, of what the data-parallel collectives move; moe_imbalance: the
@@ -194,7 +195,13 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
                   + coll("tp", "all_gather", act, layout.tp, count + 2 * len(idx) + redo))
         else:
             tp = coll("tp", "all_reduce", act, layout.tp, count + redo)
-        if tp_overlap:
+        if tp_overlap == "async":  # the forward's collectives under the forward's work, the backward's exposed:
+            n = 2 * len(idx)  # 2 per layer, + the embedding's output (first rank), + the LM head's input (last)
+            forward = ((("reduce_scatter", n + first), ("all_gather", n + last)) if layout.sequence_parallel
+                       else (("all_reduce", n + first),))
+            tp -= min(t["forward"], sum(k * C.collective_seconds(kind, act, layout.tp, tiers["tp"])
+                                        for kind, k in forward))
+        elif tp_overlap == "te":
             tp = max(0.0, tp - t["matmul"])
     if layout.ep > 1 and n_moe:  # dispatch and combine per MoE layer and pass
         routed = act * cfg.top_k / (layout.tp if layout.sequence_parallel else 1)

@@ -118,7 +118,7 @@ def fuses(recipe: Recipe, compiled: bool, fused: bool | None = None) -> bool:
 
 def predict_cluster_step(cfg: ModelConfig, layout: Layout, acc: Accelerator, node: Node, *, micro_batch: int,
                          seq_len: int, recipe: Recipe, checkpointing: str, optimizer: str = "adamw",
-                         tp_overlap: bool = False, compiled: bool = False,
+                         tp_overlap: str | None = None, compiled: bool = False,
                          moe_imbalance: float = 1.0, fused: bool | None = None) -> ClusterStep:
     """One optimizer step of `cfg` under `layout` on a cluster of `acc` in `node`s (cost.cluster)."""
     precision = record_precision(recipe)

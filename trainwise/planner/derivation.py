@@ -85,7 +85,10 @@ def explain_cluster(p) -> str:
         add(f"   experts    = m x grouped GEMMs of the rank's {model.n_experts // lay.ep} experts (B x T x top_k x ep "
             f"/ E = {per_expert:,} tokens each, at the efficiency of that shape) = {b['experts_s']:.4g} s")
     add(f"   recompute  = m x its {p.checkpointing} checkpointing's re-run forward = {b['recompute_s']:.4g} s")
-    add(f"   tp comm    = m x (2 collectives of B x T x H per layer and pass, exposed) = {b['tp_comm_s']:.4g} s")
+    hidden = {"async": ", the forward's under its work (--tp-overlap async)",
+              "te": ", under the GEMMs (--tp-overlap te)"}.get(p.run.layout.tp_overlap, "")
+    add(f"   tp comm    = m x (2 collectives of B x T x H per layer and pass, exposed{hidden}) = "
+        f"{b['tp_comm_s']:.4g} s")
     add(f"   cp comm    = m x (KV ring sends past the attention kernels) = {b['cp_comm_s']:.4g} s")
     add(f"   ep comm    = m x (all-to-all dispatch + combine per MoE layer and pass"
         + (", past the other micro-batch's work: --ep-overlap" if p.run.layout.ep_overlap else "")
