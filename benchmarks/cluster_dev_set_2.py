@@ -341,8 +341,11 @@ TORCHTITAN_2412 = Table(
     "pytorch/torchtitan docs/performance.md at bf835b59 (Dec 2024; later benchmarks/llama3_h100_202412_torchtitan.md)",
     "Grand Teton's H100 (96 GB HBM2e at 2.4 TB/s, 500 W cap) is not in the planner's table: h100-sxm with "
     "Machine(memory=96 GB, bandwidth=2.4 TB/s); the power cap is not modelled. Llama 3.1 = the planner's "
-    "llama-3-8b, llama-3-70b and llama-3.1-405b presets (the same shapes). FSDP2 = ZeRO-3 over dp with its mixed "
-    "precision (bf16 compute, fp32 sharded parameters, fp32 reduce and AdamW states: the planner's `amp` "
+    "llama-3-8b, llama-3-70b and llama-3.1-405b presets (the same shapes). FSDP2 = ZeRO-3 over dp (with PP, "
+    "torchtitan's apply_fsdp does not reshard after forward, to avoid per-micro-batch all-gathers, and torch's "
+    "pipeline stages keep the blocks gathered through the step's backwards: parameters gathered once per step "
+    "and kept, the planner's zero 2 in FSDP2's layout) with its mixed precision (bf16 compute, fp32 sharded "
+    "parameters, fp32 reduce and AdamW states: the planner's `amp` "
     "recipe); Float8 = torchao's float8 with tensorwise (per-tensor current) scaling: the planner's `fp8` "
     "recipe, whose states are Megatron's (bf16 weights, fp32 gradients, master and moments: 18 bytes per "
     "parameter where FSDP2 keeps 16); torch.compile = a compiled run (its element-wise work fused: the cluster "

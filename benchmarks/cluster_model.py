@@ -215,7 +215,8 @@ def table_d(rows: list) -> None:
                                        grad_accum=m, recipe="fp8" if r.float8 else "amp",
                                        checkpointing="op" if r.checkpointing == "selective" else r.checkpointing,
                                        machine=teton, compiled=r.compiled, tp=r.tp,
-                                       pp=r.pp, vpp=r.vpp, zero=3, tp_overlap="async" if r.async_tp else None),
+                                       pp=r.pp, vpp=r.vpp, zero=2 if r.pp > 1 else 3,
+                                       tp_overlap="async" if r.async_tp else None),
                 r.memory_gib)
     for r in S2.TABLE_D_CP:
         compare(rows, S2.TORCHTITAN_2412, f"8B seq {r.seq // 1024}K FSDP {r.dp} CP {r.cp}, compile + Float8",

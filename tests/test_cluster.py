@@ -349,7 +349,7 @@ def test_experts_and_few_key_value_heads_as_megatron_places_them():
 def test_fit_over_layouts_lists_the_fastest_that_fit(capsys):
     cfg = gpt(16, 1024, 8)
     run = Run(cfg, seq_len=2048, recipe=get_recipe("megatron"), tokens=1.0,
-              layout=make_layout(16, attention_impl="unfused"), machine=Machine(gpu="a100-40gb"))
+              layout=make_layout(8, attention_impl="unfused"), machine=Machine(gpu="a100-40gb"))
     good, bad = fit_run_layouts(run, global_batch=32, memory_budget=8 * 2**30)
     assert good and bad and all(c.fits for c in good)
     overlapped, _ = fit_run_layouts(replace(run, layout=replace(run.layout, tp_overlap="async")), global_batch=32,

@@ -23,7 +23,7 @@ from trainwise.cli import build_parser, main
 from trainwise.hardware.table import ACCELERATORS
 from trainwise.presets import preset_names
 
-PROPERTY_EXAMPLES = 60
+PROPERTY_EXAMPLES = 40
 SLOW_EXAMPLES = 1500
 SMALL = [m for m in preset_names() if m.startswith("trainwise-")] + ["gpt2"]
 NOT_FINITE = re.compile(r"(?<![\w-])(nan|inf|infinity)(?![\w-]|\s+fabric)", re.IGNORECASE)  # not AMD's fabric
