@@ -79,12 +79,15 @@ def plan(case: str, world: int, expert_tokens: list | None = None) -> list[dict]
 
 @pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)
 def test_losses_equal_one_process_with_the_same_global_batch(runs, case):
-    """fp32 (pp_fp16: fp16 autocast and its loss scaler, one process's too), STEPS steps: every rank's losses
-    within 1e-4 of one process's on the same dp x K micro-batches."""
+    """fp32, STEPS steps: every rank's losses within 1e-4 of one process's on the same dp x K micro-batches.
+    pp_fp16 (fp16 autocast and its loss scaler, one process's too, a step skipped): within 1e-3, fp16's own
+    rounding (a 10-bit mantissa: 4.9e-4 a rounding) of activations the two compute in other orders; its
+    losses part by 5.7e-5 after 6 steps without the skipped step, 9.9e-5 with it."""
     reference = runs[case][0]["reference"]
     assert len(reference) == STEPS
+    rel = 1e-3 if config(case).train.precision == "fp16" else 1e-4
     for rank in runs[case]:
-        assert rank["losses"] == pytest.approx(reference, rel=1e-4)
+        assert rank["losses"] == pytest.approx(reference, rel=rel)
 
 
 @pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS)
@@ -135,10 +138,12 @@ def test_a_v_schedule_evaluates_as_one_process(runs, case):
 def test_fp16_stages_scale_each_micro_batch_and_check_for_inf_over_the_job(runs):
     """fp16 under pp 2: each micro-batch's loss is multiplied by the scaler's scale inside the schedule (the
     losses of one fp16 process, above), and whether any rank's gradient is inf or NaN is one all-reduce of a
-    4-byte flag over both ranks per step, beside the gradient norm's, the loss's and the tied table's: so both
-    ranks skip alike and hold the same scale after the resumed steps."""
+    4-byte flag over both ranks per step, beside the gradient norm's, the loss's and the tied table's. In step
+    OVERFLOW_STEP only rank 0 finds an inf gradient (the worker makes its first block's norm weight's so, and one
+    process's): both ranks skip that step as one process does (the losses after it equal its losses), and all
+    three halve the scale once, 2^16 -> 2^15, and hold it after the resumed steps."""
     ranks = runs["pp_fp16"]
-    assert ranks[0]["scale"] == ranks[1]["scale"] > 1
+    assert ranks[0]["scale"] == ranks[1]["scale"] == ranks[0]["reference_scale"] == 2.0**15
     fp32 = plan("pp_tied", 2)  # the same layout, tied, in fp32: no scaler
     for rank, p in zip(ranks, fp32):
         measured = rank["measured"]["comm"]["all_reduce"]

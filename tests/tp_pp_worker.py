@@ -15,6 +15,7 @@ all-to-alls are evaluated at them).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -73,6 +74,9 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "tp_compiled": (dict(), dict(tp=2), 2, 2),
 }
 PRECISION = {"pp_fp16": "fp16"}  # the others: fp32
+# fp16's skip path: in this step the first block's first norm weight (pipeline stage 0 only) gets an inf gradient,
+# so only rank 0 finds one, and every rank must skip the step (one process does the same)
+OVERFLOW_STEP, OVERFLOWED = 0, "blocks.0.norm1.weight"
 COMPILED = ("pp_compiled", "tp_compiled")
 V_EVAL = ("zbv", "dualpipev")  # schedules whose cases also evaluate one batch after the resumed steps
 
@@ -95,16 +99,32 @@ def global_batches(cfg: RunConfig, dp: int, step: int) -> list[tuple[torch.Tenso
     return [(b[:, :-1], b[:, 1:]) for b in ids]
 
 
-def reference(cfg: RunConfig, dp: int) -> tuple[list[float], list, float | None]:
-    """One process, the same global batch and seed: its losses, the routing of its last forward and (V_EVAL)
-    the loss of one evaluation batch after its steps."""
+def reference(cfg: RunConfig, dp: int) -> tuple[list[float], list, float | None, float | None]:
+    """One process, the same global batch and seed: its losses, the routing of its last forward, (V_EVAL)
+    the loss of one evaluation batch after its steps and (fp16) its loss scale at the end."""
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     train = TrainConfig(**{**vars(cfg.train), "grad_accum_steps": cfg.train.grad_accum_steps * dp})
     step = build_step(model, train, torch.device("cpu"), cfg.train.precision)
-    losses = [step(global_batches(cfg, dp, i)).loss.item() for i in range(cfg.train.max_steps)]
+    losses = []
+    for i in range(cfg.train.max_steps):
+        with overflow(cfg, model, i):
+            losses.append(step(global_batches(cfg, dp, i)).loss.item())
     evaluated = step.loss(*global_batches(cfg, 1, STEPS)[0]).item() if cfg.parallel.pp_schedule in V_EVAL else None
-    return losses, routing(model), evaluated
+    return losses, routing(model), evaluated, step.scaler.get_scale() if step.scaler.is_enabled() else None
+
+
+@contextlib.contextmanager
+def overflow(cfg: RunConfig, model: torch.nn.Module, i: int):
+    """fp16, step OVERFLOW_STEP: OVERFLOWED's gradient made inf wherever this rank (or one process) holds it."""
+    hooks = [p.register_hook(lambda g: torch.full_like(g, math.inf))
+             for name, p in distributed.unwrap(model).named_parameters()
+             if cfg.train.precision == "fp16" and i == OVERFLOW_STEP and name == OVERFLOWED]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def routing(model: torch.nn.Module) -> list:
@@ -145,7 +165,7 @@ def train(cfg: RunConfig, d, step, steps: range, foreign: set[int] | None = None
 
             meter, counter = StepPeakMeter(torch.device("cpu"), foreign), CommCounter()
             meter.start()
-            with counter:
+            with counter, overflow(cfg, step.model, i):
                 result = step(mine, hook)
             peaks.append(meter.stop())
             measured = distributed.rank_state_bytes(step.params, step.optimizer, grads["bytes"])
@@ -153,7 +173,8 @@ def train(cfg: RunConfig, d, step, steps: range, foreign: set[int] | None = None
             measured["comm"] = counter.result()
             measured["expert_tokens"] = torch.stack(routed).sum(0).tolist() if routed else None
         else:
-            result = step(mine)
+            with overflow(cfg, step.model, i):
+                result = step(mine)
         losses.append(distributed.mean_across_ranks(result.loss.float(), d, d.dp_group).item())
     return losses, measured
 
@@ -219,7 +240,7 @@ def one_process(name: str, out: Path, world: int) -> None:
     after all of them have run, so the ranks compute them side by side."""
     cfg = config(name)
     dp = layout_for(cfg.parallel, world, cfg.train.grad_accum_steps).dp
-    result = dict(zip(("reference", "reference_routing", "reference_eval"), reference(cfg, dp)))
+    result = dict(zip(("reference", "reference_routing", "reference_eval", "reference_scale"), reference(cfg, dp)))
     if cfg.model.tie_embeddings and cfg.parallel.pp > 1:
         path = rundir.checkpoint_dir(out / f"{name}-run") / rundir.checkpoint_name(SAVE_AT)
         result["one_process_at_save"] = one_process_loss(cfg, path, dp)
