@@ -107,7 +107,8 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
                 cp_impl: str = "ring", etp: int | None = None, ep_overlap: bool = False,
                 pp_schedule: str | None = None) -> Layout:
     """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1;
-    the pipeline schedule 1F1B, or interleaved 1F1B with vpp > 1, unless `pp_schedule` names one."""
+    the pipeline schedule 1F1B, or interleaved 1F1B with vpp > 1, unless `pp_schedule` names one; tp_overlap
+    one of TP_OVERLAPS (True: "async", as the bare --tp-overlap)."""
     for name, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--cp", cp), ("--ep", ep), ("--gpus", gpus),
                         ("micro-batches per step", micro_batches), ("--etp", 1 if etp is None else etp)):
         if value < 1:
