@@ -345,7 +345,7 @@ TORCHTITAN_2412 = Table(
     "torchtitan's apply_fsdp does not reshard after forward, to avoid per-micro-batch all-gathers, and torch's "
     "pipeline stages keep the blocks gathered through the step's backwards: parameters gathered once per step "
     "and kept, the planner's zero 2 in FSDP2's layout) with its mixed precision (bf16 compute, fp32 sharded "
-    "parameters, fp32 reduce and AdamW states: the planner's `amp` "
+    "parameters gathered in bf16, fp32 reduce and AdamW states: the planner's `amp` "
     "recipe); Float8 = torchao's float8 with tensorwise (per-tensor current) scaling: the planner's `fp8` "
     "recipe, whose states are Megatron's (bf16 weights, fp32 gradients, master and moments: 18 bytes per "
     "parameter where FSDP2 keeps 16); torch.compile = a compiled run (its element-wise work fused: the cluster "
@@ -450,7 +450,8 @@ FOUNDRY = Table(
     "vocabulary 50,368, no dropout; positions planned as learned (the table's NumParams grow by "
     "(seq - 2048) x d_model with the sequence: a position table, not ALiBi). Composer's amp_bf16 with FSDP "
     "mixed precision DEFAULT (bf16 compute, fp32 sharded parameters, fp32 reduce and AdamW states: the "
-    "planner's `amp` recipe); FULL_SHARD = ZeRO-3 over all GPUs; activation checkpointing True = full, "
+    "planner's `amp` recipe; the parameters gathered in bf16, DEFAULT's param_dtype as PURE's, so autocast "
+    "casts no weight); FULL_SHARD = ZeRO-3 over all GPUs; activation checkpointing True = full, "
     "False = none (the 3b and 1b rows: False, HFU = MFU); flash attention; DGX H100 nodes")
 FOUNDRY_VOCAB = 50368
 MPT_SHAPES = {  # d_model, n_heads, n_layers (scripts/train/yamls/pretrain/mpt-*.yaml)

@@ -18,6 +18,7 @@ from trainwise.cost.gpu import GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, m
 from trainwise.cost.layout import (bubble_fraction, chunk_layers, make_layout, placement, rank_stages,
                                     schedule_seconds, stage_layers)
 from trainwise.cost.memory import get_recipe
+from trainwise.cost.ops import WEIGHT_CAST
 from trainwise.cost.rank import rank_params
 from trainwise.cost.rank_memory import in_flight, layer_bytes_per_token, rank_peak
 from trainwise.cost.run import Machine, Run
@@ -439,6 +440,26 @@ def test_fsdp_gathers_and_scatters_per_block_as_it_runs():
     everything = ops["nccl all_gather (dp)"] + ops["nccl reduce_scatter (dp)"]
     assert 0 < p.cluster.breakdown["dp_comm_s"] <= everything
     assert step(8192).cluster.breakdown["dp_comm_s"] <= p.cluster.breakdown["dp_comm_s"]
+
+
+def test_fsdp2s_mixed_precision_gathers_the_weights_in_the_compute_dtype():
+    """Under autocast over fp32 weights (amp), FSDP2's policy gathers each block in bf16 and reduce-scatters in
+    fp32, and autocast finds the weights cast already: zero 3's plan has no weight casts where zero 1's (fp32
+    weights, all-gathered in fp32 once after the update) casts every weight it multiplies."""
+    cfg = gpt(16, 2048, 8, max_seq_len=8192, dropout=0.0)
+    n_layer, n_root, n = 50_358_272, 121_634_816 + 4096, 16  # a block's parameters; the embedding's and the norm's
+    plans = {zero: plan_run(run_of(cfg, tokens=1e9, seq_len=1024, micro_batch=1, grad_accum=2, gpus=n, zero=zero,
+                                   precision="amp", gpu="h100-sxm")) for zero in (1, 3)}
+    total = 8 * n_layer + n_root
+    casts = {zero: {o["op"]: o["calls"] for o in p.cluster.ops if "_to_copy" in o["op"]} for zero, p in plans.items()}
+    assert casts[1][WEIGHT_CAST] > 0 and WEIGHT_CAST not in casts[3] and casts[1]["aten._to_copy"] == casts[3][
+        "aten._to_copy"]  # the activations' and the gradients' casts run either way
+    comm = {zero: p.to_json()["comm"] for zero, p in plans.items()}
+    assert comm[1]["all_gather"]["bytes"] == total * 4 * (n - 1) // n
+    # K = 2 micro-batches, each block gathered for forward and for backward, the roots once: 2 bytes each
+    assert comm[3]["all_gather"]["bytes"] == 2 * (2 * 8 * n_layer + n_root) * 2 * (n - 1) // n
+    assert comm[3]["reduce_scatter"]["bytes"] == 2 * total * 4 * (n - 1) // n
+    assert plans[3].cluster.breakdown["compute_s"] < plans[1].cluster.breakdown["compute_s"]
 
 
 def test_attention_kernels_by_implementation():

@@ -2,6 +2,7 @@
 operators, the communication terms, and the plan that puts them together."""
 
 import math
+from collections import defaultdict
 
 import pytest
 
@@ -9,13 +10,14 @@ from trainwise.config import ModelConfig
 from trainwise.cost.comm import comm_seconds, exposed_comm, ring_seconds
 from trainwise.cost.flops import flops_per_token_train
 from trainwise.cost.memory import get_recipe
-from trainwise.cost.ops import Op, for_cuda
+from trainwise.cost.ops import WEIGHT_CAST, Op, for_cuda
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.steptime import (PROBE_WARN, StepTime, predict_step, probed_seconds, scale_batch,
                                      settled_probe, step_time)
 from trainwise.cost.time import fit_linear
 from trainwise.hardware.profile import Profile
 from trainwise.measure.record import step_ops
+from trainwise.runtime.step import build_model
 from trainwise.planner.plan import plan_run
 
 TINY = ModelConfig(vocab_size=256, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32)
@@ -145,6 +147,27 @@ def test_operator_list_counts_what_the_planner_counts():
         sum(o.flops for o in real if o.phase != "optimizer"), rel=0.01)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_record_priced_at_other_micro_batches_moves_what_recording_them_moves(precision):
+    """A record with its fixed bytes (step_ops(fixed=True)) scaled to micro-batches 3 and 8 moves, op by op, the
+    bytes a record of that micro-batch moves, eager and fused: autocast's weight casts and the gradients'
+    casts do not grow with the tokens (scaled as activations, they had priced a 30B model's step 25% long)."""
+    T = 16
+    one = step_ops(TINY, 1, T, precision, checkpointing="full", fixed=True)
+    key = lambda o: (o.name, o.phase, o.dtype)  # noqa: E731
+    assert sum(o.fixed for o in one if o.name == WEIGHT_CAST) == sum(o.bytes for o in one if o.name == WEIGHT_CAST)
+    for b in (3, 8):
+        want, got = defaultdict(lambda: [0.0, 0.0]), defaultdict(lambda: [0.0, 0.0])
+        for ops, out in ((step_ops(TINY, b, T, precision, checkpointing="full"), want), (scale_batch(one, b, T), got)):
+            for o in ops:
+                if o.phase != "optimizer" and o.dtype != "other":  # "other": the labels' copy a batch of 1 skips
+                    out[key(o)][0] += o.bytes
+                    out[key(o)][1] += o.moved(fused=True)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k] == pytest.approx(want[k], rel=1e-9), k
+
+
 def test_a_gpu_plan_prices_the_gpus_step_from_published_figures():
     ops = for_cuda(step_ops(TINY, 2, 16, "bf16"))
     names = {o.name for o in ops}
@@ -258,9 +281,13 @@ def test_the_operator_list_records_layouts_casts_and_kernel_shapes():
     fwd = [o for o in ops if o.name == "aten.mm" and o.phase == "forward"]
     assert fwd and all(o.layout == "NT" for o in fwd)  # x @ W.t(): nn.Linear's weight, transposed
     assert any(o.layout == "TN" for o in ops if o.name == "aten.mm" and o.phase == "backward")  # dW = dy.t() @ x
-    # autocast's casts are memory work with no FLOPs: every fp32 weight read (4 bytes) and written in bf16 (2)
-    casts = [o for o in ops if o.name == "aten._to_copy" and o.phase == "forward"]
+    # autocast's casts are memory work with no FLOPs; a parameter's cast is recorded apart (WEIGHT_CAST): every
+    # fp32 weight a matmul reads (the tied LM head reads the embedding's) is read (4 bytes) and written in bf16
+    # (2) once per forward
+    casts = [o for o in ops if "_to_copy" in o.name and o.phase == "forward"]
     assert casts and all(o.flops == 0 for o in casts)
+    matrices = sum(p.numel() for p in build_model(TINY, "meta").parameters() if p.dim() == 2)
+    assert sum(o.bytes for o in casts if o.name == WEIGHT_CAST) == 6 * matrices
     # attention as (batch, heads, kv heads, T, head dim), forward and backward alike
     attn = {o.phase: o.shape for o in ops if o.cls == "attention"}
     assert attn == {"forward": (B, 4, 2, T, 8), "backward": (B, 4, 2, T, 8)}

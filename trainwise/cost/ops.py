@@ -18,6 +18,10 @@ CLASSES = (("attention", ("attention",)), ("matmul", ("mm", "bmm", "addmm", "bad
            ("activation", ("silu", "gelu", "relu")),
            ("optimizer", ("_fused_adam", "_fused_sgd", "_foreach", "lerp", "addcdiv", "addcmul", "sqrt")))
 PHASES = ("forward", "backward", "optimizer")
+# Autocast's cast of a parameter to the compute dtype (measure.record names it apart from other casts): a stack
+# whose mixed-precision policy gathers the parameters in the compute dtype (FSDP2, FSDP1's param_dtype) finds
+# them cast already and does not run it (gathered_in_compute_dtype).
+WEIGHT_CAST = "aten._to_copy(weight)"
 
 
 def op_class(name: str) -> str:
@@ -49,6 +53,11 @@ class Op:
     # torch.compile): only tensors that must be in memory are read and written (measure.record: a matmul's or
     # attention's operand or result, a tensor kept for another phase, a step output); None: as `bytes`.
     fused: float | None = None
+    # Of `bytes` and `fused`, what does not grow with the micro-batch (weight-sized work: a weight's cast, a
+    # gradient's; measure.record._fixed_bytes), for pricing the op at another micro-batch size (cost.steptime
+    # .scale_batch). 0 where not recorded.
+    fixed: float = 0.0
+    fused_fixed: float = 0.0
 
     def scaled(self, factor: int) -> Op:
         return replace(self.resized(factor, factor), calls=self.calls * factor)
@@ -56,7 +65,15 @@ class Op:
     def resized(self, flops: float, nbytes: float) -> Op:
         """The same calls doing `flops` x the FLOPs and moving `nbytes` x the bytes (fused bytes too)."""
         return replace(self, flops=self.flops * flops, bytes=self.bytes * nbytes,
-                       fused=None if self.fused is None else self.fused * nbytes)
+                       fused=None if self.fused is None else self.fused * nbytes, fixed=self.fixed * nbytes,
+                       fused_fixed=self.fused_fixed * nbytes)
+
+    def batched(self, factor: float) -> Op:
+        """The same calls on a micro-batch `factor` x as large: FLOPs and the bytes that grow with the tokens
+        scale, the fixed bytes stay (the shape is the caller's: cost.steptime.scale_batch)."""
+        grow = lambda total, fixed: fixed + (total - fixed) * factor  # noqa: E731
+        return replace(self, flops=self.flops * factor, bytes=grow(self.bytes, self.fixed),
+                       fused=None if self.fused is None else grow(self.fused, self.fused_fixed))
 
     def moved(self, fused: bool) -> float:
         """Bytes of all calls, eager or under a fusing stack."""
@@ -87,6 +104,13 @@ def for_cuda(ops: list[Op]) -> list[Op]:
     if fused is not None:
         out.append(Op("aten._fused_adamw_", "optimizer", "optimizer", "fp32", None, 2, fused[0], fused[1]))
     return sorted(out, key=lambda o: -o.flops)
+
+
+def gathered_in_compute_dtype(ops: list[Op]) -> list[Op]:
+    """The step as a stack runs it whose parameters are gathered in the compute dtype (FSDP2's mixed-precision
+    policy, which trainwise's zero2 and fsdp use, torchtitan's and Composer's FSDP): autocast's weight casts
+    (WEIGHT_CAST) are not run; the gradients' casts to fp32 stay (the policy's fp32 reduce)."""
+    return [op for op in ops if op.name != WEIGHT_CAST]
 
 
 def by_name(ops: list[Op]) -> dict[str, list[float]]:

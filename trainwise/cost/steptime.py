@@ -29,7 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from trainwise.cost.comm import comm_seconds, exposed_comm, strategy_for
-from trainwise.cost.ops import Op, for_cuda
+from trainwise.cost.ops import Op, for_cuda, gathered_in_compute_dtype
 from trainwise.hardware.profile import Profile
 
 # A compiled CPU step runs the eager step's matmuls (timed as in eager) and inductor's generated kernels
@@ -227,7 +227,8 @@ def scale_batch(ops: list[Op], factor: int, seq_len: int) -> list[Op]:
     """The operators of micro-batch B x factor from those of micro-batch B (for `plan --fit`, which
     prices many micro-batches from one recorded step): forward and backward work grows with the tokens;
     a matmul's token extent (the first of M, K, N that is a multiple of seq_len; bmm's batch) grows with
-    it. Weight-sized element-wise work (an embedding's gradient) is scaled too: a small overestimate."""
+    it. Weight-sized work (autocast's weight casts, the gradients' casts) stays: an op's fixed bytes, where
+    its record found them (cost.ops.Op.batched); without them it is scaled too, an overestimate."""
     if factor == 1:
         return ops
     out = []
@@ -246,7 +247,7 @@ def scale_batch(ops: list[Op], factor: int, seq_len: int) -> list[Op]:
                 i = next((i for i in (1, 2, 3) if dims[i] % seq_len == 0), 1)
                 dims[i] *= factor
             shape = tuple(dims)
-        out.append(replace(op.resized(factor, factor), shape=shape))
+        out.append(replace(op.batched(factor), shape=shape))
     return out
 
 
@@ -260,6 +261,8 @@ def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors
     precision = "fp32" if compute_dtype == "fp32" else compute_dtype
     if cuda:
         ops = for_cuda(ops)
+    if strategy_for(zero, dp) in ("zero2", "fsdp"):  # FSDP2 gathers the weights in the compute dtype
+        ops = gathered_in_compute_dtype(ops)
     ops = [o.scaled(grad_accum) if o.phase != "optimizer" else o for o in ops]
     tensors = n_param_tensors
     if zero >= 1 and dp > 1:  # each rank updates only its 1/dp shard of the parameters

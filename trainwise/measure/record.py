@@ -10,13 +10,21 @@ torch.compile), where a chain of element-wise ops reads and writes only the tens
 (_Recorder._in_memory); the cluster model prices those for the stacks that fuse. What a record is, and the
 pure views of a list, is trainwise.cost.ops.
 
-One micro-batch is recorded; a step of K micro-batches repeats its forward and backward K times.
+One micro-batch is recorded; a step of K micro-batches repeats its forward and backward K times. Where a
+record is to be priced at other micro-batch sizes (cost.steptime.scale_batch: the planner's GPU steps and
+`plan --fit`), the step is recorded once more at twice the micro-batch and the two call sequences, the same
+ops in the same order, are laid side by side: what a call moves at B and 2B splits into bytes that grow with
+the tokens and bytes that do not (autocast's weight casts, the gradients' casts: weight-sized work), so a
+micro-batch of any size is priced exactly (_fixed_bytes). A cast autocast makes of a parameter is recorded
+under its own name (cost.ops.WEIGHT_CAST): a stack that gathers its parameters in the compute dtype
+(FSDP2's mixed precision) does not run it.
 `compiled=True` records the step as torch.compile runs it on a CPU: attention as two matmuls around a
 softmax (trainwise.model.transformer.explicit_attention) instead of the SDPA kernel.
 """
 
 from __future__ import annotations
 
+import difflib
 import itertools
 from collections import defaultdict
 from dataclasses import replace
@@ -27,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from trainwise.config import TrainConfig
-from trainwise.cost.ops import Op, op_class
+from trainwise.cost.ops import WEIGHT_CAST, Op, op_class
 from trainwise.measure.fake import fake_step_mode
 from trainwise.measure.flopcount import flop_counter
 from trainwise.runtime.parallelize import use_compiled_attention, use_native_dropout, use_unfused_attention
@@ -39,6 +47,8 @@ from trainwise.runtime.step import build_model, build_step
 # they are in the list, with bytes and no FLOPs.
 COPIES = {"_to_copy", "copy_", "clone", "fill_", "zero_", "zeros", "ones", "zeros_like", "ones_like", "full",
           "new_zeros", "new_ones", "new_full"}
+# A record's counts: [calls, FLOPs, bytes, fused bytes, fixed bytes, fixed fused bytes] (fixed: _fixed_bytes)
+EMPTY = (0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "split", "split_with_sizes", "slice",
@@ -98,6 +108,7 @@ class _Recorder(TorchDispatchMode):
         self.serials = itertools.count(1)
         self.made: dict[int, tuple[bool, str]] = {}  # serial -> (written by a fusable op, in which phase)
         self.uses: dict[int, set] = defaultdict(set)  # serial -> {(read by a fusable op, in which phase)}
+        self.weights: set[int] = set()  # id() of the model's parameters: autocast's casts of them (WEIGHT_CAST)
 
     def hook(self, phase: str) -> None:  # train_step's hook: called after each phase
         self.phase = {"forward": "backward", "backward": "optimizer"}.get(phase, self.phase)
@@ -127,6 +138,8 @@ class _Recorder(TorchDispatchMode):
         else:
             flops = sum(o.numel() for o in outs)
         dtype = next((DTYPE_NAMES.get(x.dtype, "other") for x in ins + outs if x.is_floating_point()), "other")
+        if short == "_to_copy" and ins and id(ins[0]) in self.weights:
+            name = WEIGHT_CAST
         if short in ("copy_", "fill_", "zero_"):  # in place: the output is the input, written once
             ins, outs = ins[1:], ins[:1]
         nbytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))
@@ -154,19 +167,26 @@ class _Recorder(TorchDispatchMode):
         uses = self.uses.get(t, set())
         return not fusable or not uses or any(not f or p != phase for f, p in uses)
 
+    def per_call(self) -> list[tuple[tuple, float, float]]:
+        """(key, bytes, fused bytes) of each call in order: a fusable op's fused bytes are its reads and
+        writes of tensors in memory (_in_memory); the rest of its traffic stays inside a fused kernel."""
+        return [(key, sum(b for _, b in read + written),
+                 sum(b for t, b in read + written if not fusable or self._in_memory(t)))
+                for key, fusable, read, written in self.calls]
+
     def records(self) -> dict[tuple, list]:
-        """{key: [calls, FLOPs, bytes, fused bytes]}: a fusable op's fused bytes are its reads and writes of
-        tensors in memory (_in_memory); the rest of its traffic stays inside a fused kernel."""
+        """{key: [calls, FLOPs, bytes, fused bytes, 0, 0]} (the fixed bytes: _fixed_bytes)."""
         fused: dict[tuple, float] = defaultdict(float)
-        for key, fusable, read, written in self.calls:
-            fused[key] += sum(b for t, b in read + written if not fusable or self._in_memory(t))
-        return {key: [*rec, fused[key]] for key, rec in self.ops.items()}
+        for key, _, nbytes in self.per_call():
+            fused[key] += nbytes
+        return {key: [*rec, fused[key], 0.0, 0.0] for key, rec in self.ops.items()}
 
 
 def step_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32", checkpointing: str = "none",
-             grad_accum: int = 1, compiled: bool = False, optimizer: str = "adamw") -> list[Op]:
+             grad_accum: int = 1, compiled: bool = False, optimizer: str = "adamw", fixed: bool = False) -> list[Op]:
     """Operators of one training step of the trainwise model (K = grad_accum micro-batches), recorded on
-    fake CPU tensors; largest FLOPs first. precision: "fp32" or a bf16/fp16 autocast recipe.
+    fake CPU tensors; largest FLOPs first. precision: "fp32" or a bf16/fp16 autocast recipe. fixed: each op's
+    bytes that do not grow with the micro-batch found too (_fixed_bytes), for pricing other sizes.
 
     A deep model whose blocks repeat (every layer after first_dense_layers alike) is recorded at depths
     d+1 and d+2 and extrapolated: ops(L) = ops(d+1) + (L-d-1) x (ops(d+2) - ops(d+1)), exact because a
@@ -174,21 +194,45 @@ def step_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32",
     base = model_cfg.first_dense_layers + 1 if model_cfg.is_moe else 1
     if model_cfg.n_layers > base + 1 and (not model_cfg.is_moe or model_cfg.moe_every == 1):
         one, two = (_record(replace(model_cfg, n_layers=n), micro_batch, seq_len, precision, checkpointing,
-                            compiled, optimizer) for n in (base, base + 1))
+                            compiled, optimizer, fixed=fixed) for n in (base, base + 1))
         extra = model_cfg.n_layers - base
-        recs = {k: [a + extra * (b - a) for a, b in zip(one.get(k, [0, 0.0, 0.0, 0.0]), two[k])] for k in two}
+        recs = {k: [a + extra * (b - a) for a, b in zip(one.get(k, EMPTY), two[k])] for k in two}
     else:
-        recs = _record(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled, optimizer)
-    ops = [Op(n, op_class(n), ph, dt, shape, int(c), f, b, layout, fused=fb)
-           for (n, ph, dt, shape, layout, _), (c, f, b, fb) in recs.items() if f or b]
-    ops = [op.scaled(grad_accum) if op.phase != "optimizer" else op for op in ops]
+        recs = _record(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled, optimizer, fixed=fixed)
+    ops = [op.scaled(grad_accum) if op.phase != "optimizer" else op for op in _ops(recs)]
     return sorted(ops, key=lambda o: -o.flops)
 
 
 def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpointing: str, compiled: bool,
-            optimizer: str, attention: str = "sdpa") -> dict[tuple, list]:
-    """{(name, phase, dtype, shape, layout, bytes per call): [calls, FLOPs, bytes]} of one micro-batch's
-    step on fake tensors (bytes per call 0 for matmuls and attention, which their shape describes).
+            optimizer: str, attention: str = "sdpa", fixed: bool = False) -> dict[tuple, list]:
+    """{(name, phase, dtype, shape, layout, bytes per call): [calls, FLOPs, bytes, fused bytes, fixed bytes,
+    fixed fused bytes]} of one micro-batch's step on fake tensors (bytes per call 0 for matmuls and attention,
+    which their shape describes); the fixed bytes with `fixed` (_fixed_bytes), else 0."""
+    one = _run(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled, optimizer, attention)
+    out = one.records()
+    if fixed:
+        two = _run(model_cfg, 2 * micro_batch, seq_len, precision, checkpointing, compiled, optimizer, attention)
+        _fixed_bytes(out, one, two)
+    return out
+
+
+def _fixed_bytes(records: dict[tuple, list], one: _Recorder, two: _Recorder) -> None:
+    """Adds to `records` (of `one`, micro-batch B) each op's bytes that do not grow with the micro-batch, from
+    the same step at 2B (`two`): the two runs call the same ops in the same order, and a call that moves b1
+    bytes at B and b2 at 2B moves 2 b1 - b2 whatever the batch (a weight cast: b1; an activation's op: 0).
+    The sequences are lined up by op (name, phase, dtype): a call only one of them makes (the labels' copy,
+    which a one-sequence batch does not need) has no fixed bytes."""
+    a, b = one.per_call(), two.per_call()
+    match = difflib.SequenceMatcher(None, [x[0][:3] for x in a], [y[0][:3] for y in b], autojunk=False)
+    for i, j, n in match.get_matching_blocks():
+        for (key, b1, f1), (_, b2, f2) in zip(a[i:i + n], b[j:j + n]):
+            records[key][4] += max(0.0, 2 * b1 - b2)
+            records[key][5] += max(0.0, 2 * f1 - f2)
+
+
+def _run(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpointing: str, compiled: bool,
+         optimizer: str, attention: str = "sdpa") -> _Recorder:
+    """The recorder after one micro-batch's step on fake tensors (_record).
     attention: "sdpa" (as this machine's SDPA runs it), "flash" (a GPU's flash kernel, attention dropout
     inside it) or "unfused" (runtime.parallelize.use_unfused_attention). precision "bf16-pure" / "fp16-pure":
     the weights themselves in 16 bits, activations and residual stream too, no autocast (Megatron-LM's
@@ -223,10 +267,11 @@ def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpoin
         if attention != "sdpa":  # a GPU step: CUDA's fused dropout kernel
             use_native_dropout(model)
         step = build_step(model, train, torch.device("cpu"), precision)
+        rec.weights = {id(p) for p in model.parameters()}
         ids = torch.randint(0, model_cfg.vocab_size, (micro_batch, seq_len + 1))
         with rec:
             step([(ids[:, :-1], ids[:, 1:])], hook=rec.hook)
-    return rec.records()
+    return rec
 
 
 def param_tensors(model_cfg) -> int:
@@ -239,17 +284,18 @@ def block_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32"
     """One micro-batch's operators split where a pipeline splits them: "layer" (one dense block), "moe_layer"
     (one MoE block, MoE models only) and "ends" (embedding, final norm, LM head and loss), each with the
     optimizer update of its own parameters (one op, "optimizer"). Recorded at depths 1 and 2 (and one MoE
-    block) and differenced: a block's operators do not depend on its depth (see step_ops)."""
+    block) and differenced: a block's operators do not depend on its depth (see step_ops); each op's fixed
+    bytes found too (_fixed_bytes: the planner prices these records at other micro-batch sizes)."""
     dense = model_cfg
     if model_cfg.is_moe:
         dense = replace(model_cfg, n_experts=0, top_k=0, n_shared_experts=0, first_dense_layers=0, router_bias=False)
     one, two = (_optimizer_as_one(_record(replace(dense, n_layers=n), micro_batch, seq_len, precision, checkpointing,
-                                          False, optimizer, attention)) for n in (1, 2))
+                                          False, optimizer, attention, fixed=True)) for n in (1, 2))
     layer = _minus(two, one)
     out = {"layer": _ops(layer), "ends": _ops(_minus(one, layer))}
     if model_cfg.is_moe:
         moe = _optimizer_as_one(_record(replace(model_cfg, n_layers=1, first_dense_layers=0, moe_every=1), micro_batch,
-                                        seq_len, precision, checkpointing, False, optimizer, attention))
+                                        seq_len, precision, checkpointing, False, optimizer, attention, fixed=True))
         out["moe_layer"] = _ops(_minus(moe, _minus(one, layer)))
     return out
 
@@ -257,7 +303,7 @@ def block_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32"
 def _optimizer_as_one(rec: dict[tuple, list]) -> dict[tuple, list]:
     """The optimizer phase's ops summed into one record (its foreach ops take every parameter at once,
     so their per-call sizes change with depth and would not difference)."""
-    out, total = {}, [0, 0.0, 0.0, 0.0]
+    out, total = {}, list(EMPTY)
     for key, counts in rec.items():
         if key[1] == "optimizer":
             total = [1, *(a + b for a, b in zip(total[1:], counts[1:]))]
@@ -271,7 +317,7 @@ def _optimizer_as_one(rec: dict[tuple, list]) -> dict[tuple, list]:
 def _minus(a: dict[tuple, list], b: dict[tuple, list]) -> dict[tuple, list]:
     out = {}
     for key in a.keys() | b.keys():
-        x, y = a.get(key, [0, 0.0, 0.0, 0.0]), b.get(key, [0, 0.0, 0.0, 0.0])
+        x, y = a.get(key, EMPTY), b.get(key, EMPTY)
         diff = [x[0] - y[0] if key[1] != "optimizer" else 1, *(u - v for u, v in zip(x[1:], y[1:]))]
         if diff[1] or diff[2] or (diff[0] and key[1] != "optimizer"):
             out[key] = diff
@@ -279,6 +325,6 @@ def _minus(a: dict[tuple, list], b: dict[tuple, list]) -> dict[tuple, list]:
 
 
 def _ops(rec: dict[tuple, list]) -> list[Op]:
-    return sorted((Op(n, op_class(n), ph, dt, shape, int(c), f, b, layout, fused=fb)
-                   for (n, ph, dt, shape, layout, _), (c, f, b, fb) in rec.items() if c > 0 and (f or b)),
+    return sorted((Op(n, op_class(n), ph, dt, shape, int(c), f, b, layout, fused=fb, fixed=fx, fused_fixed=ffx)
+                   for (n, ph, dt, shape, layout, _), (c, f, b, fb, fx, ffx) in rec.items() if c > 0 and (f or b)),
                   key=lambda o: -o.flops)

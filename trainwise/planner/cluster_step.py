@@ -13,12 +13,15 @@ from trainwise.config import ModelConfig
 from trainwise.cost.cluster import ClusterStep, RankWork, cluster_step
 from trainwise.cost.layout import Layout, param_counts, tp_share
 from trainwise.cost.memory import Recipe
-from trainwise.cost.ops import Op
+from trainwise.cost.ops import Op, gathered_in_compute_dtype
 from trainwise.cost.steptime import scale_batch
 from trainwise.hardware.table import Accelerator, Node
 from trainwise.measure.record import block_ops
 
 _CACHE: dict[str, dict[str, list[Op]]] = {}
+# The data-parallel strategies whose parameters FSDP2 gathers for each pass (trainwise's zero2 and fsdp; ZeRO-3
+# elsewhere): under a mixed-precision policy, in the compute dtype, so autocast finds the weights cast already.
+GATHERED = ("zero2", "fsdp")
 
 
 def _blocks(cfg: ModelConfig, micro_batch: int, seq_len: int, precision: str, checkpointing: str, optimizer: str,
@@ -43,6 +46,8 @@ def rank_work(cfg: ModelConfig, layout: Layout, micro_batch: int, seq_len: int, 
         whole = (_blocks(cfg, micro_batch, seq_len // layout.cp, precision, ckpt, optimizer, recorded)
                  if layout.sequence_parallel else None)
         out = {part: _apply(ops, layout, whole and whole.get(part)) for part, ops in share.items()}
+        if layout.strategy in GATHERED:  # the weights gathered in the compute dtype (FSDP2's policy)
+            out = {part: gathered_in_compute_dtype(ops) for part, ops in out.items()}
         return {part: _fp8(ops, fp8) if fp8 and part != "ends" else ops for part, ops in out.items()}
 
     main = record(checkpointing)
@@ -124,9 +129,11 @@ def predict_cluster_step(cfg: ModelConfig, layout: Layout, acc: Accelerator, nod
     precision = record_precision(recipe)
     work = rank_work(cfg, layout, micro_batch, seq_len, precision, checkpointing, optimizer, recipe.fp8,
                      fuses(recipe, compiled, fused))
+    # FSDP2's mixed-precision policy gathers the parameters in the compute dtype (and reduces in fp32)
+    gathered = recipe.compute_bytes if layout.strategy in GATHERED else recipe.param_bytes
     return cluster_step(cfg, layout, work, param_counts(cfg, layout), acc=acc, node=node, micro_batch=micro_batch,
                         seq_len=seq_len, checkpointing=checkpointing, act_bytes=recipe.compute_bytes,
-                        grad_bytes=_reduced_grad_bytes(recipe), param_bytes=recipe.param_bytes, tp_overlap=tp_overlap,
+                        grad_bytes=_reduced_grad_bytes(recipe), param_bytes=gathered, tp_overlap=tp_overlap,
                         moe_imbalance=moe_imbalance)
 
 

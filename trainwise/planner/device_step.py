@@ -16,11 +16,13 @@ _OPS_CACHE: dict[str, list[Op]] = {}
 
 
 def cached_step_ops(model: ModelConfig, micro_batch: int, seq_len: int, precision: str, checkpointing: str,
-                    compiled: bool, optimizer: str) -> list[Op]:
-    """measure.record.step_ops of one micro-batch, memoised: a run asks for its plan several times."""
-    key = repr((model, micro_batch, seq_len, precision, checkpointing, compiled, optimizer))
+                    compiled: bool, optimizer: str, fixed: bool = False) -> list[Op]:
+    """measure.record.step_ops of one micro-batch, memoised: a run asks for its plan several times. fixed:
+    with each op's bytes that do not grow with the micro-batch, for pricing other sizes (scale_batch)."""
+    key = repr((model, micro_batch, seq_len, precision, checkpointing, compiled, optimizer, fixed))
     if key not in _OPS_CACHE:
-        _OPS_CACHE[key] = step_ops(model, micro_batch, seq_len, precision, checkpointing, 1, compiled, optimizer)
+        _OPS_CACHE[key] = step_ops(model, micro_batch, seq_len, precision, checkpointing, 1, compiled, optimizer,
+                                   fixed)
     return _OPS_CACHE[key]
 
 

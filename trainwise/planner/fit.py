@@ -118,7 +118,8 @@ def _modelled_step(model, hw: Hardware, recipe, optimizer: str, ckpt: str, zero:
                    grad_accum: int, seq_len: int, n_params: int) -> float:
     """Step-time model of one --fit candidate, from the checkpointing mode's recorded micro-batch of 1."""
     precision = "fp32" if recipe.compute_dtype == "fp32" else recipe.compute_dtype
-    ops = scale_batch(cached_step_ops(model, 1, seq_len, precision, ckpt, False, optimizer), micro_batch, seq_len)
+    ops = scale_batch(cached_step_ops(model, 1, seq_len, precision, ckpt, False, optimizer, fixed=True), micro_batch,
+                      seq_len)
     return predict_step_time(model, hw.profile, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
                      compute_dtype=recipe.compute_dtype, checkpointing=ckpt, optimizer=optimizer, zero=zero, dp=dp,
                      n_params=n_params, grad_bytes=4 * n_params, param_bytes=4 * n_params, cuda=hw.cuda,
