@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
+from trainwise.hardware.table import ACCELERATORS
 from trainwise.presets import get_preset
 
 GB = 1e9
@@ -339,8 +340,11 @@ def bridge_model(row: BridgeRow) -> ModelConfig:
 TORCHTITAN_2412 = Table(
     "D", "torchtitan on H100 (Grand Teton), Llama 3.1",
     "pytorch/torchtitan docs/performance.md at bf835b59 (Dec 2024; later benchmarks/llama3_h100_202412_torchtitan.md)",
-    "Grand Teton's H100 (96 GB HBM2e at 2.4 TB/s, 500 W cap) is not in the planner's table: h100-sxm with "
-    "Machine(memory=96 GB, bandwidth=2.4 TB/s); the power cap is not modelled. Llama 3.1 = the planner's "
+    "Grand Teton's H100 (96 GB HBM2e at 2.4 TB/s, the default 500 W power limit where the SXM's TDP is 700 W) "
+    "is not in the planner's table: h100-sxm with 96 GB, 2.4 TB/s and its tensor-core kernels (MAMF, FP8, "
+    "attention) at 0.922 of the SXM's rates (Accelerator.clock_share): the page says its peak is 'between SXM "
+    "and NVL' and does not know it; the middle of that bracket (H100 NVL datasheet: 835 TFLOP/s bf16 dense, "
+    "0.844 of the SXM's 989; FP8 1,671 of 1,979, the same share). Llama 3.1 = the planner's "
     "llama-3-8b, llama-3-70b and llama-3.1-405b presets (the same shapes). FSDP2 = ZeRO-3 over dp (with PP, "
     "torchtitan's apply_fsdp does not reshard after forward, to avoid per-micro-batch all-gathers, and torch's "
     "pipeline stages keep the blocks gathered through the step's backwards: parameters gathered once per step "
@@ -354,13 +358,32 @@ TORCHTITAN_2412 = Table(
     "the planner's `op`, the same policy; TP with sequence parallelism, "
     "AsyncTP = --tp-overlap async (the forward's tp collectives under its work, the backward's exposed: "
     "cost.layout.TP_OVERLAPS); without PP the local batch is one micro-batch; with PP torchtitan's "
-    "defaults (Dec 2024): 2 stages per rank for interleaved 1F1B (vpp 2) and as many micro-batches as stages "
-    "(8 for 1F1B, 16 interleaved) splitting the local batch of 32; CP = keys and values all-gathered "
+    "defaults at the commit the page names (9dec370, Dec 2024): 2 stages per rank for interleaved 1F1B (vpp "
+    "2) and as many micro-batches as pipeline ranks, 8 of 4 sequences for either schedule (its "
+    "build_pipeline_schedule took pipeline_parallel_degree; one per stage, as its help text said, came in Jan "
+    "2025); CP = keys and values all-gathered "
     "(torchtitan's context_parallel_rotate_method default, allgather: --cp-impl allgather); "
     "flash attention (SDPA); published s = global batch x seq / (GPUs x TPS) (torchtitan's TPS divides a "
     "data-parallel rank's tokens by tp x pp x cp); 8 GPUs per node over NVLink, 400 Gb/s per GPU between "
     "nodes (DGX H100's node)")
 D_SEQ, D_MEMORY, D_BANDWIDTH = 8192, 96 * GB, 2.4e12
+# The table's H100 under its 500 W limit: the middle of the page's bracket, between the SXM (1) and the NVL
+# (835 / 989 TFLOP/s bf16 dense, NVIDIA's H100 datasheet): its assumption, not a fit
+D_CLOCK_SHARE = (1 + 835 / 989) / 2
+
+
+def grand_teton_gpu() -> str:
+    """The key of table D's GPU in the planner's table, registered on first use: the H100 SXM's figures with
+    Grand Teton's memory, bandwidth and clock share (the table's assumption)."""
+    key = "h100-grand-teton"
+    if key not in ACCELERATORS:
+        sxm = ACCELERATORS["h100-sxm"]
+        ACCELERATORS[key] = replace(sxm, name="H100 (Grand Teton, 500 W)", memory_bytes=int(D_MEMORY),
+                                    bandwidth_bytes_per_s=D_BANDWIDTH, clock_share=D_CLOCK_SHARE)
+    return key
+
+
+D_GPU = grand_teton_gpu()  # registered on import: benchmarks/cluster_fit.py's worker processes plan it too
 D_PRESETS = {"8B": "llama-3-8b", "70B": "llama-3-70b", "405B": "llama-3.1-405b"}
 
 
@@ -405,8 +428,9 @@ TABLE_D = [
 
 
 def titan_micro_batches(row: TitanRow) -> int:
-    """Micro-batches per step of one pipeline: torchtitan's default, one per stage (pp x vpp); 1 without PP."""
-    return row.pp * row.vpp if row.pp > 1 else 1
+    """Micro-batches per step of one pipeline: torchtitan's default at the benchmark's commit, the pipeline degree
+    (pp), whatever the stages per rank; 1 without PP."""
+    return row.pp if row.pp > 1 else 1
 
 
 @dataclass(frozen=True)

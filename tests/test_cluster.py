@@ -14,7 +14,7 @@ from trainwise.cli import main
 from trainwise.config import ModelConfig
 from trainwise.cost import comm as C
 from trainwise.cost.cluster import BREAKDOWN, _tier
-from trainwise.cost.gpu import GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, matmul_seconds
+from trainwise.cost.gpu import GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, matmul_rate, matmul_seconds
 from trainwise.cost.layout import (bubble_fraction, chunk_layers, make_layout, placement, rank_stages,
                                     schedule_seconds, stage_layers)
 from trainwise.cost.memory import get_recipe
@@ -198,6 +198,20 @@ def test_attention_at_flashattention2s_published_rate():
     assert attention_rate(A100, 100_000, 64)[0] == 171e12  # held at the ends
     b200_rate, how = attention_rate(ACCELERATORS["b200"], 2048, 128)
     assert b200_rate == pytest.approx(155e12 * 1745 / 271.2) and "no published rate" in how
+
+
+def test_a_gpu_held_under_its_power_runs_its_tensor_core_kernels_at_its_clock_share():
+    """clock_share 0.9 (a power limit below the TDP): matmuls at 0.9 of MAMF (large ones take 1/0.9 as long),
+    FP8 too, attention at 0.9 of its published rate; memory-bound work is the HBM's and does not move."""
+    h100 = ACCELERATORS["h100-sxm"]
+    held = replace(h100, clock_share=0.9)
+    for dtype in ("bf16", "fp8"):
+        assert matmul_rate(held, dtype) == pytest.approx(0.9 * matmul_rate(h100, dtype))
+    big = (1, 16384, 8192, 16384)
+    assert matmul_seconds(*big, held, "bf16") == pytest.approx(
+        (matmul_seconds(*big, h100, "bf16") - GEMM_LAUNCH_S) / 0.9 + GEMM_LAUNCH_S)
+    rate, how = attention_rate(held, 8192, 128, "cudnn")
+    assert rate == pytest.approx(0.9 * attention_rate(h100, 8192, 128, "cudnn")[0]) and "clock share 0.900" in how
 
 
 def test_per_rank_activation_memory_under_tp_sp_selective_and_full():

@@ -17,7 +17,8 @@
 
 Compute dtype fp32 runs on the non-tensor-core rate (trainwise leaves TF32 off), scaled by the same
 MAMF share of peak. A GPU without published FlashAttention-2 rates takes the A100's, scaled by its
-MAMF over the A100's (an inference, said in the op's rule).
+MAMF over the A100's (an inference, said in the op's rule). A GPU held under its datasheet's power (its
+clock_share below 1) runs every tensor-core kernel at that share of these rates.
 A device without a published core count (the TPUs) runs every matmul at the large-matmul rate, without waves.
 """
 
@@ -47,7 +48,7 @@ def matmul_rate(acc: Accelerator, dtype: str) -> float:
     cuBLASLt 8192^3 E4M3: 1,609 TFLOP/s, 81% of 1,979, beside bf16's 80%; H800 block-scaled DeepGEMM: up to
     1,550 TFLOP/s, its README), so per-tensor and block scaling run at one rate."""
     half = acc.peak("bf16")
-    mamf = acc.mamf or half * 0.8  # no MAMF published: 80%, the H100's (hardware.table)
+    mamf = (acc.mamf or half * 0.8) * acc.clock_share  # no MAMF published: 80%, the H100's (hardware.table)
     if dtype in ("bf16", "fp16"):
         return mamf
     if dtype == "fp8":
@@ -118,9 +119,12 @@ def attention_rate(acc: Accelerator, seq_len: int, head_dim: int, impl: str = "f
         scale = _forward_backward(impl, seq_len) / _forward_backward("flash2", seq_len)
         how = (f"FlashAttention-2 published rate x the {'FlashAttention-3' if impl == 'flash3' else 'cuDNN'} "
                "speed-up over it (Shah et al. 2024, H100, head dim 128)")
-    if key is None:
+    if key is None:  # (matmul_rate holds the clock share)
         key, scale = "fa2-a100", matmul_rate(acc, "bf16") / matmul_rate(ACCELERATORS["a100-80gb"], "bf16")
         how = "FlashAttention-2 A100 rate x this GPU's MAMF / the A100's (no published rate)"
+    elif acc.clock_share != 1.0:
+        scale *= acc.clock_share
+        how += f" x its clock share {acc.clock_share:.3f}"
     table = ATTENTION_TFLOPS[key]
     by_t = table[min(table, key=lambda hd: abs(hd - head_dim))]
     return scale * 1e12 * _interpolate(by_t, seq_len), how

@@ -41,6 +41,9 @@ class Accelerator:
     attention: str | None = None  # key of its published FlashAttention-2 rates (ATTENTION_TFLOPS)
     node: str | None = None  # the node it usually comes in (NODES)
     mx: bool = False  # tensor cores that take block-scaled MX formats (MXFP8): Blackwell
+    # Its tensor-core kernels' rates (MAMF, FP8, attention) over the published ones: under a power limit below the
+    # datasheet's TDP the clocks are held down (cost.gpu). 1: the datasheet's.
+    clock_share: float = 1.0
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; fp16 falls back to bf16 and vice versa."""

@@ -41,6 +41,8 @@ class Hardware:
                    "no published MAMF: matmuls at 80% of peak (the H100's share)")
         attention = ("FlashAttention-2 published rates (Dao 2023)" if a.attention else
                      "attention at the A100's FlashAttention-2 rates x MAMF ratio (none published)")
+        if a.clock_share != 1.0:
+            kernels += f"; every tensor-core kernel at {a.clock_share:.3f} of its published rate (held clocks)"
         n = self.node
         node = (f"{n.name}: NCCL all-reduce busbw {n.allreduce_busbw_intra / 1e9:.0f} GB/s in a node over {n.fabric}"
                 + (f" ({n.pair_busbw / 1e9:.0f} GB/s in a bridged pair)" if n.pair_busbw else "")
