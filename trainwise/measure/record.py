@@ -280,22 +280,22 @@ def param_tensors(model_cfg) -> int:
 
 
 def block_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32", checkpointing: str = "none",
-              optimizer: str = "adamw", attention: str = "flash") -> dict[str, list[Op]]:
+              optimizer: str = "adamw", attention: str = "flash", fixed: bool = True) -> dict[str, list[Op]]:
     """One micro-batch's operators split where a pipeline splits them: "layer" (one dense block), "moe_layer"
     (one MoE block, MoE models only) and "ends" (embedding, final norm, LM head and loss), each with the
     optimizer update of its own parameters (one op, "optimizer"). Recorded at depths 1 and 2 (and one MoE
-    block) and differenced: a block's operators do not depend on its depth (see step_ops); each op's fixed
-    bytes found too (_fixed_bytes: the planner prices these records at other micro-batch sizes)."""
+    block) and differenced: a block's operators do not depend on its depth (see step_ops); with `fixed`, each op's
+    fixed bytes found too (_fixed_bytes: the planner prices these records at other micro-batch sizes)."""
     dense = model_cfg
     if model_cfg.is_moe:
         dense = replace(model_cfg, n_experts=0, top_k=0, n_shared_experts=0, first_dense_layers=0, router_bias=False)
     one, two = (_optimizer_as_one(_record(replace(dense, n_layers=n), micro_batch, seq_len, precision, checkpointing,
-                                          False, optimizer, attention, fixed=True)) for n in (1, 2))
+                                          False, optimizer, attention, fixed=fixed)) for n in (1, 2))
     layer = _minus(two, one)
     out = {"layer": _ops(layer), "ends": _ops(_minus(one, layer))}
     if model_cfg.is_moe:
         moe = _optimizer_as_one(_record(replace(model_cfg, n_layers=1, first_dense_layers=0, moe_every=1), micro_batch,
-                                        seq_len, precision, checkpointing, False, optimizer, attention, fixed=True))
+                                        seq_len, precision, checkpointing, False, optimizer, attention, fixed=fixed))
         out["moe_layer"] = _ops(_minus(moe, _minus(one, layer)))
     return out
 

@@ -18,7 +18,7 @@ from trainwise.cost.steptime import scale_batch
 from trainwise.hardware.table import Accelerator, Node
 from trainwise.measure.record import block_ops
 
-_CACHE: dict[str, dict[str, list[Op]]] = {}
+_CACHE: dict[str, tuple[bool, dict[str, list[Op]]]] = {}  # key -> (with fixed bytes, the record)
 # The data-parallel strategies whose parameters FSDP2 gathers for each pass (trainwise's zero2 and fsdp; ZeRO-3
 # elsewhere): under a mixed-precision policy, in the compute dtype, so autocast finds the weights cast already.
 GATHERED = ("zero2", "fsdp")
@@ -27,11 +27,12 @@ GATHERED = ("zero2", "fsdp")
 def _blocks(cfg: ModelConfig, micro_batch: int, seq_len: int, precision: str, checkpointing: str, optimizer: str,
             attention: str) -> dict[str, list[Op]]:
     """measure.record.block_ops of one sequence, memoised, scaled to the micro-batch (cost.steptime
-    .scale_batch): `plan --fit` prices many layouts and micro-batches from a few records."""
-    key = repr((cfg, seq_len, precision, checkpointing, optimizer, attention))
-    if key not in _CACHE:
-        _CACHE[key] = block_ops(cfg, 1, seq_len, precision, checkpointing, optimizer, attention)
-    return {part: scale_batch(ops, micro_batch, seq_len) for part, ops in _CACHE[key].items()}
+    .scale_batch): `plan --fit` prices many layouts and micro-batches from a few records. The fixed bytes, which
+    take a second record, are found once a larger micro-batch asks for them."""
+    key, fixed = repr((cfg, seq_len, precision, checkpointing, optimizer, attention)), micro_batch > 1
+    if key not in _CACHE or (fixed and not _CACHE[key][0]):
+        _CACHE[key] = (fixed, block_ops(cfg, 1, seq_len, precision, checkpointing, optimizer, attention, fixed))
+    return {part: scale_batch(ops, micro_batch, seq_len) for part, ops in _CACHE[key][1].items()}
 
 
 def rank_work(cfg: ModelConfig, layout: Layout, micro_batch: int, seq_len: int, precision: str, checkpointing: str,
