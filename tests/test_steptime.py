@@ -16,7 +16,7 @@ from trainwise.cost.steptime import (PROBE_WARN, StepTime, predict_step, probed_
                                      settled_probe, step_time)
 from trainwise.cost.time import fit_linear
 from trainwise.hardware.profile import Profile
-from trainwise.measure.record import step_ops
+from trainwise.measure.record import block_ops, step_ops
 from trainwise.runtime.step import build_model
 from trainwise.planner.plan import plan_run
 
@@ -166,6 +166,15 @@ def test_a_record_priced_at_other_micro_batches_moves_what_recording_them_moves(
         assert got.keys() == want.keys()
         for k in want:
             assert got[k] == pytest.approx(want[k], rel=1e-9), k
+    # the planner's per-block records (a depth-1 record takes its fixed bytes from the depth-2 one's calls)
+    blocks, three = block_ops(TINY, 1, T, precision, "full"), block_ops(TINY, 3, T, precision, "full", fixed=False)
+    for part, ops in blocks.items():
+        want, got = defaultdict(float), defaultdict(float)
+        for ops_, out in ((three[part], want), (scale_batch(ops, 3, T), got)):
+            for o in ops_:
+                if o.dtype != "other":
+                    out[key(o)] += o.bytes
+        assert got == pytest.approx(want, rel=1e-9), part
 
 
 def test_a_gpu_plan_prices_the_gpus_step_from_published_figures():

@@ -289,8 +289,12 @@ def block_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32"
     dense = model_cfg
     if model_cfg.is_moe:
         dense = replace(model_cfg, n_experts=0, top_k=0, n_shared_experts=0, first_dense_layers=0, router_bias=False)
-    one, two = (_optimizer_as_one(_record(replace(dense, n_layers=n), micro_batch, seq_len, precision, checkpointing,
-                                          False, optimizer, attention, fixed=fixed)) for n in (1, 2))
+    one, two = (_record(replace(dense, n_layers=n), micro_batch, seq_len, precision, checkpointing, False, optimizer,
+                        attention, fixed=fixed and n == 2) for n in (1, 2))
+    for key, counts in one.items():  # depth 1's fixed bytes per call are depth 2's: its calls are among them
+        if fixed and key in two and two[key][0]:
+            counts[4:] = [two[key][4] / two[key][0] * counts[0], two[key][5] / two[key][0] * counts[0]]
+    one, two = _optimizer_as_one(one), _optimizer_as_one(two)
     layer = _minus(two, one)
     out = {"layer": _ops(layer), "ends": _ops(_minus(one, layer))}
     if model_cfg.is_moe:
