@@ -22,6 +22,9 @@ PHASES = ("forward", "backward", "optimizer")
 # whose mixed-precision policy gathers the parameters in the compute dtype (FSDP2, FSDP1's param_dtype) finds
 # them cast already and does not run it (gathered_in_compute_dtype).
 WEIGHT_CAST = "aten._to_copy(weight)"
+# The data-parallel strategies whose parameters FSDP2 gathers for each pass (trainwise's zero2 and fsdp; ZeRO-3
+# elsewhere): under a mixed-precision policy in the compute dtype, so autocast finds the weights cast already.
+GATHERED = ("zero2", "fsdp")
 
 
 def op_class(name: str) -> str:

@@ -29,7 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from trainwise.cost.comm import comm_seconds, exposed_comm, strategy_for
-from trainwise.cost.ops import Op, for_cuda, gathered_in_compute_dtype
+from trainwise.cost.ops import GATHERED, Op, for_cuda, gathered_in_compute_dtype
 from trainwise.hardware.profile import Profile
 
 # A compiled CPU step runs the eager step's matmuls (timed as in eager) and inductor's generated kernels
@@ -261,7 +261,7 @@ def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors
     precision = "fp32" if compute_dtype == "fp32" else compute_dtype
     if cuda:
         ops = for_cuda(ops)
-    if strategy_for(zero, dp) in ("zero2", "fsdp"):  # FSDP2 gathers the weights in the compute dtype
+    if strategy_for(zero, dp) in GATHERED:  # FSDP2 gathers the weights in the compute dtype
         ops = gathered_in_compute_dtype(ops)
     ops = [o.scaled(grad_accum) if o.phase != "optimizer" else o for o in ops]
     tensors = n_param_tensors

@@ -13,15 +13,12 @@ from trainwise.config import ModelConfig
 from trainwise.cost.cluster import ClusterStep, RankWork, cluster_step
 from trainwise.cost.layout import Layout, param_counts, tp_share
 from trainwise.cost.memory import Recipe
-from trainwise.cost.ops import Op, gathered_in_compute_dtype
+from trainwise.cost.ops import GATHERED, Op, gathered_in_compute_dtype
 from trainwise.cost.steptime import scale_batch
 from trainwise.hardware.table import Accelerator, Node
 from trainwise.measure.record import block_ops
 
 _CACHE: dict[str, tuple[bool, dict[str, list[Op]]]] = {}  # key -> (with fixed bytes, the record)
-# The data-parallel strategies whose parameters FSDP2 gathers for each pass (trainwise's zero2 and fsdp; ZeRO-3
-# elsewhere): under a mixed-precision policy, in the compute dtype, so autocast finds the weights cast already.
-GATHERED = ("zero2", "fsdp")
 
 
 def _blocks(cfg: ModelConfig, micro_batch: int, seq_len: int, precision: str, checkpointing: str, optimizer: str,
