@@ -370,20 +370,12 @@ D_SEQ, D_MEMORY, D_BANDWIDTH = 8192, 96 * GB, 2.4e12
 # The table's H100 under its 500 W limit: the middle of the page's bracket, between the SXM (1) and the NVL
 # (835 / 989 TFLOP/s bf16 dense, NVIDIA's H100 datasheet): its assumption, not a fit
 D_CLOCK_SHARE = (1 + 835 / 989) / 2
-
-
-def grand_teton_gpu() -> str:
-    """The key of table D's GPU in the planner's table, registered on first use: the H100 SXM's figures with
-    Grand Teton's memory, bandwidth and clock share (the table's assumption)."""
-    key = "h100-grand-teton"
-    if key not in ACCELERATORS:
-        sxm = ACCELERATORS["h100-sxm"]
-        ACCELERATORS[key] = replace(sxm, name="H100 (Grand Teton, 500 W)", memory_bytes=int(D_MEMORY),
-                                    bandwidth_bytes_per_s=D_BANDWIDTH, clock_share=D_CLOCK_SHARE)
-    return key
-
-
-D_GPU = grand_teton_gpu()  # registered on import: benchmarks/cluster_fit.py's worker processes plan it too
+# Table D's GPU in the planner's table, registered on import (benchmarks/cluster_fit.py's worker processes plan it
+# too): the H100 SXM's figures with Grand Teton's memory, bandwidth and clock share (the table's assumption)
+D_GPU = "h100-grand-teton"
+ACCELERATORS.setdefault(D_GPU, replace(ACCELERATORS["h100-sxm"], name="H100 (Grand Teton, 500 W)",
+                                       memory_bytes=int(D_MEMORY), bandwidth_bytes_per_s=D_BANDWIDTH,
+                                       clock_share=D_CLOCK_SHARE))
 D_PRESETS = {"8B": "llama-3-8b", "70B": "llama-3-70b", "405B": "llama-3.1-405b"}
 
 
