@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
-from trainwise.hardware.table import ACCELERATORS
 from trainwise.presets import get_preset
 
 GB = 1e9
@@ -342,7 +341,7 @@ TORCHTITAN_2412 = Table(
     "pytorch/torchtitan docs/performance.md at bf835b59 (Dec 2024; later benchmarks/llama3_h100_202412_torchtitan.md)",
     "Grand Teton's H100 (96 GB HBM2e at 2.4 TB/s, the default 500 W power limit where the SXM's TDP is 700 W) "
     "is not in the planner's table: h100-sxm with 96 GB, 2.4 TB/s and its tensor-core kernels (MAMF, FP8, "
-    "attention) at 0.922 of the SXM's rates (Accelerator.clock_share): the page says its peak is 'between SXM "
+    "attention) at 0.922 of the SXM's rates (--clock-share): the page says its peak is 'between SXM "
     "and NVL' and does not know it; the middle of that bracket (H100 NVL datasheet: 835 TFLOP/s bf16 dense, "
     "0.844 of the SXM's 989; FP8 1,671 of 1,979, the same share). Llama 3.1 = the planner's "
     "llama-3-8b, llama-3-70b and llama-3.1-405b presets (the same shapes). FSDP2 = ZeRO-3 over dp (with PP, "
@@ -370,12 +369,6 @@ D_SEQ, D_MEMORY, D_BANDWIDTH = 8192, 96 * GB, 2.4e12
 # The table's H100 under its 500 W limit: the middle of the page's bracket, between the SXM (1) and the NVL
 # (835 / 989 TFLOP/s bf16 dense, NVIDIA's H100 datasheet): its assumption, not a fit
 D_CLOCK_SHARE = (1 + 835 / 989) / 2
-# Table D's GPU in the planner's table, registered on import (benchmarks/cluster_fit.py's worker processes plan it
-# too): the H100 SXM's figures with Grand Teton's memory, bandwidth and clock share (the table's assumption)
-D_GPU = "h100-grand-teton"
-ACCELERATORS.setdefault(D_GPU, replace(ACCELERATORS["h100-sxm"], name="H100 (Grand Teton, 500 W)",
-                                       memory_bytes=int(D_MEMORY), bandwidth_bytes_per_s=D_BANDWIDTH,
-                                       clock_share=D_CLOCK_SHARE))
 D_PRESETS = {"8B": "llama-3-8b", "70B": "llama-3-70b", "405B": "llama-3.1-405b"}
 
 

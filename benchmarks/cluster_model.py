@@ -206,7 +206,7 @@ def table_d(rows: list) -> None:
     """torchtitan on Grand Teton: FSDP, + torch.compile, + Float8, 2D / 3D with AsyncTP, and context parallel."""
     header(S2.TORCHTITAN_2412, PEAK_NOTE + "; the GPU's 96 GB: the budget; its 2.4 TB/s: the bandwidth the cluster "
            "step prices memory-bound kernels at")
-    teton = Machine(gpu=S2.D_GPU)
+    teton = Machine(gpu="h100-sxm", memory=int(S2.D_MEMORY), bandwidth=S2.D_BANDWIDTH, clock_share=S2.D_CLOCK_SHARE)
     for r in S2.TABLE_D:
         m = S2.titan_micro_batches(r)
         compare(rows, S2.TORCHTITAN_2412, f"{r.model} {r.layout}, {r.technique}", [H100, FSDP] + [FP8] * r.float8,

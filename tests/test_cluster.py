@@ -214,6 +214,25 @@ def test_a_gpu_held_under_its_power_runs_its_tensor_core_kernels_at_its_clock_sh
     assert rate == pytest.approx(0.9 * attention_rate(h100, 8192, 128, "cudnn")[0]) and "clock share 0.900" in how
 
 
+def test_cli_plan_of_a_power_limited_gpu(capsys):
+    """--clock-share holds a table GPU's kernel rates (a cluster at a power limit below the TDP): the compute of the
+    same step takes 1/share as long, the explanation says so; a share outside (0, 1] or a device not priced from
+    published kernels is a one-paragraph error."""
+    argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--zero", "3", "--seq-len", "8192",
+            "--global-batch", "16", "--tokens", "1e9", "--checkpointing", "full"]
+    steps = {}
+    for share in (None, "0.8"):
+        assert main(argv + ["--json"] + (["--clock-share", share] if share else [])) == 0
+        steps[share] = json.loads(capsys.readouterr().out)["time"]["breakdown"]
+    assert steps["0.8"]["compute_s"] > 1.15 * steps[None]["compute_s"]
+    assert main(argv + ["--clock-share", "0.8", "--explain"]) == 0
+    assert "0.800 of its published rate" in capsys.readouterr().out
+    for bad in (["--clock-share", "1.5"], ["--clock-share", "0.9", "--peak-flops", "1e15"]):
+        assert main(argv + bad) == 2
+        err = capsys.readouterr().err
+        assert "--clock-share" in err and "Traceback" not in err
+
+
 def test_per_rank_activation_memory_under_tp_sp_selective_and_full():
     """Korthikanti et al. 2022 Table 2 for a GPT layer in 16-bit (their 22B: h 6144, a 64, s 2048, t 8):
     TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh(34/t + 5as/(ht)), TP+SP+selective 34 sbh/t, full 2 sbh/t;

@@ -87,6 +87,9 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--gpu", help="accelerator name (see `trainwise hardware`)")
     p.add_argument("--peak-flops", type=number, help="peak FLOP/s per device (overrides --gpu)")
     p.add_argument("--bandwidth", type=number, help="memory bandwidth, bytes/s")
+    p.add_argument("--clock-share", type=number,
+                   help="a table GPU held under its datasheet's power (a power limit below its TDP): the share of its "
+                        "published kernel rates its tensor cores reach, e.g. 0.92 (default 1)")
     p.add_argument("--memory", type=byte_size, help="device memory capacity (bytes or 80GiB)")
     p.add_argument("--memory-budget", type=byte_size, help="per-device budget for `fits` (bytes, 80GiB or 80GB)")
     p.add_argument("--mfu", type=number, default=None,
@@ -167,7 +170,7 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
                              ep_overlap=args.ep_overlap, pp_schedule=args.pp_schedule)
     machine = Machine(gpu=args.gpu, peak_flops=args.peak_flops, bandwidth=args.bandwidth, memory=args.memory,
                       gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
-                      inter_node_bw=args.inter_node_bw)
+                      inter_node_bw=args.inter_node_bw, clock_share=args.clock_share)
     recipe = get_recipe(args.precision) if args.precision is not None else run.recipe
     if args.fp8_recipe is not None:
         if recipe.fp8 not in FP8_SCALINGS:

@@ -28,6 +28,7 @@ class Machine:
     gpus_per_node: int | None = None
     intra_node_bw: float | None = None
     inter_node_bw: float | None = None
+    clock_share: float | None = None  # a table GPU's kernel rates held to this share (hardware.table)
 
 
 @dataclass(frozen=True)

@@ -59,15 +59,16 @@ class Hardware:
 def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth: float | None = None,
                      memory: int | None = None, dtype: str = "bf16", threads: int | None = None, *,
                      gpus_per_node: int | None = None, intra_node_bw: float | None = None,
-                     inter_node_bw: float | None = None, gpus: int = 1) -> Hardware:
+                     inter_node_bw: float | None = None, gpus: int = 1, clock_share: float | None = None) -> Hardware:
     """--gpu NAME from the table (a key, an alias or a CUDA device name), overridden by --peak-flops /
     --bandwidth / --memory where given. `cpu` is this machine as calibrated (with `threads` torch
     threads, e.g. per torchrun rank); `cuda` this machine's GPU: its table entry, priced by its
     calibration if one is cached, else like a table GPU; an unknown GPU is calibrated. A table GPU is
     priced from published microbenchmarks (cost.cluster) and comes in its node (hardware.table.NODES),
     whose GPUs per node and NVLink / network bandwidth per GPU --gpus-per-node, --intra-node-bw and
-    --inter-node-bw override (the measured bus bandwidths scale with them). A given --peak-flops drops
-    every model of the device: time then comes from the assumed MFU."""
+    --inter-node-bw override (the measured bus bandwidths scale with them); --clock-share holds its kernel rates
+    to that share (a power limit below the TDP). A given --peak-flops drops every model of the device: time
+    then comes from the assumed MFU."""
     if dtype == "fp8" and gpu and gpu.lower() in ("cpu", "cuda"):
         raise TrainwiseError(
             f"--precision fp8 plans the FP8 tensor cores of a GPU of the table, from published kernel figures; "
@@ -116,6 +117,15 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
         hw.bandwidth_bytes_per_s = float(bandwidth)
         if hw.accelerator is not None:
             hw.accelerator = replace(hw.accelerator, bandwidth_bytes_per_s=float(bandwidth))
+    if clock_share is not None:
+        if hw.accelerator is None or not 0 < clock_share <= 1:
+            raise TrainwiseError(
+                f"--clock-share {clock_share:g} holds a table GPU's published kernel rates to that share (a power "
+                "limit below its TDP: 0 < share <= 1, e.g. 0.92); " + (
+                    "give a share in (0, 1]." if hw.accelerator is not None else
+                    f"{hw.name} is not priced from published kernel rates: plan a table GPU (--gpu h100-sxm), or "
+                    "give its lower peak with --peak-flops."))
+        hw.accelerator = replace(hw.accelerator, clock_share=float(clock_share))
     if memory:
         hw.memory_bytes = int(memory)
         if hw.accelerator is not None:

@@ -269,7 +269,8 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
     threads = max(1, (os.cpu_count() or 1) // gpus) if gpu and gpu.lower() == "cpu" and gpus > 1 else None
     hw = resolve_hardware(gpu, machine.peak_flops, machine.bandwidth, machine.memory, recipe.compute_dtype, threads,
                           gpus_per_node=machine.gpus_per_node, intra_node_bw=machine.intra_node_bw,
-                          inter_node_bw=machine.inter_node_bw, gpus=gpus) if has_hw else None
+                          inter_node_bw=machine.inter_node_bw, gpus=gpus,
+                          clock_share=machine.clock_share) if has_hw else None
     if hw is not None:
         check_attention(layout.attention_impl, hw.accelerator)
     if recipe.fp8 == "mx" and hw is not None and not (hw.accelerator and hw.accelerator.mx):
