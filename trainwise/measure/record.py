@@ -174,10 +174,11 @@ class _Recorder(TorchDispatchMode):
                  sum(b for t, b in read + written if not fusable or self._in_memory(t)))
                 for key, fusable, read, written in self.calls]
 
-    def records(self) -> dict[tuple, list]:
-        """{key: [calls, FLOPs, bytes, fused bytes, 0, 0]} (the fixed bytes: _fixed_bytes)."""
+    def records(self, calls: list[tuple[tuple, float, float]] | None = None) -> dict[tuple, list]:
+        """{key: [calls, FLOPs, bytes, fused bytes, 0, 0]} (the fixed bytes: _fixed_bytes), from per_call's
+        list where the caller has it already."""
         fused: dict[tuple, float] = defaultdict(float)
-        for key, _, nbytes in self.per_call():
+        for key, _, nbytes in calls if calls is not None else self.per_call():
             fused[key] += nbytes
         return {key: [*rec, fused[key], 0.0, 0.0] for key, rec in self.ops.items()}
 
@@ -209,20 +210,22 @@ def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpoin
     fixed fused bytes]} of one micro-batch's step on fake tensors (bytes per call 0 for matmuls and attention,
     which their shape describes); the fixed bytes with `fixed` (_fixed_bytes), else 0."""
     one = _run(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled, optimizer, attention)
-    out = one.records()
+    calls = one.per_call()
+    out = one.records(calls)
     if fixed:
         two = _run(model_cfg, 2 * micro_batch, seq_len, precision, checkpointing, compiled, optimizer, attention)
-        _fixed_bytes(out, one, two)
+        _fixed_bytes(out, calls, two.per_call())
     return out
 
 
-def _fixed_bytes(records: dict[tuple, list], one: _Recorder, two: _Recorder) -> None:
-    """Adds to `records` (of `one`, micro-batch B) each op's bytes that do not grow with the micro-batch, from
-    the same step at 2B (`two`): the two runs call the same ops in the same order, and a call that moves b1
-    bytes at B and b2 at 2B moves 2 b1 - b2 whatever the batch (a weight cast: b1; an activation's op: 0).
+def _fixed_bytes(records: dict[tuple, list], a: list[tuple[tuple, float, float]], b: list[tuple[tuple, float, float]]
+                 ) -> None:
+    """Adds to `records` (of micro-batch B, whose calls are `a`: _Recorder.per_call) each op's bytes that do not
+    grow with the micro-batch, from the same step's calls at 2B (`b`): the two runs call the same ops in the
+    same order, and a call that moves b1 bytes at B and b2 at 2B moves 2 b1 - b2 whatever the batch (a weight
+    cast: b1; an activation's op: 0).
     The sequences are lined up by op (name, phase, dtype): a call only one of them makes (the labels' copy,
     which a one-sequence batch does not need) has no fixed bytes."""
-    a, b = one.per_call(), two.per_call()
     match = difflib.SequenceMatcher(None, [x[0][:3] for x in a], [y[0][:3] for y in b], autojunk=False)
     for i, j, n in match.get_matching_blocks():
         for (key, b1, f1), (_, b2, f2) in zip(a[i:i + n], b[j:j + n]):
