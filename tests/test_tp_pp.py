@@ -33,6 +33,7 @@ from trainwise.planner.derivation import plan_table
 from trainwise.planner.plan import plan_run
 from trainwise.runtime.context_parallel import cp_ranks, head_tail_order, rank_positions, sequence_order
 from trainwise.runtime.mesh import check_layout, layout_for, pipeline_micro_batches
+from trainwise.runtime.step import build_model
 from trainwise.verify.per_rank import predicted_ranks
 
 WORKER = Path(__file__).with_name("tp_pp_worker.py")
@@ -45,9 +46,9 @@ def rank_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "cp", "pp_zb",
-             "pp_zbv", "pp_dualpipev", "pp_fp16", "pp_compiled", "tp_compiled"]
-FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "cp_dp", "tp_cp", "pp_dp_ep"]
+TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "ep_fsdp", "cp",
+             "pp_zb", "pp_zbv", "pp_dualpipev", "pp_fp16", "pp_compiled", "tp_compiled"]
+FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "dp_ep_zero2", "cp_dp", "tp_cp", "pp_dp_ep", "pp_dp_ep_fsdp"]
 
 
 def _launch(n: int, out: Path, cases: list[str], timeout: float) -> dict:
@@ -319,20 +320,22 @@ def test_dcp_checkpoint_reshards_and_loads_in_one_process(runs):
 
 
 def test_expert_parallel_routes_resumes_and_reshards_as_one_process(runs):
-    """ep 2 (dp 2, and dp 4 as edp 2 x ep 2, with capacity drops): the last data-parallel rank's last forward routes
-    as one process routes that micro-batch; the DCP checkpoint resumes to bit-identical losses; loaded at ep 1
-    (tp 2 on the same two ranks) and into one process, every expert and optimizer state is the checkpoint's
-    bit for bit, each stored once, and the next step's loss is the ep run's."""
-    for case in ("ep", "dp_ep"):
+    """ep 2 (dp 2, and dp 4 as edp 2 x ep 2, with capacity drops; beside DDP and beside FSDP2): the last
+    data-parallel rank's last forward routes as one process routes that micro-batch; the DCP checkpoint resumes to
+    bit-identical losses; loaded at ep 1 (tp 2 on the same two ranks) and into one process, every expert and
+    optimizer state is the checkpoint's bit for bit, each stored once, and the next step's loss is the ep run's."""
+    for case in ("ep", "dp_ep", "ep_fsdp", "dp_ep_zero2"):
         ranks = runs[case]
         assert ranks[0]["reference_routing"] and ranks[-1]["routing"] == ranks[0]["reference_routing"]
         assert all(rank["resumed"] == rank["losses"][SAVE_AT:] for rank in ranks)
-    loss = runs["ep"][0]["losses"][SAVE_AT]
-    for rank in runs["reshard_ep"]:
-        assert rank["stored_once"] and rank["model_equal"] and rank["optimizer_equal"]
-        assert rank["tp_next_step"] == pytest.approx(loss, rel=1e-4)
-    one = runs["reshard_ep"][0]
-    assert one["one_process_equal"] and one["one_process_next_step"] == pytest.approx(loss, rel=1e-4)
+    for source in ("ep", "ep_fsdp"):
+        loss = runs[source][0]["losses"][SAVE_AT]
+        for rank in runs["reshard_ep"]:
+            resharded = rank[source]
+            assert resharded["stored_once"] and resharded["model_equal"] and resharded["optimizer_equal"]
+            assert resharded["tp_next_step"] == pytest.approx(loss, rel=1e-4)
+        one = runs["reshard_ep"][0][source]
+        assert one["one_process_equal"] and one["one_process_next_step"] == pytest.approx(loss, rel=1e-4)
 
 
 def test_ep_messages_worked_by_hand():
@@ -361,6 +364,28 @@ def test_ep_messages_worked_by_hand():
                                                                           ([2, 3], 1)]
     dp_ep = R.rank_comm(config("dp_ep").model, Layout(dp=4, ep=2), 3, R.StepShape(2, 16, 1, 4, 4))
     assert dp_ep["all_reduce"] == {"calls": 4, "bytes": 243648 + 98304 + 6 + 24}
+
+
+
+def test_ep_under_fsdp_messages_worked_by_hand():
+    """FSDP2 beside ep shards, gathers and reduce-scatters the dense parameters only; the divided experts stay
+    whole on their edp ranks and are all-reduced over them as under DDP. "ep_fsdp" (dp 2 = ep 2, fsdp, K = 2, two
+    MoE layers): the dense parameters are the table (9600) and two blocks of 15568 floats, 40736 in three units;
+    each unit is gathered before each forward and each backward of both micro-batches (3 x 2 x 2 = 12 calls),
+    4 x 40736 x 1/2 = 81472 B sent each time the three are gathered (x 4 = 325888 B), and its fp32 gradients
+    reduce-scattered once (3 calls, 81472 B); the experts (98304 floats, half on each rank) have no other rank
+    to be reduced with (edp 1): the all-reduces are the norm's (4 B) and the two layers' loads (32 B).
+    "dp_ep_zero2" (dp 4 = edp 2 x ep 2, zero2, K = 2, a dense and a MoE layer: 40608 dense floats): each unit
+    gathered once per micro-batch (6 calls, 2 x 4 x 40608 x 3/4 = 243648 B), reduce-scattered once (121824 B);
+    the rank's 24576 expert floats all-reduced over edp 2 (98304 B), the norm over 4 ranks (6 B), the load (24 B)."""
+    fsdp = R.rank_comm(config("ep_fsdp").model, Layout(dp=2, ep=2, zero=3), 0, R.StepShape(2, 16, 2, 4, 4))
+    assert (fsdp["all_gather"], fsdp["reduce_scatter"], fsdp["all_reduce"]) == (
+        {"calls": 12, "bytes": 325888}, {"calls": 3, "bytes": 81472}, {"calls": 2, "bytes": 36})
+    zero2 = R.rank_comm(config("dp_ep_zero2").model, Layout(dp=4, ep=2, zero=2), 3, R.StepShape(2, 16, 2, 4, 4))
+    assert (zero2["all_gather"], zero2["reduce_scatter"], zero2["all_reduce"]) == (
+        {"calls": 6, "bytes": 243648}, {"calls": 3, "bytes": 121824}, {"calls": 3, "bytes": 98304 + 6 + 24})
+    params = [(name, p.numel()) for name, p in build_model(config("ep_fsdp").model).named_parameters()]
+    assert sum(n for name, n in params if ".experts_" not in name) == 40736  # the dense floats above, counted
 
 
 def losses(run: Path) -> list[float]:
@@ -420,7 +445,7 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
       "train.grad_accum_steps=4", "model.n_experts=4", "model.top_k=2"], "train this model with"),
     (["parallel.ep=2", "parallel.strategy=ddp"], "model.n_experts = 0"),
     (["parallel.ep=3", "parallel.strategy=ddp", "model.n_experts=4", "model.top_k=2"], "parallel.ep=2 or 4"),
-    (["parallel.ep=2", "parallel.strategy=fsdp", "model.n_experts=4", "model.top_k=2"], "parallel.strategy=ddp"),
+    (["parallel.ep=2", "parallel.strategy=zero1", "model.n_experts=4", "model.top_k=2"], "ddp, zero2 or fsdp"),
     (["parallel.ep=2", "parallel.strategy=ddp", "model.n_experts=4", "model.top_k=2"], "torchrun --nproc-per-node 2"),
 ])
 def test_a_layout_that_cannot_work_is_one_clear_error_before_anything_starts(corpus, tmp_path, capsys, sets, hint):

@@ -58,10 +58,15 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "pp_dp": (dict(), dict(pp=2, strategy="ddp"), 1, 3),
     "ep": ({**MOE, "first_dense_layers": 0}, dict(ep=2, strategy="ddp"), 2, 2),  # 2 ranks: dp 2 = ep 2
     "dp_ep": ({**MOE, "dropless": False, "capacity_factor": 1.0}, dict(ep=2, strategy="ddp"), 2, 1),  # dp 4
+    # FSDP2 beside ep: the dense parameters sharded over dp, the experts divided (2 ranks: ep = dp, edp 1; 4 ranks:
+    # zero2 over dp 4, each expert whole on its edp 2 ranks)
+    "ep_fsdp": ({**MOE, "first_dense_layers": 0}, dict(ep=2, strategy="fsdp"), 2, 2),
+    "dp_ep_zero2": (MOE, dict(ep=2, strategy="zero2"), 2, 2),
     "cp": (dict(), dict(cp=2, strategy="ddp"), 2, 2),  # 16 positions: 4 chunks of 4, rank 0 holds 0-3 and 12-15
     "cp_dp": (dict(position="learned", n_kv_heads=1), dict(cp=2, strategy="fsdp"), 2, 2),  # dp 2 x cp 2
     "tp_cp": (dict(), dict(tp=2, cp=2, strategy="ddp"), 2, 2),  # each rank: 4 of a sequence's 16 positions
     "pp_dp_ep": ({**MOE, "n_layers": 3}, dict(pp=2, ep=2, strategy="ddp"), 1, 2),  # pp 2 x dp 2 = ep 2
+    "pp_dp_ep_fsdp": ({**MOE, "n_layers": 3}, dict(pp=2, ep=2, strategy="fsdp"), 1, 2),  # the same, FSDP2
     "tp_pp_dp": (dict(), dict(tp=2, pp=2, strategy="ddp"), 1, 2),  # 8 ranks: tp 2 x pp 2 x dp 2, tied
     # the zero-bubble schedules, stages 0-3 of one layer each: interleaved_zb places them 0, 2 | 1, 3 (tied: the
     # head's copy on rank 1), zbv and dualpipev in a V, 0, 3 | 1, 2 (tied: both ends on rank 0)
@@ -285,31 +290,35 @@ def bit_equal(state: dict, saved: dict, prefix: str) -> bool:
 
 
 def reshard_ep(out: Path) -> None:
-    """DCP across expert-parallel sizes: the "ep" case's checkpoint of step SAVE_AT (ep 2, run before it in this
-    launch) loaded at ep 1 on the same two ranks (tp 2: every expert on both, split by width) and into one
-    process. Each rank's model and optimizer states gathered whole, and the one-process model, against the
-    checkpoint's tensors read whole; the next step's loss."""
-    cfg = config("ep")
-    path = rundir.checkpoint_dir(out / "ep-run") / rundir.checkpoint_name(SAVE_AT)
-    saved, once = checkpoint_tensors(path)
-    cfg.parallel = ParallelConfig(tp=2)
-    cfg.train.grad_accum_steps *= 2  # one tp replica takes both data-parallel ranks' micro-batches
-    d, step = fresh(cfg)
-    ckpt.load_sharded(path, step.model, step.optimizer)
-    whole = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
-    model_equal = bit_equal(get_model_state_dict(step.model, options=whole), saved, "model.")
-    optimizer = get_optimizer_state_dict(step.model, step.optimizer, options=whole)
-    optimizer_equal = bit_equal({k: v for k, v in optimizer.items() if k.startswith("state.")}, saved, "optimizer.")
-    after, _ = train(cfg, d, step, range(SAVE_AT, SAVE_AT + 1))
-    result = {"stored_once": once, "model_equal": model_equal, "optimizer_equal": optimizer_equal,
-              "tp_next_step": after[0]}
-    if d.is_main:
-        torch.manual_seed(0)
-        model = build_model(cfg.model)
-        ckpt.load_weights(model, path)
-        result["one_process_equal"] = bit_equal(split_fused(model).state_dict(), saved, "model.")
-        result["one_process_next_step"] = one_process_loss(cfg, path, 1)
-    (out / f"reshard_ep.rank{d.rank}.json").write_text(json.dumps(result))
+    """DCP across expert-parallel sizes: the checkpoints of step SAVE_AT of the "ep" and "ep_fsdp" cases (ep 2
+    beside DDP and beside FSDP2, run before this in the launch) loaded at ep 1 on the same two ranks (tp 2: every
+    expert on both, split by width) and into one process. Each rank's model and optimizer states gathered whole,
+    and the one-process model, against the checkpoint's tensors read whole; the next step's loss."""
+    results = {}
+    for source in ("ep", "ep_fsdp"):
+        cfg = config(source)
+        path = rundir.checkpoint_dir(out / f"{source}-run") / rundir.checkpoint_name(SAVE_AT)
+        saved, once = checkpoint_tensors(path)
+        cfg.parallel = ParallelConfig(tp=2)
+        cfg.train.grad_accum_steps *= 2  # one tp replica takes both data-parallel ranks' micro-batches
+        d, step = fresh(cfg)
+        ckpt.load_sharded(path, step.model, step.optimizer)
+        whole = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+        model_equal = bit_equal(get_model_state_dict(step.model, options=whole), saved, "model.")
+        optimizer = get_optimizer_state_dict(step.model, step.optimizer, options=whole)
+        optimizer_equal = bit_equal({k: v for k, v in optimizer.items() if k.startswith("state.")}, saved,
+                                    "optimizer.")
+        after, _ = train(cfg, d, step, range(SAVE_AT, SAVE_AT + 1))
+        result = {"stored_once": once, "model_equal": model_equal, "optimizer_equal": optimizer_equal,
+                  "tp_next_step": after[0]}
+        if d.is_main:
+            torch.manual_seed(0)
+            model = build_model(cfg.model)
+            ckpt.load_weights(model, path)
+            result["one_process_equal"] = bit_equal(split_fused(model).state_dict(), saved, "model.")
+            result["one_process_next_step"] = one_process_loss(cfg, path, 1)
+        results[source] = result
+    (out / f"reshard_ep.rank{d.rank}.json").write_text(json.dumps(results))
 
 
 def main() -> None:

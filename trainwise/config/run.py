@@ -177,7 +177,7 @@ class ParallelConfig:
     data-parallel dimension shards (trainwise.runtime.mesh). tp runs with sequence parallelism; pp splits
     the layers into pp x vpp stages fed grad_accum_steps micro-batches per step. ep divides each MoE layer's
     routed experts over ep of the data-parallel ranks (dp = edp x ep, trainwise.runtime.expert_parallel), with
-    parallel.strategy = ddp and without tp so far. cp divides each sequence over cp ranks, which join the
+    parallel.strategy = ddp, zero2 or fsdp and without tp so far. cp divides each sequence over cp ranks, which join the
     data-parallel ones in the gradient reduction (world size = dp x cp x tp; attention over all-gathered keys and
     values, trainwise.runtime.context_parallel), without pp so far."""
 
@@ -222,12 +222,13 @@ class ParallelConfig:
                 "parallel.strategy=zero2 (optimizer states and gradients sharded, FSDP2) or fsdp instead.")
 
     def _check_ep(self) -> None:
-        """Expert parallelism as trainwise trains it: over DDP's data-parallel ranks (of each stage), without tp."""
-        if self.strategy != "ddp":
+        """Expert parallelism as trainwise trains it: over the data-parallel ranks (of each stage) that DDP or
+        FSDP2 (zero2, fsdp) runs, without tp."""
+        if self.strategy not in ("ddp", "zero2", "fsdp"):
             raise TrainwiseError(
                 f"parallel.ep = {self.ep} with parallel.strategy = {self.strategy}: expert parallelism divides the "
-                "experts over data-parallel ranks that DDP replicates the rest over; set parallel.strategy=ddp "
-                "(zero1, zero2 and fsdp do not shard the divided experts yet), or parallel.ep=1.")
+                "experts over data-parallel ranks; set parallel.strategy to ddp, zero2 or fsdp (ZeRO-1's optimizer, "
+                "ZeroRedundancyOptimizer, does not take divided experts), or parallel.ep=1.")
         if self.tp > 1:
             raise TrainwiseError(
                 f"parallel.ep = {self.ep} with parallel.tp = {self.tp}: trainwise trains expert parallelism over the "

@@ -178,6 +178,12 @@ def is_expert(spec: ParamSpec) -> bool:
     return ".experts_" in spec.name
 
 
+def divided(spec: ParamSpec, layout: Layout) -> bool:
+    """A routed expert's tensor divided over ep ranks: trainwise leaves it out of DDP, replicate and FSDP2, whole
+    on each of its edp ranks, its gradient all-reduced over them (runtime.expert_parallel)."""
+    return layout.ep > 1 and is_expert(spec)
+
+
 def _local_shape(spec: ParamSpec, cfg: ModelConfig, layout: Layout, rank: int, megatron: bool) -> tuple[int, ...]:
     """The parameter's shape on one rank: its tp shard (`megatron`: learned positions whole, as Megatron-LM
     keeps them); key-value heads fewer than tp replicated, one per rank (Megatron-LM's placement;
@@ -200,7 +206,8 @@ def _local_shape(spec: ParamSpec, cfg: ModelConfig, layout: Layout, rank: int, m
 def rank_params(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = False) -> list[RankParam]:
     """The parameters `rank` holds, with their local sizes, as trainwise places them or (`megatron`) as
     Megatron-LM does (cost.rank_memory says which layouts are priced so). FSDP2 shards each over the dp x cp
-    ranks (a routed expert's over its edp ranks, Layout.expert_dp). With tied embeddings and pipeline stages
+    ranks (a routed expert's over its edp ranks, Layout.expert_dp, as Megatron-LM does; trainwise keeps its
+    divided experts whole: `divided`). With tied embeddings and pipeline stages
     the last stage holds its own copy of the table as the LM head (their gradients all-reduced between the
     two stages)."""
     pp_rank = layout.coords(rank)[1]
@@ -214,7 +221,7 @@ def rank_params(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = Fa
         shape = _local_shape(spec, cfg, layout, rank, megatron)
         tp_numel = math.prod(shape)
         numel = padded = tp_numel
-        if _fsdp(layout):
+        if _fsdp(layout) and not (divided(spec, layout) and not megatron):
             shards = layout.expert_dp if is_expert(spec) else layout.dp * layout.cp
             index = (rank % (layout.tp * layout.cp * layout.dp) // (layout.ep * layout.expert_tp) if is_expert(spec)
                      else rank // layout.tp % (layout.cp * layout.dp))  # dp_rank x cp + cp_rank
@@ -348,11 +355,13 @@ def _ep_exchanges(out: dict, cfg: ModelConfig, layout: Layout, rank: int, stages
                             + exchanges * forwards * (layout.ep - 1) * local * 8)
 
 
-def units(cfg: ModelConfig, layout: Layout, rank: int) -> dict:
+def units(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = False) -> dict:
     """The FSDP2 / replicate units `rank` holds ({unit: [RankParam]}): each block, and each stage module's
-    own parameters (embedding; final norm and head)."""
+    own parameters (embedding; final norm and head); trainwise's divided experts are in none (`divided`)."""
     units: dict = {}
-    for p in rank_params(cfg, layout, rank):
+    for p in rank_params(cfg, layout, rank, megatron):
+        if divided(p.spec, layout) and not megatron:
+            continue
         key = p.spec.unit if p.spec.unit != "root" else f"root-{p.spec.where}" if layout.pp > 1 else "root"
         units.setdefault(key, []).append(p)
     return units
@@ -403,7 +412,8 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
     unit's shards (fsdp: before forward and again before backward, per micro-batch; zero2: once per
     micro-batch) and reduce-scatters its fp32 gradients on the last micro-batch; replicate all-reduces
     each unit's gradients once; DDP all-reduces its buckets once. Divided experts (ep > 1) are neither DDP's nor
-    replicate's: their gradients, flattened, are all-reduced once over the edp ranks that hold the same experts."""
+    replicate's or FSDP2's: their gradients, flattened, are all-reduced once over the edp ranks that hold the same
+    experts."""
     dp, K = layout.dp * layout.cp, shape.grad_accum  # the cp ranks hold the same parameters: they reduce too
     if dp <= 1 or layout.strategy == "none":
         return
@@ -415,15 +425,16 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
             gathers = _fsdp_gathers(ops, _unit_chunk(unit, cfg, layout), layout.strategy == "fsdp", layout.pp > 1)
             _add(out, "all_gather", gathers, dp * padded * shape.param_bytes, dp)
             _add(out, "reduce_scatter", 1, dp * padded * 4, dp)
-        return
     params = rank_params(cfg, layout, rank)
-    if layout.ep > 1:  # runtime.expert_parallel: the experts outside DDP or replicate, reduced over edp
+    if layout.ep > 1:  # runtime.expert_parallel: the experts outside DDP, replicate or FSDP2, reduced over edp
         _add(out, "all_reduce", 1, 4 * sum(p.tp_numel for p in params if is_expert(p.spec)), layout.expert_dp)
+    if layout.strategy in ("zero2", "fsdp"):
+        return
     if layout.model_parallel > 1:  # ddp on a mesh: FSDP2's replicate
         for unit in by_unit.values():
-            _add(out, "all_reduce", 1, sum(p.tp_numel for p in unit if not is_expert(p.spec)) * 4, dp)
+            _add(out, "all_reduce", 1, sum(p.tp_numel for p in unit) * 4, dp)
     else:  # DDP (ddp, zero1)
-        for bucket in _ddp_buckets([4 * p.tp_numel for p in params if not is_expert(p.spec)]):
+        for bucket in _ddp_buckets([4 * p.tp_numel for p in params if not divided(p.spec, layout)]):
             _add(out, "all_reduce", 1, bucket, dp)
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from trainwise.config import ModelConfig
 from trainwise.cost import memory as M
 from trainwise.cost.layout import Layout, rank_stages, schedule_ops, stage_layers
-from trainwise.cost.rank import is_expert, rank_params, units
+from trainwise.cost.rank import divided, is_expert, rank_params, units
 from trainwise.cost.run import Run
 
 
@@ -201,7 +201,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         scratch = max(scratch, math.ceil(M.recompute_bytes(cfg, acts_recipe, tokens, 1, run.checkpointing) / lay.tp))
     gathered = accumulated = 0
     if fsdp:
-        sizes = {unit: sum(p.tp_numel for p in ps) for unit, ps in units(cfg, lay, rank).items()}
+        sizes = {unit: sum(p.tp_numel for p in ps) for unit, ps in units(cfg, lay, rank, megatron).items()}
         roots = sum(n for unit, n in sizes.items() if str(unit).startswith("root"))
         blocks = sorted((n for unit, n in sizes.items() if not str(unit).startswith("root")), reverse=True)
         kept = sum(sizes.values()) if strategy == "zero2" else roots + sum(blocks[:2])
@@ -213,10 +213,11 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         accumulated = 4 * sum(sizes.values()) if K > 1 and (not megatron or lay.pp > 1) else 0
     grads = recipe.grad_bytes * numel
     # what holds gradients in backward, once a backward of the step has run (DDP's buckets: from the start; experts
-    # divided by ep are outside them, runtime.expert_parallel: their gradients exist once a backward has run)
-    outside = recipe.grad_bytes * sum(p.numel for p in params if is_expert(p.spec)) if ddp and lay.ep > 1 else 0
+    # divided by ep are outside them, and outside trainwise's FSDP2, runtime.expert_parallel: their gradients exist
+    # once a backward has run)
+    outside = recipe.grad_bytes * sum(p.numel for p in params if divided(p.spec, lay)) if ddp or not megatron else 0
     sharded = K > 1 and megatron  # the rank's gradient shard, from the first micro-batch's reduce-scatter on
-    held = (grads if lay.pp > 1 or sharded else 0) + accumulated if fsdp else grads - outside
+    held = (grads - outside if lay.pp > 1 or sharded else 0) + accumulated if fsdp else grads - outside
     no_sync = grads - outside if ddp and K > 1 and not megatron else 0  # Megatron accumulates into its grad buffer
     # the first backward finds no gradients (zero_grad sets them to None), DDP's buckets excepted
     backwards = [(sum(per_stage[c] for c in live), after) for live, after in in_flight(lay, pp_rank, K)]

@@ -152,9 +152,11 @@ def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.
     backward; zero2 keeps them until backward); with bf16/fp16 the mixed-precision policy computes in
     that dtype and reduces in fp32. On a mesh (tp or pp > 1) the same over its dp dimension (with cp > 1 the
     flattened dp x cp: Dist.replicas), ddp as FSDP2's replicate (DDP does not take DTensor parameters).
-    With ep > 1 (ddp) the model is split into the divided models' form (runtime.fused: their checkpoints'
-    names; a pipeline stage is split already), its experts divided over the ep ranks (runtime.expert_parallel),
-    and DDP, or replicate on a pipeline's mesh, told to leave them alone."""
+    With ep > 1 the model is split into the divided models' form (runtime.fused: their checkpoints' names; a
+    pipeline stage is split already), its experts divided over the ep ranks (runtime.expert_parallel), and DDP,
+    replicate on a pipeline's mesh, or FSDP2, told to leave them alone: FSDP2 shards the rest over the dp ranks,
+    and the experts stay whole on each of the edp ranks that hold them (none when ep = dp), their gradients
+    all-reduced over those ranks as under DDP."""
     if not d.active or d.strategy == "none":
         return model
     if d.strategy in ("ddp", "zero1") and d.mesh is None:
@@ -187,10 +189,14 @@ def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.
             replicate(block, mp_policy=policy, ignored_params=_experts_of(block), **mesh)
         replicate(model, mp_policy=policy, ignored_params=_experts_of(model), **mesh)
         return model
+    if d.experts is not None:  # divided over ep, left out of FSDP2 (whole on each of their edp ranks)
+        if d.mesh is None:
+            split_fused(model)
+        expert_parallel.apply_expert_parallel(model, d.experts)
     reshard = d.strategy == "fsdp"
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard, **mesh)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard, **mesh)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard, ignored_params=_experts_of(block), **mesh)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard, ignored_params=_experts_of(model), **mesh)
     return model
 
 
