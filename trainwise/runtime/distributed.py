@@ -16,8 +16,8 @@ single-process format, so any run directory loads in one process for sampling an
 tp or pp > 1 keep their model divided: their checkpoints are DCP's (runtime.checkpoint), and the
 data-parallel dimension of the mesh is sharded by FSDP2 (zero2, fsdp) or replicated (ddp) with
 FSDP2's replicate, which compose with DTensor parameters and pipeline stages. With ep > 1 the routed experts
-are divided over ep data-parallel ranks (runtime.expert_parallel): DDP replicates the rest, the experts'
-gradients are reduced over the ranks that hold the same experts, and checkpoints are DCP's.
+are divided over ep data-parallel ranks (runtime.expert_parallel): DDP replicates the rest (FSDP2 shards it), the
+experts' gradients are reduced over the ranks that hold the same experts, and checkpoints are DCP's.
 """
 
 from __future__ import annotations

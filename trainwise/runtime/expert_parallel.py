@@ -25,11 +25,13 @@ expert loads (MoE.last_expert_counts), the routing-bias update and the auxiliary
 tokens', reduced over dp as without ep (runtime.step), so nothing is counted once per ep rank.
 
 Gradients. A rank's expert gradient sums the contributions of every token its ep group routed to it. DDP
-averages the dense gradients over dp; the experts' are left out of DDP and, after the step's last backward,
-scaled by 1/dp and summed over edp (one all-reduce of the rank's expert gradients, flattened): the gradient
-one process computes on the global batch. With pipeline stages (pp > 1, tp = 1) the same per stage: each
-stage's experts divided over the ep ranks of its dp ranks, left out of replicate (runtime.distributed.wrap),
-and reduced over edp once the schedule's backward is done (runtime.step).
+(or FSDP2, zero2 and fsdp) averages the dense gradients over dp; the experts' are left out of it and, after the
+step's last backward, scaled by 1/dp and summed over edp (one all-reduce of the rank's expert gradients,
+flattened): the gradient one process computes on the global batch. FSDP2 shards the dense parameters only:
+each expert stays whole on its edp ranks (with ep = dp, one rank), its states too. With pipeline stages (pp > 1,
+tp = 1) the same per stage: each stage's experts divided over the ep ranks of its dp ranks, left out of
+replicate or FSDP2 (runtime.distributed.wrap), and reduced over edp once the schedule's backward is done
+(runtime.step).
 
 Parameters. The experts' weights are DTensors on the (edp, ep) mesh, [Replicate(), Shard(0)]: the whole
 (E, ...) tensor, each rank holding its E/ep rows. DCP then stores each expert once (the edp copies of a
