@@ -48,7 +48,8 @@ def rank_env() -> dict:
 
 TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "ep_fsdp", "cp",
              "pp_zb", "pp_zbv", "pp_dualpipev", "pp_fp16", "pp_compiled", "tp_compiled"]
-FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "dp_ep_zero2", "cp_dp", "tp_cp", "pp_dp_ep", "pp_dp_ep_fsdp"]
+FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "dp_ep_zero2", "tp_ep", "tp_ep_fsdp", "cp_dp", "tp_cp", "pp_dp_ep",
+              "pp_dp_ep_fsdp"]
 
 
 def _launch(n: int, out: Path, cases: list[str], timeout: float) -> dict:
@@ -304,11 +305,15 @@ def test_fsdp_tp_messages_worked_by_hand():
     2 x 3872) x 4 = 162560 B; its gradients reduce-scattered once: 3 calls, 40640 B. Tensor parallelism as in
     the tp case, per micro-batch: 2 blocks x 4 + embedding 1 + head input 1 = 10 all-gathers of 1024 B and
     the logits' (9600 B), 10 reduce-scatters of 1024 B: x 2 = 22 calls, 39680 B and 20 calls, 20480 B. All-
-    reduces: 5 norm weights' partial gradients over tp (128 B each) and the gradient norm over 4 ranks (6 B)."""
+    reduces: 5 norm weights' partial gradients over tp (128 B each) and the gradient norm over 4 ranks (6 B).
+    The same under bf16 (FSDP2's policy gathers the weights in bf16): the partial gradients are 64 B each."""
     cfg, layout, shape = config("fsdp_tp").model, Layout(dp=2, tp=2, zero=3), R.StepShape(1, 16, 2, 4, 4)
     expected = {"all_gather": {"calls": 12 + 22, "bytes": 162560 + 39680}, "all_reduce": {"calls": 6, "bytes": 646},
                 "reduce_scatter": {"calls": 3 + 20, "bytes": 40640 + 20480}}
     assert all(R.rank_comm(cfg, layout, r, shape) == expected for r in range(4))
+    # under FSDP2's bf16 policy the weights are gathered in bf16, so their partial gradients are bf16: 5 x 64 B
+    bf16 = R.rank_comm(cfg, layout, 0, R.StepShape(1, 16, 2, 2, 2, param_bytes=2))
+    assert bf16["all_reduce"] == {"calls": 6, "bytes": 5 * 64 + 6}
 
 
 def test_dcp_checkpoint_reshards_and_loads_in_one_process(runs):
@@ -320,11 +325,12 @@ def test_dcp_checkpoint_reshards_and_loads_in_one_process(runs):
 
 
 def test_expert_parallel_routes_resumes_and_reshards_as_one_process(runs):
-    """ep 2 (dp 2, and dp 4 as edp 2 x ep 2, with capacity drops; beside DDP and beside FSDP2): the last
-    data-parallel rank's last forward routes as one process routes that micro-batch; the DCP checkpoint resumes to
-    bit-identical losses; loaded at ep 1 (tp 2 on the same two ranks) and into one process, every expert and
-    optimizer state is the checkpoint's bit for bit, each stored once, and the next step's loss is the ep run's."""
-    for case in ("ep", "dp_ep", "ep_fsdp", "dp_ep_zero2"):
+    """ep 2 (dp 2, and dp 4 as edp 2 x ep 2, with capacity drops; beside DDP and beside FSDP2; beside tp 2, each
+    expert's width split over tp): the last data-parallel rank's last forward routes as one process routes that
+    micro-batch; the DCP checkpoint resumes to bit-identical losses; loaded at ep 1 (tp 2 on the same two ranks)
+    and into one process, every expert and optimizer state is the checkpoint's bit for bit, each stored once, and
+    the next step's loss is the ep run's."""
+    for case in ("ep", "dp_ep", "ep_fsdp", "dp_ep_zero2", "tp_ep", "tp_ep_fsdp"):
         ranks = runs[case]
         assert ranks[0]["reference_routing"] and ranks[-1]["routing"] == ranks[0]["reference_routing"]
         assert all(rank["resumed"] == rank["losses"][SAVE_AT:] for rank in ranks)

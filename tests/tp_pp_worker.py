@@ -66,6 +66,8 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "cp_dp": (dict(position="learned", n_kv_heads=1), dict(cp=2, strategy="fsdp"), 2, 2),  # dp 2 x cp 2
     "tp_cp": (dict(), dict(tp=2, cp=2, strategy="ddp"), 2, 2),  # each rank: 4 of a sequence's 16 positions
     "pp_dp_ep": ({**MOE, "n_layers": 3}, dict(pp=2, ep=2, strategy="ddp"), 1, 2),  # pp 2 x dp 2 = ep 2
+    "tp_ep": ({**MOE, "first_dense_layers": 0}, dict(tp=2, ep=2, strategy="ddp"), 2, 2),  # tp 2 x dp 2 = ep 2
+    "tp_ep_fsdp": ({**MOE, "first_dense_layers": 0}, dict(tp=2, ep=2, strategy="fsdp"), 2, 2),  # the same, FSDP2
     "pp_dp_ep_fsdp": ({**MOE, "n_layers": 3}, dict(pp=2, ep=2, strategy="fsdp"), 1, 2),  # the same, FSDP2
     "tp_pp_dp": (dict(), dict(tp=2, pp=2, strategy="ddp"), 1, 2),  # 8 ranks: tp 2 x pp 2 x dp 2, tied
     # the zero-bubble schedules, stages 0-3 of one layer each: interleaved_zb places them 0, 2 | 1, 3 (tied: the

@@ -177,9 +177,10 @@ class ParallelConfig:
     data-parallel dimension shards (trainwise.runtime.mesh). tp runs with sequence parallelism; pp splits
     the layers into pp x vpp stages fed grad_accum_steps micro-batches per step. ep divides each MoE layer's
     routed experts over ep of the data-parallel ranks (dp = edp x ep, trainwise.runtime.expert_parallel), with
-    parallel.strategy = ddp, zero2 or fsdp and without tp so far. cp divides each sequence over cp ranks, which join the
-    data-parallel ones in the gradient reduction (world size = dp x cp x tp; attention over all-gathered keys and
-    values, trainwise.runtime.context_parallel), without pp so far."""
+    parallel.strategy = ddp, zero2 or fsdp (with tp, each expert's width also split over the tp ranks). cp
+    divides each sequence over cp ranks, which join the data-parallel ones in the gradient reduction (world
+    size = dp x cp x tp; attention over all-gathered keys and values, trainwise.runtime.context_parallel),
+    without pp so far."""
 
     strategy: str = "none"
     tp: int = 1
@@ -223,17 +224,12 @@ class ParallelConfig:
 
     def _check_ep(self) -> None:
         """Expert parallelism as trainwise trains it: over the data-parallel ranks (of each stage) that DDP or
-        FSDP2 (zero2, fsdp) runs, without tp."""
+        FSDP2 (zero2, fsdp) runs (with tp, each expert's width split over tp as well)."""
         if self.strategy not in ("ddp", "zero2", "fsdp"):
             raise TrainwiseError(
                 f"parallel.ep = {self.ep} with parallel.strategy = {self.strategy}: expert parallelism divides the "
                 "experts over data-parallel ranks; set parallel.strategy to ddp, zero2 or fsdp (ZeRO-1's optimizer, "
                 "ZeroRedundancyOptimizer, does not take divided experts), or parallel.ep=1.")
-        if self.tp > 1:
-            raise TrainwiseError(
-                f"parallel.ep = {self.ep} with parallel.tp = {self.tp}: trainwise trains expert parallelism over the "
-                "data-parallel ranks of each pipeline stage, without tensor parallelism so far; set parallel.tp=1 "
-                "(the experts then fold onto ep of the data-parallel ranks), or parallel.ep=1.")
 
     @property
     def model_parallel(self) -> int:

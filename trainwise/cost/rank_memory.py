@@ -34,9 +34,9 @@ def trains(run: Run) -> bool:
     """Whether trainwise's trainer runs this layout as planned: fp32 or autocast over fp32 weights, sequence
     parallel with tp, flash attention, context parallelism only as all-gather attention without pp
     (runtime.context_parallel), expert parallelism only over the data-parallel ranks (of each pipeline stage:
-    runtime.expert_parallel, no tp or etp beside it)."""
+    runtime.expert_parallel), each expert's width split over tp (etp = tp)."""
     lay = run.layout
-    experts = lay.ep == 1 or lay.tp == lay.expert_tp == 1
+    experts = lay.ep == 1 or lay.expert_tp == lay.tp
     context = lay.cp == 1 or lay.cp_impl == "allgather" and lay.pp == 1
     return (run.recipe.name in ("fp32", "amp") and context and experts and lay.attention_impl == "flash"
             and (lay.tp == 1 or lay.sequence_parallel))

@@ -61,7 +61,7 @@ class Dist:
     control: object = None  # a gloo group for host-side agreement (any_rank), also beside NCCL
     layout: Layout = field(default_factory=Layout)
     mesh: DeviceMesh | None = None  # (pp, dp, tp) when tp or pp > 1
-    experts: DeviceMesh | None = None  # (pp, edp, ep) when ep > 1: the mesh the divided experts live on
+    experts: DeviceMesh | None = None  # (pp, edp, ep[, tp]) when ep > 1: the mesh the divided experts live on
     cp_group: object = None  # this rank's context-parallel group when cp > 1 (runtime.context_parallel)
     # with a mesh, the ranks that hold the same parameters (FSDP2 shards, replicate reduces over them): the mesh's
     # dp dimension, dp x cp flattened when cp > 1 (runtime.mesh.build_mesh)

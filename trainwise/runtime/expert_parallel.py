@@ -60,9 +60,13 @@ DIMS = ("pp", "edp", "ep")
 
 
 def build_expert_mesh(layout: Layout, device_type: str) -> DeviceMesh:
-    """The experts' mesh, shape (pp, edp, ep), for a layout without tensor parallelism (world = pp x dp,
-    dp = edp x ep, ep innermost); every rank calls it."""
-    return init_device_mesh(device_type, (layout.pp, layout.expert_dp, layout.ep), mesh_dim_names=DIMS)
+    """The experts' mesh, shape (pp, edp, ep) (world = pp x dp, dp = edp x ep, ep innermost), or (pp, edp, ep,
+    tp) with tensor parallelism (rank = (pp_rank x dp + dp_rank) x tp + tp_rank, runtime.mesh's order: an ep
+    group is the ranks of one tp rank in ep neighbouring data-parallel replicas); every rank calls it."""
+    if layout.tp == 1:
+        return init_device_mesh(device_type, (layout.pp, layout.expert_dp, layout.ep), mesh_dim_names=DIMS)
+    return init_device_mesh(device_type, (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp),
+                            mesh_dim_names=(*DIMS, "tp"))
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -91,14 +95,19 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Divide the routed experts of every MoE layer of `model` (built whole, the same on every rank) over the
     mesh's ep dimension, in place: each rank keeps its E/ep experts as DTensor rows (module docstring) and its
     layers exchange tokens with the ep group."""
-    experts = mesh["edp", "ep"]
+    tensor_parallel = "tp" in (mesh.mesh_dim_names or ())
+    experts = mesh["edp", "ep", "tp"] if tensor_parallel else mesh["edp", "ep"]
     ep, ep_rank = mesh["ep"].size(), mesh["ep"].get_local_rank()
     for moe in [m for m in model.modules() if isinstance(m, MoE)]:
         local = moe.n_experts // ep
         for owner, name in _owners(moe):
             p = getattr(owner, name)
-            rows = p.detach()[ep_rank * local:(ep_rank + 1) * local].clone()
-            param = nn.Parameter(DTensor.from_local(rows, experts, [Replicate(), Shard(0)], run_check=False),
+            # under tensor parallelism each expert's width is split over tp already (MoETensorParallel): the
+            # rank's tp shard keeps its placement on the tp dimension
+            whole, tp_placement = (p.to_local(), list(p.placements)) if isinstance(p, DTensor) else (p, [])
+            rows = whole.detach()[ep_rank * local:(ep_rank + 1) * local].clone()
+            placements = [Replicate(), Shard(0), *tp_placement]
+            param = nn.Parameter(DTensor.from_local(rows, experts, placements, run_check=False),
                                  requires_grad=p.requires_grad)
             owner.register_parameter(name, param)
         moe.exchange = ExpertExchange(mesh["ep"].get_group(), ep, ep_rank)

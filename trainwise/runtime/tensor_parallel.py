@@ -162,8 +162,8 @@ class MoETensorParallel(ParallelStyle):
                 x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
             for owner, attr, placement, row_bias in owners:
                 p = owner._parameters[attr]
-                if isinstance(placement, Replicate):
-                    local = p.to_local(grad_placements=[Partial()])
+                if isinstance(placement, Replicate):  # its tp placement last (divided experts: on (edp, ep, tp))
+                    local = p.to_local(grad_placements=[*p.placements[:-1], Partial()])
                     owner.__dict__[attr] = local if not row_bias or rank == 0 else local * 0
                 else:
                     owner.__dict__[attr] = p.to_local()
