@@ -1,11 +1,12 @@
 """Tensor, pipeline and data parallelism together: tp 2 x pp 2 x dp 2 (DDP on the mesh, tied embeddings) on
-8 ranks under torchrun on gloo. Each rank's losses are one process's on the same global batch, the DCP checkpoint
+8 ranks under torchrun on gloo, and the same with a MoE model's experts divided over the two replicas (ep 2,
+each expert's width over tp). Each rank's losses are one process's on the same global batch, the DCP checkpoint
 of step SAVE_AT resumes to the same losses, every rank holds and sends what trainwise.cost.rank plans (its peak
 within 10%), and the tied table's four copies of each tp shard (first and last stage, both dp replicas) stay
 bit-equal.
 
-Its own launch: the cases of tests/test_tp_pp.py run on 2 or 4 ranks; this is the one layout that needs 8 (about
-50 s on 2 cores, one thread per rank), so it trains this case alone."""
+Its own launch: the cases of tests/test_tp_pp.py run on 2 or 4 ranks; these are the layouts that need 8 (about
+60 s on 2 cores, one thread per rank), so they train in a launch of their own."""
 
 from __future__ import annotations
 
@@ -17,33 +18,45 @@ from trainwise.cost import rank as R
 from trainwise.cost.layout import Layout
 
 CASE, WORLD = "tp_pp_dp", 8
+CASES = [CASE, "tp_pp_ep"]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
     """The 8 ranks' results of one launch (test_tp_pp._launch: OMP_NUM_THREADS=1 per rank)."""
-    return _launch(WORLD, tmp_path_factory.mktemp("eight"), [CASE], timeout=360)[CASE]
+    return _launch(WORLD, tmp_path_factory.mktemp("eight"), CASES, timeout=420)
 
 
-def test_losses_equal_one_process_with_the_same_global_batch(ranks):
+@pytest.fixture
+def ranks(runs) -> list[dict]:
+    return runs[CASE]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_losses_equal_one_process_with_the_same_global_batch(runs, case):
     """fp32, STEPS steps: every rank's losses within 1e-4 of one process's on the same dp x K micro-batches."""
+    ranks = runs[case]
     reference = ranks[0]["reference"]
     assert len(reference) == STEPS
     for rank in ranks:
         assert rank["losses"] == pytest.approx(reference, rel=1e-4)
 
 
-def test_the_mid_run_checkpoint_resumes_to_the_same_losses(ranks):
+@pytest.mark.parametrize("case", CASES)
+def test_the_mid_run_checkpoint_resumes_to_the_same_losses(runs, case):
     """A fresh model of the same layout loads the DCP checkpoint of step SAVE_AT: the steps after it are the
     straight run's, bit for bit."""
-    for rank in ranks:
+    for rank in runs[case]:
         assert rank["resumed"] == rank["losses"][SAVE_AT:]
 
 
-def test_each_rank_holds_and_sends_what_the_plan_says(ranks):
+@pytest.mark.parametrize("case", CASES)
+def test_each_rank_holds_and_sends_what_the_plan_says(runs, case):
     """params, grads and optimizer bytes and every collective's calls and bytes equal cost.rank's plan for each
-    of the 8 ranks; the step's peak within 10% of the plan's (the least of the worker's MEASURED steps)."""
-    assert_ranks_as_planned(ranks, plan(CASE, WORLD))
+    of the 8 ranks (the MoE case's all-to-alls at the routing it measured); the step's peak within 10% of the
+    plan's (the least of the worker's MEASURED steps)."""
+    ranks = runs[case]
+    assert_ranks_as_planned(ranks, plan(case, WORLD, [rank["measured"].get("expert_tokens") for rank in ranks]))
 
 
 def test_tied_copies_stay_bit_equal_and_the_checkpoint_loads_in_one_process(ranks):

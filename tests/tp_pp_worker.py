@@ -70,6 +70,7 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "tp_ep_fsdp": ({**MOE, "first_dense_layers": 0}, dict(tp=2, ep=2, strategy="fsdp"), 2, 2),  # the same, FSDP2
     "pp_dp_ep_fsdp": ({**MOE, "n_layers": 3}, dict(pp=2, ep=2, strategy="fsdp"), 1, 2),  # the same, FSDP2
     "tp_pp_dp": (dict(), dict(tp=2, pp=2, strategy="ddp"), 1, 2),  # 8 ranks: tp 2 x pp 2 x dp 2, tied
+    "tp_pp_ep": ({**MOE, "n_layers": 3}, dict(tp=2, pp=2, ep=2, strategy="ddp"), 1, 2),  # 8 ranks, dp 2 = ep 2
     # the zero-bubble schedules, stages 0-3 of one layer each: interleaved_zb places them 0, 2 | 1, 3 (tied: the
     # head's copy on rank 1), zbv and dualpipev in a V, 0, 3 | 1, 2 (tied: both ends on rank 0)
     "pp_zb": (dict(n_layers=4), dict(pp=2, pp_schedule="interleaved_zb", vpp=2), 1, 4),

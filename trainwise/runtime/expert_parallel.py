@@ -4,10 +4,12 @@ parallelism of torchtitan and Megatron-Core). Shapes: S' assignments a rank rout
 R the assignments it receives, H d_model, E routed experts, E/ep of them on a rank.
 
     dp = edp x ep     the ep group: ep neighbouring data-parallel ranks (dp_rank = edp_rank x ep + ep_rank,
-                      cost.layout.placement's folding with etp = 1); the edp group: the dp / ep ranks that
-                      hold the same experts
+                      cost.layout.placement's folding with etp = tp); the edp group: the dp / ep ranks that
+                      hold the same experts. With tensor parallelism, per tp rank: an ep group is the ranks of
+                      one tp rank in ep neighbouring replicas, which all route the same tokens (all-gathered
+                      over tp by MoETensorParallel) and each hold their tp share of every expert's width
     on a rank         experts [ep_rank E/ep, (ep_rank + 1) E/ep); the router, the shared experts and everything
-                      dense stay whole on every rank, replicated over dp as without ep
+                      dense stay whole on every rank (tp shards under tp), replicated over dp as without ep
 
 Each rank routes its own tokens with the model's router, top-k, choice bias and capacity, exactly as one
 process routes that micro-batch (MoE.forward, MoE.dispatch), and sorts its S' assignments by expert. Then
@@ -24,22 +26,22 @@ and backward runs the two gradients' all-to-alls the other way (autograd of the 
 expert loads (MoE.last_expert_counts), the routing-bias update and the auxiliary losses stay each rank's own
 tokens', reduced over dp as without ep (runtime.step), so nothing is counted once per ep rank.
 
-Gradients. A rank's expert gradient sums the contributions of every token its ep group routed to it. DDP
-(or FSDP2, zero2 and fsdp) averages the dense gradients over dp; the experts' are left out of it and, after the
+Gradients. A rank's expert gradient sums the contributions of every token its ep group routed to it. DDP (or
+FSDP2, zero2 and fsdp) averages the dense gradients over dp; the experts' are left out of it and, after the
 step's last backward, scaled by 1/dp and summed over edp (one all-reduce of the rank's expert gradients,
-flattened): the gradient one process computes on the global batch. FSDP2 shards the dense parameters only:
-each expert stays whole on its edp ranks (with ep = dp, one rank), its states too. With pipeline stages (pp > 1,
-tp = 1) the same per stage: each stage's experts divided over the ep ranks of its dp ranks, left out of
+flattened): the gradient one process computes on the global batch. FSDP2 shards the dense parameters only: each
+expert stays whole on its edp ranks (with ep = dp, one rank), its states too. With pipeline stages (pp > 1, with
+or without tp) the same per stage: each stage's experts divided over the ep ranks of its dp ranks, left out of
 replicate or FSDP2 (runtime.distributed.wrap), and reduced over edp once the schedule's backward is done
 (runtime.step).
 
-Parameters. The experts' weights are DTensors on the (edp, ep) mesh, [Replicate(), Shard(0)]: the whole
-(E, ...) tensor, each rank holding its E/ep rows. DCP then stores each expert once (the edp copies of a
-shard deduplicated) under the whole model's names and reshards on load, to another ep, to tensor or pipeline
-parallelism, or into one process; clip_grad_norm counts each expert once (runtime.distributed). The MoE code
-reads the local rows: the exchange hands it the local tensors while the experts run (_local_rows).
-Plain local tensors would have needed a second description of the sharding for DCP (on torch 2.13 DCP
-reshards DTensors, not tensors annotated by hand), and DDP ignores the DTensors by name.
+Parameters. The experts' weights are DTensors on the (edp, ep) mesh, [Replicate(), Shard(0)] (with tp on (edp,
+ep, tp), their tp placement last): the whole (E, ...) tensor, each rank holding its E/ep rows. DCP then stores
+each expert once (the edp copies of a shard deduplicated) under the whole model's names and reshards on load, to
+another ep, to tensor or pipeline parallelism, or into one process; clip_grad_norm counts each expert once
+(runtime.distributed). The MoE code reads the local rows: the exchange hands it the local tensors while the
+experts run (_local_rows). Plain local tensors would have needed a second description of the sharding for DCP
+(on torch 2.13 DCP reshards DTensors, not tensors annotated by hand), and DDP ignores the DTensors by name.
 """
 
 from __future__ import annotations
