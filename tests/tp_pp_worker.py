@@ -75,6 +75,9 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     # head's copy on rank 1), zbv and dualpipev in a V, 0, 3 | 1, 2 (tied: both ends on rank 0)
     "pp_zb": (dict(n_layers=4), dict(pp=2, pp_schedule="interleaved_zb", vpp=2), 1, 4),
     "pp_zbv": (dict(n_layers=4), dict(pp=2, pp_schedule="zbv", vpp=2), 1, 4),
+    # MoE stages (layer 0 dense, 1-3 MoE) under split backwards: each stage's auxiliary loss rides its output
+    "pp_zb_moe": ({**MOE, "n_layers": 4}, dict(pp=2, pp_schedule="interleaved_zb", vpp=2), 1, 4),
+    "pp_zbv_moe": ({**MOE, "n_layers": 4}, dict(pp=2, pp_schedule="zbv", vpp=2), 1, 4),
     "pp_dualpipev": (dict(n_layers=4, tie_embeddings=False), dict(pp=2, pp_schedule="dualpipev", vpp=2), 1, 4),
     "pp_fp16": (dict(), dict(pp=2), 1, 3),  # fp16 autocast with its loss scaler (PRECISION), tied
     # torch.compile per block (COMPILED): a pipeline stage's blocks, tied; blocks of DTensor shards

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
 from trainwise.cost import memory as M
-from trainwise.cost.layout import Layout, rank_stages, schedule_ops, stage_layers
+from trainwise.cost.layout import ZERO_BUBBLE, Layout, rank_stages, schedule_ops, stage_layers
 from trainwise.cost.rank import divided, is_expert, rank_params, units
 from trainwise.cost.run import Run
 
@@ -220,7 +220,12 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     held = (grads - outside if lay.pp > 1 or sharded else 0) + accumulated if fsdp else grads - outside
     no_sync = grads - outside if ddp and K > 1 and not megatron else 0  # Megatron accumulates into its grad buffer
     # the first backward finds no gradients (zero_grad sets them to None), DDP's buckets excepted
-    backwards = [(sum(per_stage[c] for c in live), after) for live, after in in_flight(lay, pp_rank, K)]
+    waiting = [0] * len(stages)  # a split backward's output gradients, kept from its I to its W, per local stage
+    if lay.pp_schedule in ZERO_BUBBLE:
+        waiting = [math.ceil(tokens * sum(weight_grad_inputs_per_token(cfg, acts_recipe, i) for i in
+                                          stage_layers(cfg.n_layers, lay.stages, st)) / lay.tp) for st in stages]
+    backwards = [(sum(per_stage[c] for c in live) + sum(waiting[c] for c in kept), after)
+                 for (live, after), kept in zip(in_flight(lay, pp_rank, K), awaiting_weights(lay, pp_rank, K))]
     flights = [f for f, _ in backwards]
     in_flight_high = max(f + (held if ddp or after else 0) + (outside if after else 0) for f, after in backwards)
     buffers = 0
@@ -246,6 +251,40 @@ def fp8_weight_bytes(recipe: M.Recipe, params: list) -> int:
             and ".router." not in p.spec.name and ".weight" in p.spec.name)
     scales = {"blockwise": 4 / (128 * 128), "mx": 1 / 32}.get(recipe.fp8, 0.0)
     return math.ceil(2 * n * (1 + scales))
+
+
+def weight_grad_inputs_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int) -> float:
+    """Bytes per token a zero-bubble schedule's input half ("I") keeps for its weights' half ("W") beyond the
+    saved activations: the gradient of each weight matmul's output (dW = x^T dy reads it), in the dtype the
+    matmul ran in: attention's q, k, v and output projections; the MLP's gate and up (or fc) and down; in a
+    MoE layer the router's fp32 logits, each routed assignment's expert gate and up and down (top_k per token)
+    and the shared experts' MLP. Multi-head latent attention is counted as its q, k, v and output widths."""
+    c, H = recipe.compute_bytes, cfg.d_model
+    qkv = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + H
+
+    def mlp(width: int) -> int:
+        return (2 if cfg.gated else 1) * width + H
+
+    if not cfg.is_moe_layer(layer):
+        return c * (qkv + mlp(cfg.ffn_hidden))
+    F = cfg.expert_ffn_hidden
+    shared = mlp(cfg.n_shared_experts * F) if cfg.n_shared_experts else 0
+    return c * (qkv + cfg.top_k * mlp(F) + shared) + 4 * cfg.n_experts
+
+
+def awaiting_weights(layout: Layout, pp_rank: int, micro_batches: int) -> list[list[int]]:
+    """At each backward of the rank's schedule (in_flight's order), the local stages of the micro-batches whose
+    input half has run and whose weights' half has not, the one being run included (its I keeps them at its
+    end): empty for schedules that do not split a backward."""
+    waiting, out = [], []
+    for kind, chunk in schedule_ops(layout, pp_rank, micro_batches):
+        if kind == "I":
+            waiting.append(chunk)
+        if kind in ("B", "I"):
+            out.append(list(waiting))
+        if kind == "W":
+            waiting.remove(chunk)
+    return out
 
 
 def in_flight(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple[list[int], bool]]:

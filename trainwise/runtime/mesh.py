@@ -267,14 +267,11 @@ def _check_tp(tp: int, m: ModelConfig, t: TrainConfig) -> None:
 
 def _check_zero_bubble(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:
     """What the zero-bubble schedules (a backward split into the input's and the weights' halves) do not train
-    with here: FSDP2's sharded parameters (a step left some without gradients), an MoE stage (its auxiliary
-    loss rides the stage's output as a view, which the input half cannot detach) and compiled stages (torch's
+    with here: FSDP2's sharded parameters (a step left some without gradients) and compiled stages (torch's
     schedules refuse them)."""
     other = "parallel.pp_schedule=1f1b or interleaved"
     why = (f"FSDP2 (parallel.strategy = {p.strategy}) takes no weight gradients from the split backward here: use "
            f"parallel.strategy=ddp (or keep {p.strategy} with {other})" if p.strategy in ("zero2", "fsdp") else
-           "an MoE stage's auxiliary loss rides its output as a view, which the split backward cannot detach: train "
-           f"this model with {other}" if m.is_moe else
            "torch's zero-bubble schedules do not run compiled stages: set train.compile=false (or keep it with "
            f"{other})" if t.compile == "true" else None)
     if why:

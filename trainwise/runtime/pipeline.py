@@ -58,12 +58,13 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": Schedu
 
 class _AttachAux(torch.autograd.Function):
     """Identity on the stage's output; backward gives the MoE auxiliary loss a gradient of `scale` (the loss
-    scale: one without fp16)."""
+    scale: one without fp16). The output is a copy, not a view of the input: a zero-bubble schedule's input
+    half detaches the stage's output, which autograd refuses for a view made by a custom function."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.aux_shape, ctx.scale = aux.shape, scale
-        return hidden.view_as(hidden)
+        return hidden.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
