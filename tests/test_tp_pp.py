@@ -47,9 +47,8 @@ def rank_env() -> dict:
 
 
 TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "ep_fsdp", "cp",
-             "pp_zb", "pp_zbv", "pp_zb_moe", "pp_zbv_moe", "pp_dualpipev", "pp_fp16", "pp_compiled", "tp_compiled"]
-FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "dp_ep_zero2", "tp_ep", "tp_ep_fsdp", "cp_dp", "tp_cp", "pp_dp_ep",
-              "pp_dp_ep_fsdp"]
+             "pp_zb", "pp_zbv", "pp_zbv_moe", "pp_dualpipev", "pp_fp16", "pp_compiled", "tp_compiled"]
+FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "dp_ep_zero2", "tp_ep_fsdp", "cp_dp", "tp_cp", "pp_dp_ep"]
 
 
 def _launch(n: int, out: Path, cases: list[str], timeout: float) -> dict:
@@ -330,7 +329,7 @@ def test_expert_parallel_routes_resumes_and_reshards_as_one_process(runs):
     micro-batch; the DCP checkpoint resumes to bit-identical losses; loaded at ep 1 (tp 2 on the same two ranks)
     and into one process, every expert and optimizer state is the checkpoint's bit for bit, each stored once, and
     the next step's loss is the ep run's."""
-    for case in ("ep", "dp_ep", "ep_fsdp", "dp_ep_zero2", "tp_ep", "tp_ep_fsdp"):
+    for case in ("ep", "dp_ep", "ep_fsdp", "dp_ep_zero2", "tp_ep_fsdp"):
         ranks = runs[case]
         assert ranks[0]["reference_routing"] and ranks[-1]["routing"] == ranks[0]["reference_routing"]
         assert all(rank["resumed"] == rank["losses"][SAVE_AT:] for rank in ranks)

@@ -66,17 +66,15 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "cp_dp": (dict(position="learned", n_kv_heads=1), dict(cp=2, strategy="fsdp"), 2, 2),  # dp 2 x cp 2
     "tp_cp": (dict(), dict(tp=2, cp=2, strategy="ddp"), 2, 2),  # each rank: 4 of a sequence's 16 positions
     "pp_dp_ep": ({**MOE, "n_layers": 3}, dict(pp=2, ep=2, strategy="ddp"), 1, 2),  # pp 2 x dp 2 = ep 2
-    "tp_ep": ({**MOE, "first_dense_layers": 0}, dict(tp=2, ep=2, strategy="ddp"), 2, 2),  # tp 2 x dp 2 = ep 2
-    "tp_ep_fsdp": ({**MOE, "first_dense_layers": 0}, dict(tp=2, ep=2, strategy="fsdp"), 2, 2),  # the same, FSDP2
-    "pp_dp_ep_fsdp": ({**MOE, "n_layers": 3}, dict(pp=2, ep=2, strategy="fsdp"), 1, 2),  # the same, FSDP2
+    # tp 2 x dp 2 = ep 2 under FSDP2 (ddp: tp_pp_ep, on 8 ranks)
+    "tp_ep_fsdp": ({**MOE, "first_dense_layers": 0}, dict(tp=2, ep=2, strategy="fsdp"), 2, 2),
     "tp_pp_dp": (dict(), dict(tp=2, pp=2, strategy="ddp"), 1, 2),  # 8 ranks: tp 2 x pp 2 x dp 2, tied
     "tp_pp_ep": ({**MOE, "n_layers": 3}, dict(tp=2, pp=2, ep=2, strategy="ddp"), 1, 2),  # 8 ranks, dp 2 = ep 2
     # the zero-bubble schedules, stages 0-3 of one layer each: interleaved_zb places them 0, 2 | 1, 3 (tied: the
     # head's copy on rank 1), zbv and dualpipev in a V, 0, 3 | 1, 2 (tied: both ends on rank 0)
     "pp_zb": (dict(n_layers=4), dict(pp=2, pp_schedule="interleaved_zb", vpp=2), 1, 4),
     "pp_zbv": (dict(n_layers=4), dict(pp=2, pp_schedule="zbv", vpp=2), 1, 4),
-    # MoE stages (layer 0 dense, 1-3 MoE) under split backwards: each stage's auxiliary loss rides its output
-    "pp_zb_moe": ({**MOE, "n_layers": 4}, dict(pp=2, pp_schedule="interleaved_zb", vpp=2), 1, 4),
+    # MoE stages (layer 0 dense, 1-3 MoE) under a split backward: each stage's auxiliary loss rides its output
     "pp_zbv_moe": ({**MOE, "n_layers": 4}, dict(pp=2, pp_schedule="zbv", vpp=2), 1, 4),
     "pp_dualpipev": (dict(n_layers=4, tie_embeddings=False), dict(pp=2, pp_schedule="dualpipev", vpp=2), 1, 4),
     "pp_fp16": (dict(), dict(pp=2), 1, 3),  # fp16 autocast with its loss scaler (PRECISION), tied
