@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from tp_pp_worker import config
 
 from trainwise.config import ModelConfig
 from trainwise.cost import rank as R
@@ -13,6 +14,7 @@ from trainwise.cost.comm import bytes_sent
 from trainwise.cost.layout import Layout, param_counts, rank_stages, stage_layers
 from trainwise.cost.params import params
 from trainwise.cost.rank_memory import in_flight
+from trainwise.runtime.step import build_model
 
 TINY = dict(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 
@@ -123,3 +125,22 @@ def test_the_planners_rank_is_the_trainers_rank(model, layout):
         planned = ((len(idx) - n_moe) * counts.layer + n_moe * counts.moe_layer
                    + (counts.embedding if pp_rank == 0 else 0) + (counts.head if pp_rank == layout.pp - 1 else 0))
         assert planned == sum(p.tp_numel for p in R.rank_params(cfg, layout, rank)), rank
+
+
+def test_ep_under_fsdp_messages_worked_by_hand():
+    """FSDP2 beside ep shards, gathers and reduce-scatters the dense parameters only; the experts stay whole on
+    their edp ranks, all-reduced over them as under DDP. "ep_fsdp" (dp 2 = ep 2, fsdp, K = 2, two MoE layers):
+    40736 dense floats (the table 9600, two blocks of 15568) in three units, each gathered before each forward
+    and backward of both micro-batches (12 calls; 4 x 40736 x 1/2 = 81472 B per round of three, x 4 = 325888 B),
+    reduce-scattered once (3 calls, 81472 B); the experts (half of 98304 floats a rank) have no other rank (edp 1):
+    all-reduces of the norm (4 B) and the two layers' loads (32 B). "dp_ep_zero2" (dp 4 = edp 2 x ep 2, zero2,
+    K = 2, 40608 dense floats): 6 gathers (2 x 4 x 40608 x 3/4 = 243648 B), 3 reduce-scatters (121824 B); the
+    rank's 24576 expert floats all-reduced over edp 2 (98304 B), the norm over 4 ranks (6 B), the load (24 B)."""
+    fsdp = R.rank_comm(config("ep_fsdp").model, Layout(dp=2, ep=2, zero=3), 0, R.StepShape(2, 16, 2, 4, 4))
+    assert (fsdp["all_gather"], fsdp["reduce_scatter"], fsdp["all_reduce"]) == (
+        {"calls": 12, "bytes": 325888}, {"calls": 3, "bytes": 81472}, {"calls": 2, "bytes": 36})
+    zero2 = R.rank_comm(config("dp_ep_zero2").model, Layout(dp=4, ep=2, zero=2), 3, R.StepShape(2, 16, 2, 4, 4))
+    assert (zero2["all_gather"], zero2["reduce_scatter"], zero2["all_reduce"]) == (
+        {"calls": 6, "bytes": 243648}, {"calls": 3, "bytes": 121824}, {"calls": 3, "bytes": 98304 + 6 + 24})
+    params = [(name, p.numel()) for name, p in build_model(config("ep_fsdp").model).named_parameters()]
+    assert sum(n for name, n in params if ".experts_" not in name) == 40736  # the dense floats above, counted

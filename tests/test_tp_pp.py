@@ -33,7 +33,6 @@ from trainwise.planner.derivation import plan_table
 from trainwise.planner.plan import plan_run
 from trainwise.runtime.context_parallel import cp_ranks, head_tail_order, rank_positions, sequence_order
 from trainwise.runtime.mesh import check_layout, layout_for, pipeline_micro_batches
-from trainwise.runtime.step import build_model
 from trainwise.verify.per_rank import predicted_ranks
 
 WORKER = Path(__file__).with_name("tp_pp_worker.py")
@@ -370,27 +369,6 @@ def test_ep_messages_worked_by_hand():
     dp_ep = R.rank_comm(config("dp_ep").model, Layout(dp=4, ep=2), 3, R.StepShape(2, 16, 1, 4, 4))
     assert dp_ep["all_reduce"] == {"calls": 4, "bytes": 243648 + 98304 + 6 + 24}
 
-
-
-def test_ep_under_fsdp_messages_worked_by_hand():
-    """FSDP2 beside ep shards, gathers and reduce-scatters the dense parameters only; the divided experts stay
-    whole on their edp ranks and are all-reduced over them as under DDP. "ep_fsdp" (dp 2 = ep 2, fsdp, K = 2, two
-    MoE layers): the dense parameters are the table (9600) and two blocks of 15568 floats, 40736 in three units;
-    each unit is gathered before each forward and each backward of both micro-batches (3 x 2 x 2 = 12 calls),
-    4 x 40736 x 1/2 = 81472 B sent each time the three are gathered (x 4 = 325888 B), and its fp32 gradients
-    reduce-scattered once (3 calls, 81472 B); the experts (98304 floats, half on each rank) have no other rank
-    to be reduced with (edp 1): the all-reduces are the norm's (4 B) and the two layers' loads (32 B).
-    "dp_ep_zero2" (dp 4 = edp 2 x ep 2, zero2, K = 2, a dense and a MoE layer: 40608 dense floats): each unit
-    gathered once per micro-batch (6 calls, 2 x 4 x 40608 x 3/4 = 243648 B), reduce-scattered once (121824 B);
-    the rank's 24576 expert floats all-reduced over edp 2 (98304 B), the norm over 4 ranks (6 B), the load (24 B)."""
-    fsdp = R.rank_comm(config("ep_fsdp").model, Layout(dp=2, ep=2, zero=3), 0, R.StepShape(2, 16, 2, 4, 4))
-    assert (fsdp["all_gather"], fsdp["reduce_scatter"], fsdp["all_reduce"]) == (
-        {"calls": 12, "bytes": 325888}, {"calls": 3, "bytes": 81472}, {"calls": 2, "bytes": 36})
-    zero2 = R.rank_comm(config("dp_ep_zero2").model, Layout(dp=4, ep=2, zero=2), 3, R.StepShape(2, 16, 2, 4, 4))
-    assert (zero2["all_gather"], zero2["reduce_scatter"], zero2["all_reduce"]) == (
-        {"calls": 6, "bytes": 243648}, {"calls": 3, "bytes": 121824}, {"calls": 3, "bytes": 98304 + 6 + 24})
-    params = [(name, p.numel()) for name, p in build_model(config("ep_fsdp").model).named_parameters()]
-    assert sum(n for name, n in params if ".experts_" not in name) == 40736  # the dense floats above, counted
 
 
 def losses(run: Path) -> list[float]:
