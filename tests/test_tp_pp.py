@@ -46,7 +46,7 @@ def rank_env() -> dict:
 
 
 TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "ep_fsdp", "cp",
-             "pp_zb", "pp_zbv", "pp_zbv_moe", "pp_dualpipev", "pp_fp16", "pp_compiled", "tp_compiled"]
+             "pp_zb", "pp_zb_moe", "pp_zbv", "pp_dualpipev", "pp_fp16", "pp_compiled", "tp_compiled"]
 FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "dp_ep", "dp_ep_zero2", "tp_ep_fsdp", "cp_dp", "tp_cp", "pp_dp_ep"]
 
 
@@ -426,6 +426,8 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
       "parallel.strategy=fsdp"], "use parallel.strategy=ddp"),
     (["parallel.pp=2", "parallel.pp_schedule=interleaved_zb", "parallel.vpp=2", "model.n_layers=4",
       "train.grad_accum_steps=4", "train.compile=true"], "set train.compile=false"),
+    (["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.vpp=2", "model.n_layers=4", "train.grad_accum_steps=4",
+      "model.n_experts=4", "model.top_k=2"], "parallel.pp_schedule=interleaved_zb"),
     (["parallel.ep=2", "parallel.strategy=ddp"], "model.n_experts = 0"),
     (["parallel.ep=3", "parallel.strategy=ddp", "model.n_experts=4", "model.top_k=2"], "parallel.ep=2 or 4"),
     (["parallel.ep=2", "parallel.strategy=zero1", "model.n_experts=4", "model.top_k=2"], "ddp, zero2 or fsdp"),

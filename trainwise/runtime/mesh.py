@@ -267,11 +267,15 @@ def _check_tp(tp: int, m: ModelConfig, t: TrainConfig) -> None:
 
 def _check_zero_bubble(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:
     """What the zero-bubble schedules (a backward split into the input's and the weights' halves) do not train
-    with here: FSDP2's sharded parameters (a step left some without gradients) and compiled stages (torch's
-    schedules refuse them)."""
+    with here: FSDP2's sharded parameters (a step left some without gradients), compiled stages (torch's
+    schedules refuse them) and, in a V (zbv, dualpipev), an MoE model: torch's V runtime runs backward actions in
+    its evaluation too, and a MoE model's evaluation loss through it was not one process's when tried."""
     other = "parallel.pp_schedule=1f1b or interleaved"
     why = (f"FSDP2 (parallel.strategy = {p.strategy}) takes no weight gradients from the split backward here: use "
            f"parallel.strategy=ddp (or keep {p.strategy} with {other})" if p.strategy in ("zero2", "fsdp") else
+           "a MoE model's evaluation through torch's V schedule (its evaluation runs backward actions too) does not "
+           "give one process's loss yet: use parallel.pp_schedule=interleaved_zb (or 1f1b, interleaved)"
+           if m.is_moe and p.pp_schedule in ("zbv", "dualpipev") else
            "torch's zero-bubble schedules do not run compiled stages: set train.compile=false (or keep it with "
            f"{other})" if t.compile == "true" else None)
     if why:
