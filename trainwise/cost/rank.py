@@ -221,7 +221,7 @@ def rank_params(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = Fa
         shape = _local_shape(spec, cfg, layout, rank, megatron)
         tp_numel = math.prod(shape)
         numel = padded = tp_numel
-        if _fsdp(layout) and not (divided(spec, layout) and not megatron):
+        if _fsdp(layout) and (megatron or not divided(spec, layout)):
             shards = layout.expert_dp if is_expert(spec) else layout.dp * layout.cp
             index = (rank % (layout.tp * layout.cp * layout.dp) // (layout.ep * layout.expert_tp) if is_expert(spec)
                      else rank // layout.tp % (layout.cp * layout.dp))  # dp_rank x cp + cp_rank
@@ -360,7 +360,7 @@ def units(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = False) -
     own parameters (embedding; final norm and head); trainwise's divided experts are in none (`divided`)."""
     units: dict = {}
     for p in rank_params(cfg, layout, rank, megatron):
-        if divided(p.spec, layout) and not megatron:
+        if not megatron and divided(p.spec, layout):
             continue
         key = p.spec.unit if p.spec.unit != "root" else f"root-{p.spec.where}" if layout.pp > 1 else "root"
         units.setdefault(key, []).append(p)

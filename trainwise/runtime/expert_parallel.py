@@ -65,10 +65,9 @@ def build_expert_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     """The experts' mesh, shape (pp, edp, ep) (world = pp x dp, dp = edp x ep, ep innermost), or (pp, edp, ep,
     tp) with tensor parallelism (rank = (pp_rank x dp + dp_rank) x tp + tp_rank, runtime.mesh's order: an ep
     group is the ranks of one tp rank in ep neighbouring data-parallel replicas); every rank calls it."""
-    if layout.tp == 1:
-        return init_device_mesh(device_type, (layout.pp, layout.expert_dp, layout.ep), mesh_dim_names=DIMS)
-    return init_device_mesh(device_type, (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp),
-                            mesh_dim_names=(*DIMS, "tp"))
+    tp = (layout.tp,) if layout.tp > 1 else ()
+    return init_device_mesh(device_type, (layout.pp, layout.expert_dp, layout.ep, *tp),
+                            mesh_dim_names=DIMS + ("tp",) * len(tp))
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
