@@ -51,6 +51,14 @@ PEAK_SIZES = {"cpu": {"fp32": (2048,), "bf16": (2048, 3072, 4096)},
               "cuda": {"fp32": (4096, 8192), "bf16": (4096, 8192), "fp16": (4096, 8192)}}
 
 
+def peak_sizes(kind: str, dtype: str) -> tuple[int, ...]:
+    """PEAK_SIZES, where one CPU thread takes only the first: the larger sizes are there to keep many
+    threads busy, and one thread runs at its rate from the first on (a torchrun rank's calibration on
+    2048 and 4096 alike, and in a third of the time: benchmarks/RESULTS.md)."""
+    sizes = PEAK_SIZES[kind][dtype]
+    return sizes[:1] if kind == "cpu" and torch.get_num_threads() == 1 else sizes
+
+
 def matmul_rates(device: torch.device, dtype: torch.dtype, size: int, seconds: float = 0.25,
                  min_reps: int = 3) -> tuple[list[float], float]:
     """(FLOP/s of each repetition, CPU share) of (size x size) @ (size x size), 2 * size^3 FLOPs each,
@@ -89,7 +97,7 @@ def peak_round(device: torch.device) -> dict:
     rates, shares = {}, []
     for name in dtypes:
         rates[name] = []
-        for n in PEAK_SIZES[kind][name]:
+        for n in peak_sizes(kind, name):
             r, share = matmul_rates(device, DTYPES[name], n, 0.2 if name == "fp32" else 0.15)
             rates[name] += r
             shares.append(share)
@@ -188,7 +196,8 @@ def measure_peak(device: torch.device, rounds: list[dict] | None = None, bandwid
         "peak_flops": {name: _quantile([r for rd in rounds for r in rd["rates"][name]], PEAK_QUANTILE)
                        for name in rounds[0]["rates"]},
         "bandwidth_bytes_per_s": bandwidth or bandwidth_bytes_per_s(device),
-        "method": f"{PEAK_QUANTILE:.0%} quantile of repeated dense matmuls of square sizes {PEAK_SIZES[kind]} in "
+        "method": f"{PEAK_QUANTILE:.0%} quantile of repeated dense matmuls of square sizes "
+                  f"{ {name: peak_sizes(kind, name) for name in PEAK_SIZES[kind]} } in "
                   f"{len(rounds)} rounds; bandwidth from a 256 MiB copy; profile: trainwise.measure.kernels",
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "measured_unix": time.time(),
