@@ -40,6 +40,11 @@ def finished_run(corpus, tmp_path_factory) -> Path:
     return out
 
 
+def rows(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
 def sigkill_trials(corpus: Path, tmp_path: Path, trials: int, max_steps: int, seed: int) -> None:
     """Kill a run with SIGKILL at random moments (during checkpoint writes too: one every step),
     resume after each kill, and end with weights bitwise equal to an uninterrupted run."""
@@ -53,9 +58,13 @@ def sigkill_trials(corpus: Path, tmp_path: Path, trials: int, max_steps: int, se
     for _ in range(trials):
         args = cmd + (["--out", str(run), *sets(corpus, *extra)] if first else ["--resume", str(run)])
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        # Start-up takes a second or two; the loop then saves every step, so a random moment lands in
-        # start-up, in a step or in a checkpoint write.
-        time.sleep(rng.uniform(0.5, 3.0))
+        # Start-up (the imports alone) takes seconds, a step and its checkpoint a fraction of one: the kill
+        # comes at a random moment after the run logs its next step, so it lands in a step or in a checkpoint
+        # write (every step saves), not in the interpreter's start-up.
+        logged, deadline = rows(run), time.monotonic() + 60
+        while rows(run) == logged and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.25))
         proc.kill()
         proc.wait()
         first = first and not (run / "config.toml").exists()
@@ -69,7 +78,7 @@ def sigkill_trials(corpus: Path, tmp_path: Path, trials: int, max_steps: int, se
 
 
 def test_sigkill_at_random_moments_then_resume_is_bitwise_exact(corpus, tmp_path):
-    sigkill_trials(corpus, tmp_path, trials=3, max_steps=20, seed=0)
+    sigkill_trials(corpus, tmp_path, trials=2, max_steps=30, seed=0)
 
 
 @pytest.mark.slow
