@@ -165,7 +165,12 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         the micro-batches' own .grad tensors; Megatron-LM's gradient buffer takes them directly; experts
         divided by ep are outside the buckets), or FSDP2's unsharded fp32 gradients of the micro-batches
         before the last (outside trainwise and torch's pipeline schedules: the rank's gradient shard);
-      optimizer step: parameters + gradients + states + one moment of scratch (a foreach AdamW's sqrt(v)).
+      optimizer step: parameters + gradients + states + one moment of scratch, except where trainwise's fused
+        AdamW or SGD steps plain tensors (one process, DDP, ZeRO-1, pp: each tensor updated in place). Over
+        DTensors (tp, FSDP2, divided experts) a step measured about one moment more (cause not found), and
+        other stacks' runs keep the moment (a foreach AdamW's sqrt(v)).
+    A table tied between the embedding and the LM head on one rank (no FSDP2) gets its gradient from both: the
+    autograd engine sums the two at the end of backward, when every other gradient exists (tied_grad_sum).
     States: the recipe's bytes per element of the rank's shards (cost.rank.rank_params: fp32 parameters and
     gradients in trainwise's runs) and its optimizer moments and master copy; ZeRO-1 keeps `optimizer_share`
     of them (default 1 / (dp x cp), experts' 1 / (dp x cp / ep)). FSDP2 runs the forward on gathered
@@ -184,7 +189,8 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     else:
         sharded = numel * (1 if optimizer_share is None else optimizer_share)
     optimizer, master = math.ceil(recipe.moment_bytes * moments * sharded), math.ceil(recipe.master_bytes * sharded)
-    scratch_step = math.ceil(recipe.moment_bytes * sharded) if moments >= 2 else 0
+    plain = trains(run) and lay.tp == 1 and lay.ep == 1 and not fsdp  # no DTensor among the optimizer's tensors
+    scratch_step = 0 if plain or moments < 2 else math.ceil(recipe.moment_bytes * sharded)
     acts_recipe = replace(recipe, residual_bytes=recipe.compute_bytes) if fsdp else recipe
     compiled = run.compiled and lay.model_parallel == 1 and lay.cp == 1 and not fsdp  # cp: eager (runtime.mesh)
     pp_rank = lay.coords(rank)[1]
@@ -236,8 +242,23 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     params_bytes = recipe.param_bytes * numel
     resident = params_bytes + optimizer + master + buffers + fp8_weight_bytes(recipe, params)
     backward = resident + in_flight_high + scratch + gathered + no_sync
+    backward = max(backward, resident + grads + no_sync + tied_grad_sum(run, params, recipe))
     step = resident + grads + scratch_step
     return RankPeak(params_bytes, grads, optimizer, master, max(flights), backward, step)
+
+
+def tied_grad_sum(run: Run, params: list, recipe: M.Recipe) -> int:
+    """The end of a backward on a rank holding both uses of a tied table (pp 1; trainwise's runs, not under
+    FSDP2, whose root unit reduce-scatters its own): the autograd engine holds the LM head's gradient of the
+    table until the embedding's arrives, last, and sums the two. Measured beside every other gradient: two
+    table-sized buffers in the gradient dtype (the sum out of place), one where autocast ran the head in a
+    lower precision (its gradient cast back to a fresh tensor, which the sum can be added into in place), on
+    one process and DDP alike (benchmarks/RESULTS.md)."""
+    lay = run.layout
+    if not run.model.tie_embeddings or lay.pp > 1 or lay.strategy in ("zero2", "fsdp") or not trains(run):
+        return 0
+    table = sum(p.numel for p in params if p.spec.name == "embed.weight")
+    return recipe.grad_bytes * table * (1 if recipe.compute_bytes < recipe.grad_bytes else 2)
 
 
 def fp8_weight_bytes(recipe: M.Recipe, params: list) -> int:
