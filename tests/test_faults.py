@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_relaunch import rows
 from tiny import set_args
 
 from trainwise import rundir
@@ -38,11 +39,6 @@ def finished_run(corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "done"
     assert main(["train", "--out", str(out), "--quiet", *sets(corpus, "train.max_steps=6")]) == 0
     return out
-
-
-def rows(run: Path) -> int:
-    path = run / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def sigkill_trials(corpus: Path, tmp_path: Path, trials: int, max_steps: int, seed: int) -> None:
