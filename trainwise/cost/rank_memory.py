@@ -164,11 +164,13 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         step has run: the rank's gradients, DDP's buckets (which hold them all run long, plus under no_sync
         the micro-batches' own .grad tensors; Megatron-LM's gradient buffer takes them directly; experts
         divided by ep are outside the buckets), or FSDP2's unsharded fp32 gradients of the micro-batches
-        before the last (outside trainwise and torch's pipeline schedules: the rank's gradient shard);
+        before the last (outside trainwise and torch's pipeline schedules: the rank's gradient shard); under
+        FSDP2 without pp also the high point block by block (fsdp_block_backward);
       optimizer step: parameters + gradients + states + one moment of scratch, except where trainwise's fused
-        AdamW or SGD steps plain tensors (one process, DDP, ZeRO-1, pp: each tensor updated in place). Over
-        DTensors (tp, FSDP2, divided experts) a step measured about one moment more (cause not found), and
-        other stacks' runs keep the moment (a foreach AdamW's sqrt(v)).
+        AdamW or SGD updates each tensor in place (one process, DDP, ZeRO-1, pp, FSDP2 and divided experts, their
+        DTensors included). Under tp the moment stays: a pp x tp stage measured more at its gradient clip (an
+        untied vocabulary-parallel embedding's gradient arrives whole on each tp rank, and the clip
+        redistributes it to the rank's rows), and other stacks' runs keep it (a foreach AdamW's sqrt(v)).
     A table tied between the embedding and the LM head on one rank (no FSDP2) gets its gradient from both: the
     autograd engine sums the two at the end of backward, when every other gradient exists (tied_grad_sum).
     States: the recipe's bytes per element of the rank's shards (cost.rank.rank_params: fp32 parameters and
@@ -189,7 +191,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     else:
         sharded = numel * (1 if optimizer_share is None else optimizer_share)
     optimizer, master = math.ceil(recipe.moment_bytes * moments * sharded), math.ceil(recipe.master_bytes * sharded)
-    plain = trains(run) and lay.tp == 1 and lay.ep == 1 and not fsdp  # no DTensor among the optimizer's tensors
+    plain = trains(run) and lay.tp == 1  # the optimizer steps each tensor in place, DTensors too (FSDP2, experts)
     scratch_step = 0 if plain or moments < 2 else math.ceil(recipe.moment_bytes * sharded)
     acts_recipe = replace(recipe, residual_bytes=recipe.compute_bytes) if fsdp else recipe
     compiled = run.compiled and lay.model_parallel == 1 and lay.cp == 1 and not fsdp  # cp: eager (runtime.mesh)
@@ -243,8 +245,63 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     resident = params_bytes + optimizer + master + buffers + fp8_weight_bytes(recipe, params)
     backward = resident + in_flight_high + scratch + gathered + no_sync
     backward = max(backward, resident + grads + no_sync + tied_grad_sum(run, params, recipe))
+    if fsdp and lay.pp == 1:
+        backward = max(backward, resident + fsdp_block_backward(run, rank, acts_recipe, megatron, params))
     step = resident + grads + scratch_step
     return RankPeak(params_bytes, grads, optimizer, master, max(flights), backward, step)
+
+
+def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, params: list) -> int:
+    """The high point of FSDP2's backward through one pipeline stage's blocks beyond the rank's resident states,
+    block by block from the last. Throughout: the root units gathered, their LM-head side gradients (a tied
+    table's, the final norm's, the head's) held until the root reduces last, the sharded gradients of the blocks
+    already reduced (trainwise's accumulation: the unsharded fp32 gradients of the blocks not yet reduced
+    instead), the previous block's fp32 reduce-scatter input until the next one's, and the experts divided over
+    ep with their whole gradients from their block on. Block j's three moments (tests/test_tp_pp.py's moe_fsdp
+    and the planner's development notes in benchmarks/RESULTS.md measured them with FSDP2's memory tracker):
+      start   block j gathered and block j - 1 prefetched (block 0: its all-gather's buffer still held beside
+              it), the activations of blocks 0..j;
+      end     the same gathered, block j's unsharded gradients in the gathered dtype, the activations of
+              blocks before j;
+      reduce  block j resharded, its gradients copied into its fp32 reduce-scatter input and reduced into a
+              sharded output, the previous input freed; gradients in a 16-bit dtype measured a second
+              block-sized copy of them there (the cast's, not traced further).
+    zero2 keeps every block not yet run back gathered (from forward) in place of block j and its prefetch.
+    Activation checkpointing adds one recomputed block at each."""
+    cfg, lay, K = run.model, run.layout, run.grad_accum
+    sizes = units(cfg, lay, rank, megatron)
+    root = sum(p.tp_numel for unit, ps in sizes.items() if str(unit).startswith("root") for p in ps)
+    head = sum(p.tp_numel for unit, ps in sizes.items() if str(unit).startswith("root") for p in ps
+               if p.spec.name != "embed.weight" or cfg.tie_embeddings)
+    blocks = sorted(unit for unit in sizes if not str(unit).startswith("root"))
+    n = {b: sum(p.tp_numel for p in sizes[b]) for b in blocks}
+    shard = {b: sum(p.numel for p in sizes[b]) for b in blocks}
+    experts = {i: sum(p.numel for p in params if divided(p.spec, lay) and p.spec.where == i) for i in blocks}
+    c, g = recipe.compute_bytes, run.recipe.grad_bytes
+    tokens = run.tokens_per_micro_batch // lay.cp
+    acts = [math.ceil(tokens * layer_bytes_per_token(cfg, recipe, b, lay, run.seq_len, run.checkpointing, megatron))
+            for b in blocks]
+    redo = (math.ceil(M.recompute_bytes(cfg, recipe, tokens, 1, run.checkpointing) / lay.tp)
+            if run.checkpointing in ("full", "op") else 0)
+    accumulating = K > 1 and not megatron  # gradient sync off until the last micro-batch (rank_peak)
+    high = 0
+    for k, j in enumerate(blocks):
+        later = blocks[k + 1:]
+        if lay.strategy == "zero2":
+            gathered = beside = sum(n[b] for b in blocks[:k + 1])
+        else:
+            beside = n[blocks[k - 1]] if k else 0  # the prefetched block
+            gathered = n[j] + (beside or n[j])
+        held = (4 * (root + sum(n[b] for b in blocks[:k + 1])) if accumulating else c * head) \
+            + g * sum(shard[b] for b in later) + g * sum(experts[b] for b in (blocks if K > 1 else blocks[k:])) \
+            + c * root + redo + 8 * tokens
+        previous = 4 * n[later[0]] if later else 0
+        start = c * gathered + sum(acts[:k + 1]) + previous
+        end = c * (gathered - (0 if k else n[j])) + c * n[j] + sum(acts[:k]) + previous
+        reduce = c * (beside if lay.strategy != "zero2" else gathered - n[j]) + c * n[j] * (1 if c == 4 else 2) \
+            + 4 * n[j] + 4 * shard[j] + sum(acts[:k])
+        high = max(high, held + max(start, end, reduce))
+    return high
 
 
 def tied_grad_sum(run: Run, params: list, recipe: M.Recipe) -> int:
