@@ -386,7 +386,7 @@ def test_fit_over_layouts_lists_the_fastest_that_fit():
     its tp collectives exposed takes longer), and says why the others are set aside."""
     cfg = gpt(16, 1024, 8)
     run = Run(cfg, seq_len=2048, recipe=get_recipe("megatron"), tokens=1.0,
-              layout=make_layout(8, attention_impl="unfused", tp_overlap="async"), machine=Machine(gpu="a100-40gb"))
+              layout=make_layout(4, attention_impl="unfused", tp_overlap="async"), machine=Machine(gpu="a100-40gb"))
     good, bad = fit_run_layouts(run, global_batch=32, memory_budget=8 * 2**30)
     assert good and bad and all(c.fits for c in good)
     assert all(c.layout["tp_overlap"] == "async" for c in good)
