@@ -166,11 +166,9 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         divided by ep are outside the buckets), or FSDP2's unsharded fp32 gradients of the micro-batches
         before the last (outside trainwise and torch's pipeline schedules: the rank's gradient shard); under
         FSDP2 without pp also the high point block by block (fsdp_block_backward);
-      optimizer step: parameters + gradients + states + one moment of scratch, except where trainwise's fused
-        AdamW or SGD updates each tensor in place (one process, DDP, ZeRO-1, pp, FSDP2 and divided experts, their
-        DTensors included). Under tp the moment stays: a pp x tp stage measured more at its gradient clip (an
-        untied vocabulary-parallel embedding's gradient arrives whole on each tp rank, and the clip
-        redistributes it to the rank's rows), and other stacks' runs keep it (a foreach AdamW's sqrt(v)).
+      optimizer step: parameters + gradients + states + one moment of scratch (other stacks' runs: a foreach
+        AdamW's sqrt(v)), none where trainwise's fused AdamW or SGD updates each tensor in place (every layout it
+        trains, DTensors included); under tp an untied embedding's gradient whole (whole_embedding_grad).
     A table tied between the embedding and the LM head on one rank (no FSDP2) gets its gradient from both: the
     autograd engine sums the two at the end of backward, when every other gradient exists (tied_grad_sum).
     States: the recipe's bytes per element of the rank's shards (cost.rank.rank_params: fp32 parameters and
@@ -191,7 +189,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     else:
         sharded = numel * (1 if optimizer_share is None else optimizer_share)
     optimizer, master = math.ceil(recipe.moment_bytes * moments * sharded), math.ceil(recipe.master_bytes * sharded)
-    plain = trains(run) and lay.tp == 1  # the optimizer steps each tensor in place, DTensors too (FSDP2, experts)
+    plain = trains(run)  # the fused optimizer steps each tensor in place, DTensors too (tp, FSDP2, experts)
     scratch_step = 0 if plain or moments < 2 else math.ceil(recipe.moment_bytes * sharded)
     acts_recipe = replace(recipe, residual_bytes=recipe.compute_bytes) if fsdp else recipe
     compiled = run.compiled and lay.model_parallel == 1 and lay.cp == 1 and not fsdp  # cp: eager (runtime.mesh)
@@ -235,7 +233,9 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     backwards = [(sum(per_stage[c] for c in live) + sum(waiting[c] for c in kept), after)
                  for (live, after), kept in zip(in_flight(lay, pp_rank, K), awaiting_weights(lay, pp_rank, K))]
     flights = [f for f, _ in backwards]
-    in_flight_high = max(f + (held if ddp or after else 0) + (outside if after else 0) for f, after in backwards)
+    whole = whole_embedding_grad(run, params, recipe)
+    in_flight_high = max(f + (held if ddp or after else 0) + (outside + whole if after else 0)
+                         for f, after in backwards)
     buffers = 0
     if lay.pp > 1:
         act = tokens // (lay.tp if lay.sequence_parallel else 1) * cfg.d_model * acts_recipe.residual_bytes
@@ -247,7 +247,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     backward = max(backward, resident + grads + no_sync + tied_grad_sum(run, params, recipe))
     if fsdp and lay.pp == 1:
         backward = max(backward, resident + fsdp_block_backward(run, rank, acts_recipe, megatron, params))
-    step = resident + grads + scratch_step
+    step = resident + grads + scratch_step + (whole + math.ceil(whole / (lay.tp - 1)) if whole else 0)
     return RankPeak(params_bytes, grads, optimizer, master, max(flights), backward, step)
 
 
@@ -302,6 +302,19 @@ def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, p
             + 4 * n[j] + 4 * shard[j] + sum(acts[:k])
         high = max(high, held + max(start, end, reduce))
     return high
+
+
+def whole_embedding_grad(run: Run, params: list, recipe: M.Recipe) -> int:
+    """Bytes beyond its rows that an untied vocabulary-parallel embedding's gradient holds on a tp rank of the
+    first stage (trainwise's runs, not FSDP2): DTensor's embedding backward computes the whole (V, H) table
+    on every tp rank (a Replicate gradient of a Shard(0) parameter), accumulated so from the first backward
+    to the gradient clip, which redistributes it to the rank's rows: the whole table and the rows at once
+    there (rank_peak). Measured at the clip of a pp 2 x tp 2 stage: benchmarks/RESULTS.md."""
+    lay = run.layout
+    if lay.tp == 1 or run.model.tie_embeddings or lay.strategy in ("zero2", "fsdp") or not trains(run):
+        return 0
+    table = sum(math.prod(p.spec.shape) for p in params if p.spec.name == "embed.weight" and p.spec.tp_dim is not None)
+    return math.ceil(recipe.grad_bytes * table * (1 - 1 / lay.tp))
 
 
 def tied_grad_sum(run: Run, params: list, recipe: M.Recipe) -> int:
