@@ -355,11 +355,12 @@ def _ep_exchanges(out: dict, cfg: ModelConfig, layout: Layout, rank: int, stages
                             + exchanges * forwards * (layout.ep - 1) * local * 8)
 
 
-def units(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = False) -> dict:
+def units(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = False, params: list | None = None) -> dict:
     """The FSDP2 / replicate units `rank` holds ({unit: [RankParam]}): each block, and each stage module's
-    own parameters (embedding; final norm and head); trainwise's divided experts are in none (`divided`)."""
+    own parameters (embedding; final norm and head); trainwise's divided experts are in none (`divided`).
+    `params`: the rank's rank_params, where the caller has them."""
     units: dict = {}
-    for p in rank_params(cfg, layout, rank, megatron):
+    for p in params if params is not None else rank_params(cfg, layout, rank, megatron):
         if not megatron and divided(p.spec, layout):
             continue
         key = p.spec.unit if p.spec.unit != "root" else f"root-{p.spec.where}" if layout.pp > 1 else "root"

@@ -207,7 +207,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         scratch = max(scratch, math.ceil(M.recompute_bytes(cfg, acts_recipe, tokens, 1, run.checkpointing) / lay.tp))
     gathered = accumulated = 0
     if fsdp:
-        sizes = {unit: sum(p.tp_numel for p in ps) for unit, ps in units(cfg, lay, rank, megatron).items()}
+        sizes = {unit: sum(p.tp_numel for p in ps) for unit, ps in units(cfg, lay, rank, megatron, params).items()}
         roots = sum(n for unit, n in sizes.items() if str(unit).startswith("root"))
         blocks = sorted((n for unit, n in sizes.items() if not str(unit).startswith("root")), reverse=True)
         kept = sum(sizes.values()) if strategy == "zero2" else roots + sum(blocks[:2])
@@ -269,14 +269,17 @@ def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, p
     zero2 keeps every block not yet run back gathered (from forward) in place of block j and its prefetch.
     Activation checkpointing adds one recomputed block at each."""
     cfg, lay, K = run.model, run.layout, run.grad_accum
-    sizes = units(cfg, lay, rank, megatron)
+    sizes = units(cfg, lay, rank, megatron, params)
     root = sum(p.tp_numel for unit, ps in sizes.items() if str(unit).startswith("root") for p in ps)
     head = sum(p.tp_numel for unit, ps in sizes.items() if str(unit).startswith("root") for p in ps
                if p.spec.name != "embed.weight" or cfg.tie_embeddings)
     blocks = sorted(unit for unit in sizes if not str(unit).startswith("root"))
     n = {b: sum(p.tp_numel for p in sizes[b]) for b in blocks}
     shard = {b: sum(p.numel for p in sizes[b]) for b in blocks}
-    experts = {i: sum(p.numel for p in params if divided(p.spec, lay) and p.spec.where == i) for i in blocks}
+    experts = dict.fromkeys(blocks, 0)
+    for p in params:
+        if divided(p.spec, lay) and p.spec.where in experts:
+            experts[p.spec.where] += p.numel
     c, g = recipe.compute_bytes, run.recipe.grad_bytes
     tokens = run.tokens_per_micro_batch // lay.cp
     acts = [math.ceil(tokens * layer_bytes_per_token(cfg, recipe, b, lay, run.seq_len, run.checkpointing, megatron))
@@ -284,23 +287,29 @@ def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, p
     redo = (math.ceil(M.recompute_bytes(cfg, recipe, tokens, 1, run.checkpointing) / lay.tp)
             if run.checkpointing in ("full", "op") else 0)
     accumulating = K > 1 and not megatron  # gradient sync off until the last micro-batch (rank_peak)
+    # running sums over blocks[:k] (before) and blocks[k + 1:] (after)
+    acts_before = gathered_before = 0
+    shards_after = g * sum(shard.values())
+    experts_after = g * sum(experts.values())
     high = 0
     for k, j in enumerate(blocks):
-        later = blocks[k + 1:]
+        shards_after -= g * shard[j]
         if lay.strategy == "zero2":
-            gathered = beside = sum(n[b] for b in blocks[:k + 1])
+            gathered = beside = gathered_before + n[j]
         else:
             beside = n[blocks[k - 1]] if k else 0  # the prefetched block
             gathered = n[j] + (beside or n[j])
-        held = (4 * (root + sum(n[b] for b in blocks[:k + 1])) if accumulating else c * head) \
-            + g * sum(shard[b] for b in later) + g * sum(experts[b] for b in (blocks if K > 1 else blocks[k:])) \
-            + c * root + redo + 8 * tokens
-        previous = 4 * n[later[0]] if later else 0
-        start = c * gathered + sum(acts[:k + 1]) + previous
-        end = c * (gathered - (0 if k else n[j])) + c * n[j] + sum(acts[:k]) + previous
+        held = (4 * (root + gathered_before + n[j]) if accumulating else c * head) + shards_after \
+            + (g * sum(experts.values()) if K > 1 else experts_after) + c * root + redo + 8 * tokens
+        previous = 4 * n[blocks[k + 1]] if k + 1 < len(blocks) else 0
+        start = c * gathered + acts_before + acts[k] + previous
+        end = c * (gathered - (0 if k else n[j])) + c * n[j] + acts_before + previous
         reduce = c * (beside if lay.strategy != "zero2" else gathered - n[j]) + c * n[j] * (1 if c == 4 else 2) \
-            + 4 * n[j] + 4 * shard[j] + sum(acts[:k])
+            + 4 * n[j] + 4 * shard[j] + acts_before
         high = max(high, held + max(start, end, reduce))
+        acts_before += acts[k]
+        gathered_before += n[j]
+        experts_after -= g * experts[j]
     return high
 
 
