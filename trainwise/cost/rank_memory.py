@@ -196,7 +196,8 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     pp_rank = lay.coords(rank)[1]
     stages = rank_stages(lay, pp_rank) if lay.pp > 1 else [0]
     per_stage = [stage_activation_bytes(run, stage_layers(cfg.n_layers, lay.stages, st), st == 0,
-                                        st == lay.stages - 1, acts_recipe, compiled, megatron) for st in stages]
+                                        st == lay.stages - 1, acts_recipe, compiled, megatron)
+                 + cast_experts(run, params, stage_layers(cfg.n_layers, lay.stages, st)) for st in stages]
     tokens = run.tokens_per_micro_batch // lay.cp
     scratch = 0
     if lay.stages - 1 in stages:
@@ -283,7 +284,7 @@ def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, p
     c, g = recipe.compute_bytes, run.recipe.grad_bytes
     tokens = run.tokens_per_micro_batch // lay.cp
     acts = [math.ceil(tokens * layer_bytes_per_token(cfg, recipe, b, lay, run.seq_len, run.checkpointing, megatron))
-            for b in blocks]
+            + cast_experts(run, params, [b]) for b in blocks]
     redo = (math.ceil(M.recompute_bytes(cfg, recipe, tokens, 1, run.checkpointing) / lay.tp)
             if run.checkpointing in ("full", "op") else 0)
     accumulating = K > 1 and not megatron  # gradient sync off until the last micro-batch (rank_peak)
@@ -311,6 +312,17 @@ def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, p
         gathered_before += n[j]
         experts_after -= g * experts[j]
     return high
+
+
+def cast_experts(run: Run, params: list, layers) -> int:
+    """Under FSDP2 with a 16-bit compute dtype, the experts divided over ep stay outside its mixed precision
+    (fp32, whole on the rank): each micro-batch's forward casts them to the compute dtype, and the matmuls keep
+    the copies for backward (bytes per micro-batch for `layers`; trainwise's runs)."""
+    lay, c = run.layout, run.recipe.compute_bytes
+    if lay.ep == 1 or lay.strategy not in ("zero2", "fsdp") or c == 4 or not trains(run):
+        return 0
+    layers = set(layers)
+    return c * sum(p.numel for p in params if divided(p.spec, lay) and p.spec.where in layers)
 
 
 def whole_embedding_grad(run: Run, params: list, recipe: M.Recipe) -> int:
