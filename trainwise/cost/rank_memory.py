@@ -234,8 +234,8 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     backwards = [(sum(per_stage[c] for c in live) + sum(waiting[c] for c in kept), after)
                  for (live, after), kept in zip(in_flight(lay, pp_rank, K), awaiting_weights(lay, pp_rank, K))]
     flights = [f for f, _ in backwards]
-    whole = whole_embedding_grad(run, params, recipe)
-    in_flight_high = max(f + (held if ddp or after else 0) + (outside + whole if after else 0)
+    table = whole_embedding_grad(run, params, recipe)  # held whole where the plan's gradients have its rows
+    in_flight_high = max(f + (held if ddp or after else 0) + (outside + table - table // lay.tp if after else 0)
                          for f, after in backwards)
     buffers = 0
     if lay.pp > 1:
@@ -248,7 +248,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     backward = max(backward, resident + grads + no_sync + tied_grad_sum(run, params, recipe))
     if fsdp and lay.pp == 1:
         backward = max(backward, resident + fsdp_block_backward(run, rank, acts_recipe, megatron, params))
-    step = resident + grads + scratch_step + (whole + math.ceil(whole / (lay.tp - 1)) if whole else 0)
+    step = resident + grads + scratch_step + table  # the clip: the whole table, and its rows anew beside it
     return RankPeak(params_bytes, grads, optimizer, master, max(flights), backward, step)
 
 
@@ -326,8 +326,8 @@ def cast_experts(run: Run, params: list, layers) -> int:
 
 
 def whole_embedding_grad(run: Run, params: list, recipe: M.Recipe) -> int:
-    """Bytes beyond its rows that an untied vocabulary-parallel embedding's gradient holds on a tp rank of the
-    first stage (trainwise's runs, not FSDP2): DTensor's embedding backward computes the whole (V, H) table
+    """Bytes of an untied vocabulary-parallel embedding's whole gradient on a tp rank of the first stage
+    (trainwise's runs, not FSDP2; else 0): DTensor's embedding backward computes the whole (V, H) table
     on every tp rank (a Replicate gradient of a Shard(0) parameter), accumulated so from the first backward
     to the gradient clip, which redistributes it to the rank's rows: the whole table and the rows at once
     there (rank_peak). Measured at the clip of a pp 2 x tp 2 stage: benchmarks/RESULTS.md."""
@@ -335,7 +335,7 @@ def whole_embedding_grad(run: Run, params: list, recipe: M.Recipe) -> int:
     if lay.tp == 1 or run.model.tie_embeddings or lay.strategy in ("zero2", "fsdp") or not trains(run):
         return 0
     table = sum(math.prod(p.spec.shape) for p in params if p.spec.name == "embed.weight" and p.spec.tp_dim is not None)
-    return math.ceil(recipe.grad_bytes * table * (1 - 1 / lay.tp))
+    return recipe.grad_bytes * table
 
 
 def tied_grad_sum(run: Run, params: list, recipe: M.Recipe) -> int:
