@@ -56,6 +56,7 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "pp_tp": (dict(tie_embeddings=False), dict(pp=2, tp=2), 1, 2),
     "moe_pp": ({**MOE, "n_layers": 3}, dict(pp=2), 1, 4),  # stage 0: a dense and a MoE layer; stage 1: a MoE
     "pp_dp": (dict(), dict(pp=2, strategy="ddp"), 1, 3),
+    "pp_fsdp": (dict(n_layers=4), dict(pp=2, strategy="fsdp"), 2, 4),  # pp 2 x dp 2, two blocks a stage
     "ep": ({**MOE, "first_dense_layers": 0}, dict(ep=2, strategy="ddp"), 2, 2),  # 2 ranks: dp 2 = ep 2
     "dp_ep": ({**MOE, "dropless": False, "capacity_factor": 1.0}, dict(ep=2, strategy="ddp"), 2, 1),  # dp 4
     # FSDP2 beside ep: the dense parameters sharded over dp, the experts divided (2 ranks: ep = dp, edp 1; 4 ranks:

@@ -165,7 +165,9 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         the micro-batches' own .grad tensors; Megatron-LM's gradient buffer takes them directly; experts
         divided by ep are outside the buckets), or FSDP2's unsharded fp32 gradients of the micro-batches
         before the last (outside trainwise and torch's pipeline schedules: the rank's gradient shard); under
-        FSDP2 without pp also the high point block by block (fsdp_block_backward);
+        FSDP2 without pp also the high point block by block (fsdp_block_backward), with pp (one stage a rank,
+        the schedules that do not split a backward) the backwards as torch's PipelineStage runs them instead
+        (fsdp_pipeline_backward);
       optimizer step: parameters + gradients + states + one moment of scratch (other stacks' runs: a foreach
         AdamW's sqrt(v)), none where trainwise's fused AdamW or SGD updates each tensor in place (every layout it
         trains, DTensors included); under tp an untied embedding's gradient whole (whole_embedding_grad).
@@ -245,6 +247,8 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     params_bytes = recipe.param_bytes * numel
     resident = params_bytes + optimizer + master + buffers + fp8_weight_bytes(recipe, params)
     backward = resident + in_flight_high + scratch + gathered + no_sync
+    if fsdp and plain and lay.pp > 1 and lay.vpp == 1 and lay.pp_schedule not in ZERO_BUBBLE:
+        backward = resident + fsdp_pipeline_backward(run, rank, acts_recipe, params, per_stage[0], scratch, outside)
     backward = max(backward, resident + grads + no_sync + tied_grad_sum(run, params, recipe))
     if fsdp and lay.pp == 1:
         backward = max(backward, resident + fsdp_block_backward(run, rank, acts_recipe, megatron, params))
@@ -312,6 +316,57 @@ def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, p
         gathered_before += n[j]
         experts_after -= g * experts[j]
     return high
+
+
+def fsdp_pipeline_backward(run: Run, rank: int, recipe: M.Recipe, params: list, acts: int, scratch: int,
+                           outside: int = 0) -> int:
+    """The high point of FSDP2's backwards beyond the resident states on a pipeline rank of one stage, as torch's
+    PipelineStage runs them in trainwise's trainer: every backward with gradient sync off and the units kept
+    gathered after it (reshard_after_backward False), so the stage's unsharded fp32 gradients accumulate from
+    its first backward on and are reduce-scattered, unit by unit, only after the last (perform_reduce_grad);
+    fsdp's forwards reshard again, zero2 keeps every unit gathered from the first forward on. No sharded
+    gradient exists before that reduce (the step's zero_grad set it to None). `acts`: one micro-batch's
+    activations on the stage; `scratch`: the cross-entropy's backward scratch (last stage) or a recomputed
+    block's activations; `outside`: the gradients of the experts divided over ep (outside FSDP2), held once a
+    backward has run. At each backward of the schedule (in_flight), with the micro-batches in flight:
+      loss    (last stage) the loss runs back: the root units and the last block's prefetch gathered, the
+              accumulated gradients, the scratch;
+      head    then the head: its new gradient (in the compute dtype, and an fp32 copy of it to add) beside
+              the accumulated ones, the logits' gradient (one of the scratch's two buffers, in the compute
+              dtype) still held;
+      block   the first block's backward begins: the roots, that block and the next one's prefetch gathered;
+              on the other stages the root's all-gather buffer still held beside them (it is gathered just
+              before, with no work between);
+      end     every unit gathered and its gradient accumulated, the current micro-batch's activations freed,
+              the first stage's embedding gradient new beside its accumulated one (as the head's);
+    and after the last backward the reduce: every unit gathered and accumulated while the first one's fp32
+    reduce-scatter input and sharded output exist. (Measured with the allocator's events per schedule action
+    on 4 ranks, pp 2 x dp 2: benchmarks/RESULTS.md.)"""
+    cfg, lay = run.model, run.layout
+    sizes = {u: sum(p.tp_numel for p in ps) for u, ps in units(cfg, lay, rank, False, params).items()}
+    total = sum(sizes.values())
+    root = sum(n for u, n in sizes.items() if str(u).startswith("root"))
+    block = max((n for u, n in sizes.items() if not str(u).startswith("root")), default=0)
+    head, embed = sizes.get("root-last", 0), sizes.get("root-first", 0)
+    c, per_mb = recipe.compute_bytes, acts
+    zero2 = lay.strategy == "zero2"
+
+    def new(n: int) -> int:  # a unit's new gradient, and its fp32 copy where it is added to an fp32 accumulation
+        return c * n + (4 * n if c != 4 else 0)
+
+    high = 0
+    for live, after in in_flight(lay, lay.coords(rank)[1], run.grad_accum):
+        held = 4 * total + outside if after else 0
+        in_flight_acts = len(live) * per_mb
+        near = c * (total if zero2 else root + block)  # the roots and the last block's prefetch
+        moments = [in_flight_acts + held + scratch + near,
+                   in_flight_acts + held + new(head) + scratch * c // 8 + near] if head else []
+        moments.append(in_flight_acts + (held or 4 * head) + scratch * (not head)
+                       + c * (total if zero2 else root + 2 * block + (0 if head else root)))
+        moments.append(in_flight_acts - per_mb + 4 * total + outside + c * total + (new(embed) if after else 0))
+        high = max(high, *moments)
+    largest = max(sizes.values(), default=0)
+    return max(high, c * total + 4 * total + outside + 4 * largest + math.ceil(4 * largest / max(1, lay.dp * lay.cp)))
 
 
 def cast_experts(run: Run, params: list, layers) -> int:
