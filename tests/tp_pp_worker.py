@@ -57,6 +57,7 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "moe_pp": ({**MOE, "n_layers": 3}, dict(pp=2), 1, 4),  # stage 0: a dense and a MoE layer; stage 1: a MoE
     "pp_dp": (dict(), dict(pp=2, strategy="ddp"), 1, 3),
     "pp_fsdp": (dict(n_layers=4), dict(pp=2, strategy="fsdp"), 2, 4),  # pp 2 x dp 2, two blocks a stage
+    "tp_dp_bf16": (dict(), dict(tp=2, strategy="ddp"), 2, 2),  # tp 2 x dp 2: ddp on a mesh is FSDP2's replicate
     "ep": ({**MOE, "first_dense_layers": 0}, dict(ep=2, strategy="ddp"), 2, 2),  # 2 ranks: dp 2 = ep 2
     "dp_ep": ({**MOE, "dropless": False, "capacity_factor": 1.0}, dict(ep=2, strategy="ddp"), 2, 1),  # dp 4
     # FSDP2 beside ep: the dense parameters sharded over dp, the experts divided (2 ranks: ep = dp, edp 1; 4 ranks:
@@ -86,7 +87,7 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "pp_compiled": (dict(), dict(pp=2), 1, 4),
     "tp_compiled": (dict(), dict(tp=2), 2, 2),
 }
-PRECISION = {"pp_fp16": "fp16"}  # the others: fp32
+PRECISION = {"pp_fp16": "fp16", "tp_dp_bf16": "bf16"}  # the others: fp32
 # fp16's skip path: in this step the first block's first norm weight (pipeline stage 0 only) gets an inf gradient,
 # so only rank 0 finds one, and every rank must skip the step (one process does the same)
 OVERFLOW_STEP, OVERFLOWED = 0, "blocks.0.norm1.weight"

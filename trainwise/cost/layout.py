@@ -93,6 +93,13 @@ class Layout:
         """Ranks one model replica is split over (its parameters: 1 / (tp x pp) each, experts also / ep)."""
         return self.tp * self.pp
 
+    @property
+    def replicate(self) -> bool:
+        """ddp on a model-parallel mesh, which trainwise runs as FSDP2's replicate (runtime.distributed.wrap: DDP
+        does not take DTensor parameters): FSDP2's mixed precision and gradient accumulation, every unit kept
+        gathered (zero2's holding, over a shard of one)."""
+        return self.strategy == "ddp" and self.model_parallel > 1
+
     def to_json(self) -> dict:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "cp": self.cp, "ep": self.ep,
                 "sequence_parallel": self.sequence_parallel, "zero": self.zero,

@@ -444,8 +444,8 @@ def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> 
     (bytes as bytes_sent counts them; an all-to-all's: what leaves the rank). The sum of the tensor-parallel,
     pipeline, expert-parallel and data-parallel collectives above and the step's small all-reduces:
       partial gradients   one all-reduce per replicated weight with a partial gradient (norms, q/k norms,
-                          the MoE router and row-parallel MoE biases) when tp > 1, over tp, in the dtype the
-                          weight ran in (fp32; under FSDP2's mixed precision the gathered weight's bf16 / fp16);
+                          the MoE router and row-parallel MoE biases) when tp > 1, over tp, in fp32 (the
+                          weight's, or under FSDP2's mixed precision its reduce dtype: measured, bf16 too);
       gradient norm       one fp32 scalar over the world when the model is divided (DTensor, stages or experts);
       loss                one fp32 scalar over pp (the pipeline's losses, summed to every stage); with cp > 1
                           one per micro-batch over cp (_cp_micro_batch);
@@ -471,8 +471,8 @@ def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> 
     params = rank_params(cfg, layout, rank)
     if layout.tp > 1:
         for p in params:
-            if p.spec.partial:  # in the dtype the weight was used in: FSDP2 gathers it as param_bytes
-                _add(out, "all_reduce", 1, shape.param_bytes * p.tp_numel, layout.tp)
+            if p.spec.partial:  # fp32: autocast's weight, or FSDP2's and replicate's reduce dtype
+                _add(out, "all_reduce", 1, 4 * p.tp_numel, layout.tp)
     if layout.model_parallel > 1 or layout.ep > 1 or _fsdp(layout):  # DTensors or stages: runtime.distributed
         _add(out, "all_reduce", 1, 4, layout.gpus)  # .clip_grad_norm's one scalar
     if layout.pp > 1:

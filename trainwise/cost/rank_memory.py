@@ -181,7 +181,9 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     cfg, lay, recipe, K = run.model, run.layout, run.recipe, run.grad_accum
     strategy = lay.strategy
     megatron = not trains(run)
-    fsdp, ddp = strategy in ("zero2", "fsdp"), strategy in ("ddp", "zero1")
+    plain = trains(run)  # the fused optimizer steps each tensor in place, DTensors too (tp, FSDP2, experts)
+    replicated = lay.replicate and plain  # FSDP2's replicate: priced as FSDP2 (Layout.replicate)
+    fsdp, ddp = strategy in ("zero2", "fsdp") or replicated, strategy in ("ddp", "zero1") and not replicated
     params = rank_params(cfg, lay, rank, megatron)
     numel = sum(p.numel for p in params)
     moments = M.optimizer_moments(run.optimizer)
@@ -191,7 +193,6 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     else:
         sharded = numel * (1 if optimizer_share is None else optimizer_share)
     optimizer, master = math.ceil(recipe.moment_bytes * moments * sharded), math.ceil(recipe.master_bytes * sharded)
-    plain = trains(run)  # the fused optimizer steps each tensor in place, DTensors too (tp, FSDP2, experts)
     scratch_step = 0 if plain or moments < 2 else math.ceil(recipe.moment_bytes * sharded)
     acts_recipe = replace(recipe, residual_bytes=recipe.compute_bytes) if fsdp else recipe
     compiled = run.compiled and lay.model_parallel == 1 and lay.cp == 1 and not fsdp  # cp: eager (runtime.mesh)
@@ -213,7 +214,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         sizes = {unit: sum(p.tp_numel for p in ps) for unit, ps in units(cfg, lay, rank, megatron, params).items()}
         roots = sum(n for unit, n in sizes.items() if str(unit).startswith("root"))
         blocks = sorted((n for unit, n in sizes.items() if not str(unit).startswith("root")), reverse=True)
-        kept = sum(sizes.values()) if strategy == "zero2" else roots + sum(blocks[:2])
+        kept = roots + sum(blocks[:2]) if strategy == "fsdp" else sum(sizes.values())
         gathered = recipe.compute_bytes * kept
         # trainwise's trainer, and torch's pipeline schedules (gradient sync off until a stage's last backward), keep
         # the micro-batches' unsharded fp32 gradients until the last one's reduce-scatter; other stacks' FSDP
@@ -299,7 +300,7 @@ def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, p
     high = 0
     for k, j in enumerate(blocks):
         shards_after -= g * shard[j]
-        if lay.strategy == "zero2":
+        if lay.strategy != "fsdp":  # zero2, replicate: gathered from forward on
             gathered = beside = gathered_before + n[j]
         else:
             beside = n[blocks[k - 1]] if k else 0  # the prefetched block
@@ -309,7 +310,7 @@ def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, p
         previous = 4 * n[blocks[k + 1]] if k + 1 < len(blocks) else 0
         start = c * gathered + acts_before + acts[k] + previous
         end = c * (gathered - (0 if k else n[j])) + c * n[j] + acts_before + previous
-        reduce = c * (beside if lay.strategy != "zero2" else gathered - n[j]) + c * n[j] * (1 if c == 4 else 2) \
+        reduce = c * (beside if lay.strategy == "fsdp" else gathered - n[j]) + c * n[j] * (1 if c == 4 else 2) \
             + 4 * n[j] + 4 * shard[j] + acts_before
         high = max(high, held + max(start, end, reduce))
         acts_before += acts[k]
@@ -324,7 +325,8 @@ def fsdp_pipeline_backward(run: Run, rank: int, recipe: M.Recipe, params: list, 
     PipelineStage runs them in trainwise's trainer: every backward with gradient sync off and the units kept
     gathered after it (reshard_after_backward False), so the stage's unsharded fp32 gradients accumulate from
     its first backward on and are reduce-scattered, unit by unit, only after the last (perform_reduce_grad);
-    fsdp's forwards reshard again, zero2 keeps every unit gathered from the first forward on. No sharded
+    fsdp's forwards reshard again, zero2 keeps every unit gathered from the first forward on, and so does ddp
+    under pp, which is FSDP2's replicate (its unsharded copies in the compute dtype, fp32 included). No sharded
     gradient exists before that reduce (the step's zero_grad set it to None). `acts`: one micro-batch's
     activations on the stage; `scratch`: the cross-entropy's backward scratch (last stage) or a recomputed
     block's activations; `outside`: the gradients of the experts divided over ep (outside FSDP2), held once a
@@ -349,7 +351,7 @@ def fsdp_pipeline_backward(run: Run, rank: int, recipe: M.Recipe, params: list, 
     block = max((n for u, n in sizes.items() if not str(u).startswith("root")), default=0)
     head, embed = sizes.get("root-last", 0), sizes.get("root-first", 0)
     c, per_mb = recipe.compute_bytes, acts
-    zero2 = lay.strategy == "zero2"
+    kept = lay.strategy != "fsdp"  # zero2, and ddp's replicate: gathered from the first forward on
 
     def new(n: int) -> int:  # a unit's new gradient, and its fp32 copy where it is added to an fp32 accumulation
         return c * n + (4 * n if c != 4 else 0)
@@ -358,11 +360,11 @@ def fsdp_pipeline_backward(run: Run, rank: int, recipe: M.Recipe, params: list, 
     for live, after in in_flight(lay, lay.coords(rank)[1], run.grad_accum):
         held = 4 * total + outside if after else 0
         in_flight_acts = len(live) * per_mb
-        near = c * (total if zero2 else root + block)  # the roots and the last block's prefetch
+        near = c * (total if kept else root + block)  # the roots and the last block's prefetch
         moments = [in_flight_acts + held + scratch + near,
                    in_flight_acts + held + new(head) + scratch * c // 8 + near] if head else []
         moments.append(in_flight_acts + (held or 4 * head) + scratch * (not head)
-                       + c * (total if zero2 else root + 2 * block + (0 if head else root)))
+                       + c * (total if kept else root + 2 * block + (0 if head else root)))
         moments.append(in_flight_acts - per_mb + 4 * total + outside + c * total + (new(embed) if after else 0))
         high = max(high, *moments)
     largest = max(sizes.values(), default=0)
@@ -374,7 +376,7 @@ def cast_experts(run: Run, params: list, layers) -> int:
     (fp32, whole on the rank): each micro-batch's forward casts them to the compute dtype, and the matmuls keep
     the copies for backward (bytes per micro-batch for `layers`; trainwise's runs)."""
     lay, c = run.layout, run.recipe.compute_bytes
-    if lay.ep == 1 or lay.strategy not in ("zero2", "fsdp") or c == 4 or not trains(run):
+    if lay.ep == 1 or lay.strategy not in ("zero2", "fsdp") and not lay.replicate or c == 4 or not trains(run):
         return 0
     layers = set(layers)
     return c * sum(p.numel for p in params if divided(p.spec, lay) and p.spec.where in layers)

@@ -25,10 +25,11 @@ STATES = ("params", "grads", "optimizer", "peak_memory_bytes")
 
 def step_shape(cfg: RunConfig, precision: str, layout: Layout, expert_tokens: list | None = None) -> R.StepShape:
     """The step of `cfg` as trainwise.cost.rank counts its messages: under bf16/fp16 autocast matmul outputs
-    are 2 bytes; FSDP2's mixed-precision policy also gathers parameters and runs the residual stream in
-    that dtype. expert_tokens: each rank's assignments per expert in the step (None: uniform routing)."""
+    are 2 bytes; FSDP2's mixed-precision policy (replicate's too: Layout.replicate) also gathers parameters and
+    runs the residual stream in that dtype. expert_tokens: each rank's assignments per expert in the step (None:
+    uniform routing)."""
     t, low = cfg.train, precision in ("bf16", "fp16")
-    fsdp_low = low and layout.dp * layout.cp > 1 and layout.strategy in ("zero2", "fsdp")
+    fsdp_low = low and layout.dp * layout.cp > 1 and (layout.strategy in ("zero2", "fsdp") or layout.replicate)
     tokens = tuple(tuple(r) for r in expert_tokens) if expert_tokens and all(expert_tokens) else None
     return R.StepShape(t.micro_batch, t.seq_len, t.grad_accum_steps, 2 if low else 4, 2 if fsdp_low else 4,
                        2 if fsdp_low else 4, recompute=t.activation_checkpointing == "full",
