@@ -177,7 +177,8 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     gradients in trainwise's runs) and its optimizer moments and master copy; ZeRO-1 keeps `optimizer_share`
     of them (default 1 / (dp x cp), experts' 1 / (dp x cp / ep)). FSDP2 runs the forward on gathered
     compute-dtype weights and inputs: residual stream in the compute dtype, no autocast weight copies, and
-    is compiled per block (planned eager)."""
+    is compiled per block (planned eager). ddp on a tp or pp mesh is FSDP2's replicate (Layout.replicate), priced as
+    FSDP2 with every unit kept gathered."""
     cfg, lay, recipe, K = run.model, run.layout, run.recipe, run.grad_accum
     strategy = lay.strategy
     megatron = not trains(run)
@@ -350,7 +351,7 @@ def fsdp_pipeline_backward(run: Run, rank: int, recipe: M.Recipe, params: list, 
     root = sum(n for u, n in sizes.items() if str(u).startswith("root"))
     block = max((n for u, n in sizes.items() if not str(u).startswith("root")), default=0)
     head, embed = sizes.get("root-last", 0), sizes.get("root-first", 0)
-    c, per_mb = recipe.compute_bytes, acts
+    c = recipe.compute_bytes
     kept = lay.strategy != "fsdp"  # zero2, and ddp's replicate: gathered from the first forward on
 
     def new(n: int) -> int:  # a unit's new gradient, and its fp32 copy where it is added to an fp32 accumulation
@@ -359,13 +360,13 @@ def fsdp_pipeline_backward(run: Run, rank: int, recipe: M.Recipe, params: list, 
     high = 0
     for live, after in in_flight(lay, lay.coords(rank)[1], run.grad_accum):
         held = 4 * total + outside if after else 0
-        in_flight_acts = len(live) * per_mb
+        in_flight_acts = len(live) * acts
         near = c * (total if kept else root + block)  # the roots and the last block's prefetch
         moments = [in_flight_acts + held + scratch + near,
                    in_flight_acts + held + new(head) + scratch * c // 8 + near] if head else []
         moments.append(in_flight_acts + (held or 4 * head) + scratch * (not head)
                        + c * (total if kept else root + 2 * block + (0 if head else root)))
-        moments.append(in_flight_acts - per_mb + 4 * total + outside + c * total + (new(embed) if after else 0))
+        moments.append(in_flight_acts - acts + 4 * total + outside + c * total + (new(embed) if after else 0))
         high = max(high, *moments)
     largest = max(sizes.values(), default=0)
     return max(high, c * total + 4 * total + outside + 4 * largest + math.ceil(4 * largest / max(1, lay.dp * lay.cp)))
