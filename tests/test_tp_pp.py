@@ -47,8 +47,8 @@ def rank_env() -> dict:
 
 TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "ep_fsdp", "moe_fsdp",
              "cp", "pp_zb", "pp_zb_moe", "pp_zbv", "pp_dualpipev", "pp_fp16", "pp_compiled", "tp_compiled"]
-FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_dp", "pp_fsdp", "tp_dp_bf16", "dp_ep", "dp_ep_zero2", "tp_ep_fsdp", "cp_dp",
-              "tp_cp", "pp_dp_ep"]
+FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_tp_tied", "pp_dp", "pp_fsdp", "tp_dp_bf16", "dp_ep", "dp_ep_zero2", "tp_ep_fsdp",
+              "cp_dp", "tp_cp", "pp_dp_ep"]
 
 
 def _start(n: int, out: Path, cases: list[str]) -> tuple[subprocess.Popen, int, Path, list[str]]:

@@ -58,6 +58,7 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     "pp_dp": (dict(), dict(pp=2, strategy="ddp"), 1, 3),
     "pp_fsdp": (dict(n_layers=4), dict(pp=2, strategy="fsdp"), 2, 4),  # pp 2 x dp 2, two blocks a stage
     "tp_dp_bf16": (dict(), dict(tp=2, strategy="ddp"), 2, 2),  # tp 2 x dp 2: ddp on a mesh is FSDP2's replicate
+    "pp_tp_tied": (dict(vocab_size=2048), dict(pp=2, tp=2), 2, 2),  # stage 0's tied table: its gradient whole
     "ep": ({**MOE, "first_dense_layers": 0}, dict(ep=2, strategy="ddp"), 2, 2),  # 2 ranks: dp 2 = ep 2
     "dp_ep": ({**MOE, "dropless": False, "capacity_factor": 1.0}, dict(ep=2, strategy="ddp"), 2, 1),  # dp 4
     # FSDP2 beside ep: the dense parameters sharded over dp, the experts divided (2 ranks: ep = dp, edp 1; 4 ranks:

@@ -252,6 +252,8 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     if fsdp and plain and lay.pp > 1 and lay.vpp == 1 and lay.pp_schedule not in ZERO_BUBBLE:
         backward = resident + fsdp_pipeline_backward(run, rank, acts_recipe, params, per_stage[0], scratch, outside)
     backward = max(backward, resident + grads + no_sync + tied_grad_sum(run, params, recipe))
+    if table and K > 1:  # a later micro-batch's whole table beside the accumulated one, at its backward's end
+        backward = max(backward, resident + grads + no_sync + table - table // lay.tp + table)
     if fsdp and lay.pp == 1:
         backward = max(backward, resident + fsdp_block_backward(run, rank, acts_recipe, megatron, params))
     step = resident + grads + scratch_step + table  # the clip: the whole table, and its rows anew beside it
@@ -341,7 +343,8 @@ def fsdp_pipeline_backward(run: Run, rank: int, recipe: M.Recipe, params: list, 
               on the other stages the root's all-gather buffer still held beside them (it is gathered just
               before, with no work between);
       end     every unit gathered and its gradient accumulated, the current micro-batch's activations freed,
-              the first stage's embedding gradient new beside its accumulated one (as the head's);
+              the first stage's embedding gradient new beside its accumulated one (as the head's; both the
+              whole table under tp, as whole_embedding_grad says);
     and after the last backward the reduce: every unit gathered and accumulated while the first one's fp32
     reduce-scatter input and sharded output exist. (Measured with the allocator's events per schedule action
     on 4 ranks, pp 2 x dp 2: benchmarks/RESULTS.md.)"""
@@ -351,6 +354,10 @@ def fsdp_pipeline_backward(run: Run, rank: int, recipe: M.Recipe, params: list, 
     root = sum(n for u, n in sizes.items() if str(u).startswith("root"))
     block = max((n for u, n in sizes.items() if not str(u).startswith("root")), default=0)
     head, embed = sizes.get("root-last", 0), sizes.get("root-first", 0)
+    # under tp the first stage's vocabulary-parallel table gets its gradient whole (whole_embedding_grad)
+    whole = sum(math.prod(p.spec.shape) - p.tp_numel for p in params
+                if p.spec.name == "embed.weight" and p.spec.tp_dim is not None)
+    grads, embed = 4 * (total + whole) + outside, embed + whole
     c = recipe.compute_bytes
     kept = lay.strategy != "fsdp"  # zero2, and ddp's replicate: gathered from the first forward on
 
@@ -359,17 +366,17 @@ def fsdp_pipeline_backward(run: Run, rank: int, recipe: M.Recipe, params: list, 
 
     high = 0
     for live, after in in_flight(lay, lay.coords(rank)[1], run.grad_accum):
-        held = 4 * total + outside if after else 0
+        held = grads if after else 0
         in_flight_acts = len(live) * acts
         near = c * (total if kept else root + block)  # the roots and the last block's prefetch
         moments = [in_flight_acts + held + scratch + near,
                    in_flight_acts + held + new(head) + scratch * c // 8 + near] if head else []
         moments.append(in_flight_acts + (held or 4 * head) + scratch * (not head)
                        + c * (total if kept else root + 2 * block + (0 if head else root)))
-        moments.append(in_flight_acts - acts + 4 * total + outside + c * total + (new(embed) if after else 0))
+        moments.append(in_flight_acts - acts + grads + c * total + (new(embed) if after else 0))
         high = max(high, *moments)
     largest = max(sizes.values(), default=0)
-    return max(high, c * total + 4 * total + outside + 4 * largest + math.ceil(4 * largest / max(1, lay.dp * lay.cp)))
+    return max(high, c * total + grads + 4 * largest + math.ceil(4 * largest / max(1, lay.dp * lay.cp)))
 
 
 def cast_experts(run: Run, params: list, layers) -> int:
@@ -384,13 +391,16 @@ def cast_experts(run: Run, params: list, layers) -> int:
 
 
 def whole_embedding_grad(run: Run, params: list, recipe: M.Recipe) -> int:
-    """Bytes of an untied vocabulary-parallel embedding's whole gradient on a tp rank of the first stage
-    (trainwise's runs, not FSDP2; else 0): DTensor's embedding backward computes the whole (V, H) table
+    """Bytes of a vocabulary-parallel embedding's whole gradient on a tp rank of the first stage, untied or on a
+    stage of its own (tied over pp: the head's copy is another stage's) (trainwise's runs, not FSDP2 nor its
+    replicate: fsdp_pipeline_backward; else 0): DTensor's embedding backward computes the whole (V, H) table
     on every tp rank (a Replicate gradient of a Shard(0) parameter), accumulated so from the first backward
     to the gradient clip, which redistributes it to the rank's rows: the whole table and the rows at once
-    there (rank_peak). Measured at the clip of a pp 2 x tp 2 stage: benchmarks/RESULTS.md."""
+    there (rank_peak), and with accumulation each later micro-batch's whole table beside it as it is added.
+    Measured at the clip of a pp 2 x tp 2 stage: benchmarks/RESULTS.md."""
     lay = run.layout
-    if lay.tp == 1 or run.model.tie_embeddings or lay.strategy in ("zero2", "fsdp") or not trains(run):
+    if lay.tp == 1 or run.model.tie_embeddings and lay.pp == 1 or lay.strategy in ("zero2", "fsdp") or lay.replicate \
+            or not trains(run):
         return 0
     table = sum(math.prod(p.spec.shape) for p in params if p.spec.name == "embed.weight" and p.spec.tp_dim is not None)
     return recipe.grad_bytes * table
