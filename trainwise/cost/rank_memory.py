@@ -355,8 +355,7 @@ def fsdp_pipeline_backward(run: Run, rank: int, recipe: M.Recipe, params: list, 
     block = max((n for u, n in sizes.items() if not str(u).startswith("root")), default=0)
     head, embed = sizes.get("root-last", 0), sizes.get("root-first", 0)
     # under tp the first stage's vocabulary-parallel table gets its gradient whole (whole_embedding_grad)
-    whole = sum(math.prod(p.spec.shape) - p.tp_numel for p in params
-                if p.spec.name == "embed.weight" and p.spec.tp_dim is not None)
+    whole = vocab_table(params) - vocab_table(params, rows=True)
     grads, embed = 4 * (total + whole) + outside, embed + whole
     c = recipe.compute_bytes
     kept = lay.strategy != "fsdp"  # zero2, and ddp's replicate: gathered from the first forward on
@@ -402,8 +401,14 @@ def whole_embedding_grad(run: Run, params: list, recipe: M.Recipe) -> int:
     if lay.tp == 1 or run.model.tie_embeddings and lay.pp == 1 or lay.strategy in ("zero2", "fsdp") or lay.replicate \
             or not trains(run):
         return 0
-    table = sum(math.prod(p.spec.shape) for p in params if p.spec.name == "embed.weight" and p.spec.tp_dim is not None)
-    return recipe.grad_bytes * table
+    return recipe.grad_bytes * vocab_table(params)
+
+
+def vocab_table(params: list, rows: bool = False) -> int:
+    """Elements of the vocabulary-parallel embedding table among a rank's parameters (0 where none): whole, or
+    the rank's rows."""
+    return sum(p.tp_numel if rows else math.prod(p.spec.shape) for p in params
+               if p.spec.name == "embed.weight" and p.spec.tp_dim is not None)
 
 
 def tied_grad_sum(run: Run, params: list, recipe: M.Recipe) -> int:
