@@ -173,7 +173,7 @@ def table_b(rows: list) -> None:
                 lambda r=r: plan2(S2.nemo_model(r.model, r.seq), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
                                   grad_accum=r.grad_accum, recipe="fp8-delayed", checkpointing="none", machine=DGX_H100,
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp, zero=1, dp_overlap=True,
-                                  tp_overlap="te" if r.tp > 1 else None))
+                                  tp_overlap="te" if r.tp > 1 else None, pp_overlap=True))
     header(S2.NEMO_LONG, f"{PEAK_NOTE}; TFLOP/s/GPU: published (with CP) vs predicted, both by NeMo's llama2 formula")
     m = S2.B2_MICRO_BATCHES
     for r in S2.TABLE_B_LONG:
@@ -199,6 +199,7 @@ def table_c(rows: list) -> None:
                                   machine=DGX_H100, ep=r.ep, etp=1 if r.moe else None,
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp or 1, zero=3 if r.fsdp else 1, dp_overlap=True,
                                   tp_overlap="te" if r.tp > 1 else None, ep_overlap=r.a2a_overlap, fused=True,
+                                  pp_overlap=True,
                                   attention_impl="cudnn"))
 
 

@@ -102,6 +102,31 @@ def test_a_zero_bubble_plan_prices_its_schedule_and_its_v(capsys):
     assert main(argv + ["--vpp", "2", "--explain"]) == 0
     assert "the zbv schedule's orders run against each other" in capsys.readouterr().out
 
+
+def test_overlapped_pipeline_sends_leave_the_warm_up_and_cool_down_exposed(capsys):
+    """--pp-overlap (Megatron-Core's overlap_p2p_comm): in the interleaved schedule a rank's sends run under the
+    neighbouring chunks' work but in its warm-up forwards and cool-down backwards. The slowest rank here is the
+    last (the LM head): (vpp - 1) x pp + 2 x (pp - 1 - 3) = 4 warm-up forwards of its 8 x 2 = 16, so a quarter
+    of its sends are waited on. The bytes sent are the same; 1F1B has no overlap to take."""
+    cfg = gpt(8, 256, 8, max_seq_len=256, dropout=0.0)
+
+    def plan(**kw):
+        return plan_run(run_of(cfg, tokens=1e9, seq_len=256, micro_batch=2, grad_accum=8, gpus=4, pp=4,
+                               gpu="h100", **kw))
+
+    plain, over = plan(vpp=2), plan(vpp=2, pp_overlap=True)
+    b, o = plain.cluster.breakdown, over.cluster.breakdown
+    assert b["pp_p2p_s"] > 0 and o["pp_p2p_s"] == pytest.approx(b["pp_p2p_s"] * 4 / 16)
+    assert over.cluster.comm == plain.cluster.comm and over.to_json()["layout"]["pp_overlap"]
+    assert {k: v for k, v in o.items() if k not in ("pp_p2p_s", "bubble_s")} == pytest.approx(
+        {k: v for k, v in b.items() if k not in ("pp_p2p_s", "bubble_s")})
+    assert o["bubble_s"] < b["bubble_s"]  # the mean rank's micro-batch is shorter too
+    assert plan(pp_overlap=True).cluster.breakdown == plan().cluster.breakdown  # 1F1B: all exposed
+    argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100", "--gpus", "8", "--pp", "4", "--vpp", "2",
+            "--global-batch", "16", "--seq-len", "4096", "--tokens", "1e12", "--explain"]
+    assert main(argv + ["--pp-overlap"]) == 0
+    assert "the warm-up's and cool-down's only (--pp-overlap)" in capsys.readouterr().out
+
 def test_each_collective_by_the_nccl_tests_formulas():
     nvlink = C.Tier("nvlink", ring_busbw=235e9, alltoall_busbw=210e9, p2p_bytes_per_s=0.65 * 300e9)
     gib = 2**30
@@ -308,7 +333,7 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     assert j["layout"] == {"dp": 4, "tp": 2, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False,
                            "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash",
                            "cp_impl": "ring", "etp": 2, "ep_overlap": False, "pp_schedule": "1f1b",
-                           "tp_overlap": None}
+                           "tp_overlap": None, "pp_overlap": False}
     assert (j["hardware"]["gpus_per_node"], j["hardware"]["intra_node_bytes_per_s"],
             j["hardware"]["inter_node_bytes_per_s"]) == (8, 300e9, 25e9)
     t = j["time"]

@@ -80,6 +80,9 @@ def register(sub, help_text: str) -> None:
                         "runs and the megatron and FP8 recipes)")
     p.add_argument("--ep-overlap", action="store_true",
                    help="MoE: expert-parallel all-to-alls under another micro-batch's work (Megatron's combined 1F1B)")
+    p.add_argument("--pp-overlap", action="store_true",
+                   help="interleaved pipeline (--vpp > 1): sends and receives under the neighbouring chunks' work, "
+                        "only the warm-up's and cool-down's exposed (Megatron-Core's overlap_p2p_comm)")
     p.add_argument("--gpus-per-node", type=whole_number, help="override the GPU's node (hardware table)")
     p.add_argument("--intra-node-bw", type=number, help="NVLink bandwidth, bytes/s per GPU per direction")
     p.add_argument("--inter-node-bw", type=number, help="network bandwidth, bytes/s per GPU per direction")
@@ -167,7 +170,7 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
                              sequence_parallel=args.sequence_parallel, zero=args.zero, micro_batches=run.grad_accum,
                              dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
                              tp_overlap=args.tp_overlap, cp_impl=args.cp_impl, etp=args.etp,
-                             ep_overlap=args.ep_overlap, pp_schedule=args.pp_schedule)
+                             ep_overlap=args.ep_overlap, pp_schedule=args.pp_schedule, pp_overlap=args.pp_overlap)
     machine = Machine(gpu=args.gpu, peak_flops=args.peak_flops, bandwidth=args.bandwidth, memory=args.memory,
                       gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
                       inter_node_bw=args.inter_node_bw, clock_share=args.clock_share)
@@ -217,7 +220,8 @@ def _cmd_fit(args, model, toml_run) -> int:
         raise TrainwiseError("--fit needs a target: --global-batch SEQUENCES or --global-batch-tokens TOKENS.")
     if args.gpu and args.gpu.lower() not in ("cpu", "cuda") and args.peak_flops is None and args.mfu is None:
         layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
-                             cp_impl=args.cp_impl, tp_overlap=args.tp_overlap, ep_overlap=args.ep_overlap)
+                             cp_impl=args.cp_impl, tp_overlap=args.tp_overlap, ep_overlap=args.ep_overlap,
+                             pp_overlap=args.pp_overlap)
         return _cmd_fit_layouts(args, run_from_args(args, model, toml_run, layout), budget)
     run = run_from_args(args, model, toml_run, fit_layout(args.gpus, args.tp, args.pp))
     seq = run.seq_len

@@ -21,6 +21,8 @@
           expert parallel   per MoE layer an all-to-all to dispatch and one to combine, forward and backward
           pipeline          an activation forward and a gradient backward per micro-batch and run of stages
                             the rank holds in a row, B x T x H / tp (scatter-gather / sequence parallel), exposed
+                            (pp_overlap: the interleaved schedule's warm-up's and cool-down's only,
+                            cost.layout.p2p_exposed_share)
     pipeline            m x (the slowest rank's micro-batch) + the bubble: (p - 1) / v x (the mean rank's) for
                         1F1B, GPipe and interleaved 1F1B (Narayanan et al. 2021 sections 2.2.1-2.2.2); for the
                         zero-bubble schedules the ranks' own orders run against each other
@@ -46,7 +48,7 @@ from trainwise.config import ModelConfig
 from trainwise.cost import comm as C
 from trainwise.cost.gpu import copy_bandwidth, op_seconds
 from trainwise.cost.layout import (ZERO_BUBBLE, Layout, ParamCounts, bubble_fraction, chunk_layers, placement,
-                                    rank_stages, schedule_seconds, v_shape)
+                                    p2p_exposed_share, rank_stages, schedule_seconds, v_shape)
 from trainwise.cost.ops import Op, for_cuda
 from trainwise.hardware.profile import DEFAULT_OVERHEAD
 from trainwise.hardware.table import Accelerator, Node
@@ -224,7 +226,7 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
     if layout.pp > 1:  # an activation forward and a gradient backward, B x T x H / tp, per run of stages the
         own = rank_stages(layout, r)  # rank holds in a row (a V's middle two pass theirs without a send)
         runs = sum(st - 1 not in own for st in own)
-        pp = coll("pp", "send_recv", act / layout.tp, 2, 2 * runs)
+        pp = coll("pp", "send_recv", act / layout.tp, 2, 2 * runs) * p2p_exposed_share(layout, r)
     skew = (imbalance - 1) * (t["experts"] + ep) if layout.ep > 1 and n_moe else 0.0
     if log is not None and skew:
         log.op("expert imbalance (the most loaded rank's extra)", 0, skew)

@@ -50,6 +50,10 @@ class Layout:
     # the expert-parallel all-to-alls under another micro-batch's computation (Megatron-Core's combined 1F1B:
     # one micro-batch's forward and another's backward interleaved, each one's dispatch under the other's work)
     ep_overlap: bool = False
+    # the pipeline's sends and receives under the neighbouring chunks' work in the interleaved schedule's steady
+    # state (Megatron-Core's overlap_p2p_comm, which NeMo and Megatron-Bridge set with virtual stages); those of
+    # the warm-up and the cool-down stay exposed (p2p_exposed_share); other schedules: no effect
+    pp_overlap: bool = False
     attention_impl: str = "flash"  # ATTENTION_IMPLS; "unfused": scores in memory, softmax between two matmuls
     # the trainer's pipeline schedule: 1f1b | gpipe | interleaved (vpp > 1) | interleaved_zb (zero bubble, vpp > 1)
     # | zbv | dualpipev (vpp = 2 in a V: rank_stages)
@@ -105,17 +109,20 @@ class Layout:
                 "sequence_parallel": self.sequence_parallel, "zero": self.zero,
                 "micro_batches": self.micro_batches, "dp_overlap": self.dp_overlap,
                 "attention_impl": self.attention_impl, "cp_impl": self.cp_impl, "etp": self.expert_tp,
-                "ep_overlap": self.ep_overlap, "pp_schedule": self.pp_schedule, "tp_overlap": self.tp_overlap}
+                "ep_overlap": self.ep_overlap, "pp_schedule": self.pp_schedule, "tp_overlap": self.tp_overlap,
+                "pp_overlap": self.pp_overlap}
 
 
 def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
                 sequence_parallel: bool | None = None, zero: int = 0, micro_batches: int = 1,
                 dp_overlap: bool = True, attention_impl: str = "flash", tp_overlap: str | bool | None = None,
                 cp_impl: str = "ring", etp: int | None = None, ep_overlap: bool = False,
-                pp_schedule: str | None = None) -> Layout:
+                pp_schedule: str | None = None, pp_overlap: bool = False) -> Layout:
     """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1;
     the pipeline schedule 1F1B, or interleaved 1F1B with vpp > 1, unless `pp_schedule` names one; tp_overlap
-    one of TP_OVERLAPS (True: "async", as the bare --tp-overlap)."""
+    one of TP_OVERLAPS (True: "async", as the bare --tp-overlap). ep_overlap and pp_overlap say what the stack
+    does where it applies (expert parallelism; the interleaved schedule): kept as given, so that --fit's
+    candidates inherit them."""
     for name, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--cp", cp), ("--ep", ep), ("--gpus", gpus),
                         ("micro-batches per step", micro_batches), ("--etp", 1 if etp is None else etp)):
         if value < 1:
@@ -142,7 +149,7 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
     return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=gpus // split, sequence_parallel=sp, zero=zero,
                   micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl,
                   tp_overlap=tp_overlap, pp_schedule=pp_schedule, cp_impl=cp_impl,
-                  etp=None if etp is None or etp == tp else etp, ep_overlap=ep_overlap and ep > 1)
+                  etp=None if etp is None or etp == tp else etp, ep_overlap=ep_overlap, pp_overlap=pp_overlap)
 
 
 def _check_schedule(schedule: str, pp: int, vpp: int) -> None:
@@ -306,15 +313,31 @@ def schedule_ops(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple
         for i in range(K - warmup):
             ops += [("B", 0), ("F", 0)]
         return ops + [("B", 0)] * warmup
-    per_round = K // max(1, K // pp)
-    total = K * vpp
-    warmup = min((vpp - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
+    per_round, total, warmup = _interleaved_warmup(pp, vpp, pp_rank, K)
     forward = [("F", (op // per_round) % vpp) for op in range(total)]
     backward = [("B", vpp - 1 - ((op - warmup) // per_round) % vpp) for op in range(warmup, warmup + total)]
     ops = forward[:warmup]
     for i in range(total - warmup):
         ops += [forward[warmup + i], backward[i]]
     return ops + backward[total - warmup:]
+
+
+def _interleaved_warmup(pp: int, vpp: int, pp_rank: int, micro_batches: int) -> tuple[int, int, int]:
+    """(micro-batches per round, forwards of the rank's stages per step, forwards before its first backward) of
+    the interleaved 1F1B schedule (schedule_ops)."""
+    per_round = micro_batches // max(1, micro_batches // pp)
+    total = micro_batches * vpp
+    return per_round, total, min((vpp - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
+
+
+def p2p_exposed_share(layout: Layout, pp_rank: int) -> float:
+    """The share of a pipeline rank's sends and receives that its work waits on: all of them, or under
+    Layout.pp_overlap those of the interleaved schedule's warm-up forwards and cool-down backwards (as many
+    of each), of the step's forwards and backwards of its stages."""
+    if not (layout.pp_overlap and layout.pp_schedule == "interleaved"):
+        return 1.0
+    _, total, warmup = _interleaved_warmup(layout.pp, layout.vpp, pp_rank, layout.micro_batches)
+    return warmup / total
 
 
 def _zero_bubble_ops(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple[str, int]]:

@@ -97,7 +97,8 @@ def explain_cluster(p) -> str:
         add(f"   imbalance  = m x ({p.run.moe_imbalance:g} - 1) x (experts + ep comm): the most loaded rank's extra "
             f"(--moe-imbalance; 1: balanced) = {b['imbalance_s']:.4g} s")
     add(f"   pp p2p     = m x 2 sends of B x T x H / tp per run of stages a rank holds in a row (vpp of them; 2 "
-        f"in a V) = {b['pp_p2p_s']:.4g} s")
+        f"in a V)" + (", the warm-up's and cool-down's only (--pp-overlap)" if lay.pp_overlap
+                      and lay.pp_schedule == "interleaved" else "") + f" = {b['pp_p2p_s']:.4g} s")
     if lay.pp_schedule in ZERO_BUBBLE and pp > 1:
         add(f"   bubble     = the {lay.pp_schedule} schedule's orders run against each other (each rank's forwards, "
             f"input- and weight-gradient halves as torch orders them, each half a backward) - m x the slowest "

@@ -85,7 +85,7 @@ def fit_run_layouts(run: Run, *, global_batch: int,
             layout = make_layout(gpus, tp=c["tp"], pp=c["pp"], vpp=c["vpp"], cp=c["cp"], ep=c["ep"], zero=c["zero"],
                                  micro_batches=c["grad_accum"], dp_overlap=lay.dp_overlap,
                                  attention_impl=lay.attention_impl, cp_impl=lay.cp_impl, tp_overlap=lay.tp_overlap,
-                                 ep_overlap=lay.ep_overlap)
+                                 ep_overlap=lay.ep_overlap, pp_overlap=lay.pp_overlap)
             cand = replace(run, micro_batch=c["micro_batch"], grad_accum=c["grad_accum"],
                            checkpointing=c["checkpointing"], layout=layout)
             plan = plan_run(cand, mfu=DEFAULT_MFU, memory_budget=memory_budget)  # memory first: an MFU prices nothing
