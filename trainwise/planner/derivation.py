@@ -91,7 +91,7 @@ def explain_cluster(p) -> str:
         f"{b['tp_comm_s']:.4g} s")
     add(f"   cp comm    = m x (KV ring sends past the attention kernels) = {b['cp_comm_s']:.4g} s")
     add(f"   ep comm    = m x (all-to-all dispatch + combine per MoE layer and pass"
-        + (", past the other micro-batch's work: --ep-overlap" if p.run.layout.ep_overlap else "")
+        + (", past the other micro-batch's work: --ep-overlap" if lay.ep_overlap and lay.ep > 1 else "")
         + f") = {b['ep_comm_s']:.4g} s")
     if lay.ep > 1 and b["experts_s"]:
         add(f"   imbalance  = m x ({p.run.moe_imbalance:g} - 1) x (experts + ep comm): the most loaded rank's extra "
