@@ -15,13 +15,13 @@ from trainwise.config import ModelConfig
 from trainwise.cost import comm as C
 from trainwise.cost.cluster import BREAKDOWN, _tier
 from trainwise.cost.gpu import GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, matmul_rate, matmul_seconds
-from trainwise.cost.layout import (Layout, bubble_fraction, chunk_layers, make_layout, placement, rank_stages,
-                                    schedule_seconds, stage_layers)
+from trainwise.cost.layout import Layout, make_layout, placement
 from trainwise.cost.memory import get_recipe
 from trainwise.cost.ops import WEIGHT_CAST
 from trainwise.cost.rank import rank_params
 from trainwise.cost.rank_memory import in_flight, layer_bytes_per_token, rank_peak
 from trainwise.cost.run import Machine, Run
+from trainwise.cost.schedule import bubble_fraction, chunk_layers, rank_stages, schedule_seconds, stage_layers
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import ACCELERATORS, NODES
 from trainwise.planner.derivation import explain_cluster
@@ -126,6 +126,42 @@ def test_overlapped_pipeline_sends_leave_the_warm_up_and_cool_down_exposed(capsy
             "--global-batch", "16", "--seq-len", "4096", "--tokens", "1e12", "--explain"]
     assert main(argv + ["--pp-overlap"]) == 0
     assert "the warm-up's and cool-down's only (--pp-overlap)" in capsys.readouterr().out
+
+def test_hsdp_shards_within_a_group_and_all_reduces_each_shard_over_the_replicas(capsys):
+    """--dp-shard (HSDP, FSDP2's replicate x shard): 16 GPUs on two 8-GPU nodes, shard groups of 8 (one node
+    each, the gathers on NVLink), 2 replicas. Each rank holds what FSDP on 8 GPUs holds; its gathers and
+    reduce-scatters are those of FSDP over 8; after each reduce-scatter its fp32 shard is all-reduced with the
+    other node's (2 ranks: a ring all-reduce sends the buffer once): m x 4 bytes x params / 8 in all."""
+    cfg = gpt(8, 256, 4, max_seq_len=256, dropout=0.0, tie_embeddings=False)
+    lay = make_layout(16, zero=3, dp_shard=8)
+    assert (lay.shard, lay.replicas, lay.to_json()["dp_shard"]) == (8, 2, 8)
+    assert placement(lay, "dp_shard", 8) == placement(make_layout(8, zero=3), "dp", 8)  # one node, stride 1
+    assert (placement(lay, "dp_replicate", 8).nodes, placement(lay, "dp_replicate", 8).stride) == (2, 8)
+
+    def plan(gpus, **kw):
+        return plan_run(run_of(cfg, tokens=1e9, seq_len=256, micro_batch=2, grad_accum=2, gpus=gpus, zero=3,
+                               gpu="h100", precision="amp", **kw)).to_json()
+
+    hsdp, fsdp8, fsdp16 = plan(16, dp_shard=8), plan(8), plan(16)
+    states = ("params_bytes", "grads_bytes", "optimizer_bytes")
+    assert [hsdp["memory"][k] for k in states] == [fsdp8["memory"][k] for k in states]
+    assert [2 * fsdp16["memory"][k] for k in states] == pytest.approx([hsdp["memory"][k] for k in states], rel=1e-3)
+    for kind in ("all_gather", "reduce_scatter"):
+        assert hsdp["comm"][kind] == fsdp8["comm"][kind]
+    loss = fsdp16["comm"]["all_reduce"]  # the loss's scalar, as FSDP's
+    extra = {k: hsdp["comm"]["all_reduce"][k] - loss[k] for k in ("calls", "bytes")}
+    n = sum(p.numel for p in rank_params(cfg, make_layout(1), 0))
+    assert extra["calls"] == 2 * (cfg.n_layers + 1)  # each block and the roots, each micro-batch
+    assert extra["bytes"] == pytest.approx(2 * 4 * n / 8, rel=1e-6, abs=16)
+    assert hsdp["time"]["breakdown"]["dp_comm_s"] >= fsdp8["time"]["breakdown"]["dp_comm_s"]
+    argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100", "--gpus", "16", "--global-batch", "32", "--seq-len",
+            "4096", "--tokens", "1e12", "--dp-shard", "8"]
+    assert main(argv + ["--zero", "3", "--explain"]) == 0
+    assert "HSDP: sharded over 8 x cp data-parallel ranks, 2 replicas" in capsys.readouterr().out
+    for bad, hint in ((["--zero", "1"], "add --zero 3"), (["--zero", "3", "--dp-shard", "3"], "must divide the 16")):
+        assert main(argv + bad) == 2
+        assert hint in capsys.readouterr().err
+
 
 def test_each_collective_by_the_nccl_tests_formulas():
     nvlink = C.Tier("nvlink", ring_busbw=235e9, alltoall_busbw=210e9, p2p_bytes_per_s=0.65 * 300e9)
@@ -333,7 +369,7 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     assert j["layout"] == {"dp": 4, "tp": 2, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False,
                            "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash",
                            "cp_impl": "ring", "etp": 2, "ep_overlap": False, "pp_schedule": "1f1b",
-                           "tp_overlap": None, "pp_overlap": False}
+                           "tp_overlap": None, "pp_overlap": False, "dp_shard": 4}
     assert (j["hardware"]["gpus_per_node"], j["hardware"]["intra_node_bytes_per_s"],
             j["hardware"]["inter_node_bytes_per_s"]) == (8, 300e9, 25e9)
     t = j["time"]

@@ -11,9 +11,10 @@ from tp_pp_worker import config
 from trainwise.config import ModelConfig
 from trainwise.cost import rank as R
 from trainwise.cost.comm import bytes_sent
-from trainwise.cost.layout import Layout, param_counts, rank_stages, stage_layers
+from trainwise.cost.layout import Layout, param_counts
 from trainwise.cost.params import params
 from trainwise.cost.rank_memory import in_flight
+from trainwise.cost.schedule import rank_stages, stage_layers
 from trainwise.runtime.step import build_model
 
 TINY = dict(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -68,7 +69,7 @@ def test_pipeline_stages_hold_their_layers_the_embedding_and_the_head():
     layout = Layout(pp=2)
     assert held(cfg, layout, 0) == 9600 + 15424
     assert held(cfg, layout, 1) == 15424 + 32 + 9600
-    # cost.layout.chunk_layers: the last stage holds the head
+    # cost.schedule.chunk_layers: the last stage holds the head
     assert [list(stage_layers(5, 2, s)) for s in (0, 1)] == [[0, 1, 2], [3, 4]]
     assert rank_stages(Layout(pp=2, vpp=2, pp_schedule="interleaved"), 1) == [1, 3]
 

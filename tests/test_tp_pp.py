@@ -25,9 +25,10 @@ from trainwise.api import load
 from trainwise.cli import main
 from trainwise.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from trainwise.cost import rank as R
-from trainwise.cost.layout import Layout, rank_stages, schedule_ops
+from trainwise.cost.layout import Layout
 from trainwise.cost.rank_memory import in_flight
 from trainwise.cost.run import Machine, Run
+from trainwise.cost.schedule import rank_stages, schedule_ops
 from trainwise.errors import TrainwiseError
 from trainwise.planner.derivation import plan_table
 from trainwise.planner.plan import plan_run
@@ -279,7 +280,7 @@ def test_v_schedule_messages_worked_by_hand():
 @pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv", "dualpipev"])
 @pytest.mark.parametrize("pp, micro_batches", [(2, 4), (4, 8), (4, 12)])
 def test_zero_bubble_orders_run_each_micro_batch_once_per_stage(schedule, pp, micro_batches):
-    """cost.layout.schedule_ops reads torch's own order: on every rank and local stage, K forwards, and K
+    """cost.schedule.schedule_ops reads torch's own order: on every rank and local stage, K forwards, and K
     backwards, whole (B) or as an input half (I) each followed later by its weight half (W); the micro-batches
     in flight at a backward never exceed the forwards run."""
     layout = Layout(pp=pp, vpp=2, pp_schedule=schedule, micro_batches=micro_batches)

@@ -51,6 +51,9 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--optimizer", choices=list(OPTIMIZER_MOMENTS), help="adamw, sgd, sgd-momentum")
     p.add_argument("--checkpointing", choices=list(CHECKPOINTING))
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (FSDP = 3)")
+    p.add_argument("--dp-shard", type=whole_number, default=None,
+                   help="HSDP with --zero 3: the data-parallel ranks one shard group spans, replicated over the rest "
+                        "(torchtitan's data_parallel_shard_degree; default: all of them, FSDP)")
     p.add_argument("--tp", type=whole_number, default=1, help="tensor-parallel ranks (inside a node)")
     p.add_argument("--pp", type=whole_number, default=1, help="pipeline stages")
     p.add_argument("--vpp", type=whole_number, default=1, help="virtual stages per pipeline rank (interleaved 1F1B)")
@@ -170,7 +173,8 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
                              sequence_parallel=args.sequence_parallel, zero=args.zero, micro_batches=run.grad_accum,
                              dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
                              tp_overlap=args.tp_overlap, cp_impl=args.cp_impl, etp=args.etp,
-                             ep_overlap=args.ep_overlap, pp_schedule=args.pp_schedule, pp_overlap=args.pp_overlap)
+                             ep_overlap=args.ep_overlap, pp_schedule=args.pp_schedule, pp_overlap=args.pp_overlap,
+                             dp_shard=args.dp_shard)
     machine = Machine(gpu=args.gpu, peak_flops=args.peak_flops, bandwidth=args.bandwidth, memory=args.memory,
                       gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
                       inter_node_bw=args.inter_node_bw, clock_share=args.clock_share)
@@ -218,6 +222,9 @@ def _cmd_fit(args, model, toml_run) -> int:
         budget = _gpu_capacity(args.gpu)
     if not args.global_batch and not args.global_batch_tokens:
         raise TrainwiseError("--fit needs a target: --global-batch SEQUENCES or --global-batch-tokens TOKENS.")
+    if args.dp_shard is not None:
+        raise TrainwiseError("--fit searches ZeRO stages over every data-parallel rank, not HSDP's shard groups: drop "
+                             "--dp-shard, or plan the HSDP layout without --fit.")
     if args.gpu and args.gpu.lower() not in ("cpu", "cuda") and args.peak_flops is None and args.mfu is None:
         layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
                              cp_impl=args.cp_impl, tp_overlap=args.tp_overlap, ep_overlap=args.ep_overlap,

@@ -22,11 +22,11 @@
           pipeline          an activation forward and a gradient backward per micro-batch and run of stages
                             the rank holds in a row, B x T x H / tp (scatter-gather / sequence parallel), exposed
                             (pp_overlap: the interleaved schedule's warm-up's and cool-down's only,
-                            cost.layout.p2p_exposed_share)
+                            cost.schedule.p2p_exposed_share)
     pipeline            m x (the slowest rank's micro-batch) + the bubble: (p - 1) / v x (the mean rank's) for
                         1F1B, GPipe and interleaved 1F1B (Narayanan et al. 2021 sections 2.2.1-2.2.2); for the
                         zero-bubble schedules the ranks' own orders run against each other
-                        (cost.layout.schedule_seconds, which gives the formula back for the other three)
+                        (cost.schedule.schedule_seconds, which gives the formula back for the other three)
     once per step       the tied embedding's gradient between the first and last stage, the gradient norm's
                         and the loss's scalars, all-reduced and exposed (_step_reductions)
     data parallel       the rank's gradients all-reduced (ZeRO 1-2: reduce-scattered, parameters
@@ -47,9 +47,10 @@ from dataclasses import dataclass, field
 from trainwise.config import ModelConfig
 from trainwise.cost import comm as C
 from trainwise.cost.gpu import copy_bandwidth, op_seconds
-from trainwise.cost.layout import (ZERO_BUBBLE, Layout, ParamCounts, bubble_fraction, chunk_layers, placement,
-                                    p2p_exposed_share, rank_stages, schedule_seconds, v_shape)
+from trainwise.cost.layout import ZERO_BUBBLE, Layout, ParamCounts, placement
 from trainwise.cost.ops import Op, for_cuda
+from trainwise.cost.schedule import (bubble_fraction, chunk_layers, p2p_exposed_share, rank_stages, schedule_seconds,
+                                     v_shape)
 from trainwise.hardware.profile import DEFAULT_OVERHEAD
 from trainwise.hardware.table import Accelerator, Node
 
@@ -95,7 +96,8 @@ def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: Param
     """The step (module docstring). act_bytes: bytes per element of the activations sent (2 in bf16/fp16);
     grad_bytes / param_bytes: per parameter, of what the data-parallel collectives move; moe_imbalance: the
     most loaded expert-parallel rank's tokens over the mean (cost.run.Run.moe_imbalance)."""
-    tiers = {d: _tier(layout, d, node) for d in ("tp", "cp", "ep", "dp", "pp")} if node else {}  # one GPU: no links
+    tiers = ({d: _tier(layout, d, node) for d in ("tp", "cp", "ep", "dp", "pp", "dp_shard", "dp_replicate")}
+             if node else {})  # one GPU: no links
     m, v, p = layout.micro_batches, layout.vpp, layout.pp
     layers = chunk_layers(cfg.n_layers, p * v)
     stage_idx = [[i for c in sorted(rank_stages(layout, r)) for i in range(sum(layers[:c]), sum(layers[:c + 1]))]
@@ -243,7 +245,7 @@ def _tier(layout: Layout, dim: str, node: Node) -> C.Tier:
 
 def _ends(layout: Layout, r: int) -> tuple[bool, bool]:
     """Whether pipeline rank r holds the first stage (the embedding) and the last (final norm, LM head, loss):
-    ranks 0 and pp - 1, or rank 0 both under a V schedule (cost.layout.rank_stages)."""
+    ranks 0 and pp - 1, or rank 0 both under a V schedule (cost.schedule.rank_stages)."""
     own = rank_stages(layout, r)
     return 0 in own, layout.stages - 1 in own
 
@@ -315,19 +317,22 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
     block's compute, its reduce-scatter under the next one's backward, and what a block's collectives take
     beyond its compute is exposed; the first gather of each pass and the last reduce-scatter are not hidden.
     The roots (embedding, final norm and head) are gathered once per micro-batch and kept until backward.
-    Blocks priced alike (the rank's layers' mean; experts over their own group, Layout.expert_dp)."""
+    Blocks priced alike (the rank's layers' mean; experts over their own group, Layout.expert_dp). HSDP
+    (Layout.dp_shard): the gathers and reduce-scatters over the shard group, and each reduce-scattered shard
+    all-reduced over the replicas after it, under the same backward."""
     n_moe = sum(cfg.is_moe_layer(i) for i in idx)
     blocks = max(1, len(idx))
     first, last = _ends(layout, r)
     root = (rp.embedding if first else 0) + (rp.head if last else 0)
     dense = (len(idx) - n_moe) * rp.layer + n_moe * (rp.moe_layer - rp.moe_experts)
-    ranks, expert_ranks = layout.dp * layout.cp, layout.expert_dp
+    ranks, expert_ranks, replicas = layout.shard, layout.expert_dp, layout.replicas
+    shard_tier = "dp_shard" if replicas > 1 else "dp"
     m = layout.micro_batches
 
-    def coll(kind: str, n_params: float, per: int, group: int, calls: int) -> float:
+    def coll(kind: str, n_params: float, per: int, group: int, calls: int, tier: str = shard_tier) -> float:
         if group <= 1 or n_params <= 0:
             return 0.0
-        seconds = C.collective_seconds(kind, n_params * per, group, tiers["dp"])
+        seconds = C.collective_seconds(kind, n_params * per, group, tiers[tier])
         log.coll(kind, "dp", calls, calls * seconds, calls * C.bytes_sent(kind, n_params * per, group))
         return seconds
 
@@ -335,9 +340,11 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
     gather = coll("all_gather", dense / blocks, param_bytes, ranks, 2 * blocks * m) + coll(
         "all_gather", experts, param_bytes, expert_ranks, 2 * blocks * m)
     scatter = coll("reduce_scatter", dense / blocks, grad_bytes, ranks, blocks * m) + coll(
-        "reduce_scatter", experts, grad_bytes, expert_ranks, blocks * m)
+        "reduce_scatter", experts, grad_bytes, expert_ranks, blocks * m) + coll(
+        "all_reduce", dense / blocks / ranks, grad_bytes, replicas, blocks * m, "dp_replicate")
     root_gather = coll("all_gather", root, param_bytes, ranks, m)
-    root_scatter = coll("reduce_scatter", root, grad_bytes, ranks, m)
+    root_scatter = coll("reduce_scatter", root, grad_bytes, ranks, m) + coll(
+        "all_reduce", root / ranks, grad_bytes, replicas, m, "dp_replicate")
     forward, backward = mb["forward"] / blocks, mb["backward"] / blocks
     exposed_forward = root_gather + gather + (blocks - 1) * max(0.0, gather - forward)
     exposed_backward = blocks * max(0.0, gather + scatter - backward) + scatter + root_scatter
@@ -369,6 +376,6 @@ def _optimizer(cfg, layout: Layout, work: RankWork, idx, r, acc: Accelerator, lo
     """The fused update of rank r's parameters (its share of them under ZeRO >= 1), memory-bound."""
     nbytes = sum(count * op.bytes for ops, count in _parts(cfg, work, idx, *_ends(layout, r))
                  for op in ops if op.phase == "optimizer")
-    seconds = nbytes / (layout.dp if layout.zero >= 1 else 1) / copy_bandwidth(acc)
+    seconds = nbytes / (layout.shard // layout.cp if layout.zero >= 1 else 1) / copy_bandwidth(acc)
     log.op("optimizer (fused AdamW)", 1, seconds)
     return seconds

@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
 from trainwise.cost.comm import DDP_BUCKET_BYTES, bytes_sent
-from trainwise.cost.layout import Layout, rank_stages, schedule_ops, stage_layers, v_shape
+from trainwise.cost.layout import Layout
+from trainwise.cost.schedule import rank_stages, schedule_ops, stage_layers, v_shape
 
 DDP_FIRST_BUCKET_BYTES = 2**20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 TIED_COPY = "lm_head.weight (tied copy)"  # the last pipeline stage's own copy of a tied embedding table
@@ -162,7 +163,7 @@ def tp_shape(spec: ParamSpec, tp: int, tp_rank: int) -> tuple[int, ...]:
 
 
 def _fsdp(layout: Layout) -> bool:
-    return layout.dp * layout.cp > 1 and layout.strategy in ("zero2", "fsdp")
+    return layout.shard > 1 and layout.strategy in ("zero2", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -222,9 +223,9 @@ def rank_params(cfg: ModelConfig, layout: Layout, rank: int, megatron: bool = Fa
         tp_numel = math.prod(shape)
         numel = padded = tp_numel
         if _fsdp(layout) and (megatron or not divided(spec, layout)):
-            shards = layout.expert_dp if is_expert(spec) else layout.dp * layout.cp
+            shards = layout.expert_dp if is_expert(spec) else layout.shard
             index = (rank % (layout.tp * layout.cp * layout.dp) // (layout.ep * layout.expert_tp) if is_expert(spec)
-                     else rank // layout.tp % (layout.cp * layout.dp))  # dp_rank x cp + cp_rank
+                     else rank // layout.tp % layout.shard)  # dp_rank x cp + cp_rank (in its HSDP shard group)
             rest = tp_numel // shape[0] if shape[0] else 0
             numel = chunk(shape[0], shards, index % shards) * rest
             padded = -(-shape[0] // shards) * rest
@@ -418,14 +419,17 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
     dp, K = layout.dp * layout.cp, shape.grad_accum  # the cp ranks hold the same parameters: they reduce too
     if dp <= 1 or layout.strategy == "none":
         return
+    shard = layout.shard  # HSDP (Layout.dp_shard): gathered and reduce-scattered in it, then all-reduced over replicas
     by_unit = units(cfg, layout, rank)
     if layout.strategy in ("zero2", "fsdp"):
         ops = schedule_ops(layout, layout.coords(rank)[1], K)
         for unit, params in by_unit.items():
             padded = sum(p.padded_numel for p in params)
             gathers = _fsdp_gathers(ops, _unit_chunk(unit, cfg, layout), layout.strategy == "fsdp", layout.pp > 1)
-            _add(out, "all_gather", gathers, dp * padded * shape.param_bytes, dp)
-            _add(out, "reduce_scatter", 1, dp * padded * 4, dp)
+            _add(out, "all_gather", gathers, shard * padded * shape.param_bytes, shard)
+            _add(out, "reduce_scatter", 1, shard * padded * 4, shard)
+            if layout.replicas > 1:
+                _add(out, "all_reduce", 1, padded * 4, layout.replicas)
     params = rank_params(cfg, layout, rank)
     if layout.ep > 1:  # runtime.expert_parallel: the experts outside DDP, replicate or FSDP2, reduced over edp
         _add(out, "all_reduce", 1, 4 * sum(p.tp_numel for p in params if is_expert(p.spec)), layout.expert_dp)

@@ -25,9 +25,10 @@ from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
 from trainwise.cost import memory as M
-from trainwise.cost.layout import ZERO_BUBBLE, Layout, rank_stages, schedule_ops, stage_layers
+from trainwise.cost.layout import ZERO_BUBBLE, Layout
 from trainwise.cost.rank import divided, is_expert, rank_params, units
 from trainwise.cost.run import Run
+from trainwise.cost.schedule import rank_stages, schedule_ops, stage_layers
 
 
 def trains(run: Run) -> bool:
@@ -159,7 +160,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         compiled: one fused kernel, see cost.memory.compiled_loss_backward_bytes) or, under full
         checkpointing, one recomputed block's activations + under FSDP2 the gathered parameters in the
         compute dtype (zero2: all of the rank's, kept from forward to backward; fsdp: the stage roots and
-        two blocks) + the most, over the backwards of the schedule (cost.layout.schedule_ops), of the
+        two blocks) + the most, over the backwards of the schedule (cost.schedule.schedule_ops), of the
         activations of the micro-batches in flight and the gradients, which exist once a backward of the
         step has run: the rank's gradients, DDP's buckets (which hold them all run long, plus under no_sync
         the micro-batches' own .grad tensors; Megatron-LM's gradient buffer takes them directly; experts
@@ -375,7 +376,7 @@ def fsdp_pipeline_backward(run: Run, rank: int, recipe: M.Recipe, params: list, 
         moments.append(in_flight_acts - acts + grads + c * total + (new(embed) if after else 0))
         high = max(high, *moments)
     largest = max(sizes.values(), default=0)
-    return max(high, c * total + grads + 4 * largest + math.ceil(4 * largest / max(1, lay.dp * lay.cp)))
+    return max(high, c * total + grads + 4 * largest + math.ceil(4 * largest / max(1, lay.shard)))
 
 
 def cast_experts(run: Run, params: list, layers) -> int:
@@ -475,7 +476,7 @@ def awaiting_weights(layout: Layout, pp_rank: int, micro_batches: int) -> list[l
 def in_flight(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple[list[int], bool]]:
     """The micro-batches in flight on a pipeline rank at each backward of its schedule (the one being run
     included), as the local stage index of each, and whether the weights' gradients exist by then (a backward
-    has finished), replaying cost.layout.schedule_ops: GPipe holds all K at its first backward, 1F1B
+    has finished), replaying cost.schedule.schedule_ops: GPipe holds all K at its first backward, 1F1B
     min(K, pp - rank), interleaved 1F1B its warm-up forwards and one more. A zero-bubble schedule's input half
     ("I") keeps what the weights' half ("W") needs, so a micro-batch is in flight until its W."""
     live, out, after = [], [], False

@@ -73,8 +73,9 @@ def explain_cluster(p) -> str:
     add(f"   layout: dp={lay.dp} tp={lay.tp} pp={pp} vpp={v} cp={lay.cp} ep={lay.ep}, sequence parallel "
         f"{'on' if lay.sequence_parallel else 'off'}, ZeRO-{lay.zero}, {m} micro-batch(es) of {p.micro_batch} per "
         f"pipeline per step, {lay.attention_impl} attention, element-wise work "
-        f"{'fused' if st.fused else 'eager'}; "
-        "ranks ordered tp-cp-ep-dp-pp (tp inside a node)")
+        f"{'fused' if st.fused else 'eager'}"
+        + (f", HSDP: sharded over {lay.shard // lay.cp} x cp data-parallel ranks, {lay.replicas} replicas"
+           if lay.replicas > 1 else "") + "; ranks ordered tp-cp-ep-dp-pp (tp inside a node)")
     add("   each pipeline rank's micro-batch (forward + backward, its layers; exposed in-step communication): "
         + ", ".join(f"{s:.4g} s" for s in st.stage_seconds[:8]) + (" ..." if len(st.stage_seconds) > 8 else ""))
     add(f"   compute    = m x operators of the slowest rank{' but the expert GEMMs' if b['experts_s'] else ''} = "
@@ -106,7 +107,9 @@ def explain_cluster(p) -> str:
     else:
         add(f"   bubble     = (p - 1) / (v m) x m x mean rank micro-batch = ({pp} - 1) / ({v} x {m}) x {m} x "
             f"{sum(st.stage_seconds) / pp:.4g} = {b['bubble_s']:.4g} s")
-    add(f"   dp comm    = gradient reduction over dp x cp, exposed "
+    add("   dp comm    = gradient reduction over dp x cp"
+        + (" (HSDP: ZeRO-3's per block in the shard group, then all-reduced over the replicas)" if lay.replicas > 1
+           else "") + ", exposed "
         f"{'past the last backward' if lay.dp_overlap else 'in full'} = {b['dp_comm_s']:.4g} s")
     add(f"   optimizer  = the rank's fused update at the copy bandwidth = {b['optimizer_s']:.4g} s")
     add(f"   overhead   = {b['overhead_s']:.4g} s per step (host)")

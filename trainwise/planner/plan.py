@@ -304,7 +304,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         convention = "8ND" if checkpointing == "full" else "6ND"
         notes.append("activations unknown without a model config (--params only)")
         peak_rank = None
-    states = M.state_bytes(counts.total, recipe, optimizer, zero, dp, tp * pp)
+    states = M.state_bytes(counts.total, recipe, optimizer, zero, layout.shard // layout.cp, tp * pp)  # HSDP: its shard
     if model_parallel and peak_rank is not None:  # the highest rank's states and activations in flight
         high = peak_rank[1]
         states, acts = M.StateBytes(high.params, high.grads, high.optimizer, high.master), high.activations

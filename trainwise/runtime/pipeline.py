@@ -1,7 +1,7 @@
 """Pipeline parallelism on torch.distributed.pipelining: the model's layers split into stages, one
 PipelineStage per stage, micro-batches scheduled by PyTorch's GPipe, 1F1B or interleaved 1F1B.
 
-    stages = pp x vpp; stage s holds contiguous layers, as the planner cuts them (cost.layout.chunk_layers:
+    stages = pp x vpp; stage s holds contiguous layers, as the planner cuts them (cost.schedule.chunk_layers:
     even where pp x vpp divides L, otherwise one fewer on the last and first stages)
     the first stage also holds the embedding, the last the final norm and the LM head (and the loss)
     pipeline rank r holds stages r, r + pp, ... (vpp of them: the interleaved schedule's "loop" placement)
@@ -47,7 +47,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
                                          ScheduleZBVZeroBubble)
 
 from trainwise.config.run import MULTI_STAGE_SCHEDULES
-from trainwise.cost.layout import V_SCHEDULES, Layout, rank_stages, stage_layers
+from trainwise.cost.layout import V_SCHEDULES, Layout
+from trainwise.cost.schedule import rank_stages, stage_layers
 from trainwise.model import Transformer
 from trainwise.model.moe import MoE
 
