@@ -163,6 +163,25 @@ def test_hsdp_shards_within_a_group_and_all_reduces_each_shard_over_the_replicas
         assert hint in capsys.readouterr().err
 
 
+def test_fsdp2s_policy_is_planned_on_16_bit_activations_with_the_recipes_states():
+    """FSDP2's mixed precision (zero2, fsdp) gathers the weights in the compute dtype, so the forward runs on
+    16-bit weights and inputs: residual stream and norms in bf16, as cost.rank_memory prices its activations;
+    the step is recorded so (Recipe.record_precision) while the update still moves amp's fp32 states."""
+    amp = get_recipe("amp")
+    assert (amp.record_precision(), amp.record_precision(gathered=True)) == ("bf16", "bf16-pure")
+    assert get_recipe("fp32").record_precision(gathered=True) == "fp32"
+    assert get_recipe("megatron").record_precision() == "fp16-pure"
+    cfg = gpt(8, 256, 4, max_seq_len=256, dropout=0.0)
+
+    def plan(zero):
+        return plan_run(run_of(cfg, tokens=1e9, seq_len=256, micro_batch=2, gpus=8, zero=zero, gpu="h100",
+                               precision="amp")).cluster.breakdown
+
+    sharded, zero1 = plan(3), plan(1)
+    assert sharded["compute_s"] < zero1["compute_s"]  # the fp32 residual stream and its casts are gone
+    assert sharded["optimizer_s"] == pytest.approx(zero1["optimizer_s"], rel=1e-4)  # both update 1/8 in fp32
+
+
 def test_each_collective_by_the_nccl_tests_formulas():
     nvlink = C.Tier("nvlink", ring_busbw=235e9, alltoall_busbw=210e9, p2p_bytes_per_s=0.65 * 300e9)
     gib = 2**30
@@ -541,15 +560,17 @@ def test_fsdp_gathers_and_scatters_per_block_as_it_runs():
 def test_fsdp2s_mixed_precision_gathers_the_weights_in_the_compute_dtype():
     """Under autocast over fp32 weights (amp), FSDP2's policy gathers each block in bf16 and reduce-scatters in
     fp32, and autocast finds the weights cast already: zero 3's plan has no weight casts where zero 1's (fp32
-    weights, all-gathered in fp32 once after the update) casts every weight it multiplies."""
+    weights, all-gathered in fp32 once after the update) casts every weight it multiplies. Nor does it cast
+    activations: on bf16 weights the residual stream is bf16 too (Recipe.record_precision); what is left is the
+    loss's fp32 logits (the gradients reach FSDP2's fp32 reduce-scatter buffer in its own copy)."""
     cfg = gpt(16, 2048, 8, max_seq_len=8192, dropout=0.0)
     n_layer, n_root, n = 50_358_272, 121_634_816 + 4096, 16  # a block's parameters; the embedding's and the norm's
     plans = {zero: plan_run(run_of(cfg, tokens=1e9, seq_len=1024, micro_batch=1, grad_accum=2, gpus=n, zero=zero,
                                    precision="amp", gpu="h100-sxm")) for zero in (1, 3)}
     total = 8 * n_layer + n_root
     casts = {zero: {o["op"]: o["calls"] for o in p.cluster.ops if "_to_copy" in o["op"]} for zero, p in plans.items()}
-    assert casts[1][WEIGHT_CAST] > 0 and WEIGHT_CAST not in casts[3] and casts[1]["aten._to_copy"] == casts[3][
-        "aten._to_copy"]  # the activations' and the gradients' casts run either way
+    assert casts[1][WEIGHT_CAST] > 0 and WEIGHT_CAST not in casts[3]
+    assert casts[3] == {"aten._to_copy": 2 * 2}  # 2 micro-batches: the logits up, their gradient down
     comm = {zero: p.to_json()["comm"] for zero, p in plans.items()}
     assert comm[1]["all_gather"]["bytes"] == total * 4 * (n - 1) // n
     # K = 2 micro-batches, each block gathered for forward and for backward, the roots once: 2 bytes each

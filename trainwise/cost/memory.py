@@ -35,6 +35,18 @@ class Recipe:
     description: str
     fp8: str = ""  # the linear layers' GEMMs in FP8, scaled: current | delayed | blockwise | mx ("": none)
 
+    def record_precision(self, gathered: bool = False) -> str:
+        """How a step of this recipe is recorded (measure.record): 16-bit weights and activations ("bf16-pure",
+        "fp16-pure": Megatron-LM's, bf16-mixed, the FP8 recipes, whose GEMMs the cluster step then moves to FP8;
+        and any recipe whose weights are `gathered` in the compute dtype, FSDP2's mixed-precision policy, under
+        which the activations and the residual stream are 16-bit too, as cost.rank_memory prices them), autocast
+        over fp32 weights (amp in one process or under DDP), or fp32."""
+        if self.compute_dtype == "fp32":
+            return "fp32"
+        if self.fp8:
+            return "bf16-pure"
+        return f"{self.compute_dtype}-pure" if self.param_bytes == 2 or gathered else self.compute_dtype
+
 
 RECIPES = {
     "fp32": Recipe("fp32", 4, 4, 0, 4, 4, 4, "fp32", "fp32 params, grads and optimizer states"),

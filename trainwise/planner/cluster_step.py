@@ -33,10 +33,11 @@ def _blocks(cfg: ModelConfig, micro_batch: int, seq_len: int, precision: str, ch
 
 
 def rank_work(cfg: ModelConfig, layout: Layout, micro_batch: int, seq_len: int, precision: str, checkpointing: str,
-              optimizer: str = "adamw", fp8: str = "", fused: bool = False) -> RankWork:
+              optimizer: str = "adamw", fp8: str = "", fused: bool = False, states: float = 1.0) -> RankWork:
     """One rank's operators per micro-batch under `layout` (module docstring), with and without checkpointing;
     `fp8`: the blocks' linear layers in FP8 with that scaling (_fp8); `fused`: the element-wise work as a
-    fusing stack runs it (fuses)."""
+    fusing stack runs it (fuses); `states`: the optimizer update's bytes over the record's (its states in
+    other dtypes than the recorded weights)."""
     def record(ckpt: str) -> dict[str, list[Op]]:
         recorded = "unfused" if layout.attention_impl == "unfused" else "flash"  # fused kernels record alike
         share = _blocks(tp_share(cfg, layout.tp, layout.expert_tp), micro_batch, seq_len // layout.cp, precision,
@@ -46,6 +47,9 @@ def rank_work(cfg: ModelConfig, layout: Layout, micro_batch: int, seq_len: int, 
         out = {part: _apply(ops, layout, whole and whole.get(part)) for part, ops in share.items()}
         if layout.strategy in GATHERED:  # the weights gathered in the compute dtype (FSDP2's policy)
             out = {part: gathered_in_compute_dtype(ops) for part, ops in out.items()}
+        if states != 1:
+            out = {part: [o.resized(1, states) if o.phase == "optimizer" else o for o in ops]
+                   for part, ops in out.items()}
         return {part: _fp8(ops, fp8) if fp8 and part != "ends" else ops for part, ops in out.items()}
 
     main = record(checkpointing)
@@ -124,9 +128,12 @@ def predict_cluster_step(cfg: ModelConfig, layout: Layout, acc: Accelerator, nod
                          tp_overlap: str | None = None, compiled: bool = False,
                          moe_imbalance: float = 1.0, fused: bool | None = None) -> ClusterStep:
     """One optimizer step of `cfg` under `layout` on a cluster of `acc` in `node`s (cost.cluster)."""
-    precision = record_precision(recipe)
+    gathered = layout.strategy in GATHERED
+    precision = recipe.record_precision(gathered)
+    # recorded in 16 bits for FSDP2's policy, the update still moves the recipe's states (fp32 under amp)
+    states = recipe.param_bytes / recipe.compute_bytes if gathered and recipe.record_precision() != precision else 1
     work = rank_work(cfg, layout, micro_batch, seq_len, precision, checkpointing, optimizer, recipe.fp8,
-                     fuses(recipe, compiled, fused))
+                     fuses(recipe, compiled, fused), states)
     # FSDP2's mixed-precision policy gathers the parameters in the compute dtype (and reduces in fp32)
     gathered = recipe.compute_bytes if layout.strategy in GATHERED else recipe.param_bytes
     return cluster_step(cfg, layout, work, param_counts(cfg, layout), acc=acc, node=node, micro_batch=micro_batch,
@@ -141,13 +148,3 @@ def _reduced_grad_bytes(recipe: Recipe) -> int:
     published fp16 runs ran: examples/academic_paper_scripts/sc21/CONFIG.sh); otherwise the recipe's."""
     return recipe.param_bytes if recipe.name == "megatron" else recipe.grad_bytes
 
-
-def record_precision(recipe: Recipe) -> str:
-    """How the step is recorded for a recipe: 16-bit weights and activations ("fp16-pure", "bf16-pure":
-    Megatron-LM's, bf16-mixed; the FP8 recipes, whose GEMMs _fp8 then moves to FP8) or autocast over fp32
-    weights (amp: trainwise's own runs), or fp32."""
-    if recipe.compute_dtype == "fp32":
-        return "fp32"
-    if recipe.fp8:
-        return "bf16-pure"
-    return f"{recipe.compute_dtype}-pure" if recipe.param_bytes == 2 else recipe.compute_dtype

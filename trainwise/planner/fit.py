@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from trainwise.cost import flops as FL
+from trainwise.cost.comm import strategy_for
 from trainwise.cost.layout import Layout, make_layout
+from trainwise.cost.ops import GATHERED
 from trainwise.cost.params import params
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.steptime import scale_batch
@@ -117,13 +119,13 @@ def fit_run(run: Run, *, global_batch: int, memory_budget: int, mfu: float | Non
 def _modelled_step(model, hw: Hardware, recipe, optimizer: str, ckpt: str, zero: int, dp: int, micro_batch: int,
                    grad_accum: int, seq_len: int, n_params: int) -> float:
     """Step-time model of one --fit candidate, from the checkpointing mode's recorded micro-batch of 1."""
-    precision = "fp32" if recipe.compute_dtype == "fp32" else recipe.compute_dtype
+    precision = recipe.record_precision(strategy_for(zero, dp) in GATHERED)
     ops = scale_batch(cached_step_ops(model, 1, seq_len, precision, ckpt, False, optimizer, fixed=True), micro_batch,
                       seq_len)
     return predict_step_time(model, hw.profile, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
                      compute_dtype=recipe.compute_dtype, checkpointing=ckpt, optimizer=optimizer, zero=zero, dp=dp,
                      n_params=n_params, grad_bytes=4 * n_params, param_bytes=4 * n_params, cuda=hw.cuda,
-                     ops=ops).seconds
+                     ops=ops, record=precision).seconds
 
 
 def _why_worse(c: Candidate, best: Candidate) -> str:

@@ -14,6 +14,7 @@ from trainwise.cost import memory as M
 from trainwise.cost.cluster import ClusterStep
 from trainwise.cost.gpu import check_attention
 from trainwise.cost.layout import Layout, check_layout, make_layout
+from trainwise.cost.ops import GATHERED
 from trainwise.cost.params import ParamCount, params
 from trainwise.cost.rank_memory import RankPeak, highest_peak
 from trainwise.cost.run import Machine, Run
@@ -324,7 +325,8 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         step = predict_step_time(model, hw.profile, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
                          compute_dtype=recipe.compute_dtype, checkpointing=checkpointing, optimizer=optimizer,
                          zero=zero, dp=dp, n_params=counts.total, grad_bytes=4 * counts.total,
-                         param_bytes=4 * counts.total, compiled=compiled, cuda=hw.cuda)
+                         param_bytes=4 * counts.total, compiled=compiled, cuda=hw.cuda,
+                         record=recipe.record_precision(layout.strategy in GATHERED))
         source = hw.profile.source
         tokens_per_s = seq_len * micro_batch * grad_accum * dp / step.seconds
         mfu = model_flops_utilization(model_fpt * tokens_per_s, hw.peak_flops, gpus)
