@@ -122,6 +122,10 @@ def test_two_ranks_equal_one_process_with_grad_accum(strategy, one_process, two_
         assert abs(rank["peak_memory_bytes"]["error"]) < 0.10, rank["peak_memory_bytes"]
     assert main(["verify", str(multi)]) == 0
     assert f"Per rank: {strategy} on 2 ranks" in (multi / "report.html").read_text()
+    # the metrics rows' throughput is both ranks' together: MFU against both ranks' peak (one rank's: 2x, > 1)
+    peak = json.loads((multi / "plan.json").read_text())["hardware"]["peak_flops"]
+    for row in map(json.loads, (multi / "metrics.jsonl").read_text().splitlines()):
+        assert row["mfu"] == pytest.approx(row["flops_per_s"] / (2 * peak)) and row["mfu"] < 1
 
 
 # fsdp (parameters resharded after the forward, gathered again under recompute) by default; zero2, the same

@@ -128,16 +128,19 @@ class RunAccount:
 
     def metrics_row(self, step: int, tokens: int, loss: float, lr: float, grad_norm: float,
                     step_time_s: float, tokens_per_step: int) -> dict:
+        """One row of metrics.jsonl: `tokens_per_step` is every rank's together, so tokens/s and FLOP/s are the
+        run's and MFU divides them by every rank's peak (world size x one device's)."""
         tokens_per_s = tokens_per_step / step_time_s
         flops_per_s = self.model_flops_per_token * tokens_per_s
         row = {
             "step": step, "tokens": tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "step_time_s": step_time_s, "tokens_per_s": tokens_per_s, "flops_per_s": flops_per_s,
-            "mfu": model_flops_utilization(flops_per_s, self.peak_flops),
+            "mfu": model_flops_utilization(flops_per_s, self.peak_flops, self.world_size),
         }
         if self.hardware_flops_per_token != self.model_flops_per_token:
             # HFU: the same ratio with the FLOPs the hardware ran, recomputation included
-            row["hfu"] = model_flops_utilization(self.hardware_flops_per_token * tokens_per_s, self.peak_flops)
+            row["hfu"] = model_flops_utilization(self.hardware_flops_per_token * tokens_per_s, self.peak_flops,
+                                                 self.world_size)
         return row
 
     @staticmethod
