@@ -135,10 +135,10 @@ def predict_cluster_step(cfg: ModelConfig, layout: Layout, acc: Accelerator, nod
     work = rank_work(cfg, layout, micro_batch, seq_len, precision, checkpointing, optimizer, recipe.fp8,
                      fuses(recipe, compiled, fused), states)
     # FSDP2's mixed-precision policy gathers the parameters in the compute dtype (and reduces in fp32)
-    gathered = recipe.compute_bytes if layout.strategy in GATHERED else recipe.param_bytes
     return cluster_step(cfg, layout, work, param_counts(cfg, layout), acc=acc, node=node, micro_batch=micro_batch,
                         seq_len=seq_len, checkpointing=checkpointing, act_bytes=recipe.compute_bytes,
-                        grad_bytes=_reduced_grad_bytes(recipe), param_bytes=gathered, tp_overlap=tp_overlap,
+                        grad_bytes=_reduced_grad_bytes(recipe),
+                        param_bytes=recipe.compute_bytes if gathered else recipe.param_bytes, tp_overlap=tp_overlap,
                         moe_imbalance=moe_imbalance)
 
 
