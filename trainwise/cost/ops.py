@@ -19,11 +19,11 @@ CLASSES = (("attention", ("attention",)), ("matmul", ("mm", "bmm", "addmm", "bad
            ("optimizer", ("_fused_adam", "_fused_sgd", "_foreach", "lerp", "addcdiv", "addcmul", "sqrt")))
 PHASES = ("forward", "backward", "optimizer")
 # Autocast's cast of a parameter to the compute dtype (measure.record names it apart from other casts): a stack
-# whose mixed-precision policy gathers the parameters in the compute dtype (FSDP2, FSDP1's param_dtype) finds
-# them cast already and does not run it (gathered_in_compute_dtype).
+# whose mixed-precision policy gathers the parameters in the compute dtype (FSDP2, FSDP1's param_dtype) runs
+# none, its step recorded on 16-bit weights (cost.memory.Recipe.record_precision).
 WEIGHT_CAST = "aten._to_copy(weight)"
 # The data-parallel strategies whose parameters FSDP2 gathers for each pass (trainwise's zero2 and fsdp; ZeRO-3
-# elsewhere): under a mixed-precision policy in the compute dtype, so autocast finds the weights cast already.
+# elsewhere): under a mixed-precision policy in the compute dtype, its step recorded on 16-bit weights.
 GATHERED = ("zero2", "fsdp")
 
 
@@ -107,13 +107,6 @@ def for_cuda(ops: list[Op]) -> list[Op]:
     if fused is not None:
         out.append(Op("aten._fused_adamw_", "optimizer", "optimizer", "fp32", None, 2, fused[0], fused[1]))
     return sorted(out, key=lambda o: -o.flops)
-
-
-def gathered_in_compute_dtype(ops: list[Op]) -> list[Op]:
-    """The step as a stack runs it whose parameters are gathered in the compute dtype (FSDP2's mixed-precision
-    policy, which trainwise's zero2 and fsdp use, torchtitan's and Composer's FSDP): autocast's weight casts
-    (WEIGHT_CAST) are not run; the gradients' casts to fp32 stay (the policy's fp32 reduce)."""
-    return [op for op in ops if op.name != WEIGHT_CAST]
 
 
 def by_name(ops: list[Op]) -> dict[str, list[float]]:

@@ -29,7 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from trainwise.cost.comm import comm_seconds, exposed_comm, strategy_for
-from trainwise.cost.ops import GATHERED, Op, for_cuda, gathered_in_compute_dtype
+from trainwise.cost.ops import Op, for_cuda
 from trainwise.hardware.profile import Profile
 
 # A compiled CPU step runs the eager step's matmuls (timed as in eager) and inductor's generated kernels
@@ -255,14 +255,13 @@ def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors
               grad_accum: int, compute_dtype: str, optimizer: str, zero: int, dp: int, grad_bytes: int,
               param_bytes: int, compiled: bool = False, cuda: bool = False) -> StepTime:
     """Predicted time of one optimizer step as the trainer runs it on the profiled device: the operators
-    of one micro-batch's step (`ops`, recorded with bf16 autocast when compute_dtype is bf16/fp16; CUDA
+    of one micro-batch's step (`ops`, recorded as cost.memory.Recipe.record_precision says: autocast, or 16-bit
+    weights under FSDP2's policy, when compute_dtype is bf16/fp16; CUDA
     kernels on a GPU), priced by the profile, K micro-batches, plus the exposed communication of the
     strategy ZeRO-`zero` over dp."""
     precision = "fp32" if compute_dtype == "fp32" else compute_dtype
     if cuda:
         ops = for_cuda(ops)
-    if strategy_for(zero, dp) in GATHERED:  # FSDP2 gathers the weights in the compute dtype
-        ops = gathered_in_compute_dtype(ops)
     ops = [o.scaled(grad_accum) if o.phase != "optimizer" else o for o in ops]
     tensors = n_param_tensors
     if zero >= 1 and dp > 1:  # each rank updates only its 1/dp shard of the parameters

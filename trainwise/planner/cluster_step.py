@@ -13,7 +13,7 @@ from trainwise.config import ModelConfig
 from trainwise.cost.cluster import ClusterStep, RankWork, cluster_step
 from trainwise.cost.layout import Layout, param_counts, tp_share
 from trainwise.cost.memory import Recipe
-from trainwise.cost.ops import GATHERED, Op, gathered_in_compute_dtype
+from trainwise.cost.ops import GATHERED, Op
 from trainwise.cost.steptime import scale_batch
 from trainwise.hardware.table import Accelerator, Node
 from trainwise.measure.record import block_ops
@@ -45,8 +45,6 @@ def rank_work(cfg: ModelConfig, layout: Layout, micro_batch: int, seq_len: int, 
         whole = (_blocks(cfg, micro_batch, seq_len // layout.cp, precision, ckpt, optimizer, recorded)
                  if layout.sequence_parallel else None)
         out = {part: _apply(ops, layout, whole and whole.get(part)) for part, ops in share.items()}
-        if layout.strategy in GATHERED:  # the weights gathered in the compute dtype (FSDP2's policy)
-            out = {part: gathered_in_compute_dtype(ops) for part, ops in out.items()}
         if states != 1:
             out = {part: [o.resized(1, states) if o.phase == "optimizer" else o for o in ops]
                    for part, ops in out.items()}
