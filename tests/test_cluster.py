@@ -103,6 +103,20 @@ def test_a_zero_bubble_plan_prices_its_schedule_and_its_v(capsys):
     assert "the zbv schedule's orders run against each other" in capsys.readouterr().out
 
 
+def test_v_schedules_take_micro_batches_that_pp_does_not_divide():
+    """torch's zbv and dualpipev run any count of micro-batches (dualpipev at least 2 pp, zbv at least pp), where
+    the interleaved schedules keep Megatron-LM's multiple of pp: DeepSeek-V3's 120 micro-batches on 16 stages."""
+    cfg = gpt(8, 256, 8, max_seq_len=256, dropout=0.0)
+    args = dict(tokens=1e9, seq_len=256, micro_batch=2, gpus=4, pp=4, vpp=2, gpu="h100")
+    for schedule in ("zbv", "dualpipev"):
+        j = plan_run(run_of(cfg, grad_accum=10, pp_schedule=schedule, **args)).to_json()
+        assert j["layout"]["micro_batches"] == 10 and j["time"]["breakdown"]["bubble_s"] > 0
+    with pytest.raises(TrainwiseError, match="multiple of pp = 4"):
+        plan_run(run_of(cfg, grad_accum=10, **args))
+    with pytest.raises(TrainwiseError, match="zbv schedule needs at least as many micro-batches per step as"):
+        plan_run(run_of(cfg, grad_accum=3, pp_schedule="zbv", **args))
+
+
 def test_overlapped_pipeline_sends_leave_the_warm_up_and_cool_down_exposed(capsys):
     """--pp-overlap (Megatron-Core's overlap_p2p_comm): in the interleaved schedule a rank's sends run under the
     neighbouring chunks' work but in its warm-up forwards and cool-down backwards. The slowest rank here is the

@@ -278,7 +278,7 @@ def test_v_schedule_messages_worked_by_hand():
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv", "dualpipev"])
-@pytest.mark.parametrize("pp, micro_batches", [(2, 4), (4, 8), (4, 12)])
+@pytest.mark.parametrize("pp, micro_batches", [(2, 4), (4, 8), (4, 12), (4, 10)])
 def test_zero_bubble_orders_run_each_micro_batch_once_per_stage(schedule, pp, micro_batches):
     """cost.schedule.schedule_ops reads torch's own order: on every rank and local stage, K forwards, and K
     backwards, whole (B) or as an input half (I) each followed later by its weight half (W); the micro-batches

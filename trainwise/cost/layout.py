@@ -235,7 +235,11 @@ def check_layout(cfg: ModelConfig, layout: Layout, seq_len: int) -> None:
         raise TrainwiseError(
             f"the dualpipev schedule needs at least as many micro-batches per step as stages, 2 pp = {2 * p} (here "
             f"{m}); raise the micro-batches (--grad-accum) to {2 * p} or more.")
-    if v > 1 and m % p:
+    if layout.pp_schedule == "zbv" and m < p:
+        raise TrainwiseError(
+            f"the zbv schedule needs at least as many micro-batches per step as pipeline ranks, pp = {p} (here {m}); "
+            f"raise the micro-batches (--grad-accum) to {p} or more.")
+    if v > 1 and layout.pp_schedule not in V_SCHEDULES and m % p:  # torch's V schedules take any count
         raise TrainwiseError(
             f"the interleaved schedule (vpp = {v}) needs the micro-batches per step ({m}) to be a multiple of "
             f"pp = {p} (Megatron-LM's rule); use {p * max(1, round(m / p))} micro-batches or --vpp 1.")
