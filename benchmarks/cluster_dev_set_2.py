@@ -466,7 +466,12 @@ FOUNDRY = Table(
     "mixed precision DEFAULT (bf16 compute, fp32 sharded parameters, fp32 reduce and AdamW states: the "
     "planner's `amp` recipe; the parameters gathered in bf16, DEFAULT's param_dtype as PURE's, so autocast "
     "casts no weight); FULL_SHARD = ZeRO-3 over all GPUs; activation checkpointing True = full, "
-    "False = none (the 3b and 1b rows: False, HFU = MFU); flash attention; DGX H100 nodes")
+    "False = none (the 3b and 1b rows: False, HFU = MFU); attention at FlashAttention-2's rates, where the "
+    "runs used llm-foundry's Triton flash attention (attn_impl: triton in the MPT yamls and the default of "
+    "scripts/train/benchmarking/submit_benchmarks.py at b2a43a1, the commit that published the table, on "
+    "the image mosaicml/pytorch:2.1.0_cu121): no H100 rate is published for that kernel, and FlashAttention-2's "
+    "paper measures it slower than FlashAttention-2 on the A100, so these rows' attention is if anything "
+    "planned fast; DGX H100 nodes")
 FOUNDRY_VOCAB = 50368
 MPT_SHAPES = {  # d_model, n_heads, n_layers (scripts/train/yamls/pretrain/mpt-*.yaml)
     "1b": (2048, 16, 24), "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40),
