@@ -250,16 +250,16 @@ def moe_saved_bytes(cfg: ModelConfig, recipe: Recipe, expert_mlp: float) -> floa
       routing indices, int64: the top-k choices, the dispatch order and the token of each assignment,
         8k each = 24k; renormalize_top_k: the top-k weights 4k and their sum 4; the weights gathered
         in dispatch order ck;
-      dispatch: the grouped expert input (the dispatch buffer, or its cast under autocast) kcH, the
-        expert outputs before weighting (saved by the weighting multiply) kcH, and the weighted outputs
-        (saved by index_add_) kcH; each assignment's expert MLP: k x expert_mlp.
+      dispatch: the grouped expert input (the dispatch buffer, or its cast under autocast) kcH and the
+        expert outputs before weighting (saved by the weighting multiply) kcH (the combine, model.moe.CombineRows,
+        keeps only its index); each assignment's expert MLP: k x expert_mlp.
     With a capacity limit (dropless=False) the k terms are an upper bound: dropped assignments save
     nothing. Sigmoid gating saves a little more (sigmoid output and its normalisation, O(E)). Groups as
     routed: a CPU's padded ones (model.moe.GROUP_SIZES) save more, uncounted (tests/test_moe_memory.py)."""
     c, H, E, k = recipe.compute_bytes, cfg.d_model, cfg.n_experts, cfg.top_k
     router = 4 * H + 8 * E + 4
     routing = 24 * k + (4 * k + 4 if cfg.renormalize_top_k else 0) + c * k
-    return router + routing + 3 * k * c * H + k * expert_mlp
+    return router + routing + 2 * k * c * H + k * expert_mlp
 
 
 def matmul_weight_params(cfg: ModelConfig, layer: int) -> int:

@@ -7,7 +7,7 @@ token-expert assignments.
 
 Dispatch has no Python loop over tokens: the S assignments are sorted by expert, each expert runs one
 matmul on its contiguous group (a loop over E experts), and the results are scattered back with
-`index_add_`, weighted by the router. Expert weights are stacked 3-D parameters so that the loop body
+`index_add_` (CombineRows), weighted by the router. Expert weights are stacked 3-D parameters so that the loop body
 is two matmuls.
 """
 
@@ -81,6 +81,22 @@ class ExpertLinear(nn.Module):
         each row's expert (for the bias)."""
         y = torch._grouped_mm(x, self.weight.to(x.dtype), offs=offsets)
         return y if self.bias is None else y + self.bias.to(x.dtype)[expert_of]
+
+
+class CombineRows(torch.autograd.Function):
+    """(S', H) rows added into N zero rows at token_of, as index_add_ does, saving only the index for backward
+    (the rows' gradient is the output's gradient gathered at token_of). Autograd's own index_add keeps its source,
+    the S' weighted rows, for their shape: k x H more per token than the combine needs."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, token_of: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        ctx.save_for_backward(token_of)
+        return rows.new_zeros((n_tokens, rows.shape[1])).index_add_(0, token_of, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (token_of,) = ctx.saved_tensors
+        return grad.index_select(0, token_of), None, None
 
 
 class MoE(nn.Module):
@@ -192,7 +208,7 @@ class MoE(nn.Module):
         else:
             y = self.experts_looped(grouped, counts)
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)  # (S', H)
-        return torch.zeros(tokens.shape, dtype=y.dtype, device=y.device).index_add_(0, token_of, y)
+        return CombineRows.apply(y, token_of, tokens.shape[0])
 
     def apply_capacity(self, order: torch.Tensor, counts: torch.Tensor,
                        n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
