@@ -170,7 +170,7 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: in
       MLP: norm2; fc input cH; gated: the fused gate|up output 2cF (gate and up are views of it),
         act(gate) cF, the product (proj input) cF = 4cF; plain: act input and output 2cF (ReLU saves
         only its output, which is also the proj input: cF). MoE: see moe_saved_bytes (router, routing
-        indices and weights, 3 top_k*cH of dispatch buffers, top_k expert MLPs) + the shared experts'
+        indices and weights, 2 top_k*cH of dispatch buffers, top_k expert MLPs) + the shared experts'
         MLP of width n_shared*F and its input cH (none in fp32: it is the router's input tensor).
     Selective checkpointing recomputes the attention core, dropping its logsumexp; its output stays, as
     the o_proj's saved input (measured: 16 of 272 bytes per token fewer at nh 4, hd 16, fp32).

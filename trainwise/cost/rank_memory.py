@@ -154,8 +154,9 @@ class RankPeak:
 
 def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> RankPeak:
     """The peak of one training step on `rank` (RankPeak.peak), the larger of two high points:
-      backward: parameters + optimizer states + the pipeline's receive buffers (activations and gradients,
-        one per micro-batch and link, kept from step to step) + the cross-entropy's backward scratch on the
+      backward: parameters + optimizer states + torch's pipelining's receive buffers (activations and gradients,
+        one per micro-batch and link, kept from step to step; other stacks: Megatron-Core's, which receives into
+        a fresh tensor, the chunk's input, counted in its activations) + the cross-entropy's backward scratch on the
         last stage (two fp32 B T V buffers, whole on every tp rank, or 1/tp of them vocabulary-parallel;
         compiled: one fused kernel, see cost.memory.compiled_loss_backward_bytes) or, under full
         checkpointing, one recomputed block's activations + under FSDP2 the gathered parameters in the
@@ -243,7 +244,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     in_flight_high = max(f + (held if ddp or after else 0) + (outside + table - table // lay.tp if after else 0)
                          for f, after in backwards)
     buffers = 0
-    if lay.pp > 1:
+    if lay.pp > 1 and (plain or fsdp):  # torch's pipelining: trainwise's trainer and FSDP2's stacks (torchtitan)
         act = tokens // (lay.tp if lay.sequence_parallel else 1) * cfg.d_model * acts_recipe.residual_bytes
         buffers = sum(K * act * sum(0 <= n < lay.stages and n not in stages for n in (st - 1, st + 1))
                       for st in stages)  # a link to another rank's stage (a V's middle two share one)
