@@ -10,6 +10,7 @@ from runs import run_of
 from trainwise.cli import main
 from trainwise.cost.layout import make_layout
 from trainwise.cost.memory import get_recipe
+from trainwise.cost.params import params
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import training_seconds
 from trainwise.errors import TrainwiseError
@@ -85,7 +86,8 @@ def test_a_plan_whose_step_peak_is_over_the_budget_says_so_beside_fits(capsys):
     transient buffers: the loss's fp32 B x T x V scratch, gathered FSDP blocks) is over it, the table, the
     derivation and the JSON say so instead of a bare yes."""
     argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--precision", "fp8", "--seq-len",
-            "8192", "--micro-batch", "1", "--global-batch", "128", "--zero", "3", "--tokens", "1e9"]
+            "8192", "--micro-batch", "1", "--global-batch", "128", "--zero", "3", "--tokens", "1e9",
+            "--memory-budget", "75GB"]
     assert main([*argv, "--json"]) == 0
     memory = json.loads(capsys.readouterr().out)["memory"]
     assert memory["per_device_bytes"] < memory["budget_bytes"] < memory["peak_bytes"] and memory["fits"] is True
@@ -95,6 +97,17 @@ def test_a_plan_whose_step_peak_is_over_the_budget_says_so_beside_fits(capsys):
         assert main([*argv, *extra]) == 0
         out = capsys.readouterr().out
         assert "yes by states + activations, but the step peak" in out and over in out, out
+
+
+@pytest.mark.parametrize("extra", [[], ["--gpu", "h100", "--gpus", "8"], ["--simulate"]])
+def test_sequences_longer_than_the_models_are_planned_on_the_model_stretched_to_them(capsys, extra):
+    """--seq-len past the config's max_seq_len: the plan of the model configured for it (a learned table that
+    long), said in a note; the cluster step's and --simulate's fake steps run at that length too."""
+    assert main(["plan", "--model", "gpt2", "--seq-len", "2048", "--micro-batch", "1", "--tokens", "1e9", *extra]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "seq_len 2048 > the model's max_seq_len 1024: planned with max_seq_len 2048" in out
+    if not extra:
+        assert f"{params(replace(get_preset('gpt2'), max_seq_len=2048)).total:,}" in out
 
 
 def test_moe_flops_active_memory_total():

@@ -346,7 +346,7 @@ def _cmd_simulate(args, run: Run, plan) -> int:
                       layout=make_layout(1, zero=args.zero, micro_batches=run.grad_accum),
                       machine=Machine(gpu=args.gpu, peak_flops=args.peak_flops or (None if args.gpu else 1e12)))
         plan = plan_run(run, mfu=args.mfu)
-    mem = simulate_step(model, run.micro_batch, run.seq_len, precision, run.checkpointing,
+    mem = simulate_step(plan.run.model, run.micro_batch, run.seq_len, precision, run.checkpointing,
                         "adamw" if run.optimizer == "adamw" else "sgd", run.grad_accum)
     if args.json:
         print(json.dumps({"plan": plan.to_json(), "simulated": mem.to_json()}, indent=2, default=str))
@@ -354,4 +354,6 @@ def _cmd_simulate(args, run: Run, plan) -> int:
     print(f"{model.name}: B={run.micro_batch} T={run.seq_len} K={run.grad_accum}, recipe {plan.recipe.name}, "
           f"{run.checkpointing} checkpointing; one step simulated on fake tensors (nothing allocated)")
     print(simulate_report(plan, mem))
+    for note in plan.notes:
+        print(f"note: {note}")
     return 0

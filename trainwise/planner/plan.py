@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainwise.config import ZERO_STAGE, ModelConfig, RunConfig, check_op_checkpointing
@@ -259,8 +259,14 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         raise TrainwiseError("give a model (--model PRESET|FILE) or a parameter count (--params N).")
     if checkpointing not in FL.RECOMPUTE:
         raise TrainwiseError(f"--checkpointing '{checkpointing}' must be none, selective, op or full.")
+    notes = []
     if model is not None:
         check_op_checkpointing(model, checkpointing, "--checkpointing")
+        if seq_len > model.max_seq_len:  # the model as it must be configured to take these sequences
+            notes.append(f"seq_len {seq_len} > the model's max_seq_len {model.max_seq_len}: planned with max_seq_len "
+                         f"{seq_len}" + (" (learned positions: a longer table)" if model.position == "learned" else ""))
+            model = replace(model, max_seq_len=seq_len)
+            run = replace(run, model=model)
     if not run.moe_imbalance >= 1:
         raise TrainwiseError(
             f"--moe-imbalance {run.moe_imbalance} is the most loaded expert-parallel rank's tokens over the mean, "
@@ -283,11 +289,8 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         memory_budget = memory_budget or int(machine.memory)  # --memory without a device: still the capacity to fit
     dp = layout.dp
     model_parallel = layout.tp * layout.pp * layout.cp * layout.ep > 1
-    notes = []
     if model is not None:
         counts = params(model)
-        if seq_len > model.max_seq_len:
-            notes.append(f"seq_len {seq_len} > model.max_seq_len {model.max_seq_len}")
         fwd = FL.forward_flops_per_token(model, seq_len, causal_halving)
         model_fpt = 3.0 * fwd.total
         fpt = model_fpt + FL.recompute_flops_per_token(fwd, checkpointing, model)
