@@ -375,6 +375,29 @@ def test_explicit_attention_equals_sdpa(dtype, kv_heads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("approximate", [None, "tanh"], ids=["swiglu", "geglu"])
+def test_gated_unit_equals_autograd_bit_for_bit_and_saves_only_its_inputs(dtype, approximate):
+    """GatedUnit: act(gate) * up with act(gate) computed again in backward; the output and both gradients are
+    autograd's two nodes' bit for bit, and what it keeps for backward is gate and up only (autograd's two nodes
+    keep act(gate) too)."""
+    from trainwise.model.layers import GatedUnit, _gate_act
+
+    g = torch.Generator().manual_seed(0)
+    gate, up, grad = (torch.randn(8, 24, generator=g).to(dtype) for _ in range(3))
+    results = []
+    for fused in (True, False):
+        a, b = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = GatedUnit.apply(a, b, approximate) if fused else _gate_act(a, approximate) * b
+        out.backward(grad)
+        results.append((out, a.grad, b.grad, sum(saved)))
+    (out, d_gate, d_up, kept), (ref, ref_gate, ref_up, ref_kept) = results
+    assert torch.equal(out, ref) and torch.equal(d_gate, ref_gate) and torch.equal(d_up, ref_up)
+    assert kept == 2 * gate.numel() and ref_kept == 3 * gate.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_equals_the_reference_rope_forward_and_backward(dtype):
     """Rotary (one autograd node, half tables, (B, T, heads, hd) layout) is apply_rope, gradient included:
     fp32 to float rounding, bf16 (tables and arithmetic in bf16) to bf16 rounding."""

@@ -167,9 +167,10 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: in
         SDPA out cq (also the o_proj input: a view) and logsumexp 4nh (flash kernel, no T^2 term);
         qk_norm inputs c(q + kv); dropout masks 1 byte/elem on the two residual branches. MLA: norm1 +
         mla_saved_bytes.
-      MLP: norm2; fc input cH; gated: the fused gate|up output 2cF (gate and up are views of it),
-        act(gate) cF, the product (proj input) cF = 4cF; plain: act input and output 2cF (ReLU saves
-        only its output, which is also the proj input: cF). MoE: see moe_saved_bytes (router, routing
+      MLP: norm2; fc input cH; gated: the fused gate|up output 2cF (gate and up are views of it) and the
+        product (proj input) cF = 3cF (model.layers.GatedUnit computes act(gate) again in backward; gpt-oss's
+        clamped SwiGLU, as autograd records it, keeps act(gate) too: 4cF); plain: act input and output 2cF
+        (ReLU saves only its output, which is also the proj input: cF). MoE: see moe_saved_bytes (router, routing
         indices and weights, 2 top_k*cH of dispatch buffers, top_k expert MLPs) + the shared experts'
         MLP of width n_shared*F and its input cH (none in fp32: it is the router's input tensor).
     Selective checkpointing recomputes the attention core, dropping its logsumexp; its output stays, as
@@ -199,7 +200,7 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: in
 
     def mlp(width: int) -> float:
         if gated:
-            return 4 * c * width
+            return (4 if cfg.activation == "clamped_swiglu" else 3) * c * width
         return (1 if cfg.activation == "relu" else 2) * c * width
 
     if cfg.is_moe_layer(layer):
@@ -392,6 +393,8 @@ def recompute_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1, 
     backward while that block's gradients are computed; op-level: the part of them it did not keep."""
     weights = recipe.compute_bytes if recipe.compute_bytes != recipe.residual_bytes else 0
     kept = op_saved_bytes(cfg, recipe) if checkpointing == "op" else 0
+    if checkpointing == "op" and cfg.gated and cfg.activation != "clamped_swiglu":  # model.layers.MLP.act_recomputed:
+        kept -= recipe.compute_bytes * cfg.ffn_hidden  # autograd's two nodes, which keep act(gate) as well
     return math.ceil(max(tokens * (activation_bytes_per_token_layer(cfg, recipe, i) - kept)
                          + weights * matmul_weight_params(cfg, i)
                          for i in _distinct_layers(cfg)) / tp)

@@ -126,13 +126,41 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def gated_activation(cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _gate_act(gate: torch.Tensor, approximate: str | None) -> torch.Tensor:
+    return F.silu(gate) if approximate is None else F.gelu(gate, approximate=approximate)
+
+
+class GatedUnit(torch.autograd.Function):
+    """act(gate) * up (SiLU, or GELU's `approximate` form) as one autograd node that saves only gate and up,
+    views of the fused gate|up projection's output, and computes act(gate) again in backward: the two nodes
+    autograd records for it keep act(gate) as well, F more per token. Backward runs their kernels on the same
+    operands (silu_backward / gelu_backward of grad x up, and grad x act(gate)): the same gradients, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, approximate: str | None) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        ctx.approximate = approximate
+        return _gate_act(gate, approximate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        gate, up = ctx.saved_tensors
+        approximate, d_act = ctx.approximate, grad * up
+        d_gate = (torch.ops.aten.silu_backward(d_act, gate) if approximate is None
+                  else torch.ops.aten.gelu_backward(d_act, gate, approximate=approximate))
+        return d_gate, grad * _gate_act(gate, approximate), None
+
+
+def gated_activation(cfg: ModelConfig, one_node: bool = True) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """(gate, up) -> the input of a gated MLP's down projection: act(gate) * up (Shazeer 2020, "GLU
-    Variants"), or clamped_swiglu with the config's alpha and limit."""
+    Variants"), as one GatedUnit node or (one_node=False) autograd's two, or clamped_swiglu with the config's
+    alpha and limit."""
     if cfg.activation == "clamped_swiglu":
         return functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
-    act = ACTIVATION_FNS[cfg.activation]
-    return lambda gate, up: act(gate) * up
+    approximate = {"swiglu": None, "geglu": "tanh"}[cfg.activation]  # ACTIVATION_FNS' gate activations
+    if one_node:
+        return lambda gate, up: GatedUnit.apply(gate, up, approximate)
+    return lambda gate, up: _gate_act(gate, approximate) * up
 
 
 def split_matmuls(linear: nn.Module, parts: list[int], x: torch.Tensor) -> torch.Tensor:
@@ -156,6 +184,8 @@ class MLP(nn.Module):
         hidden = hidden or cfg.ffn_hidden
         self.gated = cfg.gated
         self.act = gated_activation(cfg) if self.gated else ACTIVATION_FNS[cfg.activation]
+        # op-level checkpointing recomputes act(gate) * up anyway, and would keep what a GatedUnit saves
+        self.act_recomputed = gated_activation(cfg, one_node=False) if self.gated else self.act
         # For gated MLPs gate and up are one (H) -> (2F) matmul; same parameters as two.
         self.fc = nn.Linear(cfg.d_model, 2 * hidden if self.gated else hidden, bias=cfg.bias)
         self.proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
@@ -164,5 +194,5 @@ class MLP(nn.Module):
         h = split_matmuls(self.fc, [self.proj.in_features] * 2, x) if self.split and self.gated else self.fc(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            return self.proj(self.act(gate, up))
+            return self.proj((self.act_recomputed if self.split else self.act)(gate, up))
         return self.proj(self.act(h))
