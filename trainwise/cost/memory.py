@@ -359,6 +359,16 @@ def loss_saved_bytes_per_token(cfg: ModelConfig) -> int:
     return 4 if cfg.loss_chunk_tokens else 4 * cfg.vocab_size
 
 
+def mlp_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int) -> int:
+    """The most an MLP's backward holds beside the saved activations at the step's peak: the gradient of its
+    down projection's input and one more as wide (the next gradient of GatedUnit or of the plain activation),
+    c F each per token (measured: tests/test_chunked_ce.py, where the loss's scratch is smaller); a MoE
+    layer's routed experts top_k of them per token at their width."""
+    c = recipe.compute_bytes
+    return max(tokens * 2 * c * (cfg.top_k * cfg.expert_ffn_hidden if cfg.is_moe_layer(i) else cfg.ffn_hidden)
+               for i in _distinct_layers(cfg))
+
+
 def loss_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1) -> int:
     """Scratch of the cross-entropy's backward, alive at the start of backward beside the activations.
 

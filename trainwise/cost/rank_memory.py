@@ -154,12 +154,12 @@ class RankPeak:
 
 def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> RankPeak:
     """The peak of one training step on `rank` (RankPeak.peak), the larger of two high points:
-      backward: parameters + optimizer states + torch's pipelining's receive buffers (activations and gradients,
-        one per micro-batch and link, kept from step to step; other stacks: Megatron-Core's, which receives into
-        a fresh tensor, the chunk's input, counted in its activations) + the cross-entropy's backward scratch on the
-        last stage (two fp32 B T V buffers, whole on every tp rank, or 1/tp of them vocabulary-parallel;
-        compiled: one fused kernel, see cost.memory.compiled_loss_backward_bytes) or, under full
-        checkpointing, one recomputed block's activations + under FSDP2 the gathered parameters in the
+      backward: parameters + optimizer states + torch's pipelining's receive buffers (one per micro-batch and
+        link; Megatron-Core receives into the chunk's input, an activation) + the larger of an MLP's backward
+        (mlp_backward_bytes) and the cross-entropy's backward scratch on the last stage (two fp32 B T V buffers,
+        whole on every tp rank, or 1/tp of them vocabulary-parallel; compiled: one fused kernel,
+        compiled_loss_backward_bytes) or, under full checkpointing, one recomputed block's activations + under
+        FSDP2 the gathered parameters in the
         compute dtype (zero2: all of the rank's, kept from forward to backward; fsdp: the stage roots and
         two blocks) + the most, over the backwards of the schedule (cost.schedule.schedule_ops), of the
         activations of the micro-batches in flight and the gradients, which exist once a backward of the
@@ -205,9 +205,9 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
                                         st == lay.stages - 1, acts_recipe, compiled, megatron)
                  + cast_experts(run, params, stage_layers(cfg.n_layers, lay.stages, st)) for st in stages]
     tokens = run.tokens_per_micro_batch // lay.cp
-    scratch = 0
+    scratch = math.ceil(M.mlp_backward_bytes(cfg, acts_recipe, tokens) / lay.tp)
     if lay.stages - 1 in stages:
-        scratch = M.loss_backward_bytes(cfg, acts_recipe, tokens) // (lay.tp if megatron else 1)
+        scratch = max(scratch, M.loss_backward_bytes(cfg, acts_recipe, tokens) // (lay.tp if megatron else 1))
         if compiled and not cfg.loss_chunk_tokens:
             scratch = M.compiled_loss_backward_bytes(cfg, acts_recipe, tokens, run.checkpointing)
     if run.checkpointing in ("full", "op"):

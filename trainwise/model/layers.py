@@ -144,11 +144,11 @@ class GatedUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        gate, up = ctx.saved_tensors
-        approximate, d_act = ctx.approximate, grad * up
-        d_gate = (torch.ops.aten.silu_backward(d_act, gate) if approximate is None
-                  else torch.ops.aten.gelu_backward(d_act, gate, approximate=approximate))
-        return d_gate, grad * _gate_act(gate, approximate), None
+        # d_gate before d_up: the product grad x up is freed before act(gate) is computed again
+        gate, up, approximate = *ctx.saved_tensors, ctx.approximate
+        d_gate = (torch.ops.aten.silu_backward(grad * up, gate) if approximate is None
+                  else torch.ops.aten.gelu_backward(grad * up, gate, approximate=approximate))
+        return d_gate, _gate_act(gate, approximate).mul_(grad), None
 
 
 def gated_activation(cfg: ModelConfig, one_node: bool = True) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
