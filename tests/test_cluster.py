@@ -290,8 +290,22 @@ def test_attention_at_flashattention2s_published_rate():
     w = math.log(3000 / 2048) / math.log(2)
     assert attention_rate(A100, 3000, 128)[0] == pytest.approx((155 * (1 - w) + 173 * w) * 1e12)
     assert attention_rate(A100, 100_000, 64)[0] == 171e12  # held at the ends
-    b200_rate, how = attention_rate(ACCELERATORS["b200"], 2048, 128)
-    assert b200_rate == pytest.approx(155e12 * 1745 / 271.2) and "no published rate" in how
+    l40s_rate, how = attention_rate(ACCELERATORS["l40s"], 2048, 128)  # none published: the A100's x MAMF ratio
+    assert l40s_rate == pytest.approx(155e12 * matmul_rate(ACCELERATORS["l40s"], "bf16") / 271.2e12)
+    assert "no published rate" in how
+
+
+def test_the_b200_runs_its_kernels_measured_rates_cudnn_by_default():
+    """The B200: cuDNN's and FlashAttention-2's forward and backward rates as NVIDIA's cudnn-frontend measured them
+    (8,192 tokens: cuDNN 1,171 / 943, FlashAttention-2 400 / 318 TFLOP/s), forward+backward at 1 : 2.5 FLOPs;
+    cuDNN's is the default kernel (flash), FlashAttention-3 is refused."""
+    b200 = ACCELERATORS["b200"]
+    cudnn, how = attention_rate(b200, 8192, 128, "cudnn")
+    assert cudnn == pytest.approx(3.5e12 / (1 / 1171 + 2.5 / 943)) and "cudnn-frontend" in how
+    assert attention_rate(b200, 8192, 128)[0] == cudnn
+    assert attention_rate(b200, 8192, 128, "flash2")[0] == pytest.approx(3.5e12 / (1 / 400 + 2.5 / 318))
+    with pytest.raises(TrainwiseError, match="FlashAttention-3 runs on Hopper GPUs only"):
+        attention_rate(b200, 8192, 128, "flash3")
 
 
 def test_a_gpu_held_under_its_power_runs_its_tensor_core_kernels_at_its_clock_share():

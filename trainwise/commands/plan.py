@@ -71,8 +71,9 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="shard norms/dropout over the sequence with tp (default: on when tp > 1)")
     p.add_argument("--attention-impl", choices=list(ATTENTION_IMPLS), default="flash",
-                   help="flash (FlashAttention-2, PyTorch SDPA's kernel; flash2 names it), flash3 or cudnn "
-                        "(Hopper), or unfused (scores in memory: the published 2021-22 runs)")
+                   help="flash (the GPU's default fused kernel: FlashAttention-2 on Ampere and Hopper, cuDNN's on "
+                        "the B200), flash2, flash3 (Hopper), cudnn (Hopper, B200), or unfused (scores in memory: "
+                        "the published 2021-22 runs)")
     p.add_argument("--no-dp-overlap", action="store_true",
                    help="reduce gradients after backward instead of under it (Megatron-LM's 'local' DDP)")
     p.add_argument("--tp-overlap", nargs="?", const="async", choices=TP_OVERLAPS,

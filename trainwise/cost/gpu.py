@@ -11,7 +11,9 @@
                 table, 392 vs 783 TFLOP/s). Tests hold the model to both.
     attention   the flash kernel at FlashAttention-2's published forward+backward rate for its sequence
                 length and head dim (Dao 2023), counted as that paper counts FLOPs (causal: half of
-                4 T^2 hd heads forward; backward 2.5x forward)
+                4 T^2 hd heads forward; backward 2.5x forward); FlashAttention-3 and cuDNN on Hopper at
+                their speed-up over it in one paper's panels; on the B200 each kernel's own measured rates
+                (cuDNN the default kernel there)
     the rest    bytes moved / (HBM bandwidth x the copy fraction): element-wise kernels, the fused AdamW
                 update, casts; under a fusing stack, the bytes its fused kernels move (cost.ops.Op.fused)
 
@@ -28,7 +30,8 @@ import math
 
 from trainwise.cost.ops import Op
 from trainwise.errors import TrainwiseError
-from trainwise.hardware.table import ACCELERATORS, ATTENTION_TFLOPS, HOPPER_ATTENTION_TFLOPS, Accelerator
+from trainwise.hardware.table import (ACCELERATORS, ATTENTION_TFLOPS, DEFAULT_ATTENTION, HOPPER_ATTENTION_TFLOPS,
+                                      KERNEL_ATTENTION_TFLOPS, Accelerator)
 
 TILES = ((256, 128), (128, 256), (128, 128))  # cuBLAS's tiles (the guide above)
 # A tile's prologue and epilogue as K-iterations, and a call's fixed cost: two values fitted at once across two
@@ -80,14 +83,15 @@ def matmul_seconds(batch: int, m: int, k: int, n: int, acc: Accelerator, dtype: 
 
 def check_attention(impl: str, acc: Accelerator | None) -> None:
     """A TrainwiseError unless `acc` has published rates for the attention kernel `impl`: FlashAttention-3
-    runs on Hopper only, and cuDNN's fused attention is published on Hopper only."""
-    if impl in ("flash3", "cudnn") and (acc is None or acc.attention != "fa2-h100"):
+    runs on Hopper only, and cuDNN's fused attention is published on Hopper and the B200 only."""
+    key = acc.attention if acc is not None else None
+    if (impl == "flash3" and key != "fa2-h100") or (impl == "cudnn" and key not in ("fa2-h100", "b200")):
         what = "FlashAttention-3 runs on Hopper GPUs only" if impl == "flash3" else (
-            "cuDNN's fused attention has published rates on Hopper only")
+            "cuDNN's fused attention has published rates on Hopper and the B200 only")
         where = f"the {acc.name}" if acc is not None else "a device priced by its calibration or a given peak"
         raise TrainwiseError(
-            f"--attention-impl {impl}: {what}, and this plan is on {where}. Use --attention-impl flash "
-            "(FlashAttention-2, what PyTorch's SDPA runs) or plan a table H100, H200 or H800.")
+            f"--attention-impl {impl}: {what}, and this plan is on {where}. Use --attention-impl flash (the "
+            "GPU's default fused kernel) or plan a table H100, H200, H800" + (" or B200." if impl == "cudnn" else "."))
 
 
 def _interpolate(by_t: dict[int, float], seq_len: int) -> float:
@@ -101,10 +105,10 @@ def _interpolate(by_t: dict[int, float], seq_len: int) -> float:
     return by_t[ts[0]]
 
 
-def _forward_backward(impl: str, seq_len: int) -> float:
-    """An attention kernel's forward+backward TFLOP/s on the H100 (FlashAttention-3 paper's panels): the
-    FLOPs of both over their times, backward 2.5x the forward's FLOPs."""
-    forward, backward = (_interpolate(table, seq_len) for table in HOPPER_ATTENTION_TFLOPS[impl])
+def _forward_backward(tables: tuple[dict[int, float], dict[int, float]], seq_len: int) -> float:
+    """An attention kernel's forward+backward TFLOP/s from its published (forward, backward) rates: the FLOPs of
+    both over their times, backward 2.5x the forward's FLOPs."""
+    forward, backward = (_interpolate(table, seq_len) for table in tables)
     return 3.5 / (1 / forward + 2.5 / backward)
 
 
@@ -114,9 +118,18 @@ def attention_rate(acc: Accelerator, seq_len: int, head_dim: int, impl: str = "f
     FlashAttention-3 and cuDNN on Hopper: that rate times the kernel's speed-up over FlashAttention-2 in the
     FlashAttention-3 paper's head-dim-128 panels (same GPU, same shapes), at the same sequence length."""
     key, scale, how = acc.attention, 1.0, "FlashAttention-2 published rate"
+    if key in KERNEL_ATTENTION_TFLOPS:  # each kernel's own measured rates (head dim 128 only)
+        kernel = DEFAULT_ATTENTION.get(key, "flash2") if impl == "flash" else impl
+        check_attention(kernel, acc)
+        how = (f"{'cuDNN' if kernel == 'cudnn' else 'FlashAttention-2'} measured forward and backward rates "
+               f"(NVIDIA cudnn-frontend, {acc.name}, head dim 128)")
+        if acc.clock_share != 1.0:
+            how += f" x its clock share {acc.clock_share:.3f}"
+        return acc.clock_share * 1e12 * _forward_backward(KERNEL_ATTENTION_TFLOPS[key][kernel], seq_len), how
     if impl in ("flash3", "cudnn"):
         check_attention(impl, acc)
-        scale = _forward_backward(impl, seq_len) / _forward_backward("flash2", seq_len)
+        scale = (_forward_backward(HOPPER_ATTENTION_TFLOPS[impl], seq_len)
+                 / _forward_backward(HOPPER_ATTENTION_TFLOPS["flash2"], seq_len))
         how = (f"FlashAttention-2 published rate x the {'FlashAttention-3' if impl == 'flash3' else 'cuDNN'} "
                "speed-up over it (Shah et al. 2024, H100, head dim 128)")
     if key is None:  # (matmul_rate holds the clock share)

@@ -38,7 +38,9 @@ class Accelerator:
     sms: int | None = None  # streaming multiprocessors: matmul tiles run in waves of this many
     mamf: float | None = None  # maximum achievable bf16/fp16 matmul FLOP/s (MAMF)
     copy_fraction: float | None = None  # share of the HBM bandwidth a memory-bound kernel reaches (copy)
-    attention: str | None = None  # key of its published FlashAttention-2 rates (ATTENTION_TFLOPS)
+    # key of its published attention rates: FlashAttention-2's (ATTENTION_TFLOPS), or each kernel's forward and
+    # backward (KERNEL_ATTENTION_TFLOPS: the B200's)
+    attention: str | None = None
     node: str | None = None  # the node it usually comes in (NODES)
     mx: bool = False  # tensor cores that take block-scaled MX formats (MXFP8): Blackwell
     # Its tensor-core kernels' rates (MAMF, FP8, attention) over the published ones: under a power limit below the
@@ -95,9 +97,11 @@ ACCELERATORS: dict[str, Accelerator] = {
     # FP32 80 TFLOP/s; 8 TB/s; 192 GB HBM3e (another NVIDIA table: 180 GB, 7.7 TB/s). MXFP8 at the FP8 rate
     # (NVIDIA Blackwell architecture technical brief: fifth-generation tensor cores, MX formats).
     # Kernels: 148 SMs (ml-engineering training/performance/README.md); MAMF 1,745 TFLOP/s bf16 (77.6%);
-    # copy fraction of GB200 (5,715-5,821 GB/s of 8,000: 0.73); no published FlashAttention-2 rates.
+    # copy fraction of GB200 (5,715-5,821 GB/s of 8,000: 0.73); attention: cuDNN's and FlashAttention-2's
+    # measured rates (KERNEL_ATTENTION_TFLOPS).
     "b200": Accelerator("B200", {"bf16": 2250 * T, "tf32": 1100 * T, "fp8": 4500 * T, "fp32": 80 * T},
-                        8.0e12, 192 * GB, sms=148, mamf=1745 * T, copy_fraction=0.73, node="dgx-b200", mx=True),
+                        8.0e12, 192 * GB, sms=148, mamf=1745 * T, copy_fraction=0.73, attention="b200",
+                        node="dgx-b200", mx=True),
     # L4: NVIDIA L4 datasheet (nanochat 121e12; sourcecode.com listing): BF16 121, TF32 60, FP8 242.5,
     # FP32 30.3; 300 GB/s GDDR6; 24 GB.
     # 58 SMs (NVIDIA Ada GPU architecture whitepaper, AD104 as L4).
@@ -281,6 +285,30 @@ HOPPER_ATTENTION_TFLOPS: dict[str, tuple[dict[int, float], dict[int, float]]] = 
     "flash3": ({512: 467, 1024: 565, 2048: 625, 4096: 638, 8192: 646, 16384: 648},
                {512: 316, 1024: 424, 2048: 501, 4096: 542, 8192: 559, 16384: 561}),
 }
+
+
+# Attention kernels on the B200, bf16, causal, head dim 128, one sequence of 128 query and 8 key-value heads per
+# call: (forward, backward) TFLOP/s by sequence length, counted as FlashAttention's papers count FLOPs. NVIDIA's
+# cudnn-frontend, benchmark/sdpa_benchmark_training/artifacts/sdpa_bf16_benchmark_results_NVIDIA_B200.csv and its
+# sample_b200_bf16_run.txt (torch 2.9.0 nv25.09, cuDNN 9.13.0, flash-attn 2.7.4.post1): cuDNN's fused attention
+# through PyTorch's SDPA (pyt_cudnn) and the flash-attn package's FlashAttention-2 (flash_attention), whose kernels
+# are Ampere's (no Blackwell code of their own). At 2,048 tokens and fewer a call holds fewer tokens than a
+# training step's (16k in FlashAttention-2's panels): the rates there are low. Only head dim 128 is published.
+KERNEL_ATTENTION_TFLOPS: dict[str, dict[str, tuple[dict[int, float], dict[int, float]]]] = {"b200": {
+    "flash2": ({512: 64, 1024: 154, 2048: 254, 4096: 343, 8192: 400, 16384: 425, 32768: 436, 65536: 441,
+                131072: 444},
+               {512: 81, 1024: 105, 2048: 199, 4096: 273, 8192: 318, 16384: 337, 32768: 346, 65536: 349,
+                131072: 348}),
+    "cudnn": ({512: 84, 1024: 255, 2048: 479, 4096: 856, 8192: 1171, 16384: 1332, 32768: 1419, 65536: 1382,
+               131072: 1355},
+              {512: 134, 1024: 309, 2048: 371, 4096: 701, 8192: 943, 16384: 1075, 32768: 1109, 65536: 1073,
+               131072: 1048}),
+}}
+# The fused kernel a stack runs by default (--attention-impl flash) where it is not FlashAttention-2: on Blackwell,
+# cuDNN's (Transformer Engine's FusedAttention; PyTorch's SDPA puts cuDNN first on sm90 / sm100 from cuDNN 9.15,
+# check_prefer_cudnn_attention in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp). Ampere and Hopper keep
+# FlashAttention-2, what the development set's Hopper runs used.
+DEFAULT_ATTENTION = {"b200": "cudnn"}
 
 
 ALIASES = {

@@ -39,7 +39,8 @@ class Hardware:
             return ""
         kernels = (f"matmuls at MAMF {a.mamf / 1e12:.0f} TFLOP/s (Bekman, ml-engineering)" if a.mamf else
                    "no published MAMF: matmuls at 80% of peak (the H100's share)")
-        attention = ("FlashAttention-2 published rates (Dao 2023)" if a.attention else
+        attention = ("cuDNN's and FlashAttention-2's measured attention rates (NVIDIA cudnn-frontend)"
+                     if a.attention == "b200" else "FlashAttention-2 published rates (Dao 2023)" if a.attention else
                      "attention at the A100's FlashAttention-2 rates x MAMF ratio (none published)")
         if a.clock_share != 1.0:
             kernels += f"; every tensor-core kernel at {a.clock_share:.3f} of its published rate (held clocks)"
