@@ -70,7 +70,10 @@ def register(sub, help_text: str) -> None:
                    help="MoE: the most loaded expert-parallel rank's tokens over the mean (default 1.0, balanced)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="shard norms/dropout over the sequence with tp (default: on when tp > 1)")
-    p.add_argument("--attention-impl", choices=list(ATTENTION_IMPLS), default="flash",
+    p.add_argument("--fp8-attention", action="store_true",
+                   help="with an FP8 precision: attention in FP8 too (cuDNN's FP8 kernel, Transformer Engine's FP8 "
+                        "dot-product attention; default: attention in bf16)")
+    p.add_argument("--attention-impl", choices=[i for i in ATTENTION_IMPLS if i != "cudnn-fp8"], default="flash",
                    help="flash (the GPU's default fused kernel: FlashAttention-2 on Ampere and Hopper, cuDNN's on "
                         "the B200), flash2, flash3 (Hopper), cudnn (Hopper, B200), or unfused (scores in memory: "
                         "the published 2021-22 runs)")
@@ -154,6 +157,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def attention_impl(args: argparse.Namespace) -> str:
+    """The attention kernel the flags name: --fp8-attention is cuDNN's FP8 kernel."""
+    if not args.fp8_attention:
+        return args.attention_impl
+    if args.attention_impl not in ("flash", "cudnn"):
+        raise TrainwiseError(
+            f"--fp8-attention runs cuDNN's FP8 attention (Transformer Engine's FP8 dot-product attention), and "
+            f"--attention-impl {args.attention_impl} names another kernel: drop one of the two.")
+    return "cudnn-fp8"
+
+
 def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout: Layout | None = None) -> Run:
     """The run the flags describe: a trainwise TOML's [train] run (load_model), or the defaults (seq_len
     2048 or the model's shorter context, one sequence per step, the bf16 recipe, AdamW, no checkpointing),
@@ -172,7 +186,7 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
     if layout is None:
         layout = make_layout(args.gpus, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
                              sequence_parallel=args.sequence_parallel, zero=args.zero, micro_batches=run.grad_accum,
-                             dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
+                             dp_overlap=not args.no_dp_overlap, attention_impl=attention_impl(args),
                              tp_overlap=args.tp_overlap, cp_impl=args.cp_impl, etp=args.etp,
                              ep_overlap=args.ep_overlap, pp_schedule=args.pp_schedule, pp_overlap=args.pp_overlap,
                              dp_shard=args.dp_shard)
@@ -186,6 +200,10 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
                 f"--fp8-recipe {args.fp8_recipe} chooses how --precision fp8 scales its FP8 tensors, but the "
                 f"precision is {recipe.name}: add --precision fp8, or drop --fp8-recipe.")
         recipe = get_recipe("fp8" if args.fp8_recipe == "current" else f"fp8-{args.fp8_recipe}")
+    if args.fp8_attention and not recipe.fp8:
+        raise TrainwiseError(
+            f"--fp8-attention computes attention in FP8 beside FP8 linear layers, but the precision is {recipe.name}: "
+            "add --precision fp8 (or mxfp8 on a B200), or drop --fp8-attention.")
     return replace(run, recipe=recipe, layout=layout, machine=None if machine == Machine() else machine)
 
 
@@ -227,7 +245,7 @@ def _cmd_fit(args, model, toml_run) -> int:
         raise TrainwiseError("--fit searches ZeRO stages over every data-parallel rank, not HSDP's shard groups: drop "
                              "--dp-shard, or plan the HSDP layout without --fit.")
     if args.gpu and args.gpu.lower() not in ("cpu", "cuda") and args.peak_flops is None and args.mfu is None:
-        layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=args.attention_impl,
+        layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=attention_impl(args),
                              cp_impl=args.cp_impl, tp_overlap=args.tp_overlap, ep_overlap=args.ep_overlap,
                              pp_overlap=args.pp_overlap)
         return _cmd_fit_layouts(args, run_from_args(args, model, toml_run, layout), budget)

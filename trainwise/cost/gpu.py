@@ -30,8 +30,8 @@ import math
 
 from trainwise.cost.ops import Op
 from trainwise.errors import TrainwiseError
-from trainwise.hardware.table import (ACCELERATORS, ATTENTION_TFLOPS, DEFAULT_ATTENTION, HOPPER_ATTENTION_TFLOPS,
-                                      KERNEL_ATTENTION_TFLOPS, Accelerator)
+from trainwise.hardware.table import (ACCELERATORS, ATTENTION_TFLOPS, DEFAULT_ATTENTION, FP8_ATTENTION_TFLOPS,
+                                      HOPPER_ATTENTION_TFLOPS, KERNEL_ATTENTION_TFLOPS, Accelerator)
 
 TILES = ((256, 128), (128, 256), (128, 128))  # cuBLAS's tiles (the guide above)
 # A tile's prologue and epilogue as K-iterations, and a call's fixed cost: two values fitted at once across two
@@ -85,6 +85,12 @@ def check_attention(impl: str, acc: Accelerator | None) -> None:
     """A TrainwiseError unless `acc` has published rates for the attention kernel `impl`: FlashAttention-3
     runs on Hopper only, and cuDNN's fused attention is published on Hopper and the B200 only."""
     key = acc.attention if acc is not None else None
+    if impl == "cudnn-fp8" and (key not in ("fa2-h100", "b200") or "fp8" not in acc.peak_flops):
+        where = f"the {acc.name}" if acc is not None else "a device priced by its calibration or a given peak"
+        raise TrainwiseError(
+            f"--fp8-attention runs cuDNN's FP8 attention, whose rates are published for Hopper (H100, H200, H800) "
+            f"and the B200 only, and this plan is on {where}. Drop --fp8-attention (attention in bf16) or plan one "
+            "of them.")
     if (impl == "flash3" and key != "fa2-h100") or (impl == "cudnn" and key not in ("fa2-h100", "b200")):
         what = "FlashAttention-3 runs on Hopper GPUs only" if impl == "flash3" else (
             "cuDNN's fused attention has published rates on Hopper and the B200 only")
@@ -117,6 +123,13 @@ def attention_rate(acc: Accelerator, seq_len: int, head_dim: int, impl: str = "f
     its published rate at the nearest head dim (64 or 128), interpolated in log T, held at the ends.
     FlashAttention-3 and cuDNN on Hopper: that rate times the kernel's speed-up over FlashAttention-2 in the
     FlashAttention-3 paper's head-dim-128 panels (same GPU, same shapes), at the same sequence length."""
+    if impl == "cudnn-fp8":  # cuDNN's bf16 rate x FP8's speed-up over it, forward and backward, in one run
+        check_attention(impl, acc)
+        bf16, fp8 = FP8_ATTENTION_TFLOPS["b200" if acc.attention == "b200" else "hopper"]
+        rate, how = attention_rate(acc, seq_len, head_dim, "cudnn")
+        return rate * _forward_backward(fp8, seq_len) / _forward_backward(bf16, seq_len), (
+            f"{how}, x cuDNN's FP8 speed-up over bf16 (NVIDIA cudnn-frontend, "
+            f"{'B200' if acc.attention == 'b200' else 'H200'})")
     key, scale, how = acc.attention, 1.0, "FlashAttention-2 published rate"
     if key in KERNEL_ATTENTION_TFLOPS:  # each kernel's own measured rates (head dim 128 only)
         kernel = DEFAULT_ATTENTION.get(key, "flash2") if impl == "flash" else impl

@@ -19,7 +19,8 @@ from trainwise.errors import TrainwiseError
 
 # flash: the fused kernel PyTorch's SDPA runs (FlashAttention-2 on Ampere and Hopper), flash2 the same named;
 # flash3 and cudnn: FlashAttention-3 and cuDNN's fused attention (Hopper); unfused: scores in memory
-ATTENTION_IMPLS = ("flash", "flash2", "flash3", "cudnn", "unfused")
+# cudnn-fp8: cuDNN's attention in FP8 (plan --fp8-attention, with an FP8 precision)
+ATTENTION_IMPLS = ("flash", "flash2", "flash3", "cudnn", "unfused", "cudnn-fp8")
 # how context parallelism exchanges keys and values: ring (p2p around the cp ranks under the attention blocks:
 # Megatron-Core's p2p, ring attention), allgather (all of them gathered before attention, their gradients
 # reduce-scattered after: PyTorch's context_parallel default, Megatron-Core's all_gather) or a2a (Ulysses:

@@ -304,6 +304,26 @@ KERNEL_ATTENTION_TFLOPS: dict[str, dict[str, tuple[dict[int, float], dict[int, f
               {512: 134, 1024: 309, 2048: 371, 4096: 701, 8192: 943, 16384: 1075, 32768: 1109, 65536: 1073,
                131072: 1048}),
 }}
+# cuDNN's fused attention in FP8 (Transformer Engine's FP8 dot-product attention) against bf16 in the same run:
+# ((bf16 forward, bf16 backward), (FP8 forward, FP8 backward)) TFLOP/s by sequence length, causal, head dim 128,
+# one sequence per call. Hopper: NVIDIA cudnn-frontend, benchmark/sdpa_benchmark_training/results/
+# h200_919_only_cudnn/llama3.1_20260227_034703.csv (H200, cuDNN 9.19.1, 64 query and 8 key-value heads; FP8's
+# backward is slower than bf16's past 8K there); Blackwell: artifacts/sdpa_fp8_benchmark_results_NVIDIA_B200.csv
+# (cuDNN 9.13.1, 128 and 8 heads). The planner takes each pass's FP8 / bf16 ratio (cost.gpu.attention_rate).
+FP8_ATTENTION_TFLOPS: dict[str, tuple[tuple[dict[int, float], dict[int, float]], ...]] = {
+    "hopper": (({2048: 484, 4096: 591, 8192: 644, 16384: 673, 32768: 688},
+                {2048: 370, 4096: 474, 8192: 541, 16384: 579, 32768: 581}),
+               ({2048: 698, 4096: 854, 8192: 964, 16384: 1010, 32768: 1042},
+                {2048: 393, 4096: 471, 8192: 430, 16384: 374, 32768: 370})),
+    "b200": (({512: 244, 1024: 561, 2048: 908, 4096: 1141, 8192: 1384, 16384: 1475, 32768: 1515, 65536: 1494,
+               131072: 1422},
+              {512: 201, 1024: 377, 2048: 545, 4096: 833, 8192: 995, 16384: 1152, 32768: 1180, 65536: 1236,
+               131072: 1128}),
+             ({512: 196, 1024: 516, 2048: 974, 4096: 1231, 8192: 1502, 16384: 1692, 32768: 1781, 65536: 1815,
+               131072: 1830},
+              {512: 170, 1024: 377, 2048: 556, 4096: 972, 8192: 1255, 16384: 1469, 32768: 1582, 65536: 1627,
+               131072: 1616})),
+}
 # The fused kernel a stack runs by default (--attention-impl flash) where it is not FlashAttention-2: on Blackwell,
 # cuDNN's (Transformer Engine's FusedAttention; PyTorch's SDPA puts cuDNN first on sm90 / sm100 from cuDNN 9.15,
 # check_prefer_cudnn_attention in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp). Ampere and Hopper keep
