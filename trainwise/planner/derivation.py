@@ -5,6 +5,7 @@ step, has the per-operator table, the phases, the largest contributors and the c
 from __future__ import annotations
 
 from trainwise.cost import memory as M
+from trainwise.cost.gpu import attention_rate
 from trainwise.cost.steptime import COMPILED_ELEMENTWISE
 from trainwise.cost.layout import ZERO_BUBBLE
 from trainwise.units import fmt_bytes
@@ -61,6 +62,14 @@ def explain_step(p) -> str:
     return "\n".join(out)
 
 
+def _attention_rule(p) -> str:
+    """Where the plan's attention rate comes from (cost.gpu.attention_rate's rule), for a fused kernel."""
+    acc, cfg = p.hardware.accelerator, p.model
+    if acc is None or cfg is None or p.layout.attention_impl == "unfused":
+        return ""
+    return f" ({attention_rate(acc, p.seq_len, cfg.head_dim, p.layout.attention_impl)[1]})"
+
+
 def explain_cluster(p) -> str:
     """Section 4 for a GPU cluster (cost.cluster): the layout, each term of the step with its numbers, the
     largest operators and collectives of the slowest pipeline rank."""
@@ -72,7 +81,7 @@ def explain_cluster(p) -> str:
         f"{p.hardware.kernel_source})")
     add(f"   layout: dp={lay.dp} tp={lay.tp} pp={pp} vpp={v} cp={lay.cp} ep={lay.ep}, sequence parallel "
         f"{'on' if lay.sequence_parallel else 'off'}, ZeRO-{lay.zero}, {m} micro-batch(es) of {p.micro_batch} per "
-        f"pipeline per step, {lay.attention_impl} attention, element-wise work "
+        f"pipeline per step, {lay.attention_impl} attention{_attention_rule(p)}, element-wise work "
         f"{'fused' if st.fused else 'eager'}"
         + (f", HSDP: sharded over {lay.shard // lay.cp} x cp data-parallel ranks, {lay.replicas} replicas"
            if lay.replicas > 1 else "") + "; ranks ordered tp-cp-ep-dp-pp (tp inside a node)")
