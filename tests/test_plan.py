@@ -57,6 +57,11 @@ def test_cli_mem(capsys):
     (["plan", "--params", "-5", "--tokens", "1e9", "--gpu", "h100"], "positive"),
     (["plan", "--params", "1e9", "--tokens", "0", "--gpu", "h100"], "positive"),
     (["mem", "--shape", "8,0", "--dtype", "bf16"], "positive"),
+    # found by the slow property test: a zero divisor of the global batch and a negative bandwidth (whose plan
+    # printed a negative step time) were not checked before use
+    (["plan", "--model", "trainwise-gpt2-small", "--global-batch", "8", "--tp", "0"], "--tp = 0 must be positive"),
+    (["plan", "--model", "trainwise-gpt2-small", "--global-batch", "8", "--micro-batch", "0"], "--micro-batch = 0"),
+    (["plan", "--model", "deepseek-v3", "--gpu", "v100", "--bandwidth", "-1"], "--bandwidth = -1 must be positive"),
 ])
 def test_cli_errors(capsys, argv, text):
     assert main(argv) != 0

@@ -178,11 +178,12 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
     given = {key: getattr(args, key) for key in ("seq_len", "micro_batch", "grad_accum", "optimizer", "checkpointing",
                                                  "moe_imbalance", "fused") if getattr(args, key) is not None}
     run = replace(base, model=model, tokens=args.tokens, **given)
+    check_numbers(("--tokens", run.tokens), ("--seq-len", run.seq_len), ("--micro-batch", run.micro_batch),
+                  ("--grad-accum", run.grad_accum), ("--tp", args.tp), ("--pp", args.pp), ("--cp", args.cp),
+                  ("--gpus", args.gpus))
     if args.global_batch and not args.fit:
         run = replace(run, grad_accum=accumulation_for(args.global_batch, run.micro_batch,
                                                        args.gpus // (args.tp * args.pp * args.cp), args.grad_accum))
-    check_numbers(("--tokens", run.tokens), ("--seq-len", run.seq_len), ("--micro-batch", run.micro_batch),
-                  ("--grad-accum", run.grad_accum), ("--tp", args.tp), ("--pp", args.pp), ("--gpus", args.gpus))
     if layout is None:
         layout = make_layout(args.gpus, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
                              sequence_parallel=args.sequence_parallel, zero=args.zero, micro_batches=run.grad_accum,

@@ -114,6 +114,10 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
         hw.accelerator = None
     if hw.accelerator is not None:
         hw.node = _node(hw, gpus, gpus_per_node, intra_node_bw, inter_node_bw)
+    for name, value in (("--bandwidth", bandwidth), ("--memory", memory)):
+        if value is not None and not value > 0:
+            raise TrainwiseError(f"{name} = {value:g} must be positive: the device's memory {name[2:]} "
+                                 f"({'bytes/s' if name == '--bandwidth' else 'bytes, e.g. 80GiB'}).")
     if bandwidth:  # the cluster model prices memory-bound kernels at the accelerator's bandwidth
         hw.bandwidth_bytes_per_s = float(bandwidth)
         if hw.accelerator is not None:
