@@ -122,7 +122,9 @@ def attention_rate(acc: Accelerator, seq_len: int, head_dim: int, impl: str = "f
     """(FLOP/s, where from) of causal flash attention, forward+backward, as FlashAttention-2 counts FLOPs:
     its published rate at the nearest head dim (64 or 128), interpolated in log T, held at the ends.
     FlashAttention-3 and cuDNN on Hopper: that rate times the kernel's speed-up over FlashAttention-2 in the
-    FlashAttention-3 paper's head-dim-128 panels (same GPU, same shapes), at the same sequence length."""
+    FlashAttention-3 paper's head-dim-128 panels (same GPU, same shapes), at the same sequence length. The
+    B200: each kernel's measured rates (flash: its default, cuDNN's). cudnn-fp8: cuDNN's rate times FP8's
+    speed-up over bf16 in one measured run of its generation."""
     if impl == "cudnn-fp8":  # cuDNN's bf16 rate x FP8's speed-up over it, forward and backward, in one run
         check_attention(impl, acc)
         bf16, fp8 = FP8_ATTENTION_TFLOPS["b200" if acc.attention == "b200" else "hopper"]

@@ -17,9 +17,9 @@ from trainwise.config.run import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
 from trainwise.cost.params import embedding_params, layer_params, mlp_params, norm_params
 from trainwise.errors import TrainwiseError
 
-# flash: the fused kernel PyTorch's SDPA runs (FlashAttention-2 on Ampere and Hopper), flash2 the same named;
-# flash3 and cudnn: FlashAttention-3 and cuDNN's fused attention (Hopper); unfused: scores in memory
-# cudnn-fp8: cuDNN's attention in FP8 (plan --fp8-attention, with an FP8 precision)
+# flash: the GPU's default fused kernel (FlashAttention-2 on Ampere and Hopper, cuDNN's on the B200), flash2
+# FlashAttention-2 named; flash3 and cudnn: FlashAttention-3 (Hopper) and cuDNN's fused attention (Hopper, B200);
+# unfused: scores in memory; cudnn-fp8: cuDNN's attention in FP8 (plan --fp8-attention, with an FP8 precision)
 ATTENTION_IMPLS = ("flash", "flash2", "flash3", "cudnn", "unfused", "cudnn-fp8")
 # how context parallelism exchanges keys and values: ring (p2p around the cp ranks under the attention blocks:
 # Megatron-Core's p2p, ring attention), allgather (all of them gathered before attention, their gradients
