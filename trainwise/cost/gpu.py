@@ -85,16 +85,16 @@ def check_attention(impl: str, acc: Accelerator | None) -> None:
     """A TrainwiseError unless `acc` has published rates for the attention kernel `impl`: FlashAttention-3
     runs on Hopper only, and cuDNN's fused attention is published on Hopper and the B200 only."""
     key = acc.attention if acc is not None else None
-    if impl == "cudnn-fp8" and (key not in ("fa2-h100", "b200") or "fp8" not in acc.peak_flops):
-        where = f"the {acc.name}" if acc is not None else "a device priced by its calibration or a given peak"
+    cudnn = key in ("fa2-h100", "b200")
+    where = f"the {acc.name}" if acc is not None else "a device priced by its calibration or a given peak"
+    if impl == "cudnn-fp8" and not (cudnn and "fp8" in acc.peak_flops):
         raise TrainwiseError(
             f"--fp8-attention runs cuDNN's FP8 attention, whose rates are published for Hopper (H100, H200, H800) "
             f"and the B200 only, and this plan is on {where}. Drop --fp8-attention (attention in bf16) or plan one "
             "of them.")
-    if (impl == "flash3" and key != "fa2-h100") or (impl == "cudnn" and key not in ("fa2-h100", "b200")):
+    if (impl == "flash3" and key != "fa2-h100") or (impl == "cudnn" and not cudnn):
         what = "FlashAttention-3 runs on Hopper GPUs only" if impl == "flash3" else (
             "cuDNN's fused attention has published rates on Hopper and the B200 only")
-        where = f"the {acc.name}" if acc is not None else "a device priced by its calibration or a given peak"
         raise TrainwiseError(
             f"--attention-impl {impl}: {what}, and this plan is on {where}. Use --attention-impl flash (the "
             "GPU's default fused kernel) or plan a table H100, H200, H800" + (" or B200." if impl == "cudnn" else "."))
