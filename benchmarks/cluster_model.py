@@ -198,6 +198,7 @@ def table_c(rows: list) -> None:
                                   checkpointing="none",
                                   machine=DGX_H100, ep=r.ep, etp=1 if r.moe else None,
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp or 1, zero=3 if r.fsdp else 1, dp_overlap=True,
+                                  fsdp_copies=False,
                                   tp_overlap="te" if r.tp > 1 else None, ep_overlap=r.a2a_overlap, fused=True,
                                   pp_overlap=True,
                                   attention_impl="cudnn"))
@@ -238,7 +239,7 @@ def table_e(rows: list) -> None:
                 [H100, FSDP], S2.published_step_e(r), r.global_batch * r.seq, r.gpus,
                 lambda r=r, ckpt=ckpt: plan2(S2.mpt(r.model, r.seq), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
                                              grad_accum=r.grad_accum, recipe="amp", checkpointing=ckpt,
-                                             machine=DGX_H100, zero=3))
+                                             machine=DGX_H100, zero=3, fsdp_copies=False))
 
 
 def dev_set_2() -> list[dict]:

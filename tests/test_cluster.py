@@ -13,9 +13,10 @@ from runs import run_of
 from trainwise.cli import main
 from trainwise.config import ModelConfig
 from trainwise.cost import comm as C
-from trainwise.cost.cluster import BREAKDOWN, _tier
-from trainwise.cost.gpu import GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, matmul_rate, matmul_seconds
-from trainwise.cost.layout import Layout, make_layout, placement
+from trainwise.cost.cluster import BREAKDOWN, IN_STEP, _tier
+from trainwise.cost.gpu import (GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, copy_bandwidth, matmul_rate,
+                                matmul_seconds)
+from trainwise.cost.layout import Layout, make_layout, param_counts, placement
 from trainwise.cost.memory import get_recipe
 from trainwise.cost.ops import WEIGHT_CAST
 from trainwise.cost.rank import rank_params
@@ -175,6 +176,32 @@ def test_hsdp_shards_within_a_group_and_all_reduces_each_shard_over_the_replicas
     for bad, hint in ((["--zero", "1"], "add --zero 3"), (["--zero", "3", "--dp-shard", "3"], "must divide the 16")):
         assert main(argv + bad) == 2
         assert hint in capsys.readouterr().err
+
+
+def test_fsdp2_copies_each_gather_out_and_each_reduce_scatter_in_on_the_compute_stream():
+    """ZeRO-3 as FSDP2 runs it: per micro-batch each block's gathered parameters copied out twice (forward and
+    backward's gathers) and its gradients copied into the reduce-scatter's input once, the roots' once each;
+    worked by hand under amp (gathered in bf16: read and write 2 bytes; gradients read in bf16, written in
+    fp32), at the copy bandwidth x IN_STEP. Layout.fsdp_copies off (FSDP1, Megatron-FSDP) prices none."""
+    cfg = gpt(8, 256, 4, max_seq_len=256, dropout=0.0, tie_embeddings=False)
+    run = run_of(cfg, tokens=1e9, seq_len=256, micro_batch=2, grad_accum=2, gpus=8, zero=3, gpu="h100",
+                 precision="amp")
+    on, off = plan_run(run), plan_run(replace(run, layout=replace(run.layout, fsdp_copies=False)))
+    rp = param_counts(cfg, run.layout)
+    rate = copy_bandwidth(ACCELERATORS["h100-sxm"]) / IN_STEP
+    ops = {o["op"]: o for o in on.cluster.ops}
+    m, blocks, root = 2, cfg.n_layers, rp.embedding + rp.head
+    assert ops["FSDP2 all-gather copy-out"]["calls"] == m * (2 * blocks + 1)
+    assert ops["FSDP2 all-gather copy-out"]["seconds"] == pytest.approx(m * (2 * blocks * rp.layer + root) * 4 / rate)
+    assert ops["FSDP2 reduce-scatter copy-in"]["calls"] == m * (blocks + 1)
+    assert ops["FSDP2 reduce-scatter copy-in"]["seconds"] == pytest.approx(m * (blocks * rp.layer + root) * 6 / rate)
+    copies = ops["FSDP2 all-gather copy-out"]["seconds"] + ops["FSDP2 reduce-scatter copy-in"]["seconds"]
+    assert not any(o["op"].startswith("FSDP2") for o in off.cluster.ops)
+    # the copies lengthen the blocks the collectives hide under: the step grows by at most the copies
+    grown = on.cluster.breakdown["dp_comm_s"] - off.cluster.breakdown["dp_comm_s"]
+    assert 0 < grown <= copies * (1 + 1e-9)
+    assert "FSDP2's copies out of each gather" in explain_cluster(on)
+    assert "FSDP2's copies" not in explain_cluster(off)
 
 
 def test_fsdp2s_policy_is_planned_on_16_bit_activations_with_the_recipes_states():
@@ -416,7 +443,7 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     assert j["layout"] == {"dp": 4, "tp": 2, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False,
                            "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash",
                            "cp_impl": "ring", "etp": 2, "ep_overlap": False, "pp_schedule": "1f1b",
-                           "tp_overlap": None, "pp_overlap": False, "dp_shard": 4}
+                           "tp_overlap": None, "pp_overlap": False, "dp_shard": 4, "fsdp_copies": True}
     assert (j["hardware"]["gpus_per_node"], j["hardware"]["intra_node_bytes_per_s"],
             j["hardware"]["inter_node_bytes_per_s"]) == (8, 300e9, 25e9)
     t = j["time"]

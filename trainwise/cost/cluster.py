@@ -31,7 +31,8 @@
                         and the loss's scalars, all-reduced and exposed (_step_reductions)
     data parallel       the rank's gradients all-reduced (ZeRO 1-2: reduce-scattered, parameters
                         all-gathered), under the last micro-batch's backward when dp_overlap (DDP buckets);
-                        ZeRO-3 as FSDP2 runs it, block by block under the neighbouring blocks' compute (_fsdp)
+                        ZeRO-3 as FSDP2 runs it, block by block under the neighbouring blocks' compute, with
+                        its copies out of each gather and into each reduce-scatter on the compute stream (_fsdp)
     optimizer           the fused update of the rank's parameters (/dp under ZeRO), at the copy bandwidth
     overhead            per step, the host's (hardware.profile.DEFAULT_OVERHEAD)
 
@@ -130,7 +131,7 @@ def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: Param
     log.repeat(m)  # the micro-batch's operators and collectives, m times; what follows is once per step
     if layout.zero == 3 and layout.dp * layout.cp > 1:
         breakdown["dp_comm_s"] = _fsdp(cfg, layout, counts, stage_idx[slowest], slowest, worst, tiers, grad_bytes,
-                                       param_bytes, log)
+                                       param_bytes, acc, log)
     else:
         breakdown["dp_comm_s"] = _data_parallel(cfg, layout, counts, stage_idx[slowest], slowest, worst["backward"],
                                                 tiers, grad_bytes, param_bytes, log)
@@ -310,7 +311,7 @@ def _data_parallel(cfg, layout: Layout, rp: ParamCounts, idx, r, backward_s, tie
 
 
 def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_bytes, param_bytes,
-          log: _Log) -> float:
+          acc: Accelerator, log: _Log) -> float:
     """Exposed seconds per step of ZeRO-3 as FSDP2 runs it (torchtitan, llm-foundry): per micro-batch, each
     block's parameters all-gathered before its forward and again before its backward, its gradients
     reduce-scattered after its backward, one block prefetched: a block's gather hides under the previous
@@ -319,7 +320,11 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
     The roots (embedding, final norm and head) are gathered once per micro-batch and kept until backward.
     Blocks priced alike (the rank's layers' mean; experts over their own group, Layout.expert_dp). HSDP
     (Layout.dp_shard): the gathers and reduce-scatters over the shard group, and each reduce-scattered shard
-    all-reduced over the replicas after it, under the same backward."""
+    all-reduced over the replicas after it, under the same backward. FSDP2 copies on the compute stream
+    (Layout.fsdp_copies): each gather's output into the parameters (split_with_sizes_copy: read and written in
+    the gathered dtype) before the block runs, each block's unsharded gradients into the reduce-scatter's input
+    (chunk_cat: read in the compute dtype, written in the reduce dtype) after its backward; memory-bound,
+    at the copy bandwidth x IN_STEP, and they lengthen the compute the collectives hide under."""
     n_moe = sum(cfg.is_moe_layer(i) for i in idx)
     blocks = max(1, len(idx))
     first, last = _ends(layout, r)
@@ -345,10 +350,28 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
     root_gather = coll("all_gather", root, param_bytes, ranks, m)
     root_scatter = coll("reduce_scatter", root, grad_bytes, ranks, m) + coll(
         "all_reduce", root / ranks, grad_bytes, replicas, m, "dp_replicate")
-    forward, backward = mb["forward"] / blocks, mb["backward"] / blocks
+    copy_out, copy_in, root_copies = _fsdp_copies(layout, dense / blocks + experts, root, param_bytes, grad_bytes,
+                                                  acc, log, m, blocks)
+    forward, backward = mb["forward"] / blocks + copy_out, mb["backward"] / blocks + copy_out + copy_in
     exposed_forward = root_gather + gather + (blocks - 1) * max(0.0, gather - forward)
     exposed_backward = blocks * max(0.0, gather + scatter - backward) + scatter + root_scatter
-    return m * (exposed_forward + exposed_backward)
+    return m * (exposed_forward + exposed_backward + blocks * (2 * copy_out + copy_in) + root_copies)
+
+
+def _fsdp_copies(layout: Layout, block: float, root: float, param_bytes: int, grad_bytes: int,
+                 acc: Accelerator, log: _Log, m: int, blocks: int) -> tuple[float, float, float]:
+    """Seconds per micro-batch of FSDP2's copy-out of a block's gather (its parameters read and written in the
+    gathered dtype), of the copy-in of its reduce-scatter (its gradients read in the compute dtype, written in
+    the reduce dtype), and of the roots' (gathered once per micro-batch and reduced once), each logged per
+    step. Zeros without Layout.fsdp_copies."""
+    if not layout.fsdp_copies or layout.shard <= 1:
+        return 0.0, 0.0, 0.0
+    rate = copy_bandwidth(acc) / IN_STEP
+    out, into = 2 * param_bytes / rate, (param_bytes + grad_bytes) / rate
+    ends = 1 if root else 0
+    log.op("FSDP2 all-gather copy-out", m * (2 * blocks + ends), m * (2 * blocks * block + root) * out)
+    log.op("FSDP2 reduce-scatter copy-in", m * (blocks + ends), m * (blocks * block + root) * into)
+    return block * out, block * into, root * (out + into)
 
 
 def _step_reductions(cfg: ModelConfig, layout: Layout, tiers, grad_bytes: int, log: _Log) -> float:

@@ -70,6 +70,10 @@ class Layout:
     # ZeRO-3 shard group spans, the rest replicas of it (ranks ordered tp-cp-dp_shard-dp_replicate, innermost
     # first); None: all of them (FSDP)
     dp_shard: int | None = None
+    # ZeRO-3 as FSDP2 runs it: each gather copied out into the parameters and each block's gradients copied into
+    # the reduce-scatter's input, on the compute stream (cost.cluster._fsdp); False: FSDP1's flat parameters and
+    # Megatron-FSDP's buffers, gathered into and reduced from in place
+    fsdp_copies: bool = True
 
     @property
     def shard(self) -> int:
@@ -127,14 +131,15 @@ class Layout:
                 "micro_batches": self.micro_batches, "dp_overlap": self.dp_overlap,
                 "attention_impl": self.attention_impl, "cp_impl": self.cp_impl, "etp": self.expert_tp,
                 "ep_overlap": self.ep_overlap, "pp_schedule": self.pp_schedule, "tp_overlap": self.tp_overlap,
-                "pp_overlap": self.pp_overlap, "dp_shard": self.dp_shard or self.dp}
+                "pp_overlap": self.pp_overlap, "dp_shard": self.dp_shard or self.dp, "fsdp_copies": self.fsdp_copies}
 
 
 def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
                 sequence_parallel: bool | None = None, zero: int = 0, micro_batches: int = 1,
                 dp_overlap: bool = True, attention_impl: str = "flash", tp_overlap: str | bool | None = None,
                 cp_impl: str = "ring", etp: int | None = None, ep_overlap: bool = False,
-                pp_schedule: str | None = None, pp_overlap: bool = False, dp_shard: int | None = None) -> Layout:
+                pp_schedule: str | None = None, pp_overlap: bool = False, dp_shard: int | None = None,
+                fsdp_copies: bool = True) -> Layout:
     """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1;
     the pipeline schedule 1F1B, or interleaved 1F1B with vpp > 1, unless `pp_schedule` names one; tp_overlap
     one of TP_OVERLAPS (True: "async", as the bare --tp-overlap). ep_overlap and pp_overlap say what the stack
@@ -168,7 +173,7 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
                   micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl,
                   tp_overlap=tp_overlap, pp_schedule=pp_schedule, cp_impl=cp_impl,
                   etp=None if etp is None or etp == tp else etp, ep_overlap=ep_overlap, pp_overlap=pp_overlap,
-                  dp_shard=dp_shard)
+                  dp_shard=dp_shard, fsdp_copies=fsdp_copies)
 
 
 def _check_hsdp(dp: int, dp_shard: int | None, zero: int, ep: int) -> int | None:

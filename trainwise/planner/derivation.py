@@ -116,10 +116,13 @@ def explain_cluster(p) -> str:
     else:
         add(f"   bubble     = (p - 1) / (v m) x m x mean rank micro-batch = ({pp} - 1) / ({v} x {m}) x {m} x "
             f"{sum(st.stage_seconds) / pp:.4g} = {b['bubble_s']:.4g} s")
+    copies = sum(o["seconds"] for o in st.ops if o["op"].startswith("FSDP2 "))
     add("   dp comm    = gradient reduction over dp x cp"
         + (" (HSDP: ZeRO-3's per block in the shard group, then all-reduced over the replicas)" if lay.replicas > 1
            else "") + ", exposed "
-        f"{'past the last backward' if lay.dp_overlap else 'in full'} = {b['dp_comm_s']:.4g} s")
+        f"{'past the last backward' if lay.dp_overlap else 'in full'}"
+        + (f", with FSDP2's copies out of each gather and into each reduce-scatter on the compute stream "
+           f"({copies:.4g} s)" if copies else "") + f" = {b['dp_comm_s']:.4g} s")
     add(f"   optimizer  = the rank's fused update at the copy bandwidth = {b['optimizer_s']:.4g} s")
     add(f"   overhead   = {b['overhead_s']:.4g} s per step (host)")
     add(f"   step = {' + '.join(f'{b[k]:.4g}' for k in b)} = {st.seconds:.4g} s")
