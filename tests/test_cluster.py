@@ -516,15 +516,17 @@ def test_experts_and_few_key_value_heads_as_megatron_places_them():
 
 
 def test_fit_over_layouts_lists_the_fastest_that_fit():
-    """The search over layouts keeps the run's settings (here --tp-overlap async), lists the candidates that fit
+    """The search over layouts keeps the run's settings (here --tp-overlap async and FSDP1's in-place gathers,
+    Layout.fsdp_copies off), lists the candidates that fit
     fastest first, each priced as plan_run prices that layout (re-planned: the same step, and the same one with
     its tp collectives exposed takes longer), and says why the others are set aside."""
     cfg = gpt(16, 1024, 8)
     run = Run(cfg, seq_len=2048, recipe=get_recipe("megatron"), tokens=1.0,
-              layout=make_layout(4, attention_impl="unfused", tp_overlap="async"), machine=Machine(gpu="a100-40gb"))
+              layout=make_layout(4, attention_impl="unfused", tp_overlap="async", fsdp_copies=False),
+              machine=Machine(gpu="a100-40gb"))
     good, bad = fit_run_layouts(run, global_batch=32, memory_budget=8 * 2**30)
     assert good and bad and all(c.fits for c in good)
-    assert all(c.layout["tp_overlap"] == "async" for c in good)
+    assert all(c.layout["tp_overlap"] == "async" and not c.layout["fsdp_copies"] for c in good)
     assert [c.step_seconds for c in good] == sorted(c.step_seconds for c in good)
     assert any("GiB per GPU" in c.reason for c in bad)
     with_tp = [c for c in good if c.layout["tp"] > 1][:4]

@@ -67,8 +67,8 @@ def candidate_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, global_
 
 def fit_run_layouts(run: Run, *, global_batch: int,
                     memory_budget: int) -> tuple[list[LayoutCandidate], list[LayoutCandidate]]:
-    """Every candidate layout of `run`'s GPUs (run.layout.gpus on run.machine; its attention and
-    gradient-overlap settings kept) planned (plan_run: the one memory model and the cluster model), each
+    """Every candidate layout of `run`'s GPUs (run.layout.gpus on run.machine; its attention, overlap and
+    FSDP-copy settings kept) planned (plan_run: the one memory model and the cluster model), each
     with its micro-batch, accumulation and checkpointing: (fitting ones fastest first, the others with
     their reason)."""
     model, seq_len, lay = run.model, run.seq_len, run.layout
@@ -85,7 +85,7 @@ def fit_run_layouts(run: Run, *, global_batch: int,
             layout = make_layout(gpus, tp=c["tp"], pp=c["pp"], vpp=c["vpp"], cp=c["cp"], ep=c["ep"], zero=c["zero"],
                                  micro_batches=c["grad_accum"], dp_overlap=lay.dp_overlap,
                                  attention_impl=lay.attention_impl, cp_impl=lay.cp_impl, tp_overlap=lay.tp_overlap,
-                                 ep_overlap=lay.ep_overlap, pp_overlap=lay.pp_overlap)
+                                 ep_overlap=lay.ep_overlap, pp_overlap=lay.pp_overlap, fsdp_copies=lay.fsdp_copies)
             cand = replace(run, micro_batch=c["micro_batch"], grad_accum=c["grad_accum"],
                            checkpointing=c["checkpointing"], layout=layout)
             plan = plan_run(cand, mfu=DEFAULT_MFU, memory_budget=memory_budget)  # memory first: an MFU prices nothing
