@@ -202,6 +202,14 @@ def test_fsdp2_copies_each_gather_out_and_each_reduce_scatter_in_on_the_compute_
     assert 0 < grown <= copies * (1 + 1e-9)
     assert "FSDP2's copies out of each gather" in explain_cluster(on)
     assert "FSDP2's copies" not in explain_cluster(off)
+    # experts over as many expert-parallel ranks as data-parallel ones (ep 8 = dp 8): each rank's experts whole
+    # on it, never gathered, so none copied: the copy-out is the dense part's and the roots' alone
+    moe = replace(cfg, n_experts=8, top_k=2, expert_ffn_hidden=256)
+    ep = plan_run(replace(run, model=moe, layout=replace(run.layout, ep=8)))
+    rp = param_counts(moe, ep.run.layout)
+    out = next(o for o in ep.cluster.ops if o["op"] == "FSDP2 all-gather copy-out")
+    dense = rp.moe_layer - rp.moe_experts
+    assert out["seconds"] == pytest.approx(m * (2 * blocks * dense + rp.embedding + rp.head) * 4 / rate)
 
 
 def test_fsdp2s_policy_is_planned_on_16_bit_activations_with_the_recipes_states():

@@ -312,11 +312,12 @@ def _data_parallel(cfg, layout: Layout, rp: ParamCounts, idx, r, backward_s, tie
 
 def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_bytes, param_bytes,
           acc: Accelerator, log: _Log) -> float:
-    """Exposed seconds per step of ZeRO-3 as FSDP2 runs it (torchtitan, llm-foundry): per micro-batch, each
-    block's parameters all-gathered before its forward and again before its backward, its gradients
-    reduce-scattered after its backward, one block prefetched: a block's gather hides under the previous
-    block's compute, its reduce-scatter under the next one's backward, and what a block's collectives take
-    beyond its compute is exposed; the first gather of each pass and the last reduce-scatter are not hidden.
+    """Exposed seconds per step of ZeRO-3 as FSDP2 runs it (torchtitan; llm-foundry's FSDP1 and Megatron-FSDP
+    without its copies): per micro-batch, each block's parameters all-gathered before its forward and again
+    before its backward, its gradients reduce-scattered after its backward, one block prefetched: a block's
+    gather hides under the previous block's compute, its reduce-scatter under the next one's backward, and
+    what a block's collectives take beyond its compute is exposed; the first gather of each pass and the last
+    reduce-scatter are not hidden.
     The roots (embedding, final norm and head) are gathered once per micro-batch and kept until backward.
     Blocks priced alike (the rank's layers' mean; experts over their own group, Layout.expert_dp). HSDP
     (Layout.dp_shard): the gathers and reduce-scatters over the shard group, and each reduce-scattered shard
@@ -350,7 +351,8 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
     root_gather = coll("all_gather", root, param_bytes, ranks, m)
     root_scatter = coll("reduce_scatter", root, grad_bytes, ranks, m) + coll(
         "all_reduce", root / ranks, grad_bytes, replicas, m, "dp_replicate")
-    copy_out, copy_in, root_copies = _fsdp_copies(layout, dense / blocks + experts, root, param_bytes, grad_bytes,
+    sharded = dense / blocks * (ranks > 1) + experts * (expert_ranks > 1)  # what each block gathers
+    copy_out, copy_in, root_copies = _fsdp_copies(layout, sharded, root * (ranks > 1), param_bytes, grad_bytes,
                                                   acc, log, m, blocks)
     forward, backward = mb["forward"] / blocks + copy_out, mb["backward"] / blocks + copy_out + copy_in
     exposed_forward = root_gather + gather + (blocks - 1) * max(0.0, gather - forward)
@@ -364,7 +366,7 @@ def _fsdp_copies(layout: Layout, block: float, root: float, param_bytes: int, gr
     gathered dtype), of the copy-in of its reduce-scatter (its gradients read in the compute dtype, written in
     the reduce dtype), and of the roots' (gathered once per micro-batch and reduced once), each logged per
     step. Zeros without Layout.fsdp_copies."""
-    if not layout.fsdp_copies or layout.shard <= 1:
+    if not layout.fsdp_copies or not (block or root):
         return 0.0, 0.0, 0.0
     rate = copy_bandwidth(acc) / IN_STEP
     out, into = 2 * param_bytes / rate, (param_bytes + grad_bytes) / rate
