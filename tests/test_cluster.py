@@ -11,7 +11,7 @@ import pytest
 from runs import run_of
 
 from trainwise.cli import main
-from trainwise.config import ModelConfig
+from trainwise.config import ModelConfig, ParallelConfig
 from trainwise.cost import comm as C
 from trainwise.cost.cluster import BREAKDOWN, IN_STEP, _tier
 from trainwise.cost.gpu import (GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, copy_bandwidth, matmul_rate,
@@ -19,7 +19,7 @@ from trainwise.cost.gpu import (GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, 
 from trainwise.cost.layout import Layout, make_layout, param_counts, placement
 from trainwise.cost.memory import get_recipe
 from trainwise.cost.ops import WEIGHT_CAST
-from trainwise.cost.rank import rank_params
+from trainwise.cost.rank import StepShape, rank_comm, rank_params
 from trainwise.cost.rank_memory import in_flight, layer_bytes_per_token, rank_peak
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.schedule import bubble_fraction, chunk_layers, rank_stages, schedule_seconds, stage_layers
@@ -146,7 +146,8 @@ def test_hsdp_shards_within_a_group_and_all_reduces_each_shard_over_the_replicas
     """--dp-shard (HSDP, FSDP2's replicate x shard): 16 GPUs on two 8-GPU nodes, shard groups of 8 (one node
     each, the gathers on NVLink), 2 replicas. Each rank holds what FSDP on 8 GPUs holds; its gathers and
     reduce-scatters are those of FSDP over 8; after each reduce-scatter its fp32 shard is all-reduced with the
-    other node's (2 ranks: a ring all-reduce sends the buffer once): m x 4 bytes x params / 8 in all."""
+    other node's (2 ranks: a ring all-reduce sends the buffer once): m x 4 bytes x params / 8 in all, each
+    micro-batch's gradients reduce-scattered as torchtitan's FSDP2 does (--fsdp-grad-sync micro-batch)."""
     cfg = gpt(8, 256, 4, max_seq_len=256, dropout=0.0, tie_embeddings=False)
     lay = make_layout(16, zero=3, dp_shard=8)
     assert (lay.shard, lay.replicas, lay.to_json()["dp_shard"]) == (8, 2, 8)
@@ -155,7 +156,7 @@ def test_hsdp_shards_within_a_group_and_all_reduces_each_shard_over_the_replicas
 
     def plan(gpus, **kw):
         return plan_run(run_of(cfg, tokens=1e9, seq_len=256, micro_batch=2, grad_accum=2, gpus=gpus, zero=3,
-                               gpu="h100", precision="amp", **kw)).to_json()
+                               gpu="h100", precision="amp", fsdp_grad_sync="micro-batch", **kw)).to_json()
 
     hsdp, fsdp8, fsdp16 = plan(16, dp_shard=8), plan(8), plan(16)
     states = ("params_bytes", "grads_bytes", "optimizer_bytes")
@@ -210,6 +211,40 @@ def test_fsdp2_copies_each_gather_out_and_each_reduce_scatter_in_on_the_compute_
     out = next(o for o in ep.cluster.ops if o["op"] == "FSDP2 all-gather copy-out")
     dense = rp.moe_layer - rp.moe_experts
     assert out["seconds"] == pytest.approx(m * (2 * blocks * dense + rp.embedding + rp.head) * 4 / rate)
+
+
+def test_fsdp_grad_sync_reduces_once_or_each_micro_batch_in_time_memory_and_messages():
+    """Layout.fsdp_grad_sync, read alike by the cluster step, the rank memory model and the per-rank messages:
+    "step" reduce-scatters once, after the last of K micro-batches, holding their unsharded fp32 gradients until
+    then; "micro-batch" reduce-scatters each one's into the rank's shard. Left to the stack (None), a run
+    trainwise trains is planned as its trainer runs it (step), another stack's recipe as FSDP2 and Megatron-FSDP
+    run it (micro-batch)."""
+    cfg = gpt(8, 256, 4, max_seq_len=256, dropout=0.0, tie_embeddings=False)
+    K, blocks, gpus = 4, cfg.n_layers, 8
+    run = run_of(cfg, tokens=1e9, seq_len=256, micro_batch=2, grad_accum=K, gpus=gpus, zero=3, gpu="h100",
+                 precision="amp")
+    assert run.layout.fsdp_grad_sync is None
+    assert plan_run(run).run.layout.fsdp_grad_sync == "step"
+    assert plan_run(replace(run, recipe=get_recipe("bf16"))).run.layout.fsdp_grad_sync == "micro-batch"
+    plans = {s: plan_run(replace(run, layout=replace(run.layout, fsdp_grad_sync=s))) for s in ("step", "micro-batch")}
+    scatters = {s: next(o["calls"] for o in p.cluster.ops if o["op"] == "nccl reduce_scatter (dp)")
+                for s, p in plans.items()}
+    assert scatters == {"step": blocks + 1, "micro-batch": K * (blocks + 1)}  # the blocks and the roots
+    assert plans["step"].cluster.breakdown["dp_comm_s"] < plans["micro-batch"].cluster.breakdown["dp_comm_s"]
+    # memory: K > 1 micro-batches' unsharded fp32 gradients (4 N) in place of the rank's fp32 shard of them (4 N / dp)
+    n = sum(p.tp_numel for p in rank_params(cfg, run.layout, 0))  # unsharded
+    assert plans["step"].peak_bytes - plans["micro-batch"].peak_bytes == 4 * n - 4 * n // gpus
+    # the messages each rank sends (cost.rank.rank_comm, what the trainer's comm counter is held to)
+    shape = StepShape(micro_batch=2, seq_len=256, grad_accum=K, compute_bytes=2, residual_bytes=2, param_bytes=2)
+    calls = {s: rank_comm(cfg, p.run.layout, 0, shape)["reduce_scatter"]["calls"] for s, p in plans.items()}
+    assert calls["micro-batch"] == K * calls["step"]
+    assert "reduce-scattered once (--fsdp-grad-sync step)" in explain_cluster(plans["step"])
+    assert "reduce-scattered each micro-batch" in explain_cluster(plans["micro-batch"])
+    for bad in (dict(zero=1), dict(zero=3, pp=2)):
+        with pytest.raises(TrainwiseError, match="fsdp-grad-sync micro-batch"):
+            make_layout(gpus, fsdp_grad_sync="micro-batch", **bad)
+    with pytest.raises(TrainwiseError, match="parallel.fsdp_grad_sync = micro-batch .* parallel.strategy=fsdp"):
+        ParallelConfig(strategy="ddp", fsdp_grad_sync="micro-batch").validate()
 
 
 def test_fsdp2s_policy_is_planned_on_16_bit_activations_with_the_recipes_states():
@@ -451,7 +486,8 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     assert j["layout"] == {"dp": 4, "tp": 2, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False,
                            "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash",
                            "cp_impl": "ring", "etp": 2, "ep_overlap": False, "pp_schedule": "1f1b",
-                           "tp_overlap": None, "pp_overlap": False, "dp_shard": 4, "fsdp_copies": True}
+                           "tp_overlap": None, "pp_overlap": False, "dp_shard": 4, "fsdp_copies": True,
+                           "fsdp_grad_sync": "step"}
     assert (j["hardware"]["gpus_per_node"], j["hardware"]["intra_node_bytes_per_s"],
             j["hardware"]["inter_node_bytes_per_s"]) == (8, 300e9, 25e9)
     t = j["time"]
@@ -640,7 +676,8 @@ def test_fsdp2s_mixed_precision_gathers_the_weights_in_the_compute_dtype():
     assert comm[1]["all_gather"]["bytes"] == total * 4 * (n - 1) // n
     # K = 2 micro-batches, each block gathered for forward and for backward, the roots once: 2 bytes each
     assert comm[3]["all_gather"]["bytes"] == 2 * (2 * 8 * n_layer + n_root) * 2 * (n - 1) // n
-    assert comm[3]["reduce_scatter"]["bytes"] == 2 * total * 4 * (n - 1) // n
+    # reduce-scattered once, after the last micro-batch, as trainwise's trainer runs amp (Layout.fsdp_grad_sync)
+    assert comm[3]["reduce_scatter"]["bytes"] == total * 4 * (n - 1) // n
     assert plans[3].cluster.breakdown["compute_s"] < plans[1].cluster.breakdown["compute_s"]
 
 

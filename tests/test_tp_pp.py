@@ -47,7 +47,7 @@ def rank_env() -> dict:
 
 
 TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "ep_fsdp", "moe_fsdp",
-             "cp", "pp_zb", "pp_zb_moe", "pp_zbv", "pp_dualpipev", "pp_fp16", "pp_compiled", "tp_compiled"]
+             "fsdp_sync", "cp", "pp_zb", "pp_zb_moe", "pp_zbv", "pp_dualpipev", "pp_fp16", "pp_compiled", "tp_compiled"]
 FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_tp_tied", "pp_dp", "pp_fsdp", "tp_dp_bf16", "dp_ep", "dp_ep_zero2", "tp_ep_fsdp",
               "cp_dp", "tp_cp", "pp_dp_ep"]
 
@@ -488,7 +488,7 @@ def test_world_size_not_divisible_by_the_layout_names_one_that_works():
     with pytest.raises(TrainwiseError, match=r"6 ranks.*tp = 4 x parallel.pp = 1 = 4.*Start 4 ranks"):
         layout_for(ParallelConfig(tp=4, strategy="fsdp"), 6)
     assert layout_for(ParallelConfig(tp=2, pp=2, strategy="fsdp"), 8, micro_batches=4) == Layout(
-        dp=2, pp=2, tp=2, zero=3, sequence_parallel=True, micro_batches=4)
+        dp=2, pp=2, tp=2, zero=3, sequence_parallel=True, micro_batches=4, fsdp_grad_sync="step")  # the trainer's
     with pytest.raises(TrainwiseError, match=r"parallel.ep = 4 does not divide the 6 data-parallel.*Start 4 ranks"):
         layout_for(ParallelConfig(ep=4, strategy="ddp"), 6)
     assert layout_for(ParallelConfig(ep=2, strategy="ddp"), 4).expert_dp == 2
@@ -496,7 +496,8 @@ def test_world_size_not_divisible_by_the_layout_names_one_that_works():
         layout_for(ParallelConfig(cp=4, strategy="ddp"), 6)
     with pytest.raises(TrainwiseError, match="parallel.strategy=ddp"):
         layout_for(ParallelConfig(cp=2), 2)
-    assert layout_for(ParallelConfig(cp=2, strategy="fsdp"), 4) == Layout(dp=2, cp=2, zero=3, cp_impl="allgather")
+    assert layout_for(ParallelConfig(cp=2, strategy="fsdp"), 4) == Layout(dp=2, cp=2, zero=3, cp_impl="allgather",
+                                                                           fsdp_grad_sync="step")
 
 
 def test_a_mixture_of_experts_model_passes_the_check_under_pipeline_parallelism():

@@ -67,6 +67,8 @@ CASES = {  # name: (model, parallel, micro_batch, grad_accum)
     # FSDP2 over a MoE's blocks, every expert in them: one micro-batch of 16 tokens, so the step's peak is the
     # blocks' backward (gathered, prefetched, their gradients and reduce-scatter inputs: the plan block by block)
     "moe_fsdp": ({**MOE, "first_dense_layers": 0}, dict(strategy="fsdp"), 1, 1),
+    # FSDP2 reduce-scattering each of 3 micro-batches' gradients into the rank's shard (parallel.fsdp_grad_sync)
+    "fsdp_sync": (dict(), dict(strategy="fsdp", fsdp_grad_sync="micro-batch"), 2, 3),
     "dp_ep_zero2": (MOE, dict(ep=2, strategy="zero2"), 2, 2),
     "cp": (dict(), dict(cp=2, strategy="ddp"), 2, 2),  # 16 positions: 4 chunks of 4, rank 0 holds 0-3 and 12-15
     "cp_dp": (dict(position="learned", n_kv_heads=1), dict(cp=2, strategy="fsdp"), 2, 2),  # dp 2 x cp 2

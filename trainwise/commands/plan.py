@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import CHECKPOINTING, load_config
-from trainwise.config.run import PP_SCHEDULES
+from trainwise.config.run import FSDP_GRAD_SYNCS, PP_SCHEDULES
 from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, TP_OVERLAPS, Layout, make_layout
 from trainwise.cost.memory import FP8_SCALINGS, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES, get_recipe
 from trainwise.cost.run import Machine, Run
@@ -54,6 +54,11 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--dp-shard", type=whole_number, default=None,
                    help="HSDP with --zero 3: the data-parallel ranks one shard group spans, replicated over the rest "
                         "(torchtitan's data_parallel_shard_degree; default: all of them, FSDP)")
+    p.add_argument("--fsdp-grad-sync", choices=list(FSDP_GRAD_SYNCS), default=None,
+                   help="with --zero 3 and accumulation, when gradients are reduce-scattered: once per step, after the "
+                        "last micro-batch (their unsharded fp32 sum held until then), or each micro-batch's into the "
+                        "rank's shard (default: step where trainwise would train the run, as its trainer does; "
+                        "micro-batch for other stacks' recipes, as torchtitan's FSDP2 and Megatron-FSDP run them)")
     p.add_argument("--tp", type=whole_number, default=1, help="tensor-parallel ranks (inside a node)")
     p.add_argument("--pp", type=whole_number, default=1, help="pipeline stages")
     p.add_argument("--vpp", type=whole_number, default=1, help="virtual stages per pipeline rank (interleaved 1F1B)")
@@ -190,7 +195,7 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
                              dp_overlap=not args.no_dp_overlap, attention_impl=attention_impl(args),
                              tp_overlap=args.tp_overlap, cp_impl=args.cp_impl, etp=args.etp,
                              ep_overlap=args.ep_overlap, pp_schedule=args.pp_schedule, pp_overlap=args.pp_overlap,
-                             dp_shard=args.dp_shard)
+                             dp_shard=args.dp_shard, fsdp_grad_sync=args.fsdp_grad_sync)
     machine = Machine(gpu=args.gpu, peak_flops=args.peak_flops, bandwidth=args.bandwidth, memory=args.memory,
                       gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
                       inter_node_bw=args.inter_node_bw, clock_share=args.clock_share)
@@ -249,6 +254,7 @@ def _cmd_fit(args, model, toml_run) -> int:
         layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=attention_impl(args),
                              cp_impl=args.cp_impl, tp_overlap=args.tp_overlap, ep_overlap=args.ep_overlap,
                              pp_overlap=args.pp_overlap)
+        layout = replace(layout, fsdp_grad_sync=args.fsdp_grad_sync)  # for the candidates with ZeRO-3 and one stage
         return _cmd_fit_layouts(args, run_from_args(args, model, toml_run, layout), budget)
     run = run_from_args(args, model, toml_run, fit_layout(args.gpus, args.tp, args.pp))
     seq = run.seq_len

@@ -19,6 +19,9 @@ STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
 PP_SCHEDULES = ("1f1b", "interleaved", "gpipe", "interleaved_zb", "zbv", "dualpipev")
 # schedules that run several stages per pipeline rank (parallel.vpp of them); zbv and dualpipev two, in a V
 MULTI_STAGE_SCHEDULES = ("interleaved", "interleaved_zb", "zbv", "dualpipev")
+# When FSDP reduce-scatters a step's gradients: once, after the last micro-batch ("step"), or each micro-batch's
+# as its backward runs ("micro-batch"): trainwise.cost.layout.Layout.fsdp_grad_sync
+FSDP_GRAD_SYNCS = ("step", "micro-batch")
 FSDP_STRATEGIES = ("zero2", "fsdp")  # both run on FSDP2 (fully_shard)
 # The ZeRO stage each parallel.strategy realises on the data-parallel dimension, and back (a plan's stage as
 # the trainer runs it over more than one rank).
@@ -189,10 +192,20 @@ class ParallelConfig:
     vpp: int = 1  # stages per pipeline rank (interleaved 1F1B, Narayanan et al. 2021)
     cp: int = 1
     ep: int = 1
+    # with accumulation under fsdp: "step" sums the micro-batches' unsharded fp32 gradients and reduce-scatters
+    # them once; "micro-batch" reduce-scatters each one's into the rank's shard (less memory, K x the reductions)
+    fsdp_grad_sync: str = "step"
 
     def validate(self) -> None:
         choice("parallel.strategy", self.strategy, STRATEGIES)
         choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        choice("parallel.fsdp_grad_sync", self.fsdp_grad_sync, FSDP_GRAD_SYNCS)
+        if self.fsdp_grad_sync == "micro-batch" and (self.strategy != "fsdp" or self.pp > 1):
+            raise TrainwiseError(
+                f"parallel.fsdp_grad_sync = micro-batch says when FSDP reduce-scatters gradients, but this run is "
+                f"parallel.strategy = {self.strategy} with parallel.pp = {self.pp}: it needs parallel.strategy=fsdp "
+                "and no pipeline stages (torch's pipeline schedules reduce at each stage's last backward); set "
+                "parallel.fsdp_grad_sync=step otherwise.")
         for key in ("tp", "pp", "vpp", "cp", "ep"):
             if getattr(self, key) < 1:
                 raise TrainwiseError(f"parallel.{key} = {getattr(self, key)} must be a positive integer (1 = off).")

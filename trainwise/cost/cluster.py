@@ -317,7 +317,8 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
     before its backward, its gradients reduce-scattered after its backward, one block prefetched: a block's
     gather hides under the previous block's compute, its reduce-scatter under the next one's backward, and
     what a block's collectives take beyond its compute is exposed; the first gather of each pass and the last
-    reduce-scatter are not hidden.
+    reduce-scatter are not hidden. The gradients are reduce-scattered on the last micro-batch, or on each
+    (Layout.fsdp_grad_sync); the copy-in stands for the other micro-batches' sum into the fp32 gradients.
     The roots (embedding, final norm and head) are gathered once per micro-batch and kept until backward.
     Blocks priced alike (the rank's layers' mean; experts over their own group, Layout.expert_dp). HSDP
     (Layout.dp_shard): the gathers and reduce-scatters over the shard group, and each reduce-scattered shard
@@ -345,19 +346,21 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
     experts = n_moe * rp.moe_experts / blocks
     gather = coll("all_gather", dense / blocks, param_bytes, ranks, 2 * blocks * m) + coll(
         "all_gather", experts, param_bytes, expert_ranks, 2 * blocks * m)
-    scatter = coll("reduce_scatter", dense / blocks, grad_bytes, ranks, blocks * m) + coll(
-        "reduce_scatter", experts, grad_bytes, expert_ranks, blocks * m) + coll(
-        "all_reduce", dense / blocks / ranks, grad_bytes, replicas, blocks * m, "dp_replicate")
+    reduces = m if layout.reduces_each_micro_batch else 1  # micro-batches whose gradients are reduce-scattered
+    scatter = coll("reduce_scatter", dense / blocks, grad_bytes, ranks, blocks * reduces) + coll(
+        "reduce_scatter", experts, grad_bytes, expert_ranks, blocks * reduces) + coll(
+        "all_reduce", dense / blocks / ranks, grad_bytes, replicas, blocks * reduces, "dp_replicate")
     root_gather = coll("all_gather", root, param_bytes, ranks, m)
-    root_scatter = coll("reduce_scatter", root, grad_bytes, ranks, m) + coll(
-        "all_reduce", root / ranks, grad_bytes, replicas, m, "dp_replicate")
+    root_scatter = coll("reduce_scatter", root, grad_bytes, ranks, reduces) + coll(
+        "all_reduce", root / ranks, grad_bytes, replicas, reduces, "dp_replicate")
     sharded = dense / blocks * (ranks > 1) + experts * (expert_ranks > 1)  # what each block gathers
     copy_out, copy_in, root_copies = _fsdp_copies(layout, sharded, root * (ranks > 1), param_bytes, grad_bytes,
                                                   acc, log, m, blocks)
     forward, backward = mb["forward"] / blocks + copy_out, mb["backward"] / blocks + copy_out + copy_in
     exposed_forward = root_gather + gather + (blocks - 1) * max(0.0, gather - forward)
-    exposed_backward = blocks * max(0.0, gather + scatter - backward) + scatter + root_scatter
-    return m * (exposed_forward + exposed_backward + blocks * (2 * copy_out + copy_in) + root_copies)
+    reducing = blocks * max(0.0, gather + scatter - backward) + scatter + root_scatter
+    exposed_backward = reduces * reducing + (m - reduces) * blocks * max(0.0, gather - backward)
+    return m * (exposed_forward + blocks * (2 * copy_out + copy_in) + root_copies) + exposed_backward
 
 
 def _fsdp_copies(layout: Layout, block: float, root: float, param_bytes: int, grad_bytes: int,

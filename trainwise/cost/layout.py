@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, replace
 
 from trainwise.config import STRATEGY_OF_STAGE, ModelConfig
-from trainwise.config.run import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
+from trainwise.config.run import FSDP_GRAD_SYNCS, MULTI_STAGE_SCHEDULES, PP_SCHEDULES
 from trainwise.cost.params import embedding_params, layer_params, mlp_params, norm_params
 from trainwise.errors import TrainwiseError
 
@@ -74,6 +74,17 @@ class Layout:
     # the reduce-scatter's input, on the compute stream (cost.cluster._fsdp); False: FSDP1's flat parameters and
     # Megatron-FSDP's buffers, gathered into and reduced from in place
     fsdp_copies: bool = True
+    # when ZeRO-3 reduce-scatters a step's gradients (config.run.FSDP_GRAD_SYNCS): "step", once, after the last
+    # micro-batch (their unsharded fp32 gradients summed on each rank until then: trainwise's trainer, FSDP2 with
+    # gradient sync off before the last); "micro-batch", each one's as its backward runs, into the rank's shard
+    # (FSDP2 left syncing, as torchtitan runs it; Composer's FSDP; Megatron-FSDP). With pp: "step" (torch's
+    # pipeline schedules reduce at each stage's last backward). None: the stack's (cost.run.fsdp_grad_sync)
+    fsdp_grad_sync: str | None = None
+
+    @property
+    def reduces_each_micro_batch(self) -> bool:
+        """ZeRO-3 reduce-scatters every micro-batch's gradients (Layout.fsdp_grad_sync "micro-batch", one stage)."""
+        return self.fsdp_grad_sync == "micro-batch" and self.zero == 3 and self.pp == 1
 
     @property
     def shard(self) -> int:
@@ -131,7 +142,8 @@ class Layout:
                 "micro_batches": self.micro_batches, "dp_overlap": self.dp_overlap,
                 "attention_impl": self.attention_impl, "cp_impl": self.cp_impl, "etp": self.expert_tp,
                 "ep_overlap": self.ep_overlap, "pp_schedule": self.pp_schedule, "tp_overlap": self.tp_overlap,
-                "pp_overlap": self.pp_overlap, "dp_shard": self.dp_shard or self.dp, "fsdp_copies": self.fsdp_copies}
+                "pp_overlap": self.pp_overlap, "dp_shard": self.dp_shard or self.dp, "fsdp_copies": self.fsdp_copies,
+                "fsdp_grad_sync": self.fsdp_grad_sync}
 
 
 def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
@@ -139,7 +151,7 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
                 dp_overlap: bool = True, attention_impl: str = "flash", tp_overlap: str | bool | None = None,
                 cp_impl: str = "ring", etp: int | None = None, ep_overlap: bool = False,
                 pp_schedule: str | None = None, pp_overlap: bool = False, dp_shard: int | None = None,
-                fsdp_copies: bool = True) -> Layout:
+                fsdp_copies: bool = True, fsdp_grad_sync: str | None = None) -> Layout:
     """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1;
     the pipeline schedule 1F1B, or interleaved 1F1B with vpp > 1, unless `pp_schedule` names one; tp_overlap
     one of TP_OVERLAPS (True: "async", as the bare --tp-overlap). ep_overlap and pp_overlap say what the stack
@@ -169,11 +181,27 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
             f"{_divisor_hint(gpus, tp, pp, cp)}.")
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
     dp_shard = _check_hsdp(gpus // split, dp_shard, zero, ep)
+    _check_grad_sync(fsdp_grad_sync, zero, pp)
     return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=gpus // split, sequence_parallel=sp, zero=zero,
                   micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl,
                   tp_overlap=tp_overlap, pp_schedule=pp_schedule, cp_impl=cp_impl,
                   etp=None if etp is None or etp == tp else etp, ep_overlap=ep_overlap, pp_overlap=pp_overlap,
-                  dp_shard=dp_shard, fsdp_copies=fsdp_copies)
+                  dp_shard=dp_shard, fsdp_copies=fsdp_copies, fsdp_grad_sync=fsdp_grad_sync)
+
+
+def _check_grad_sync(sync: str | None, zero: int, pp: int) -> None:
+    """fsdp_grad_sync is None or one of FSDP_GRAD_SYNCS, and "micro-batch" a ZeRO-3 layout's without stages."""
+    if sync is not None and sync not in FSDP_GRAD_SYNCS:
+        raise TrainwiseError(f"--fsdp-grad-sync (parallel.fsdp_grad_sync) '{sync}' must be one of "
+                             f"{', '.join(FSDP_GRAD_SYNCS)}.")
+    if sync == "micro-batch" and zero != 3:
+        raise TrainwiseError(f"--fsdp-grad-sync micro-batch (parallel.fsdp_grad_sync) says when FSDP (ZeRO-3) "
+                             f"reduce-scatters gradients, but this layout is ZeRO-{zero}: add --zero 3 "
+                             "(parallel.strategy = 'fsdp'), or leave the setting at 'step'.")
+    if sync == "micro-batch" and pp > 1:
+        raise TrainwiseError(f"--fsdp-grad-sync micro-batch (parallel.fsdp_grad_sync) with {pp} pipeline stages: "
+                             "torch's pipeline schedules reduce each stage's gradients at its last backward "
+                             "whatever FSDP is told; leave the setting at 'step' with pp > 1.")
 
 
 def _check_hsdp(dp: int, dp_shard: int | None, zero: int, ep: int) -> int | None:

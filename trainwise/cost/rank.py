@@ -412,7 +412,8 @@ def _ddp_buckets(grad_bytes: list[int]) -> list[int]:
 def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> None:
     """The dp dimension's collectives of one step (runtime.distributed.wrap): FSDP2 all-gathers each
     unit's shards (fsdp: before forward and again before backward, per micro-batch; zero2: once per
-    micro-batch) and reduce-scatters its fp32 gradients on the last micro-batch; replicate all-reduces
+    micro-batch) and reduce-scatters its fp32 gradients on the last micro-batch (on every one with
+    Layout.fsdp_grad_sync "micro-batch"); replicate all-reduces
     each unit's gradients once; DDP all-reduces its buckets once. Divided experts (ep > 1) are neither DDP's nor
     replicate's or FSDP2's: their gradients, flattened, are all-reduced once over the edp ranks that hold the same
     experts."""
@@ -423,13 +424,14 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
     by_unit = units(cfg, layout, rank)
     if layout.strategy in ("zero2", "fsdp"):
         ops = schedule_ops(layout, layout.coords(rank)[1], K)
+        reduces = K if layout.reduces_each_micro_batch else 1
         for unit, params in by_unit.items():
             padded = sum(p.padded_numel for p in params)
             gathers = _fsdp_gathers(ops, _unit_chunk(unit, cfg, layout), layout.strategy == "fsdp", layout.pp > 1)
             _add(out, "all_gather", gathers, shard * padded * shape.param_bytes, shard)
-            _add(out, "reduce_scatter", 1, shard * padded * 4, shard)
+            _add(out, "reduce_scatter", reduces, shard * padded * 4, shard)
             if layout.replicas > 1:
-                _add(out, "all_reduce", 1, padded * 4, layout.replicas)
+                _add(out, "all_reduce", reduces, padded * 4, layout.replicas)
     params = rank_params(cfg, layout, rank)
     if layout.ep > 1:  # runtime.expert_parallel: the experts outside DDP, replicate or FSDP2, reduced over edp
         _add(out, "all_reduce", 1, 4 * sum(p.tp_numel for p in params if is_expert(p.spec)), layout.expert_dp)

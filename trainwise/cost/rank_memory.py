@@ -1,21 +1,19 @@
-"""The per-rank memory model: the peak of one training step on one rank of any layout, from
-trainwise.cost.rank's parameters, gradients and optimizer states and the activations of the micro-batches
-the pipeline schedule holds at once. The memory check before step 1, the plan of a run and verify's
-per-rank comparison all read `rank_peak`.
+"""The per-rank memory model: the peak of one training step on one rank of any layout, from trainwise.cost.rank's
+parameters, gradients and optimizer states and the activations of the micro-batches the pipeline schedule holds at
+once. The memory check before step 1, the plan of a run and verify's per-rank comparison all read `rank_peak`.
 
-A layout trainwise trains (one process; DDP, ZeRO-1, FSDP2's zero2 and fsdp; tensor and pipeline
-parallelism and their mixes; expert parallelism over DDP's ranks; in fp32 or autocast) is priced as its
-trainer runs it, and so is context parallelism as trainwise trains it (all-gather attention). Any other (context
-parallelism of other forms, expert parallelism beside tp, Megatron's precision
-recipes, unfused attention, tensor parallelism without sequence parallelism) is priced as Megatron-Core runs
-it, the stack of the cluster planner's development sets: sequence parallelism saves each rank's shard of the
-column-parallel inputs and gathers it again in backward, the cross-entropy is vocabulary-parallel, ZeRO shards
-over dp x cp (experts over dp x cp / ep).
+A layout trainwise trains (one process; DDP, ZeRO-1, FSDP2's zero2 and fsdp; tensor and pipeline parallelism and
+their mixes; expert parallelism over DDP's ranks; in fp32 or autocast) is priced as its trainer runs it, and so is
+context parallelism as trainwise trains it (all-gather attention). Any other (context parallelism of other forms,
+expert parallelism beside tp, Megatron's precision recipes, unfused attention, tensor parallelism without sequence
+parallelism) is priced as Megatron-Core runs it, the stack of the cluster planner's development sets: sequence
+parallelism saves each rank's shard of the column-parallel inputs and gathers it again in backward, the
+cross-entropy is vocabulary-parallel, ZeRO shards over dp x cp (experts over dp x cp / ep).
 
-cost.memory's bytes per token (read off the tensors autograd saves) are divided by tp where sequence
-parallelism splits the positions or tensor parallelism the heads and widths, and kept whole where every
-rank holds all positions; each rank holds T / cp of the positions; pipeline schedules decide how many
-micro-batches a stage holds at once.
+cost.memory's bytes per token (read off the tensors autograd saves) are divided by tp where sequence parallelism
+splits the positions or tensor parallelism the heads and widths, and kept whole where every rank holds all
+positions; each rank holds T / cp of the positions; pipeline schedules decide how many micro-batches a stage holds
+at once.
 """
 
 from __future__ import annotations
@@ -27,20 +25,8 @@ from trainwise.config import ModelConfig
 from trainwise.cost import memory as M
 from trainwise.cost.layout import ZERO_BUBBLE, Layout
 from trainwise.cost.rank import divided, is_expert, rank_params, units
-from trainwise.cost.run import Run
+from trainwise.cost.run import Run, fsdp_grad_sync, trains
 from trainwise.cost.schedule import rank_stages, schedule_ops, stage_layers
-
-
-def trains(run: Run) -> bool:
-    """Whether trainwise's trainer runs this layout as planned: fp32 or autocast over fp32 weights, sequence
-    parallel with tp, flash attention, context parallelism only as all-gather attention without pp
-    (runtime.context_parallel), expert parallelism only over the data-parallel ranks (of each pipeline stage:
-    runtime.expert_parallel), each expert's width split over tp (etp = tp)."""
-    lay = run.layout
-    experts = lay.ep == 1 or lay.expert_tp == lay.tp
-    context = lay.cp == 1 or lay.cp_impl == "allgather" and lay.pp == 1
-    return (run.recipe.name in ("fp32", "amp") and context and experts and lay.attention_impl == "flash"
-            and (lay.tp == 1 or lay.sequence_parallel))
 
 
 def layer_bytes_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int, layout: Layout, seq_len: int,
@@ -174,17 +160,15 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         AdamW's sqrt(v)), none where trainwise's fused AdamW or SGD updates each tensor in place (every layout it
         trains, DTensors included); under tp an untied embedding's gradient whole (whole_embedding_grad).
     A table tied between the embedding and the LM head on one rank (no FSDP2) gets its gradient from both: the
-    autograd engine sums the two at the end of backward, when every other gradient exists (tied_grad_sum).
-    States: the recipe's bytes per element of the rank's shards (cost.rank.rank_params: fp32 parameters and
-    gradients in trainwise's runs) and its optimizer moments and master copy; ZeRO-1 keeps `optimizer_share`
-    of them (default 1 / (dp x cp), experts' 1 / (dp x cp / ep)). FSDP2 runs the forward on gathered
-    compute-dtype weights and inputs: residual stream in the compute dtype, no autocast weight copies, and
-    is compiled per block (planned eager). ddp on a tp or pp mesh is FSDP2's replicate (Layout.replicate), priced as
-    FSDP2 with every unit kept gathered."""
+    autograd engine sums the two at the end of backward, when every other gradient exists (tied_grad_sum). States:
+    the recipe's bytes per element of the rank's shards (cost.rank.rank_params: fp32 parameters and gradients in
+    trainwise's runs) and its optimizer moments and master copy; ZeRO-1 keeps `optimizer_share` of them (default 1 /
+    (dp x cp), experts' 1 / (dp x cp / ep)). FSDP2 runs the forward on gathered compute-dtype weights and inputs:
+    residual stream in the compute dtype, no autocast weight copies, and is compiled per block (planned eager). ddp
+    on a tp or pp mesh is FSDP2's replicate (Layout.replicate), priced as FSDP2 with every unit kept gathered."""
     cfg, lay, recipe, K = run.model, run.layout, run.recipe, run.grad_accum
     strategy = lay.strategy
-    megatron = not trains(run)
-    plain = trains(run)  # the fused optimizer steps each tensor in place, DTensors too (tp, FSDP2, experts)
+    megatron = not (plain := trains(run))  # plain: the fused optimizer steps each tensor in place (DTensors too)
     replicated = lay.replicate and plain  # FSDP2's replicate: priced as FSDP2 (Layout.replicate)
     fsdp, ddp = strategy in ("zero2", "fsdp") or replicated, strategy in ("ddp", "zero1") and not replicated
     params = rank_params(cfg, lay, rank, megatron)
@@ -219,17 +203,14 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         blocks = sorted((n for unit, n in sizes.items() if not str(unit).startswith("root")), reverse=True)
         kept = roots + sum(blocks[:2]) if strategy == "fsdp" else sum(sizes.values())
         gathered = recipe.compute_bytes * kept
-        # trainwise's trainer, and torch's pipeline schedules (gradient sync off until a stage's last backward), keep
-        # the micro-batches' unsharded fp32 gradients until the last one's reduce-scatter; other stacks' FSDP
-        # without them (Megatron-FSDP, FSDP2 with gradient sync on) reduce-scatter each micro-batch's into the
-        # rank's shard
-        accumulated = 4 * sum(sizes.values()) if K > 1 and (not megatron or lay.pp > 1) else 0
+        # the micro-batches' unsharded fp32 gradients, kept until the last one's reduce-scatter (each_micro_batch)
+        accumulated = 4 * sum(sizes.values()) if K > 1 and not each_micro_batch(run, megatron) else 0
     grads = recipe.grad_bytes * numel
     # what holds gradients in backward, once a backward of the step has run (DDP's buckets: from the start; experts
     # divided by ep are outside them, and outside trainwise's FSDP2, runtime.expert_parallel: their gradients exist
     # once a backward has run)
     outside = recipe.grad_bytes * sum(p.numel for p in params if divided(p.spec, lay)) if ddp or not megatron else 0
-    sharded = K > 1 and megatron  # the rank's gradient shard, from the first micro-batch's reduce-scatter on
+    sharded = K > 1 and each_micro_batch(run, megatron)  # the rank's gradient shard, from the first micro-batch on
     held = (grads - outside if lay.pp > 1 or sharded else 0) + accumulated if fsdp else grads - outside
     no_sync = grads - outside if ddp and K > 1 and not megatron else 0  # Megatron accumulates into its grad buffer
     # the first backward finds no gradients (zero_grad sets them to None), DDP's buckets excepted
@@ -262,14 +243,21 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     return RankPeak(params_bytes, grads, optimizer, master, max(flights), backward, step)
 
 
+def each_micro_batch(run: Run, megatron: bool) -> bool:
+    """Each micro-batch's gradients reduce-scattered as its backward runs: ZeRO-3's cost.run.fsdp_grad_sync, other
+    stacks' ZeRO-2; never under torch's pipeline schedules (gradient sync off until a stage's last backward)."""
+    return run.layout.pp == 1 and (fsdp_grad_sync(run) == "micro-batch" if run.layout.zero == 3 else megatron)
+
+
 def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, params: list) -> int:
     """The high point of FSDP2's backward through one pipeline stage's blocks beyond the rank's resident states,
-    block by block from the last. Throughout: the root units gathered, their LM-head side gradients (a tied
-    table's, the final norm's, the head's) held until the root reduces last, the sharded gradients of the blocks
-    already reduced (trainwise's accumulation: the unsharded fp32 gradients of the blocks not yet reduced
-    instead), the previous block's fp32 reduce-scatter input until the next one's, and the experts divided over
-    ep with their whole gradients from their block on. Block j's three moments (tests/test_tp_pp.py's moe_fsdp
-    and the planner's development notes in benchmarks/RESULTS.md measured them with FSDP2's memory tracker):
+    block by block from the last. Throughout: the root units gathered, their LM-head side gradients (a tied table's,
+    the final norm's, the head's) held until the root reduces last, the sharded gradients of the blocks already
+    reduced (every block's after a first micro-batch reduced them all, each_micro_batch; accumulating: the unsharded
+    fp32 gradients of the blocks not yet reduced instead), the previous block's fp32 reduce-scatter input until the
+    next one's, and the experts divided over ep with their whole gradients from their block on. Block j's three
+    moments (tests/test_tp_pp.py's moe_fsdp and the planner's development notes in benchmarks/RESULTS.md measured
+    them with FSDP2's memory tracker):
       start   block j gathered and block j - 1 prefetched (block 0: its all-gather's buffer still held beside
               it), the activations of blocks 0..j;
       end     the same gathered, block j's unsharded gradients in the gathered dtype, the activations of
@@ -297,7 +285,7 @@ def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, p
             + cast_experts(run, params, [b]) for b in blocks]
     redo = (math.ceil(M.recompute_bytes(cfg, recipe, tokens, 1, run.checkpointing) / lay.tp)
             if run.checkpointing in ("full", "op") else 0)
-    accumulating = K > 1 and not megatron  # gradient sync off until the last micro-batch (rank_peak)
+    accumulating = K > 1 and not each_micro_batch(run, megatron)  # gradient sync off until the last micro-batch
     # running sums over blocks[:k] (before) and blocks[k + 1:] (after)
     acts_before = gathered_before = 0
     shards_after = g * sum(shard.values())
@@ -310,7 +298,8 @@ def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, p
         else:
             beside = n[blocks[k - 1]] if k else 0  # the prefetched block
             gathered = n[j] + (beside or n[j])
-        held = (4 * (root + gathered_before + n[j]) if accumulating else c * head) + shards_after \
+        held = (4 * (root + gathered_before + n[j]) if accumulating else c * head) \
+            + (g * sum(shard.values()) if K > 1 and not accumulating else shards_after) \
             + (g * sum(experts.values()) if K > 1 else experts_after) + c * root + redo + 8 * tokens
         previous = 4 * n[blocks[k + 1]] if k + 1 < len(blocks) else 0
         start = c * gathered + acts_before + acts[k] + previous

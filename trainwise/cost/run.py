@@ -68,3 +68,23 @@ class Run:
                    checkpointing=t.activation_checkpointing, compiled=compiled,
                    layout=layout or Layout(micro_batches=t.grad_accum_steps),
                    tokens=t.max_steps * t.tokens_per_step * (layout.dp if layout else 1), machine=machine)
+
+
+def trains(run: Run) -> bool:
+    """Whether trainwise's trainer runs this layout as planned: fp32 or autocast over fp32 weights, sequence
+    parallel with tp, flash attention, context parallelism only as all-gather attention without pp
+    (runtime.context_parallel), expert parallelism only over the data-parallel ranks (of each pipeline stage:
+    runtime.expert_parallel), each expert's width split over tp (etp = tp)."""
+    lay = run.layout
+    experts = lay.ep == 1 or lay.expert_tp == lay.tp
+    context = lay.cp == 1 or lay.cp_impl == "allgather" and lay.pp == 1
+    return (run.recipe.name in ("fp32", "amp") and context and experts and lay.attention_impl == "flash"
+            and (lay.tp == 1 or lay.sequence_parallel))
+
+
+def fsdp_grad_sync(run: Run) -> str:
+    """When ZeRO-3 reduce-scatters the run's gradients (Layout.fsdp_grad_sync), or where the layout leaves it to
+    the stack (None): "micro-batch" for ZeRO-3 on one stage where another stack runs it (torchtitan's FSDP2,
+    Megatron-FSDP), "step" where trainwise's trainer does (trains) and wherever the setting does not apply."""
+    lay = run.layout
+    return lay.fsdp_grad_sync or ("micro-batch" if lay.zero == 3 and lay.pp == 1 and not trains(run) else "step")

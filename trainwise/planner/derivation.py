@@ -122,7 +122,10 @@ def explain_cluster(p) -> str:
            else "") + ", exposed "
         f"{'past the last backward' if lay.dp_overlap else 'in full'}"
         + (f", with FSDP2's copies out of each gather and into each reduce-scatter on the compute stream "
-           f"({copies:.4g} s)" if copies else "") + f" = {b['dp_comm_s']:.4g} s")
+           f"({copies:.4g} s)" if copies else "")
+        + (f", the gradients reduce-scattered {'each micro-batch' if lay.reduces_each_micro_batch else 'once'} "
+           f"(--fsdp-grad-sync {lay.fsdp_grad_sync})" if lay.zero == 3 and m > 1 and pp == 1 else "")
+        + f" = {b['dp_comm_s']:.4g} s")
     add(f"   optimizer  = the rank's fused update at the copy bandwidth = {b['optimizer_s']:.4g} s")
     add(f"   overhead   = {b['overhead_s']:.4g} s per step (host)")
     add(f"   step = {' + '.join(f'{b[k]:.4g}' for k in b)} = {st.seconds:.4g} s")

@@ -67,10 +67,10 @@ def candidate_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, global_
 
 def fit_run_layouts(run: Run, *, global_batch: int,
                     memory_budget: int) -> tuple[list[LayoutCandidate], list[LayoutCandidate]]:
-    """Every candidate layout of `run`'s GPUs (run.layout.gpus on run.machine; its attention, overlap and
-    FSDP-copy settings kept) planned (plan_run: the one memory model and the cluster model), each
-    with its micro-batch, accumulation and checkpointing: (fitting ones fastest first, the others with
-    their reason)."""
+    """Every candidate layout of `run`'s GPUs (run.layout.gpus on run.machine; its attention, overlap, FSDP-copy
+    and, where ZeRO-3 has one stage, gradient-sync settings kept) planned (plan_run: the one memory model and the
+    cluster model), each with its micro-batch, accumulation and checkpointing: (fitting ones fastest first, the
+    others with their reason)."""
     model, seq_len, lay = run.model, run.seq_len, run.layout
     gpus = lay.gpus
     base = plan_run(replace(run, micro_batch=1, grad_accum=1, checkpointing="none", layout=make_layout(gpus)),
@@ -85,7 +85,8 @@ def fit_run_layouts(run: Run, *, global_batch: int,
             layout = make_layout(gpus, tp=c["tp"], pp=c["pp"], vpp=c["vpp"], cp=c["cp"], ep=c["ep"], zero=c["zero"],
                                  micro_batches=c["grad_accum"], dp_overlap=lay.dp_overlap,
                                  attention_impl=lay.attention_impl, cp_impl=lay.cp_impl, tp_overlap=lay.tp_overlap,
-                                 ep_overlap=lay.ep_overlap, pp_overlap=lay.pp_overlap, fsdp_copies=lay.fsdp_copies)
+                                 ep_overlap=lay.ep_overlap, pp_overlap=lay.pp_overlap, fsdp_copies=lay.fsdp_copies,
+                                 fsdp_grad_sync=lay.fsdp_grad_sync if c["zero"] == 3 and c["pp"] == 1 else "step")
             cand = replace(run, micro_batch=c["micro_batch"], grad_accum=c["grad_accum"],
                            checkpointing=c["checkpointing"], layout=layout)
             plan = plan_run(cand, mfu=DEFAULT_MFU, memory_budget=memory_budget)  # memory first: an MFU prices nothing

@@ -17,7 +17,7 @@ from trainwise.cost.layout import Layout, check_layout, make_layout
 from trainwise.cost.ops import GATHERED
 from trainwise.cost.params import ParamCount, params
 from trainwise.cost.rank_memory import RankPeak, highest_peak
-from trainwise.cost.run import Machine, Run
+from trainwise.cost.run import Machine, Run, fsdp_grad_sync
 from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time, model_flops_utilization
 from trainwise.errors import TrainwiseError
@@ -248,6 +248,8 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
     Without `run.tokens` everything is per step: no total FLOPs, time or cost; without `run.machine`
     (a --gpu or a --peak-flops) no time. `memory_budget`: the bytes per device `fits` holds the plan to
     (default: the device's memory); `price`: $ per device-hour."""
+    if run.layout.fsdp_grad_sync is None:  # the stack's: what the rank memory model and the cluster step both read
+        run = replace(run, layout=replace(run.layout, fsdp_grad_sync=fsdp_grad_sync(run)))
     model, layout, machine = run.model, run.layout, run.machine or Machine()
     micro_batch, seq_len, grad_accum, tokens = run.micro_batch, run.seq_len, run.grad_accum, run.tokens
     recipe, optimizer, checkpointing, compiled = run.recipe, run.optimizer, run.checkpointing, run.compiled

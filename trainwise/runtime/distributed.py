@@ -210,11 +210,12 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def gradient_sync(model: nn.Module, d: Dist, last_micro_batch: bool):
     """Under gradient accumulation, communicate gradients only on the last micro-batch of a step (divided
-    experts: once its backward is done, runtime.expert_parallel.reduce_expert_grads)."""
+    experts: once its backward is done, runtime.expert_parallel.reduce_expert_grads); FSDP2 on every one with
+    Layout.fsdp_grad_sync "micro-batch"."""
     if not d.active:
         return contextlib.nullcontext()
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (fully_shard, replicate)
-        model.set_requires_gradient_sync(last_micro_batch)
+        model.set_requires_gradient_sync(last_micro_batch or d.layout.reduces_each_micro_batch)
     elif hasattr(model, "no_sync") and not last_micro_batch:  # DDP
         return model.no_sync()
     return _then_reduce_experts(model, d) if d.experts is not None and last_micro_batch else contextlib.nullcontext()

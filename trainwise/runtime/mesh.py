@@ -63,7 +63,7 @@ def layout_for(p: ParallelConfig, world_size: int, micro_batches: int = 1) -> La
         _check_cp_ranks(p, world_size)
     layout = make_layout(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp if p.pp > 1 else 1, cp=p.cp, ep=p.ep,
                          zero=ZERO_STAGE[p.strategy], micro_batches=micro_batches, cp_impl=_cp_impl(p),
-                         pp_schedule=p.pp_schedule)
+                         pp_schedule=p.pp_schedule, fsdp_grad_sync=p.fsdp_grad_sync)
     if world_size == 1 and p.ep > 1:
         raise TrainwiseError(
             f"parallel.ep = {p.ep} divides the experts over {p.ep} data-parallel ranks, but this is a single "
