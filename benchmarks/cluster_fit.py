@@ -52,6 +52,8 @@ DIMS = ("tp", "pp", "vpp", "cp", "ep", "zero", "micro_batch", "checkpointing")  
 SEARCHED_LAYOUT = {"tp", "pp", "vpp", "cp", "ep", "dp", "zero", "micro_batches", "pp_schedule"}
 SEARCHED_RUN = {"micro_batch", "grad_accum", "checkpointing", "layout"}
 TP_ONLY = {"tp_overlap", "sequence_parallel"}  # no effect without tensor parallelism
+# kept from the row in the candidates it applies to (ZeRO-3 on one stage), "step" in the others
+ZERO3_ONLY = {"fsdp_grad_sync"}
 RULES = {  # candidate_layouts' docstring, per dimension
     "tp": "divisors of the heads within a node", "pp": "divisors of the GPUs left, at most the layers",
     "vpp": "1, or 2-8 with the layers split evenly into pp x vpp chunks and the micro-batches a multiple of pp",
@@ -211,7 +213,8 @@ def report(row: dict, good: list, bad: list, seen: dict, seconds: float) -> dict
     held = [] if s_run is None else (  # the settings the search holds fixed, where the row's differ
         [(f.name, getattr(lay, f.name), getattr(s_run.layout, f.name)) for f in fields(Layout)
          if f.name not in SEARCHED_LAYOUT and getattr(lay, f.name) != getattr(s_run.layout, f.name)
-         and not (lay.tp == 1 and f.name in TP_ONLY)]
+         and not (lay.tp == 1 and f.name in TP_ONLY)
+         and not (f.name in ZERO3_ONLY and (s_run.layout.zero, s_run.layout.pp) != (3, 1))]
         + [(f.name, getattr(run, f.name), getattr(s_run, f.name)) for f in fields(Run)
            if f.name not in SEARCHED_RUN and getattr(run, f.name) != getattr(s_run, f.name)])
     # the published layout priced as the search prices its candidates: the row's plan, with the search's settings

@@ -93,10 +93,28 @@ def test_ring_collectives_and_strategies():
     # (before forward, before backward) x 2 micro-batches = 0.2016; one reduce-scatter 0.0504
     fsdp = comm_seconds("fsdp", 2, 1e8, 1e8, 3, 2, link)
     assert fsdp["all_gather"] == pytest.approx(0.2016) and fsdp["reduce_scatter"] == pytest.approx(0.0504)
+    # each micro-batch's gradients reduce-scattered (Layout.fsdp_grad_sync "micro-batch"): two of them
+    assert comm_seconds("fsdp", 2, 1e8, 1e8, 3, 2, link, reduces=2)["reduce_scatter"] == pytest.approx(0.1008)
     assert comm_seconds("zero2", 2, 1e8, 1e8, 3, 2, link)["all_gather"] == pytest.approx(0.1008)
     # CPU (gloo shares the cores): all of it shows; GPU: only what outlasts the compute
     assert exposed_comm(fsdp, 0.2, overlaps=False) == pytest.approx(0.252)
     assert exposed_comm(fsdp, 0.2, overlaps=True) == pytest.approx(0.052)
+
+
+def test_a_cpu_plan_reduce_scatters_as_often_as_its_layout_says(calibrated):
+    """The step-time model on this machine reads Layout.fsdp_grad_sync as the cluster step does: K micro-batches'
+    reduce-scatters under "micro-batch", one under "step" (trainwise's trainer's). Two ranks on this machine are
+    priced with its 1-thread calibration, which test_distributed's first run has measured."""
+    from trainwise.cost.layout import make_layout
+    from trainwise.presets import get_preset
+
+    cfg = get_preset("trainwise-small")
+    comm = {s: plan_run(Run(cfg, seq_len=min(2048, cfg.max_seq_len), grad_accum=4, recipe=get_recipe("fp32"),
+                            machine=Machine(gpu="cpu"), tokens=1e6,
+                            layout=make_layout(2, zero=3, micro_batches=4, fsdp_grad_sync=s))).step.comm
+            for s in ("step", "micro-batch")}
+    assert comm["micro-batch"]["reduce_scatter"] == pytest.approx(4 * comm["step"]["reduce_scatter"])
+    assert comm["micro-batch"]["all_gather"] == comm["step"]["all_gather"]
 
 
 def test_fsdp_is_priced_at_its_collectives_as_its_steps_ran_them_ddp_at_the_collectives_alone():

@@ -24,12 +24,14 @@ def ring_seconds(kind: str, nbytes: float, world: int, link: list[float], messag
 
 
 def comm_seconds(strategy: str, world: int, grad_bytes: float, param_bytes: float, n_blocks: int,
-                 grad_accum: int, link: list[float], gather_bytes: float | None = None) -> dict[str, float]:
+                 grad_accum: int, link: list[float], gather_bytes: float | None = None,
+                 reduces: int = 1) -> dict[str, float]:
     """{collective: seconds} one step issues. ddp/zero1: one all-reduce of the gradients in 25 MiB
     buckets on the last micro-batch (zero1 then broadcasts the updated parameters); zero2: one
     all-gather of the parameters per micro-batch (kept until backward) + one reduce-scatter of the
-    gradients; fsdp: all-gathers before forward and again before backward, per micro-batch. Sharded
-    strategies gather per block (n_blocks + 1 messages). gather_bytes: gathered parameter bytes when
+    gradients (`reduces` of them: the micro-batches whose gradients are reduce-scattered,
+    Layout.fsdp_grad_sync); fsdp: all-gathers before forward and again before backward, per micro-batch.
+    Sharded strategies gather per block (n_blocks + 1 messages). gather_bytes: gathered parameter bytes when
     the mixed-precision policy gathers in bf16 (default: param_bytes)."""
     gather = param_bytes if gather_bytes is None else gather_bytes
     if world <= 1 or strategy in ("none", ""):
@@ -42,7 +44,7 @@ def comm_seconds(strategy: str, world: int, grad_bytes: float, param_bytes: floa
         return out
     gathers = grad_accum * (2 if strategy == "fsdp" else 1)
     return {"all_gather": gathers * ring_seconds("all_gather", gather, world, link, n_blocks + 1),
-            "reduce_scatter": ring_seconds("reduce_scatter", grad_bytes, world, link, n_blocks + 1)}
+            "reduce_scatter": reduces * ring_seconds("reduce_scatter", grad_bytes, world, link, n_blocks + 1)}
 
 
 def exposed_comm(comm: dict[str, float], compute_s: float, overlaps: bool) -> float:

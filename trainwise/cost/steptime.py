@@ -253,12 +253,12 @@ def scale_batch(ops: list[Op], factor: int, seq_len: int) -> list[Op]:
 
 def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors: int, n_params: int,
               grad_accum: int, compute_dtype: str, optimizer: str, zero: int, dp: int, grad_bytes: int,
-              param_bytes: int, compiled: bool = False, cuda: bool = False) -> StepTime:
+              param_bytes: int, compiled: bool = False, cuda: bool = False, reduces: int = 1) -> StepTime:
     """Predicted time of one optimizer step as the trainer runs it on the profiled device: the operators
     of one micro-batch's step (`ops`, recorded as cost.memory.Recipe.record_precision says: autocast, or 16-bit
     weights under FSDP2's policy, when compute_dtype is bf16/fp16; CUDA
     kernels on a GPU), priced by the profile, K micro-batches, plus the exposed communication of the
-    strategy ZeRO-`zero` over dp."""
+    strategy ZeRO-`zero` over dp (`reduces`: reduce-scatters per step, cost.comm.comm_seconds)."""
     precision = "fp32" if compute_dtype == "fp32" else compute_dtype
     if cuda:
         ops = for_cuda(ops)
@@ -272,7 +272,7 @@ def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors
     strategy = strategy_for(zero, dp)
     link = profile.strategy_links.get(strategy, profile.link)
     comm = comm_seconds(strategy, dp, grad_bytes, param_bytes, n_layers, grad_accum, link,
-                        param_bytes // 2 if precision != "fp32" and zero >= 2 else None)
+                        param_bytes // 2 if precision != "fp32" and zero >= 2 else None, reduces)
     phases = base.by_phase()
     exposed = exposed_comm(comm, phases.get("backward", 0.0) + phases.get("forward", 0.0), overlaps=cuda)
     base.comm_s, base.seconds = exposed, base.seconds + exposed

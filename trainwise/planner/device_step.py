@@ -29,16 +29,16 @@ def cached_step_ops(model: ModelConfig, micro_batch: int, seq_len: int, precisio
 def predict_step_time(model: ModelConfig, profile: Profile, *, micro_batch: int, seq_len: int, grad_accum: int,
                       compute_dtype: str, checkpointing: str, optimizer: str, zero: int, dp: int, n_params: int,
                       grad_bytes: int, param_bytes: int, compiled: bool = False, cuda: bool = False,
-                      ops: list[Op] | None = None, record: str | None = None) -> StepTime:
+                      ops: list[Op] | None = None, record: str | None = None, reduces: int = 1) -> StepTime:
     """Predicted time of one optimizer step of `model` as the trainer runs it on the profiled device
     (cost.steptime.step_time), from its recorded operators (or `ops`: one micro-batch's, e.g. scaled by
     `plan --fit`); kernels this device's table lacks are timed first when the profile is this machine's.
     `record`: the precision the operators are recorded in (cost.memory.Recipe.record_precision), by default
-    the compute dtype's autocast."""
+    the compute dtype's autocast; `reduces`: the gradient reduce-scatters per step (cost.comm.comm_seconds)."""
     precision = record or ("fp32" if compute_dtype == "fp32" else compute_dtype)
     if ops is None:
         ops = cached_step_ops(model, micro_batch, seq_len, precision, checkpointing, compiled and not cuda, optimizer)
     time_new_kernels(ops, profile)  # all of the step's new kernels together, in passes
     return step_time(ops, profile, n_layers=model.n_layers, n_param_tensors=param_tensors(model), n_params=n_params,
                      grad_accum=grad_accum, compute_dtype=compute_dtype, optimizer=optimizer, zero=zero, dp=dp,
-                     grad_bytes=grad_bytes, param_bytes=param_bytes, compiled=compiled, cuda=cuda)
+                     grad_bytes=grad_bytes, param_bytes=param_bytes, compiled=compiled, cuda=cuda, reduces=reduces)

@@ -331,7 +331,8 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
                          compute_dtype=recipe.compute_dtype, checkpointing=checkpointing, optimizer=optimizer,
                          zero=zero, dp=dp, n_params=counts.total, grad_bytes=4 * counts.total,
                          param_bytes=4 * counts.total, compiled=compiled, cuda=hw.cuda,
-                         record=recipe.record_precision(layout.strategy in GATHERED))
+                         record=recipe.record_precision(layout.strategy in GATHERED),
+                         reduces=grad_accum if layout.reduces_each_micro_batch else 1)
         source = hw.profile.source
         tokens_per_s = seq_len * micro_batch * grad_accum * dp / step.seconds
         mfu = model_flops_utilization(model_fpt * tokens_per_s, hw.peak_flops, gpus)
