@@ -204,7 +204,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         kept = roots + sum(blocks[:2]) if strategy == "fsdp" else sum(sizes.values())
         gathered = recipe.compute_bytes * kept
         # the micro-batches' unsharded fp32 gradients, kept until the last one's reduce-scatter (each_micro_batch)
-        accumulated = 4 * sum(sizes.values()) if K > 1 and not each_micro_batch(run, megatron) else 0
+        accumulated = held_grad_sums(run, rank)
     grads = recipe.grad_bytes * numel
     # what holds gradients in backward, once a backward of the step has run (DDP's buckets: from the start; experts
     # divided by ep are outside them, and outside trainwise's FSDP2, runtime.expert_parallel: their gradients exist
@@ -241,6 +241,17 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         backward = max(backward, resident + fsdp_block_backward(run, rank, acts_recipe, megatron, params))
     step = resident + grads + scratch_step + table  # the clip: the whole table, and its rows anew beside it
     return RankPeak(params_bytes, grads, optimizer, master, max(flights), backward, step)
+
+
+def held_grad_sums(run: Run, rank: int = 0) -> int:
+    """The micro-batches' unsharded fp32 gradient sums FSDP2 holds on `rank` through a step, until the last one's
+    reduce-scatter (K > 1 micro-batches and not each_micro_batch; ddp on a mesh: FSDP2's replicate); 0 otherwise."""
+    lay, megatron = run.layout, not trains(run)
+    if lay.strategy not in ("zero2", "fsdp") and not (lay.replicate and not megatron) or run.grad_accum == 1 \
+            or each_micro_batch(run, megatron):
+        return 0
+    params = rank_params(run.model, lay, rank, megatron)
+    return 4 * sum(p.tp_numel for ps in units(run.model, lay, rank, megatron, params).values() for p in ps)
 
 
 def each_micro_batch(run: Run, megatron: bool) -> bool:

@@ -179,7 +179,11 @@ def explain_plan(p) -> str:
     add(f"3. Memory per device ({r.name}: {r.description}; optimizer {p.optimizer}; ZeRO-{p.zero} over dp={p.dp}"
         f"{'' if mp == 1 else f'; model split over tp*pp={mp}'})")
     add(f"   params     = N x {r.param_bytes} B{' / dp' if p.zero >= 3 else ''} = {fmt_bytes(s.params)}")
-    add(f"   grads      = N x {r.grad_bytes} B{' / dp' if p.zero >= 2 else ''} = {fmt_bytes(s.grads)}")
+    if p.grads_held:
+        add(f"   grads      = N x 4 B{f' / (tp*pp)' if mp > 1 else ''}, the micro-batches' unsharded fp32 sums held "
+            f"until the last one's reduce-scatter (--fsdp-grad-sync step) = {fmt_bytes(s.grads)}")
+    else:
+        add(f"   grads      = N x {r.grad_bytes} B{' / dp' if p.zero >= 2 else ''} = {fmt_bytes(s.grads)}")
     add(f"   optimizer  = N x {M.optimizer_moments(p.optimizer)} x {r.moment_bytes} B{' / dp' if p.zero >= 1 else ''}"
         f" = {fmt_bytes(s.optimizer)}")
     add(f"   master     = N x {r.master_bytes} B{' / dp' if p.zero >= 1 else ''} = {fmt_bytes(s.master)}")

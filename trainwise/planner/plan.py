@@ -16,7 +16,7 @@ from trainwise.cost.gpu import check_attention
 from trainwise.cost.layout import Layout, check_layout, make_layout
 from trainwise.cost.ops import GATHERED
 from trainwise.cost.params import ParamCount, params
-from trainwise.cost.rank_memory import RankPeak, highest_peak
+from trainwise.cost.rank_memory import RankPeak, held_grad_sums, highest_peak
 from trainwise.cost.run import Machine, Run, fsdp_grad_sync
 from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time, model_flops_utilization
@@ -65,6 +65,7 @@ class Plan:
     # the rank whose step peaks highest, and its peak (cost.rank_memory: what verify holds a run to)
     peak_rank: tuple[int, RankPeak] | None = None
     run: Run | None = None  # the run planned (cost.run.Run)
+    grads_held: bool = False  # states.grads are FSDP2's unsharded fp32 sums over the micro-batches (held_grad_sums)
 
     @property
     def tokens_per_step(self) -> int:
@@ -314,6 +315,9 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
     if model_parallel and peak_rank is not None:  # the highest rank's states and activations in flight
         high = peak_rank[1]
         states, acts = M.StateBytes(high.params, high.grads, high.optimizer, high.master), high.activations
+    held = held_grad_sums(run, peak_rank[0]) if peak_rank is not None else 0
+    if held > states.grads:  # the gradients a step holds: the micro-batches' unsharded fp32 sums
+        states = replace(states, grads=held)
     step, cluster, source, t = None, None, "assumed MFU (--mfu)", None
     if hw is None:
         source = "no hardware"
@@ -350,6 +354,6 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
                 causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
                 convention=convention, states=states, activations_bytes=acts, memory_budget=memory_budget,
                 time=t, price=price, notes=notes, compiled=compiled, step=step, time_source=source, layout=layout,
-                cluster=cluster, peak_rank=peak_rank, run=run)
+                cluster=cluster, peak_rank=peak_rank, run=run, grads_held=held > 0 and states.grads == held)
 
 
