@@ -25,7 +25,7 @@ from trainwise.cost.run import Machine, Run
 from trainwise.cost.schedule import bubble_fraction, chunk_layers, rank_stages, schedule_seconds, stage_layers
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import ACCELERATORS, NODES
-from trainwise.planner.derivation import explain_cluster, explain_plan
+from trainwise.planner.derivation import explain_cluster, explain_plan, plan_table
 from trainwise.planner.layouts import fit_run_layouts
 from trainwise.planner.plan import plan_run
 
@@ -234,16 +234,17 @@ def test_fsdp_grad_sync_reduces_once_or_each_micro_batch_in_time_memory_and_mess
     # memory: K > 1 micro-batches' unsharded fp32 gradients (4 N) in place of the rank's fp32 shard of them (4 N / dp)
     n = sum(p.tp_numel for p in rank_params(cfg, run.layout, 0))  # unsharded
     assert plans["step"].peak_bytes - plans["micro-batch"].peak_bytes == 4 * n - 4 * n // gpus
-    # and in the states `fits` and --fit hold to: the held sums are the step's gradients
-    assert plans["step"].states.grads == 4 * n and plans["micro-batch"].states.grads == 4 * n // gpus
-    assert plans["step"].per_device_bytes - plans["micro-batch"].per_device_bytes == 4 * n - 4 * n // gpus
+    # and in the memory per device `fits` and --fit hold to, beside the states (what the step ends with)
+    assert plans["step"].states == plans["micro-batch"].states
+    assert (plans["step"].held_grad_sums, plans["micro-batch"].held_grad_sums) == (4 * n, 0)
+    assert plans["step"].per_device_bytes - plans["micro-batch"].per_device_bytes == 4 * n
     # the messages each rank sends (cost.rank.rank_comm, what the trainer's comm counter is held to)
     shape = StepShape(micro_batch=2, seq_len=256, grad_accum=K, compute_bytes=2, residual_bytes=2, param_bytes=2)
     calls = {s: rank_comm(cfg, p.run.layout, 0, shape)["reduce_scatter"]["calls"] for s, p in plans.items()}
     assert calls["micro-batch"] == K * calls["step"]
     assert "reduce-scattered once (--fsdp-grad-sync step)" in explain_cluster(plans["step"])
-    assert "unsharded fp32 sums held until the last one's reduce-scatter" in explain_plan(plans["step"])
-    assert "unsharded fp32 sums" not in explain_plan(plans["micro-batch"])
+    assert "held sums  = N x 4 B, the micro-batches' unsharded fp32 gradients" in explain_plan(plans["step"])
+    assert "held sums" not in explain_plan(plans["micro-batch"]) and "held grad sums" in plan_table(plans["step"])
     assert "reduce-scattered each micro-batch" in explain_cluster(plans["micro-batch"])
     for bad in (dict(zero=1), dict(zero=3, pp=2)):
         with pytest.raises(TrainwiseError, match="fsdp-grad-sync micro-batch"):

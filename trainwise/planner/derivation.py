@@ -179,17 +179,16 @@ def explain_plan(p) -> str:
     add(f"3. Memory per device ({r.name}: {r.description}; optimizer {p.optimizer}; ZeRO-{p.zero} over dp={p.dp}"
         f"{'' if mp == 1 else f'; model split over tp*pp={mp}'})")
     add(f"   params     = N x {r.param_bytes} B{' / dp' if p.zero >= 3 else ''} = {fmt_bytes(s.params)}")
-    if p.grads_held:
-        add(f"   grads      = N x 4 B{f' / (tp*pp)' if mp > 1 else ''}, the micro-batches' unsharded fp32 sums held "
-            f"until the last one's reduce-scatter (--fsdp-grad-sync step) = {fmt_bytes(s.grads)}")
-    else:
-        add(f"   grads      = N x {r.grad_bytes} B{' / dp' if p.zero >= 2 else ''} = {fmt_bytes(s.grads)}")
+    add(f"   grads      = N x {r.grad_bytes} B{' / dp' if p.zero >= 2 else ''} = {fmt_bytes(s.grads)}")
     add(f"   optimizer  = N x {M.optimizer_moments(p.optimizer)} x {r.moment_bytes} B{' / dp' if p.zero >= 1 else ''}"
         f" = {fmt_bytes(s.optimizer)}")
     add(f"   master     = N x {r.master_bytes} B{' / dp' if p.zero >= 1 else ''} = {fmt_bytes(s.master)}")
     add(f"   states     = {fmt_bytes(s.total)}")
     add(f"   activations ({p.checkpointing} checkpointing, B x T = {p.micro_batch * p.seq_len:,} tokens, "
         f"incl. fp32 logits B*T*V) = {fmt_bytes(p.activations_bytes)}")
+    if p.held_grad_sums:
+        add(f"   held sums  = N x 4 B{f' / (tp*pp)' if mp > 1 else ''}, the micro-batches' unsharded fp32 gradients "
+            f"summed until the last one's reduce-scatter (--fsdp-grad-sync step) = {fmt_bytes(p.held_grad_sums)}")
     add(f"   per device = {fmt_bytes(p.per_device_bytes)}; budget {fmt_bytes(p.budget)} -> fits: {fits_text(p)}")
     add("")
     if p.hardware is None:
@@ -230,6 +229,8 @@ def plan_table(plan) -> str:
         rows.append(("FLOPs total", f"{fl['total']:.4g} FLOPs"))
     for key in ("params", "grads", "optimizer", "master", "states", "activations"):
         rows.append((f"{key} / device", fmt_bytes(mem[f"{key}_bytes"])))
+    if mem["held_grad_sums_bytes"]:  # beside the states through the accumulation (--fsdp-grad-sync step)
+        rows.append(("held grad sums / device", fmt_bytes(mem["held_grad_sums_bytes"])))
     rows.append(("total / device", fmt_bytes(mem["per_device_bytes"])))
     if plan.peak_rank is not None:  # the step's high point on the highest rank, as verify checks a run
         rank, _ = plan.peak_rank

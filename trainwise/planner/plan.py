@@ -65,7 +65,9 @@ class Plan:
     # the rank whose step peaks highest, and its peak (cost.rank_memory: what verify holds a run to)
     peak_rank: tuple[int, RankPeak] | None = None
     run: Run | None = None  # the run planned (cost.run.Run)
-    grads_held: bool = False  # states.grads are FSDP2's unsharded fp32 sums over the micro-batches (held_grad_sums)
+    # FSDP2's unsharded fp32 gradient sums over the micro-batches, held beside the states through the accumulation
+    # (cost.rank_memory.held_grad_sums); the states stay what the step ends with, as verify holds a run to them
+    held_grad_sums: int = 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -92,7 +94,7 @@ class Plan:
 
     @property
     def per_device_bytes(self) -> int:
-        return self.states.total + (self.activations_bytes or 0)
+        return self.states.total + (self.activations_bytes or 0) + self.held_grad_sums
 
     @property
     def peak_bytes(self) -> int | None:
@@ -143,6 +145,7 @@ class Plan:
             "memory": {"params_bytes": self.states.params, "grads_bytes": self.states.grads,
                        "optimizer_bytes": self.states.optimizer, "master_bytes": self.states.master,
                        "states_bytes": self.states.total, "activations_bytes": self.activations_bytes,
+                       "held_grad_sums_bytes": self.held_grad_sums,
                        "total_bytes": self.per_device_bytes * self.gpus, "per_device_bytes": self.per_device_bytes,
                        "peak_bytes": self.peak_bytes, "peak_over_budget_bytes": self.peak_over_budget_bytes,
                        "fits": self.fits, "over_budget_bytes": self.over_budget_bytes, "budget_bytes": self.budget,
@@ -315,9 +318,6 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
     if model_parallel and peak_rank is not None:  # the highest rank's states and activations in flight
         high = peak_rank[1]
         states, acts = M.StateBytes(high.params, high.grads, high.optimizer, high.master), high.activations
-    held = held_grad_sums(run, peak_rank[0]) if peak_rank is not None else 0
-    if held > states.grads:  # the gradients a step holds: the micro-batches' unsharded fp32 sums
-        states = replace(states, grads=held)
     step, cluster, source, t = None, None, "assumed MFU (--mfu)", None
     if hw is None:
         source = "no hardware"
@@ -354,6 +354,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
                 causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
                 convention=convention, states=states, activations_bytes=acts, memory_budget=memory_budget,
                 time=t, price=price, notes=notes, compiled=compiled, step=step, time_source=source, layout=layout,
-                cluster=cluster, peak_rank=peak_rank, run=run, grads_held=held > 0 and states.grads == held)
+                cluster=cluster, peak_rank=peak_rank, run=run,
+                held_grad_sums=held_grad_sums(run, peak_rank[0]) if peak_rank is not None else 0)
 
 
