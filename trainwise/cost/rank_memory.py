@@ -124,7 +124,6 @@ def cp_attention_bytes(cfg: ModelConfig, recipe: M.Recipe, layout: Layout, micro
 @dataclass(frozen=True)
 class RankPeak:
     """One rank's bytes in one training step: its states at rest and the step's two high points."""
-
     params: int
     grads: int
     optimizer: int  # the optimizer's moments
@@ -132,6 +131,7 @@ class RankPeak:
     activations: int  # saved for backward at the backward high point (every micro-batch then in flight)
     backward: int  # the high point of backward
     step: int  # the high point of the optimizer step
+    held: int = 0  # FSDP2's unsharded fp32 gradient sums through the accumulation (held_grad_sums), in backward
 
     @property
     def peak(self) -> int:
@@ -240,7 +240,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     if fsdp and lay.pp == 1:
         backward = max(backward, resident + fsdp_block_backward(run, rank, acts_recipe, megatron, params))
     step = resident + grads + scratch_step + table  # the clip: the whole table, and its rows anew beside it
-    return RankPeak(params_bytes, grads, optimizer, master, max(flights), backward, step)
+    return RankPeak(params_bytes, grads, optimizer, master, max(flights), backward, step, accumulated)
 
 
 def held_grad_sums(run: Run, rank: int = 0) -> int:

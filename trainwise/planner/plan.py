@@ -16,7 +16,7 @@ from trainwise.cost.gpu import check_attention
 from trainwise.cost.layout import Layout, check_layout, make_layout
 from trainwise.cost.ops import GATHERED
 from trainwise.cost.params import ParamCount, params
-from trainwise.cost.rank_memory import RankPeak, held_grad_sums, highest_peak
+from trainwise.cost.rank_memory import RankPeak, highest_peak
 from trainwise.cost.run import Machine, Run, fsdp_grad_sync
 from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time, model_flops_utilization
@@ -65,9 +65,6 @@ class Plan:
     # the rank whose step peaks highest, and its peak (cost.rank_memory: what verify holds a run to)
     peak_rank: tuple[int, RankPeak] | None = None
     run: Run | None = None  # the run planned (cost.run.Run)
-    # FSDP2's unsharded fp32 gradient sums over the micro-batches, held beside the states through the accumulation
-    # (cost.rank_memory.held_grad_sums); the states stay what the step ends with, as verify holds a run to them
-    held_grad_sums: int = 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -95,6 +92,13 @@ class Plan:
     @property
     def per_device_bytes(self) -> int:
         return self.states.total + (self.activations_bytes or 0) + self.held_grad_sums
+
+    @property
+    def held_grad_sums(self) -> int:
+        """FSDP2's unsharded fp32 gradient sums over the micro-batches on the highest rank, held beside the states
+        through the accumulation (cost.rank_memory.held_grad_sums); the states stay what the step ends with, as
+        verify holds a run to them."""
+        return self.peak_rank[1].held if self.peak_rank is not None else 0
 
     @property
     def peak_bytes(self) -> int | None:
@@ -354,7 +358,6 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
                 causal_halving=causal_halving, forward=fwd, model_flops_per_token=model_fpt, flops_per_token=fpt,
                 convention=convention, states=states, activations_bytes=acts, memory_budget=memory_budget,
                 time=t, price=price, notes=notes, compiled=compiled, step=step, time_source=source, layout=layout,
-                cluster=cluster, peak_rank=peak_rank, run=run,
-                held_grad_sums=held_grad_sums(run, peak_rank[0]) if peak_rank is not None else 0)
+                cluster=cluster, peak_rank=peak_rank, run=run)
 
 
