@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from trainwise.config import ModelConfig
+from trainwise.export.names import shared_from_hf, shared_to_hf
 
 
 def _rope_order(width: int) -> torch.Tensor:
@@ -43,13 +44,9 @@ def _split_fc(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def to_hf(cfg: ModelConfig, s: dict) -> dict:
     """trainwise state dict -> DeepseekV3ForCausalLM tensors (Hub layout)."""
-    out = {"model.embed_tokens.weight": s["embed.weight"], "model.norm.weight": s["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = s["lm_head.weight"]
+    out = shared_to_hf(cfg, s)
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}.", f"model.layers.{i}."
-        out[h + "input_layernorm.weight"] = s[b + "norm1.weight"]
-        out[h + "post_attention_layernorm.weight"] = s[b + "norm2.weight"]
         for tw, hf in _ATTENTION.items():
             if b + tw in s:
                 out[h + hf] = s[b + tw]
@@ -85,14 +82,10 @@ def from_hf(cfg: ModelConfig, t: dict, take, experts, interleaved: bool) -> dict
     """DeepseekV3ForCausalLM tensors (Hub layout, or transformers 5's stacked experts) -> trainwise state dict.
     take(t, key) reads a tensor or says which is missing; experts(cfg, t, hf_prefix, prefix) reads an MoE
     layer's router and experts (trainwise.export.hf's, shared with Mixtral and Qwen3-MoE)."""
-    out = {"embed.weight": take(t, "model.embed_tokens.weight"), "norm.weight": take(t, "model.norm.weight")}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = take(t, "lm_head.weight")
+    out = shared_from_hf(cfg, t, take)
     heads, nope, rope = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}.", f"model.layers.{i}."
-        out[b + "norm1.weight"] = take(t, h + "input_layernorm.weight")
-        out[b + "norm2.weight"] = take(t, h + "post_attention_layernorm.weight")
         for tw, hf in _ATTENTION.items():
             if tw.startswith("attn.q_") and (tw == "attn.q_proj.weight") == bool(cfg.q_lora_rank):
                 continue

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from trainwise.config import ModelConfig
+from trainwise.export.names import shared_from_hf, shared_to_hf
 
 
 def _interleave(t: torch.Tensor) -> torch.Tensor:
@@ -32,14 +33,10 @@ def _halves(t: torch.Tensor) -> torch.Tensor:
 
 def to_hf(cfg: ModelConfig, s: dict) -> dict:
     """trainwise state dict -> GptOssForCausalLM tensors."""
-    out = {"model.embed_tokens.weight": s["embed.weight"], "model.norm.weight": s["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = s["lm_head.weight"]
+    out = shared_to_hf(cfg, s)
     sizes = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}.", f"model.layers.{i}."
-        out[h + "input_layernorm.weight"] = s[b + "norm1.weight"]
-        out[h + "post_attention_layernorm.weight"] = s[b + "norm2.weight"]
         for kind in ("weight", "bias"):
             for name, part in zip("qkv", s[b + f"attn.qkv.{kind}"].split(sizes)):
                 out[h + f"self_attn.{name}_proj.{kind}"] = part
@@ -57,13 +54,9 @@ def to_hf(cfg: ModelConfig, s: dict) -> dict:
 def from_hf(cfg: ModelConfig, t: dict, take) -> dict:
     """GptOssForCausalLM tensors -> trainwise state dict. take(t, key) reads a tensor or says which is
     missing (trainwise.export.hf's)."""
-    out = {"embed.weight": take(t, "model.embed_tokens.weight"), "norm.weight": take(t, "model.norm.weight")}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = take(t, "lm_head.weight")
+    out = shared_from_hf(cfg, t, take)
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}.", f"model.layers.{i}."
-        out[b + "norm1.weight"] = take(t, h + "input_layernorm.weight")
-        out[b + "norm2.weight"] = take(t, h + "post_attention_layernorm.weight")
         for kind in ("weight", "bias"):
             out[b + f"attn.qkv.{kind}"] = torch.cat([take(t, h + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
             out[b + f"attn.out.{kind}"] = take(t, h + f"self_attn.o_proj.{kind}")

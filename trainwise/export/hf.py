@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from trainwise.config import ModelConfig
 from trainwise.errors import TrainwiseError
 from trainwise.export import deepseek, gpt_oss
+from trainwise.export.names import shared_from_hf, shared_to_hf
 from trainwise.hf_config import ARCHITECTURES, choose_family, from_hf_dict, read_hf_json, to_hf_dict
 from trainwise.inference import load_run
 from trainwise.tokenizer import EOT, Tokenizer
@@ -57,13 +58,9 @@ def _split_qkv(cfg: ModelConfig, t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _llama_to_hf(cfg: ModelConfig, family: str, s: dict) -> dict:
-    out = {"model.embed_tokens.weight": s["embed.weight"], "model.norm.weight": s["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = s["lm_head.weight"]
+    out = shared_to_hf(cfg, s)
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}.", f"model.layers.{i}."
-        out[h + "input_layernorm.weight"] = s[b + "norm1.weight"]
-        out[h + "post_attention_layernorm.weight"] = s[b + "norm2.weight"]
         for name, part in zip("qkv", _split_qkv(cfg, s[b + "attn.qkv.weight"])):
             out[h + f"self_attn.{name}_proj.weight"] = part
         if b + "attn.qkv.bias" in s:
@@ -140,13 +137,9 @@ def _take(t: dict, key: str) -> torch.Tensor:
 
 
 def _llama_from_hf(cfg: ModelConfig, t: dict) -> dict:
-    out = {"embed.weight": _take(t, "model.embed_tokens.weight"), "norm.weight": _take(t, "model.norm.weight")}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = _take(t, "lm_head.weight")
+    out = shared_from_hf(cfg, t, _take)
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}.", f"model.layers.{i}."
-        out[b + "norm1.weight"] = _take(t, h + "input_layernorm.weight")
-        out[b + "norm2.weight"] = _take(t, h + "post_attention_layernorm.weight")
         out[b + "attn.qkv.weight"] = torch.cat([_take(t, h + f"self_attn.{n}_proj.weight") for n in "qkv"])
         out[b + "attn.out.weight"] = _take(t, h + "self_attn.o_proj.weight")
         if cfg.bias or cfg.qkv_bias:
