@@ -98,12 +98,13 @@ FAMILIES = (FIRST, H100, FSDP, CP, FP8, MOE)
 
 
 def plan2(cfg: ModelConfig, gpus: int, *, seq: int, micro_batch: int, grad_accum: int, recipe: str,
-          checkpointing: str, machine: Machine, compiled: bool = False, fused: bool | None = None, **layout):
+          checkpointing: str, machine: Machine, compiled: bool = False, fused: bool | None = None,
+          fused_loss: bool = False, **layout):
     """A second-set row planned with `trainwise plan`'s function (no per-row setting: the table's assumption)."""
     lay = make_layout(gpus, micro_batches=grad_accum, **layout)
     return plan_run(Run(cfg, micro_batch=micro_batch, seq_len=seq, grad_accum=grad_accum, recipe=get_recipe(recipe),
                         checkpointing=checkpointing, compiled=compiled, layout=lay, tokens=1e9, machine=machine,
-                        fused=fused))
+                        fused=fused, fused_loss=fused_loss))
 
 
 def header(table: S2.Table, note: str = "") -> None:
@@ -239,7 +240,7 @@ def table_e(rows: list) -> None:
                 lambda r=r, ckpt=ckpt: plan2(S2.mpt(r.model, r.seq), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
                                              grad_accum=r.grad_accum, recipe="amp", checkpointing=ckpt,
                                              machine=DGX_H100, zero=3, fsdp_copies=False,
-                                             fsdp_grad_sync="micro-batch"))
+                                             fsdp_grad_sync="micro-batch", fused_loss=True))
 
 
 def dev_set_2() -> list[dict]:

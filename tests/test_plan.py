@@ -8,6 +8,7 @@ import pytest
 from runs import run_of
 
 from trainwise.cli import main
+from trainwise.config import ModelConfig
 from trainwise.cost.layout import make_layout
 from trainwise.cost.memory import get_recipe
 from trainwise.cost.params import params
@@ -102,6 +103,46 @@ def test_a_plan_whose_step_peak_is_over_the_budget_says_so_beside_fits(capsys):
         assert main([*argv, *extra]) == 0
         out = capsys.readouterr().out
         assert "yes by states + activations, but the step peak" in out and over in out, out
+
+
+def test_a_fused_loss_saves_the_logits_and_writes_one_gradient_as_wide(capsys):
+    """--fused-loss (another stack's fused cross-entropy on the compute-dtype logits, as llm-foundry runs
+    flash-attn's): worked by hand on one device under bf16 autocast (c = 2), N = B x T tokens, V words. torch's
+    F.cross_entropy saves the fp32 log-softmax (4V a token) and its backward holds two fp32 N x V buffers (8V);
+    the fused kernel saves the logits and their logsumexp (cV + 4) and writes one gradient as wide (cV). With a
+    vocabulary this large the loss's scratch is the backward's widest buffer, so the backward high point moves by
+    N (4V - cV - 4) of saved bytes and N (8V - cV) of scratch; the states and the step time do not move."""
+    cfg = ModelConfig(vocab_size=32000, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, max_seq_len=512)
+    V, c, N = cfg.vocab_size, 2, 4 * 512
+    plans = {fused: plan_run(run_of(cfg, tokens=1e6, seq_len=512, micro_batch=4, precision="amp", gpu="h100-sxm",
+                                    fused_loss=fused)) for fused in (False, True)}
+    torch_, fused = plans[False], plans[True]
+    assert (torch_.loss_kernel, fused.loss_kernel) == ("torch", "fused")
+    assert torch_.activations_bytes - fused.activations_bytes == N * (4 * V - c * V - 4)
+    high = {k: p.peak_rank[1] for k, p in plans.items()}
+    assert high[False].backward - high[True].backward == N * (4 * V - c * V - 4) + N * (8 * V - c * V)
+    assert torch_.states == fused.states and torch_.step_seconds == fused.step_seconds
+    argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--zero", "3", "--tokens", "1e9"]
+    for extra, kernel in (([], "torch"), (["--fused-loss"], "fused")):
+        assert main([*argv, *extra, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["memory"]["loss_kernel"] == kernel
+        assert main([*argv, *extra, "--explain"]) == 0
+        assert f"incl. the {'loss' if kernel == 'torch' else 'fused loss'}'s " in capsys.readouterr().out
+
+
+def test_a_data_parallel_plan_prints_the_highest_ranks_states_and_activations():
+    """Over data-parallel ranks the plan's states and activations are the highest rank's (cost.rank_memory, what
+    verify holds each rank to), as under model parallelism: ZeRO-3 runs its forward on gathered compute-dtype
+    weights, so its residual stream is in the compute dtype, which the one-device closed form does not know; a
+    run's per-device bytes and its peak now describe one rank (llm-foundry's MPT-7b at 6 x 2048 tokens ran in 80
+    GB; its plan had said 81 GiB per device beside a 66 GiB peak)."""
+    for zero in (0, 1, 3):
+        p = plan_run(run_of(get_preset("llama-3-8b"), tokens=1e9, seq_len=4096, micro_batch=2, precision="amp",
+                            gpus=8, zero=zero, gpu="h100-sxm"))
+        high = p.peak_rank[1]
+        assert (p.states.params, p.states.grads, p.states.optimizer, p.states.master) == (
+            high.params, high.grads, high.optimizer, high.master)
+        assert p.activations_bytes == high.activations and p.per_device_bytes <= p.peak_bytes
 
 
 @pytest.mark.parametrize("extra", [[], ["--gpu", "h100", "--gpus", "8"], ["--simulate"]])

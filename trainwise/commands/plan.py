@@ -90,6 +90,10 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                    help="the stack fuses element-wise work (Transformer Engine, Megatron's kernels; default: compiled "
                         "runs and the megatron and FP8 recipes)")
+    p.add_argument("--fused-loss", action="store_true", default=None,
+                   help="the stack's cross-entropy is one fused kernel on the compute-dtype logits (flash-attn's, as "
+                        "llm-foundry runs it): it saves them and writes one gradient as wide, where torch's keeps fp32 "
+                        "log-softmax rows and two fp32 B*T*V buffers in backward")
     p.add_argument("--ep-overlap", action="store_true",
                    help="MoE: expert-parallel all-to-alls under another micro-batch's work (Megatron's combined 1F1B)")
     p.add_argument("--pp-overlap", action="store_true",
@@ -181,7 +185,8 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
     base = toml_run or Run(model, seq_len=2048 if model is None else min(2048, model.max_seq_len),
                            recipe=get_recipe("bf16"))
     given = {key: getattr(args, key) for key in ("seq_len", "micro_batch", "grad_accum", "optimizer", "checkpointing",
-                                                 "moe_imbalance", "fused") if getattr(args, key) is not None}
+                                                 "moe_imbalance", "fused", "fused_loss")
+             if getattr(args, key) is not None}
     run = replace(base, model=model, tokens=args.tokens, **given)
     check_numbers(("--tokens", run.tokens), ("--seq-len", run.seq_len), ("--micro-batch", run.micro_batch),
                   ("--grad-accum", run.grad_accum), ("--tp", args.tp), ("--pp", args.pp), ("--cp", args.cp),

@@ -78,7 +78,7 @@ def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, rec
     first and last), on its T / cp positions: the blocks (layer_bytes_per_token; compiled:
     cost.memory.compiled_block_bytes_per_token); token ids (first) and targets (last), int64; on the last
     stage the final norm, the LM head's input cH and the loss's fp32 log-softmax 4V (trainwise gathers the
-    logits: whole on every tp rank; compiled, the fused loss saves the logits cV and a logsumexp instead;
+    logits: whole on every tp rank; compiled or Run.fused_loss, a fused loss saves the logits cV and a logsumexp;
     `megatron`: the head's input as each rank's shard and a vocabulary-parallel loss, 1/tp each); under
     tensor parallelism the embedding's masked ids and mask (int64 + bool); a pipeline stage of
     torch.distributed.pipelining keeps its output until the gradient comes back (sH, or the last stage's
@@ -96,7 +96,7 @@ def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, rec
     if first:
         per_token += 8 + (9 if tp > 1 else 0)
     if last:
-        loss = c * cfg.vocab_size + 4 if compiled and not cfg.loss_chunk_tokens else M.loss_saved_bytes_per_token(cfg)
+        loss = M.loss_saved_bytes_per_token(cfg, recipe, M.loss_kernel(cfg, compiled, run.fused_loss))
         per_token += 8 + M.norm_saved_bytes(cfg, s) / seq + c * H / (seq if megatron else 1) + loss / vocab
     if lay.pp > 1 and not megatron:
         per_token += c * cfg.vocab_size if last else s * H / seq
@@ -166,8 +166,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     (dp x cp), experts' 1 / (dp x cp / ep)). FSDP2 runs the forward on gathered compute-dtype weights and inputs:
     residual stream in the compute dtype, no autocast weight copies, and is compiled per block (planned eager). ddp
     on a tp or pp mesh is FSDP2's replicate (Layout.replicate), priced as FSDP2 with every unit kept gathered."""
-    cfg, lay, recipe, K = run.model, run.layout, run.recipe, run.grad_accum
-    strategy = lay.strategy
+    cfg, lay, recipe, K, strategy = run.model, run.layout, run.recipe, run.grad_accum, run.layout.strategy
     megatron = not (plain := trains(run))  # plain: the fused optimizer steps each tensor in place (DTensors too)
     replicated = lay.replicate and plain  # FSDP2's replicate: priced as FSDP2 (Layout.replicate)
     fsdp, ddp = strategy in ("zero2", "fsdp") or replicated, strategy in ("ddp", "zero1") and not replicated
@@ -190,10 +189,11 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
                  + cast_experts(run, params, stage_layers(cfg.n_layers, lay.stages, st)) for st in stages]
     tokens = run.tokens_per_micro_batch // lay.cp
     scratch = math.ceil(M.mlp_backward_bytes(cfg, acts_recipe, tokens) / lay.tp)
-    if lay.stages - 1 in stages:
-        scratch = max(scratch, M.loss_backward_bytes(cfg, acts_recipe, tokens) // (lay.tp if megatron else 1))
-        if compiled and not cfg.loss_chunk_tokens:
-            scratch = M.compiled_loss_backward_bytes(cfg, acts_recipe, tokens, run.checkpointing)
+    if lay.stages - 1 in stages and (kernel := M.loss_kernel(cfg, compiled, run.fused_loss)) == "compiled":
+        scratch = M.compiled_loss_backward_bytes(cfg, acts_recipe, tokens, run.checkpointing)
+    elif lay.stages - 1 in stages:
+        scratch = max(scratch, M.loss_backward_bytes(cfg, acts_recipe, tokens, 1, kernel)
+                      // (lay.tp if megatron else 1))
     if run.checkpointing in ("full", "op"):
         scratch = max(scratch, math.ceil(M.recompute_bytes(cfg, acts_recipe, tokens, 1, run.checkpointing) / lay.tp))
     gathered = accumulated = 0

@@ -50,6 +50,10 @@ class Run:
     # the stack fuses its element-wise work (Transformer Engine's and Megatron's fused kernels, torch.compile):
     # None: as the recipe and torch.compile imply (planner.cluster_step.fuses)
     fused: bool | None = None
+    # the stack's cross-entropy is one fused kernel on the compute-dtype logits (flash-attn's, llm-foundry's
+    # default): it saves them and writes one gradient as wide (cost.memory.loss_kernel); trainwise's own loss is
+    # F.cross_entropy, the chunked loss or torch.compile's kernel, so the trainer never sets it
+    fused_loss: bool = False
 
     @property
     def tokens_per_micro_batch(self) -> int:

@@ -101,6 +101,13 @@ class Plan:
         return self.peak_rank[1].held if self.peak_rank is not None else 0
 
     @property
+    def loss_kernel(self) -> str | None:
+        """The cross-entropy the plan's memory prices (cost.memory.loss_kernel); None without a model."""
+        if self.model is None:
+            return None
+        return M.loss_kernel(self.model, self.compiled, self.run is not None and self.run.fused_loss)
+
+    @property
     def peak_bytes(self) -> int | None:
         """Peak of one step on the highest rank (cost.rank_memory.rank_peak): what `trainwise verify` compares with
         tracked memory."""
@@ -155,7 +162,7 @@ class Plan:
                        "fits": self.fits, "over_budget_bytes": self.over_budget_bytes, "budget_bytes": self.budget,
                        "precision": self.recipe.name,
                        "optimizer": self.optimizer, "checkpointing": self.checkpointing, "zero": self.zero,
-                       "compiled": self.compiled,
+                       "compiled": self.compiled, "loss_kernel": self.loss_kernel,
                        "scope": "per device except total_bytes (all devices)"},
             "time": self._time_json(),
             # name, peak and bandwidth are null without hardware
@@ -306,7 +313,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         fpt = model_fpt + FL.recompute_flops_per_token(fwd, checkpointing, model)
         convention = "exact" if fpt == model_fpt else "exact+recompute"
         check_layout(model, layout, seq_len)
-        acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled)
+        acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled, run.fused_loss)
         peak_rank = highest_peak(run)
         name = model.name
     else:
@@ -319,7 +326,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         notes.append("activations unknown without a model config (--params only)")
         peak_rank = None
     states = M.state_bytes(counts.total, recipe, optimizer, zero, layout.shard // layout.cp, tp * pp)  # HSDP: its shard
-    if model_parallel and peak_rank is not None:  # the highest rank's states and activations in flight
+    if (model_parallel or layout.dp > 1) and peak_rank is not None:  # the highest rank's states and activations
         high = peak_rank[1]
         states, acts = M.StateBytes(high.params, high.grads, high.optimizer, high.master), high.activations
     step, cluster, source, t = None, None, "assumed MFU (--mfu)", None
