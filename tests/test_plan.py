@@ -133,10 +133,10 @@ def test_a_fused_loss_saves_the_logits_and_writes_one_gradient_as_wide(capsys):
 def test_a_data_parallel_plan_prints_the_highest_ranks_states_and_activations():
     """Over data-parallel ranks the plan's states and activations are the highest rank's (cost.rank_memory, what
     verify holds each rank to), as under model parallelism: ZeRO-2 and ZeRO-3 run as FSDP2 (its parameters
-    sharded, its forward on gathered compute-dtype weights, the residual stream in that dtype), which the one-device
-    closed form does not know (DDP and ZeRO-1: the two agree); a
-    run's per-device bytes and its peak now describe one rank (llm-foundry's MPT-7b at 6 x 2048 tokens ran in 80
-    GB; its plan had said 81 GiB per device beside a 66 GiB peak)."""
+    sharded, its forward on gathered compute-dtype weights, the residual stream in that dtype), which the
+    one-device closed form does not know (DDP and ZeRO-1: the two agree); a run's per-device bytes and its peak
+    now describe one rank (llm-foundry's MPT-7b at 6 x 2048 tokens ran in 80 GB; its plan had said 81 GiB per
+    device beside a 66 GiB peak)."""
     for zero in (0, 1, 2, 3):
         p = plan_run(run_of(get_preset("llama-3-8b"), tokens=1e9, seq_len=4096, micro_batch=2, precision="amp",
                             gpus=8, zero=zero, gpu="h100-sxm"))

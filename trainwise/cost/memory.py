@@ -330,8 +330,7 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
     Always: token ids and targets (int64, 16 bytes/token); the final norm; the LM head input cH; the
       fp32 log-softmax output B x T x V (4V) that cross-entropy saves, or with model.loss_chunk_tokens
       only the fp32 logsumexp (4 bytes/token), or compiled or `fused_loss` the logits cV and a logsumexp
-      (loss_saved_bytes_per_token); under autocast, the weight
-      copies (autocast_weight_bytes).
+      (loss_saved_bytes_per_token); under autocast, the weight copies (autocast_weight_bytes).
     With pipeline parallelism under 1F1B the first stage holds pp micro-batches of L/pp layers, i.e. the
     same L-layer total (Korthikanti section 4.2.3); tensor parallelism with sequence parallelism
     divides everything by tp."""
@@ -357,9 +356,9 @@ LOSS_KERNELS = {"torch": "the loss's fp32 log-softmax B*T*V", "chunked": "the ch
 
 
 def loss_kernel(cfg: ModelConfig, compiled: bool = False, fused: bool = False) -> str:
-    """"chunked" (model.loss_chunk_tokens: trainwise.model.loss), "compiled" (torch.compile's one fused kernel),
-    "fused" (another stack's fused kernel on the compute-dtype logits: cost.run.Run.fused_loss) or "torch"
-    (F.cross_entropy on their fp32 copy)."""
+    """The cross-entropy a run computes: "chunked" (model.loss_chunk_tokens: trainwise.model.loss), "compiled"
+    (torch.compile's one fused kernel), "fused" (another stack's fused kernel on the compute-dtype logits:
+    cost.run.Run.fused_loss) or "torch" (F.cross_entropy on their fp32 copy)."""
     return "chunked" if cfg.loss_chunk_tokens else "compiled" if compiled else "fused" if fused else "torch"
 
 

@@ -142,13 +142,12 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     """The peak of one training step on `rank` (RankPeak.peak), the larger of two high points:
       backward: parameters + optimizer states + torch's pipelining's receive buffers (one per micro-batch and
         link; Megatron-Core receives into the chunk's input, an activation) + the larger of an MLP's backward
-        (mlp_backward_bytes) and the cross-entropy's backward scratch on the last stage (two fp32 B T V buffers,
-        whole on every tp rank, or 1/tp of them vocabulary-parallel; compiled: one fused kernel,
-        compiled_loss_backward_bytes) or, under full checkpointing, one recomputed block's activations + under
-        FSDP2 the gathered parameters in the
-        compute dtype (zero2: all of the rank's, kept from forward to backward; fsdp: the stage roots and
-        two blocks) + the most, over the backwards of the schedule (cost.schedule.schedule_ops), of the
-        activations of the micro-batches in flight and the gradients, which exist once a backward of the
+        (mlp_backward_bytes) and the cross-entropy's backward scratch on the last stage (cost.memory.loss_kernel's:
+        torch's two fp32 B T V buffers, whole on every tp rank, or 1/tp of them vocabulary-parallel; compiled,
+        compiled_loss_backward_bytes) or, under full checkpointing, one recomputed block's activations + under FSDP2
+        the gathered parameters in the compute dtype (zero2: all of the rank's, kept from forward to backward; fsdp:
+        the stage roots and two blocks) + the most, over the backwards of the schedule (cost.schedule.schedule_ops),
+        of the activations of the micro-batches in flight and the gradients, which exist once a backward of the
         step has run: the rank's gradients, DDP's buckets (which hold them all run long, plus under no_sync
         the micro-batches' own .grad tensors; Megatron-LM's gradient buffer takes them directly; experts
         divided by ep are outside the buckets), or FSDP2's unsharded fp32 gradients of the micro-batches
@@ -189,9 +188,10 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
                  + cast_experts(run, params, stage_layers(cfg.n_layers, lay.stages, st)) for st in stages]
     tokens = run.tokens_per_micro_batch // lay.cp
     scratch = math.ceil(M.mlp_backward_bytes(cfg, acts_recipe, tokens) / lay.tp)
-    if lay.stages - 1 in stages and (kernel := M.loss_kernel(cfg, compiled, run.fused_loss)) == "compiled":
+    kernel = M.loss_kernel(cfg, compiled, run.fused_loss) if lay.stages - 1 in stages else None  # the last stage's
+    if kernel == "compiled":
         scratch = M.compiled_loss_backward_bytes(cfg, acts_recipe, tokens, run.checkpointing)
-    elif lay.stages - 1 in stages:
+    elif kernel:
         scratch = max(scratch, M.loss_backward_bytes(cfg, acts_recipe, tokens, 1, kernel)
                       // (lay.tp if megatron else 1))
     if run.checkpointing in ("full", "op"):
