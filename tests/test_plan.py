@@ -128,6 +128,8 @@ def test_a_fused_loss_saves_the_logits_and_writes_one_gradient_as_wide(capsys):
         assert json.loads(capsys.readouterr().out)["memory"]["loss_kernel"] == kernel
         assert main([*argv, *extra, "--explain"]) == 0
         assert f"incl. the {'loss' if kernel == 'torch' else 'fused loss'}'s " in capsys.readouterr().out
+    assert main(["plan", "--params", "1e9", "--tokens", "1e10", "--fused-loss", "--explain"]) == 0  # no model: no loss
+    assert "activations" in capsys.readouterr().out
 
 
 def test_a_data_parallel_plan_prints_the_highest_ranks_states_and_activations():

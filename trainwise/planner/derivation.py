@@ -185,7 +185,7 @@ def explain_plan(p) -> str:
     add(f"   master     = N x {r.master_bytes} B{' / dp' if p.zero >= 1 else ''} = {fmt_bytes(s.master)}")
     add(f"   states     = {fmt_bytes(s.total)}")
     add(f"   activations ({p.checkpointing} checkpointing, B x T = {p.micro_batch * p.seq_len:,} tokens, "
-        f"incl. {M.LOSS_KERNELS[p.loss_kernel]}) = {fmt_bytes(p.activations_bytes)}")
+        f"incl. {M.LOSS_KERNELS.get(p.loss_kernel, 'the loss')}) = {fmt_bytes(p.activations_bytes)}")
     if p.held_grad_sums:
         add(f"   held sums  = N x 4 B{f' / (tp*pp)' if mp > 1 else ''}, the micro-batches' unsharded fp32 gradients "
             f"summed until the last one's reduce-scatter (--fsdp-grad-sync step) = {fmt_bytes(p.held_grad_sums)}")
