@@ -326,7 +326,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         notes.append("activations unknown without a model config (--params only)")
         peak_rank = None
     states = M.state_bytes(counts.total, recipe, optimizer, zero, layout.shard // layout.cp, tp * pp)  # HSDP: its shard
-    if (model_parallel or layout.dp > 1) and peak_rank is not None:  # the highest rank's states and activations
+    if gpus > 1 and peak_rank is not None:  # over more than one rank: the highest rank's states and activations
         high = peak_rank[1]
         states, acts = M.StateBytes(high.params, high.grads, high.optimizer, high.master), high.activations
     step, cluster, source, t = None, None, "assumed MFU (--mfu)", None
