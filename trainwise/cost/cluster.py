@@ -2,8 +2,8 @@
 
     per pipeline rank and micro-batch   its layers' operators (one rank's share: the planner records
         them on a narrowed model, trainwise.planner.cluster_step) priced by cost.gpu (element-wise work at the
-        bytes a fusing stack moves where the stack fuses), x IN_STEP, + the embedding on the first rank and
-        the LM head + loss on the last; + the collectives inside the step:
+        bytes a fusing stack moves where the stack fuses), the tensor-core kernels x IN_STEP, + the embedding
+        on the first rank and the LM head + loss on the last; + the collectives inside the step:
           tensor parallel   per layer 2 all-reduces forward, 2 backward (2 more when a full recompute
                             re-runs the forward) of B x T x H (Narayanan et al. 2021 section 3.3); with
                             sequence parallelism each is a reduce-scatter + an all-gather of the same
@@ -55,12 +55,15 @@ from trainwise.cost.schedule import (bubble_fraction, chunk_layers, p2p_exposed_
 from trainwise.hardware.profile import DEFAULT_OVERHEAD
 from trainwise.hardware.table import Accelerator, Node
 
-# A kernel inside a training step takes IN_STEP x its published time alone (cost.gpu): clocks held down by the
-# power cap over seconds of back-to-back work, caches and SMs shared with the communication kernels running
-# beside it, the gaps between launches. One value for every GPU, fitted across the whole development set (both
-# sets, every dense row: `python benchmarks/cluster_model.py --in-step X` rescans it; benchmarks/RESULTS.md),
-# neither per row nor per GPU.
-IN_STEP = 1.21
+# A tensor-core kernel (matmul, attention) inside a training step takes IN_STEP x its published time alone
+# (cost.gpu): SM clocks held down by the power cap over seconds of back-to-back work, SMs and caches shared with
+# the communication kernels running beside it, the gaps between launches. A memory-bound kernel (element-wise
+# work, casts, FSDP2's copies) runs at the copy bandwidth cost.gpu prices it at: what the power cap lowers is the
+# SM clock, not HBM's (as Accelerator.clock_share scales the tensor-core rates alone). One value for every GPU,
+# fitted across the whole development set (both sets, every dense row: `python benchmarks/cluster_model.py
+# --in-step X` rescans it; benchmarks/RESULTS.md), neither per row nor per GPU.
+IN_STEP = 1.27
+TENSOR_CORE = ("matmul", "attention")  # the operator classes (cost.ops.CLASSES) IN_STEP lengthens
 
 BREAKDOWN = ("compute_s", "experts_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "imbalance_s", "pp_p2p_s",
              "dp_comm_s", "bubble_s", "optimizer_s", "overhead_s")
@@ -265,7 +268,7 @@ def _rank_compute(cfg: ModelConfig, work: RankWork, idx: list[int], first: bool,
         for op in for_cuda(ops):
             if op.phase == "optimizer" or not count:
                 continue
-            seconds = op_seconds(op, acc, work.fused)[0] * IN_STEP
+            seconds = op_seconds(op, acc, work.fused)[0] * (IN_STEP if op.cls in TENSOR_CORE else 1.0)
             out["all"] += count * seconds
             out[op.phase] += count * seconds
             out[op.cls] += count * seconds
@@ -326,7 +329,7 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
     (Layout.fsdp_copies): each gather's output into the parameters (split_with_sizes_copy: read and written in
     the gathered dtype) before the block runs, each block's unsharded gradients into the reduce-scatter's input
     (chunk_cat: read in the compute dtype, written in the reduce dtype) after its backward; memory-bound,
-    at the copy bandwidth x IN_STEP, and they lengthen the compute the collectives hide under."""
+    at the copy bandwidth, and they lengthen the compute the collectives hide under."""
     n_moe = sum(cfg.is_moe_layer(i) for i in idx)
     blocks = max(1, len(idx))
     first, last = _ends(layout, r)
@@ -371,7 +374,7 @@ def _fsdp_copies(layout: Layout, block: float, root: float, param_bytes: int, gr
     step. Zeros without Layout.fsdp_copies."""
     if not layout.fsdp_copies or not (block or root):
         return 0.0, 0.0, 0.0
-    rate = copy_bandwidth(acc) / IN_STEP
+    rate = copy_bandwidth(acc)
     out, into = 2 * param_bytes / rate, (param_bytes + grad_bytes) / rate
     ends = 1 if root else 0
     log.op("FSDP2 all-gather copy-out", m * (2 * blocks + ends), m * (2 * blocks * block + root) * out)
