@@ -9,8 +9,8 @@ precision (16-bit weights and activations, fp32 main gradients, master and Adam:
 unfused attention (2021-22: no FlashAttention), gradient all-reduce overlapped (torch DDP) up to 18.4B and
 after backward (Megatron's local DDP) from 39.1B. Nothing below is fitted to a run: every kernel and
 collective figure is a published microbenchmark (trainwise.hardware.table, trainwise.cost.comm), and one
-value, the in-step factor of GPU kernels (trainwise.cost.cluster.IN_STEP), is fitted across all the rows of
-both sets at once (`--in-step X` plans them at another value).
+value, the in-step factor of tensor-core kernels (trainwise.cost.cluster.IN_STEP), is fitted across all the
+rows of both sets at once (`--in-step X` plans them at another value).
 
 The second development set (H100, bf16 and FP8; FSDP; context parallelism; expert parallelism),
 transcribed with its sources in benchmarks/cluster_dev_set_2.py, is planned the same way: every dense row (FP8
@@ -296,8 +296,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--in-step", type=float, default=cluster.IN_STEP,
-                    help=f"the in-step factor of GPU kernels (trainwise.cost.cluster.IN_STEP, {cluster.IN_STEP}), to "
-                         "rescan its fit")
+                    help="the in-step factor of tensor-core kernels (trainwise.cost.cluster.IN_STEP, "
+                         f"{cluster.IN_STEP}), to rescan its fit")
     args = ap.parse_args()
     cluster.IN_STEP = args.in_step
     t0, rows, errors = time.time(), [], []
