@@ -412,6 +412,7 @@ def test_the_in_step_factor_lengthens_the_tensor_core_kernels_alone(monkeypatch)
     for factor in (IN_STEP, 2 * IN_STEP):
         monkeypatch.setattr("trainwise.cost.cluster.IN_STEP", factor)
         ops[factor] = {o["op"]: o["seconds"] for o in plan_run(run).cluster.ops}
+    assert f"matmul and attention x {2 * IN_STEP}" in explain_cluster(plan_run(run))  # the factor in use, said
     base, doubled = ops[IN_STEP], ops[2 * IN_STEP]
     kernels = [name for name in base if name.startswith("aten.")]
     tensor_core = [name for name in kernels if name in ("aten.mm", "aten.addmm", "aten.bmm") or "attention" in name]

@@ -5,6 +5,7 @@ step, has the per-operator table, the phases, the largest contributors and the c
 from __future__ import annotations
 
 from trainwise.cost import memory as M
+from trainwise.cost import cluster
 from trainwise.cost.gpu import attention_rate
 from trainwise.cost.steptime import COMPILED_ELEMENTWISE
 from trainwise.cost.layout import ZERO_BUBBLE
@@ -89,6 +90,10 @@ def explain_cluster(p) -> str:
         + ", ".join(f"{s:.4g} s" for s in st.stage_seconds[:8]) + (" ..." if len(st.stage_seconds) > 8 else ""))
     add(f"   compute    = m x operators of the slowest rank{' but the expert GEMMs' if b['experts_s'] else ''} = "
         f"{m} x {b['compute_s'] / m:.4g} = {b['compute_s']:.4g} s")
+    pad = " " * 16
+    add(f"{pad}each operator at its published rate (cost.gpu), matmul and attention x {cluster.IN_STEP}: the in-step")
+    add(f"{pad}factor fitted across the development sets (SM clocks under the power cap, SMs shared with the")
+    add(f"{pad}collectives, launch gaps); memory-bound kernels at the copy bandwidth")
     if b["experts_s"]:
         model = p.model
         per_expert = p.micro_batch * p.seq_len // lay.cp * model.top_k * lay.ep // model.n_experts
