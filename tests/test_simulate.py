@@ -46,3 +46,25 @@ def test_llama_3_8b_simulates_without_allocating():
     assert mem.peak_bytes == pytest.approx(plan.peak_bytes, rel=0.10)
     assert mem.peak_bytes > 100e9
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < 2 * 2**30
+
+
+@pytest.mark.parametrize("lr", [0.1, "tensor"])
+def test_the_fused_sgd_update_runs_on_fake_tensors_without_real_copies(lr):
+    """The fused SGD update (the trainer's SGD, as the recorder and --simulate run it) on a fake 100,000^2
+    parameter (40 GB in fp32): no fallback to the CPU kernel on real zero-filled copies of the parameter, its
+    gradient and its momentum (which `plan --model deepseek-v3 --optimizer sgd` ran, and was killed for)."""
+    from unittest import mock
+
+    import torch
+    from torch._subclasses import fake_tensor
+
+    from trainwise.measure.fake import fake_step_mode
+
+    with mock.patch.object(fake_tensor, "run_fallback_kernel", side_effect=AssertionError("a real copy")):
+        with fake_step_mode():
+            w = torch.nn.Parameter(torch.empty(100_000, 100_000))
+            w.grad = torch.empty_like(w)
+            opt = torch.optim.SGD([w], lr=torch.tensor(0.1) if lr == "tensor" else lr, momentum=0.9, fused=True)
+            opt.step()
+            opt.step()  # the momentum buffer made on the first step, updated on the second
+            assert opt.state[w]["momentum_buffer"].shape == w.shape

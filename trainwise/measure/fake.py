@@ -31,6 +31,21 @@ def _one(x) -> float:
     return 1.0
 
 
+def _update_in_place(*args, **kwargs) -> None:
+    """The fused SGD update on fake tensors: in place, so nothing to compute, allocate or return."""
+
+
+# torch registers no Meta kernel for the fused SGD update (it does for Adam's and AdamW's). Without one,
+# FakeTensorMode falls back to the CPU kernel on real zero-filled copies of every parameter, gradient and momentum
+# buffer: a large model's step would allocate the tens of GB the fake step exists to avoid (or be killed for it).
+# The Library object keeps the registration alive for the process.
+_FUSED_SGD_META = None
+if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_sgd_", "Meta"):
+    _FUSED_SGD_META = torch.library.Library("aten", "IMPL")
+    for _overload in ("_fused_sgd_", "_fused_sgd_.tensor_lr"):
+        _FUSED_SGD_META.impl(_overload, _update_in_place, "Meta")
+
+
 @contextlib.contextmanager
 def fake_step_mode():
     """FakeTensorMode (real inputs allowed) with Adam's step count read as 1 and balanced MoE routing."""
