@@ -4,7 +4,8 @@ so an 8B-parameter model "trains" one step in a few hundred MB (the operator rec
 
 Two things a fake tensor cannot answer are given values that change nothing of what the step runs:
 Adam's step count read as a number (its bias correction), and MoE routing, whose counts depend on the
-data: every expert gets an equal share of the tokens (the planner's uniform-routing assumption).
+data: every expert gets an equal share of the tokens (the planner's uniform-routing assumption). One
+kernel torch does not give fake tensors, the fused SGD update, is registered here (below).
 """
 
 from __future__ import annotations
