@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from trainwise.config import TrainConfig
-from trainwise.cost.ops import CLASSES, by_name, for_cuda, op_class
+from trainwise.cost.ops import CLASSES, Op, by_name, for_cuda, op_class
 from trainwise.cost.params import params
 from trainwise.cost.steptime import predict_step
 from trainwise.cost.time import attainable_flops, ridge_point, roofline_seconds
@@ -43,10 +43,13 @@ class OpPoint:
 
 
 def roofline_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32",
-                 checkpointing: str = "none", cuda: bool = False, compiled: bool = False) -> list[OpPoint]:
+                 checkpointing: str = "none", cuda: bool = False, compiled: bool = False,
+                 ops: list[Op] | None = None) -> list[OpPoint]:
     """Operators of one training step of the trainwise model (measure.record.step_ops, the list the step-time
-    model prices), summed per op name, largest FLOPs first. cuda: the kernels a CUDA device runs."""
-    ops = step_ops(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled=compiled and not cuda)
+    model prices), summed per op name, largest FLOPs first. cuda: the kernels a CUDA device runs. ops: that
+    step's operators when the caller holds them already (the planner's record of the same step)."""
+    if ops is None:
+        ops = step_ops(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled=compiled and not cuda)
     if cuda:
         ops = for_cuda(ops)
     points = [OpPoint(n, op_class(n), c, f, b) for n, (c, f, b) in by_name(ops).items()]

@@ -17,6 +17,7 @@ from trainwise import rundir
 from trainwise.config import load_config
 from trainwise.errors import TrainwiseError
 from trainwise.files import write_atomic
+from trainwise.planner.device_step import cached_step_ops
 from trainwise.planner.machine import resolve_hardware
 from trainwise.report import plots
 from trainwise.measure.roofline import roofline_ops
@@ -156,7 +157,10 @@ def roofline_section(run_dir: Path, plan: dict | None, verify: dict | None) -> s
             return '<p class="note">Roofline: the peak FLOP/s or memory bandwidth of the device is unknown.</p>'
         precision = (verify or {}).get("run", {}).get("precision", "fp32")
         t = cfg.train
-        points = roofline_ops(cfg.model, t.micro_batch, t.seq_len, precision, t.activation_checkpointing)
+        # the operators the run's plan priced (recorded once: the trainer planned this step before it ran)
+        ops = cached_step_ops(cfg.model, t.micro_batch, t.seq_len, precision, t.activation_checkpointing, False,
+                              t.optimizer)
+        points = roofline_ops(cfg.model, t.micro_batch, t.seq_len, precision, t.activation_checkpointing, ops=ops)
         title = f"{cfg.model.name}: one training step (B={t.micro_batch}, T={t.seq_len}, {precision})"
         return _img(plots.roofline_chart(points, peak, bw, title), "roofline") + (
             f'<p class="note">peak {_si(peak, "FLOP/s")}, bandwidth {_si(bw, "B/s")}; each point is one operator '
