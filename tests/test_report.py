@@ -53,6 +53,22 @@ def test_train_writes_a_self_contained_report(run_dir):
     assert "flops_per_step" in page and "MiB" in page  # plan-vs-measured table, bytes with units
 
 
+def test_the_roofline_is_drawn_from_the_operators_the_plan_recorded(run_dir, tmp_path, monkeypatch):
+    """The report prices the step the run's plan recorded (planner.device_step's memoised record): written again
+    in the process that trained, it records nothing, and its roofline is the same chart as the one train() drew."""
+    from trainwise.measure import record
+    from trainwise.report.html import write_report
+
+    def run(*args, **kwargs):
+        raise AssertionError("the report recorded the step again")
+
+    monkeypatch.setattr(record, "_run", run)  # every record of a step on fake tensors goes through it
+    again = write_report(run_dir, tmp_path / "report.html").read_text(encoding="utf-8")
+    roofline = r'<img alt="roofline" src="([^"]+)"'
+    assert re.findall(roofline, again) == re.findall(roofline, (run_dir / "report.html").read_text(encoding="utf-8"))
+    assert "Roofline could not be drawn" not in again
+
+
 def test_tensorboard_logs_the_metrics_stream(run_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
