@@ -157,7 +157,8 @@ def roofline_section(run_dir: Path, plan: dict | None, verify: dict | None) -> s
             return '<p class="note">Roofline: the peak FLOP/s or memory bandwidth of the device is unknown.</p>'
         precision = (verify or {}).get("run", {}).get("precision", "fp32")
         t = cfg.train
-        # the operators the run's plan priced (recorded once: the trainer planned this step before it ran)
+        # the eager step's operators as the planner records them, memoised: where the run trained, its plan
+        # recorded this step already
         ops = cached_step_ops(cfg.model, t.micro_batch, t.seq_len, precision, t.activation_checkpointing, False,
                               t.optimizer)
         points = roofline_ops(cfg.model, t.micro_batch, t.seq_len, precision, t.activation_checkpointing, ops=ops)
