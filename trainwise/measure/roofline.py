@@ -43,13 +43,16 @@ class OpPoint:
 
 
 def roofline_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32",
-                 checkpointing: str = "none", cuda: bool = False, compiled: bool = False,
-                 ops: list[Op] | None = None) -> list[OpPoint]:
+                 checkpointing: str = "none", cuda: bool = False, compiled: bool = False) -> list[OpPoint]:
     """Operators of one training step of the trainwise model (measure.record.step_ops, the list the step-time
-    model prices), summed per op name, largest FLOPs first. cuda: the kernels a CUDA device runs. ops: that
-    step's operators when the caller holds them already (the planner's record of the same step)."""
-    if ops is None:
-        ops = step_ops(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled=compiled and not cuda)
+    model prices), summed per op name, largest FLOPs first. cuda: the kernels a CUDA device runs."""
+    return roofline_points(step_ops(model_cfg, micro_batch, seq_len, precision, checkpointing,
+                                    compiled=compiled and not cuda), cuda)
+
+
+def roofline_points(ops: list[Op], cuda: bool = False) -> list[OpPoint]:
+    """A step's recorded operators (roofline_ops; or a record the caller holds, e.g. the planner's memoised one)
+    summed per op name, largest FLOPs first. cuda: the kernels a CUDA device runs."""
     if cuda:
         ops = for_cuda(ops)
     points = [OpPoint(n, op_class(n), c, f, b) for n, (c, f, b) in by_name(ops).items()]

@@ -20,7 +20,7 @@ from trainwise.files import write_atomic
 from trainwise.planner.device_step import cached_step_ops
 from trainwise.planner.machine import resolve_hardware
 from trainwise.report import plots
-from trainwise.measure.roofline import roofline_ops
+from trainwise.measure.roofline import roofline_points
 
 CSS = """
 body{font-family:-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif;color:#1f2937;background:#f3f4f6;
@@ -159,9 +159,8 @@ def roofline_section(run_dir: Path, plan: dict | None, verify: dict | None) -> s
         t = cfg.train
         # the eager step's operators as the planner records them, memoised: where the run trained, its plan
         # recorded this step already
-        ops = cached_step_ops(cfg.model, t.micro_batch, t.seq_len, precision, t.activation_checkpointing, False,
-                              t.optimizer)
-        points = roofline_ops(cfg.model, t.micro_batch, t.seq_len, precision, t.activation_checkpointing, ops=ops)
+        points = roofline_points(cached_step_ops(cfg.model, t.micro_batch, t.seq_len, precision,
+                                                 t.activation_checkpointing, False, t.optimizer))
         title = f"{cfg.model.name}: one training step (B={t.micro_batch}, T={t.seq_len}, {precision})"
         return _img(plots.roofline_chart(points, peak, bw, title), "roofline") + (
             f'<p class="note">peak {_si(peak, "FLOP/s")}, bandwidth {_si(bw, "B/s")}; each point is one operator '
