@@ -91,7 +91,8 @@ def explain_cluster(p) -> str:
     add(f"   compute    = m x operators of the slowest rank{' but the expert GEMMs' if b['experts_s'] else ''} = "
         f"{m} x {b['compute_s'] / m:.4g} = {b['compute_s']:.4g} s")
     pad = " " * 16
-    add(f"{pad}each operator at its published rate (cost.gpu), matmul and attention x {cluster.IN_STEP}: the in-step")
+    lengthened = " and ".join(cluster.TENSOR_CORE)
+    add(f"{pad}each operator at its published rate (cost.gpu), {lengthened} x {cluster.IN_STEP}: the in-step")
     add(f"{pad}factor fitted across the development sets (SM clocks under the power cap, SMs shared with the")
     add(f"{pad}collectives, launch gaps); memory-bound kernels at the copy bandwidth")
     if b["experts_s"]:
