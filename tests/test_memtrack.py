@@ -210,6 +210,37 @@ def test_step_peak_meter_leaves_out_what_a_worker_thread_holds_past_the_runs_use
         assert peak == pytest.approx(own.numel() * own.element_size(), rel=0.01), free_during_step
 
 
+def test_the_spans_of_one_stretch_each_get_their_own_peak():
+    """Repetitions of a step measured in one stretch (the trainer's last steps under torchrun): each span's
+    peak is what was resident at the start, what the spans before it left alive, and its own high point;
+    the stretch's peak is the highest moment of all, spans or not. The observer's step peak is their median
+    (trainer.observer.steady_peak), so one span read high or low does not decide it."""
+    from trainwise.measure.memtrack import StepPeakMeter
+    from trainwise.trainer.observer import steady_peak
+
+    mib = 1 << 20
+    meter = StepPeakMeter(CPU)
+    meter.start()
+    with meter.span():
+        a = torch.ones(mib)  # 4 MiB, freed in the span
+        del a
+    with meter.span():
+        kept = torch.ones(2 * mib)  # 8 MiB, alive into the next span
+        b = torch.ones(mib)
+        del b
+    between = torch.ones(4 * mib)  # 16 MiB outside any span, freed before the next
+    del between
+    with meter.span():
+        c = torch.ones(mib // 2)  # 2 MiB beside the 8 still held
+        del c
+    peak = meter.stop()
+    base = sum(meter._base.values())
+    got = [round((p - base) / mib) for p in meter.span_peaks]
+    assert got == [4, 12, 10], got
+    assert round((peak - base) / mib) == 8 + 16 and kept.numel() == 2 * mib
+    assert steady_peak([7, 3, 5]) == 5 and steady_peak([7, 3]) == 3 and steady_peak([4]) == 4
+
+
 def test_an_address_allocated_again_without_a_recorded_free_ends_the_first_block_there():
     """The profiler does not record every free of a collective's worker (seen under cp x dp: a 42,624-byte
     buffer's address reused by a 38,400-byte one with no free between, so the first stayed counted all step
@@ -221,7 +252,7 @@ def test_an_address_allocated_again_without_a_recorded_free_ends_the_first_block
     kib = 1024
     events = [(1, 42 * kib, 0xA, 1), (2, 8 * kib, 0xB, 1), (3, 38 * kib, 0xA, 1), (4, -38 * kib, 0xA, 1),
               (5, -8 * kib, 0xB, 1)]
-    own = _own_events(events, counted={}, reachable=set())
+    own = [n for _, n in _own_events(events, counted={}, reachable=set())]
     assert own == [42 * kib, 8 * kib, -42 * kib, 38 * kib, -38 * kib, -8 * kib]
     running = [sum(own[:i + 1]) for i in range(len(own))]
     assert max(running) == 50 * kib and running[-1] == 0

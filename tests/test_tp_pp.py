@@ -404,7 +404,7 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
     """`trainwise train` under torchrun with parallel.tp=2: the losses of one process, a DCP checkpoint the
     one-process API loads, and verify.json's per_rank holding each rank to the plan, comm included."""
     # no checkpoint before the measured last step: right after a DCP save rank 0's step peak read up to 12% high;
-    # 4 steps, so that the peak is the least of three steps' (trainer.observer.TP_PEAK_STEPS), not of two
+    # 4 steps, so that the peak is the median of three steps' (trainer.observer.PEAK_STEPS), not of two
     extra = ("train.eval_every=0", "train.max_steps=4", "train.micro_batch=2", "train.checkpoint_every=4")
     single = tmp_path / "single"
     assert main(["train", "--out", str(single), "--quiet", *set_args(corpus, *extra)]) == 0

@@ -17,16 +17,18 @@ tensors use, reserved adds the caching allocator's slack); they are reported sep
 
 MemTracker sees only what passes the dispatcher, so not a compiled step (inductor allocates its buffers
 directly). `StepPeakMeter` measures the peak at the allocator instead, whatever runs: the trainer wraps
-its last step in it (verify.json's peak, per rank under torchrun).
+its last step in it (verify.json's peak; per rank under torchrun, its last three steps).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -155,7 +157,9 @@ class StepPeakMeter:
       stretch runs (profile_memory=True). Storages that exist throughout but that Python cannot reach
       (DDP's gradient buckets live in C++) are added when the caller shows a view of them at the end
       (`resident`: e.g. the gradients before zero_grad, views into those buckets).
-    Used as: meter.start(); ...; meter.resident(tensors); meter.stop() -> peak bytes."""
+    Used as: meter.start(); ...; meter.resident(tensors); meter.stop() -> peak bytes. Several repetitions
+    of a step measured in one stretch, each `with meter.span():`, give each its own peak (`span_peaks`)
+    for the price of one start and stop (each reads every tensor Python reaches)."""
 
     def __init__(self, device: torch.device, foreign: set[int] = frozenset()):
         """foreign: storage addresses that are not the run's (foreign_storages() before the run began:
@@ -163,6 +167,7 @@ class StepPeakMeter:
         self.device = device
         self.foreign = foreign
         self.peak_bytes: int | None = None
+        self.span_peaks: list[int] = []  # the peak within each span, in order (stop)
         self._prof = None
         self._filter: _StderrFilter | None = None
         self._base: dict[int, int] = {}
@@ -179,6 +184,19 @@ class StepPeakMeter:
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._filter = _StderrFilter(_UNKNOWN_BLOCK)  # over the whole stretch: see _UNKNOWN_BLOCK
         _quiet_stderr(self._prof.__enter__)
+
+    @contextlib.contextmanager
+    def span(self) -> Iterator[None]:
+        """A stretch whose own peak goes to span_peaks (CPU: at `stop`; CUDA: the device's peak, reset here)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            torch.cuda.synchronize(self.device)
+            self.span_peaks.append(torch.cuda.max_memory_allocated(self.device))
+            return
+        with torch.profiler.record_function(_SPAN):
+            yield
 
     def resident(self, tensors) -> None:
         """Tensors alive at this point whose storage may predate `start` without Python reaching it."""
@@ -199,11 +217,19 @@ class StepPeakMeter:
         counted = {**self._base, **late}
         base = sum(counted.values())
         reachable = set(_storages(live_tensors(collect=False), self.device)) | set(self._late)
+        spans = sorted(_spans(self._prof))
+        highs = [None] * len(spans)
         running = highest = 0
-        for nbytes in _own_events(events, counted, reachable):
+        for t, nbytes in _own_events(events, counted, reachable):
+            for i, (begin, end) in enumerate(spans):
+                if highs[i] is None and t >= begin:  # what the span starts with counts in its peak
+                    highs[i] = running
+                if begin <= t <= end:
+                    highs[i] = max(highs[i], running + nbytes)
             running += nbytes
             highest = max(highest, running)
         self._prof = None
+        self.span_peaks = [base + (running if high is None else high) for high in highs]
         self.peak_bytes = base + highest
         return self.peak_bytes
 
@@ -311,8 +337,23 @@ def _allocations(prof) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _own_events(events, counted: dict[int, int], reachable: set[int]) -> list[int]:
-    """The byte changes of the run's own tensors among the allocator's `events`, in order.
+def _spans(prof) -> list[tuple[int, int]]:
+    """(start ns, end ns) of every StepPeakMeter.span the profiler recorded, on the clock of its events."""
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.name == _SPAN:
+            out.append((event.start_time_ns, event.end_time_ns))
+        else:
+            stack.extend(event.children)
+    return out
+
+
+_SPAN = "trainwise::measured_span"
+
+
+def _own_events(events, counted: dict[int, int], reachable: set[int]) -> list[tuple[int, int]]:
+    """The byte changes (time ns, bytes) of the run's own tensors among the allocator's `events`, in order.
 
     A collective's worker thread (gloo's) holds its input and output until it takes its next job, which on
     a busy machine can come after the step's peak or the step itself: a block the run allocated during
@@ -340,7 +381,7 @@ def _own_events(events, counted: dict[int, int], reachable: set[int]) -> list[in
     out = []
     for i, (e, keep) in enumerate(zip(events, kept)):
         if i in ended:
-            out.append(ended[i])
+            out.append((e[0], ended[i]))
         if keep:
-            out.append(e[1])
+            out.append((e[0], e[1]))
     return out

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
@@ -91,7 +92,7 @@ def train(cfg: RunConfig | None = None, out: str | Path | None = None, resume: b
     _say_setup(run, tokens, why, say)
     progress = _Progress(step, tokens_seen)
     observer = StepObserver(run.step, d, cfg.train.max_steps, foreign)  # what verify measures, from outside
-    with RunLog(out, cfg, enabled=d.is_main) as log, _StopRequest() as stop:
+    with RunLog(out, cfg, enabled=d.is_main) as log, _StopRequest() as stop, contextlib.closing(observer):
         _train_steps(run, progress, account, log, stop, tokens, out, observer, quiet)
     if progress.stopped:
         say(f"stopped at step {progress.step} and saved a checkpoint; continue with: trainwise train --resume "

@@ -2,8 +2,8 @@
 optimizer step inside `StepObserver.step(i)` and hands it the gradients before they are freed; it does not
 know what is measured.
 
-    the step's peak     measure.memtrack.StepPeakMeter over the last step (under tensor parallelism the
-                        least of the last TP_PEAK_STEPS but the first), verify.json's "step peak"
+    the step's peak     measure.memtrack.StepPeakMeter over the last step (under torchrun the median of
+                        the last PEAK_STEPS but the first: steady_peak), verify.json's "step peak"
     messages            runtime.comms.CommCounter over the last step of a torchrun job, per collective
     states              this rank's parameter, gradient and optimizer bytes at the last step, and zero2's
                         gathered parameters (runtime.distributed), for the per-rank check
@@ -15,6 +15,7 @@ know what is measured.
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -24,20 +25,29 @@ from trainwise.runtime import distributed, expert_parallel
 from trainwise.runtime.comms import CommCounter
 from trainwise.runtime.step import TrainingStep
 
-# Under tp gloo's worker threads hold a finished all-gather's buffers until their next job; the meter leaves
-# out what they free or still hold (measure.memtrack._own_events), and the least of these steps' peaks
-# is the step's own should a buffer still slip into one (+12-18% on the tests' models when it did).
-TP_PEAK_STEPS = 3
+# Under torchrun a collective's buffers are freed by whichever thread lets go last, the run's or gloo's
+# worker, as the two are scheduled: the meter leaves out what the worker frees (measure.memtrack._own_events),
+# which reads a step low when the worker happens to free a buffer the run still used at the peak (an
+# all-gather's output under FSDP2: -6% of a tiny model's step), and high when the profiler misses a worker's
+# free or a buffer slips past it (+4 to +18% on the tests' models). Each is one step's accident, so the
+# step's own peak is the median of several.
+PEAK_STEPS = 3
+
+
+def steady_peak(peaks: list[int]) -> int:
+    """The peak of a repeated step from its measured repetitions: the median (the lower middle of an even
+    count), so that neither a step read high nor one read low decides it."""
+    return statistics.median_low(peaks)
 
 
 class StepObserver:
     def __init__(self, step: TrainingStep, d: distributed.Dist, max_steps: int, foreign: set[int]):
         self._step, self._d, self._max_steps, self._foreign = step, d, max_steps, foreign
         self._gathered = distributed.gathered_params_meter(step.model, d)
-        # the last step, or under tp the last TP_PEAK_STEPS but the first (its states come after its peak)
-        self._first_measured = max(max_steps - (TP_PEAK_STEPS if d.layout.tp > 1 else 1), min(1, max_steps - 1))
+        # the last step, or under torchrun the last PEAK_STEPS but the first (its states come after its peak)
+        self._first_measured = max(max_steps - (PEAK_STEPS if d.active else 1), min(1, max_steps - 1))
         self._meter: StepPeakMeter | None = None
-        self.peak_bytes: int | None = None  # peak allocated bytes of the measured steps (the least)
+        self.peak_bytes: int | None = None  # peak allocated bytes of the measured steps (steady_peak)
         self.comm: dict | None = None  # what this rank sent in the last step, per collective
         self._grad_bytes = 0
         self._expert_tokens: torch.Tensor | None = None
@@ -48,19 +58,27 @@ class StepObserver:
     @contextlib.contextmanager
     def step(self, i: int) -> Iterator[None]:
         """Around optimizer step `i` (0-based)."""
-        if i >= self._first_measured:
+        if i >= self._first_measured and self._meter is None:  # one stretch, each measured step a span of it
             self._meter = StepPeakMeter(self._step.device, self._foreign)
             self._meter.start()
         counter = CommCounter() if self._last(i) else None
         try:
-            with counter or contextlib.nullcontext():
+            with counter or contextlib.nullcontext(), self._meter.span() if self._meter else contextlib.nullcontext():
                 yield
-        finally:
-            if self._meter is not None:
-                peak, self._meter = self._meter.stop(), None
-                self.peak_bytes = peak if self.peak_bytes is None else min(self.peak_bytes, peak)
+        except BaseException:
+            self.close()
+            raise
+        if i + 1 == self._max_steps:
+            self.close()
         if counter is not None:
             self.comm = counter.result()
+
+    def close(self) -> None:
+        """End the measured stretch (after the last step, or wherever the run stops): the step's peak."""
+        if self._meter is not None:
+            meter, self._meter = self._meter, None
+            meter.stop()
+            self.peak_bytes = steady_peak(meter.span_peaks or [meter.peak_bytes])
 
     def forward(self, i: int) -> None:
         """After each micro-batch's forward of step `i`."""
