@@ -17,7 +17,7 @@ tensors use, reserved adds the caching allocator's slack); they are reported sep
 
 MemTracker sees only what passes the dispatcher, so not a compiled step (inductor allocates its buffers
 directly). `StepPeakMeter` measures the peak at the allocator instead, whatever runs: the trainer wraps
-its last step in it (verify.json's peak; per rank under torchrun, its last three steps).
+its last step in it (verify.json's peak; per rank under torchrun, its last three steps after the first two).
 """
 
 from __future__ import annotations
@@ -362,7 +362,9 @@ def _own_events(events, counted: dict[int, int], reachable: set[int]) -> list[tu
     to free and is left out. The profiler does not record every free of the worker's: an address allocated
     again with no free between ends the first block there. A free of a block allocated before the stretch
     counts only if its bytes are in `counted` (the resident bytes at start), else it is one of those
-    buffers from an earlier step."""
+    buffers from an earlier step. PyTorch's CPU allocator reports no free of a block allocated while no
+    profiler ran (it kept no size for it): a resident block whose address is allocated again ended there
+    (DDP's first gradient buckets, replaced in its second iteration)."""
     born: dict[int, tuple[int, int, int]] = {}  # address -> (index of its allocation, bytes, thread)
     kept = [True] * len(events)
     ended: dict[int, int] = {}  # event index -> bytes of an unrecorded free just before it
@@ -370,6 +372,8 @@ def _own_events(events, counted: dict[int, int], reachable: set[int]) -> list[tu
         if nbytes > 0:
             if ptr in born:
                 ended[i] = -born[ptr][1]
+            elif ptr in counted:  # resident at start, freed unrecorded (allocated while no profiler ran)
+                ended[i] = -counted.pop(ptr)
             born[ptr] = (i, nbytes, tid)
         elif ptr in born:
             j, _, alloc_tid = born.pop(ptr)

@@ -3,7 +3,7 @@ optimizer step inside `StepObserver.step(i)` and hands it the gradients before t
 know what is measured.
 
     the step's peak     measure.memtrack.StepPeakMeter over the last step (under torchrun the median of
-                        the last PEAK_STEPS but the first: steady_peak), verify.json's "step peak"
+                        the last PEAK_STEPS but the first two: steady_peak), verify.json's "step peak"
     messages            runtime.comms.CommCounter over the last step of a torchrun job, per collective
     states              this rank's parameter, gradient and optimizer bytes at the last step, and zero2's
                         gathered parameters (runtime.distributed), for the per-rank check
@@ -44,8 +44,10 @@ class StepObserver:
     def __init__(self, step: TrainingStep, d: distributed.Dist, max_steps: int, foreign: set[int]):
         self._step, self._d, self._max_steps, self._foreign = step, d, max_steps, foreign
         self._gathered = distributed.gathered_params_meter(step.model, d)
-        # the last step, or under torchrun the last PEAK_STEPS but the first (its states come after its peak)
-        self._first_measured = max(max_steps - (PEAK_STEPS if d.active else 1), min(1, max_steps - 1))
+        # the last step, or under torchrun the last PEAK_STEPS; never the first (its states come after its peak)
+        # nor under torchrun the second (DDP replaces its gradient buckets then) unless there is no other
+        settled = 2 if d.active else 1
+        self._first_measured = max(max_steps - (PEAK_STEPS if d.active else 1), min(settled, max_steps - 1))
         self._meter: StepPeakMeter | None = None
         self.peak_bytes: int | None = None  # peak allocated bytes of the measured steps (steady_peak)
         self.comm: dict | None = None  # what this rank sent in the last step, per collective
