@@ -232,10 +232,11 @@ def test_sharded_checkpoint_resumes_exactly_and_loads_in_one_process(tmp_path, s
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
 def test_three_ranks_per_rank_peak_within_ten_percent(corpus, tmp_path, strategy):
-    """3 gloo ranks, grad accumulation 2: every rank's measured step peak within 10% of its plan."""
+    """3 gloo ranks, grad accumulation 2: every rank's measured step peak (the median of steps 3 to 5:
+    trainer.observer.steady_peak) within 10% of its plan."""
     run = tmp_path / strategy
     proc = subprocess.run([*TORCHRUN[:-1], "3", "-m", "trainwise", "train", "--quiet", "--out", str(run),
-                           *sets(corpus, "train.max_steps=3", "train.micro_batch=2", "train.grad_accum_steps=2",
+                           *sets(corpus, "train.max_steps=5", "train.micro_batch=2", "train.grad_accum_steps=2",
                                  f"parallel.strategy={strategy}")],
                           capture_output=True, text=True, timeout=600, env=rank_env())
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -44,10 +44,7 @@ class StepObserver:
     def __init__(self, step: TrainingStep, d: distributed.Dist, max_steps: int, foreign: set[int]):
         self._step, self._d, self._max_steps, self._foreign = step, d, max_steps, foreign
         self._gathered = distributed.gathered_params_meter(step.model, d)
-        # the last step, or under torchrun the last PEAK_STEPS; never the first (its states come after its peak)
-        # nor under torchrun the second (DDP replaces its gradient buckets then) unless there is no other
-        settled = 2 if d.active else 1
-        self._first_measured = max(max_steps - (PEAK_STEPS if d.active else 1), min(settled, max_steps - 1))
+        self._first_measured: int | None = None  # set by the process's first step (a resumed run's too)
         self._meter: StepPeakMeter | None = None
         self.peak_bytes: int | None = None  # peak allocated bytes of the measured steps (steady_peak)
         self.comm: dict | None = None  # what this rank sent in the last step, per collective
@@ -60,6 +57,13 @@ class StepObserver:
     @contextlib.contextmanager
     def step(self, i: int) -> Iterator[None]:
         """Around optimizer step `i` (0-based)."""
+        if self._first_measured is None:
+            # the last step, or under torchrun the last PEAK_STEPS; never the process's first (its states come
+            # after its peak) nor under torchrun its second (DDP replaces its gradient buckets then), unless
+            # there is no other
+            settled = i + (2 if self._d.active else 1)
+            self._first_measured = max(self._max_steps - (PEAK_STEPS if self._d.active else 1),
+                                       min(settled, self._max_steps - 1))
         if i >= self._first_measured and self._meter is None:  # one stretch, each measured step a span of it
             self._meter = StepPeakMeter(self._step.device, self._foreign)
             self._meter.start()
