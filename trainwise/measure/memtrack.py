@@ -211,13 +211,12 @@ class StepPeakMeter:
         _quiet_stderr(lambda: self._prof.__exit__(None, None, None))
         self._filter.close()
         self._filter = None
-        events = _allocations(self._prof)
+        events, spans = _allocations(self._prof)
         allocated = {ptr for _, _, ptr, _ in events}
         late = {ptr: n for ptr, n in self._late.items() if ptr not in self._base and ptr not in allocated}
         counted = {**self._base, **late}
         base = sum(counted.values())
         reachable = set(_storages(live_tensors(collect=False), self.device)) | set(self._late)
-        spans = sorted(_spans(self._prof))
         highs = [None] * len(spans)
         running = highest = 0
         for t, nbytes in _own_events(events, counted, reachable):
@@ -322,31 +321,21 @@ def _quiet_stderr(fn):
         os.close(null)
 
 
-def _allocations(prof) -> list[tuple[int, int, int, int]]:
-    """(time ns, bytes (+ alloc, - free), address, thread) of every CPU allocator event, in time order."""
+def _allocations(prof) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]:
+    """(time ns, bytes (+ alloc, - free), address, thread) of every CPU allocator event, and (start ns, end ns)
+    of every StepPeakMeter.span, each in time order, from one walk of the profiler's event tree."""
     from torch._C._profiler import _EventType
 
-    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    out, spans, stack = [], [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
         if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
             f = event.extra_fields
             out.append((event.start_time_ns, f.alloc_size, f.ptr, event.start_tid))
+        elif event.name == _SPAN:
+            spans.append((event.start_time_ns, event.end_time_ns))
         stack.extend(event.children)
-    out.sort()
-    return out
-
-
-def _spans(prof) -> list[tuple[int, int]]:
-    """(start ns, end ns) of every StepPeakMeter.span the profiler recorded, on the clock of its events."""
-    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.name == _SPAN:
-            out.append((event.start_time_ns, event.end_time_ns))
-        else:
-            stack.extend(event.children)
-    return out
+    return sorted(out), sorted(spans)
 
 
 _SPAN = "trainwise::measured_span"
