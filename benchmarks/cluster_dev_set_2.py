@@ -220,16 +220,16 @@ def published_step_from_tokens(row: NemoRow | BridgeRow) -> float:
 
 NEMO_LONG = Table(
     "B2", "NeMo 24.03.01 long sequences, Llama2-7B FP8, DGX H100",
-    "NVIDIA/NeMo docs/source/performance/performance_long_sequence.md",
+    "NVIDIA/NeMo docs/source/performance/performance_long_sequence.md (its revision of 9421f21, which adds a Batch "
+    "Size column to the same NeMo 24.03.01 table)",
     "table B's (Transformer Engine delayed scaling: `fp8-delayed`; no recompute; FlashAttention-2's rates; sequence "
     "parallelism and tp overlap with tp > 1; the distributed optimizer) for the with-CP layouts (TP, PP, DP, "
     "CP as published; the without-CP runs are the best of unpublished layouts, not planned); ring attention "
-    "over CP; the page publishes no batch: micro-batch 1 and 8 micro-batches per data-parallel replica per "
-    "step (GBS = 8 x DP). Only TFLOP/s/GPU is published: published s = GBS x NeMo's llama2 FLOPs per sample "
-    "(nemo_flops_per_token x seq) / (GPUs x TFLOP/s/GPU), so the step-time error is the inverse of the "
-    "TFLOP/s one; the batch enters it only through the pipeline bubble (8K: PP 2) and the exposed "
-    "data-parallel communication")
-B2_MICRO_BATCHES = 8
+    "over CP; the global batch as published (4M tokens a step at every length), micro-batch 1 (not published), "
+    "so GBS / DP micro-batches per data-parallel replica. Only TFLOP/s/GPU is published: published s = GBS x "
+    "NeMo's llama2 FLOPs per sample (nemo_flops_per_token x seq) / (GPUs x TFLOP/s/GPU), so the step-time error "
+    "is the inverse of the TFLOP/s one; the batch enters it only through the pipeline bubble (8K: PP 2) and the "
+    "once-a-step work (the exposed data-parallel communication, the optimizer)")
 
 
 @dataclass(frozen=True)
@@ -242,22 +242,22 @@ class LongSeqRow:
     pp: int
     dp: int
     cp: int
+    global_batch: int  # sequences per step
 
 
 K = 1024
 TABLE_B_LONG = [
-    LongSeqRow(4 * K, 4, 768, 768, 1, 1, 4, 1), LongSeqRow(8 * K, 8, 730, 730, 1, 2, 4, 1),
-    LongSeqRow(16 * K, 16, 660, 660, 2, 1, 8, 1), LongSeqRow(32 * K, 32, 595, 610, 2, 1, 8, 2),
-    LongSeqRow(64 * K, 64, 534, 574, 4, 1, 8, 2), LongSeqRow(128 * K, 128, 424, 555, 4, 1, 8, 4),
-    LongSeqRow(256 * K, 256, 392, 549, 4, 1, 8, 8), LongSeqRow(512 * K, 512, 104, 549, 8, 1, 4, 16),
-    LongSeqRow(1024 * K, 1024, 26.5, 536, 8, 1, 4, 32),
+    LongSeqRow(4 * K, 4, 768, 768, 1, 1, 4, 1, 1024), LongSeqRow(8 * K, 8, 730, 730, 1, 2, 4, 1, 512),
+    LongSeqRow(16 * K, 16, 660, 660, 2, 1, 8, 1, 256), LongSeqRow(32 * K, 32, 595, 610, 2, 1, 8, 2, 128),
+    LongSeqRow(64 * K, 64, 534, 574, 4, 1, 8, 2, 64), LongSeqRow(128 * K, 128, 424, 555, 4, 1, 8, 4, 32),
+    LongSeqRow(256 * K, 256, 392, 549, 4, 1, 8, 8, 16), LongSeqRow(512 * K, 512, 104, 549, 8, 1, 4, 16, 8),
+    LongSeqRow(1024 * K, 1024, 26.5, 536, 8, 1, 4, 32, 4),
 ]
 
 
 def published_step_b2(row: LongSeqRow) -> float:
-    """Seconds per step implied by the published with-CP TFLOP/s/GPU under NeMo's llama2 formula (the table's
-    assumed batch: B2_MICRO_BATCHES x DP sequences)."""
-    flops = B2_MICRO_BATCHES * row.dp * row.seq * nemo_flops_per_token(nemo_model("LLAMA2-7B", row.seq), row.seq)
+    """Seconds per step implied by the published with-CP TFLOP/s/GPU under NeMo's llama2 formula."""
+    flops = row.global_batch * row.seq * nemo_flops_per_token(nemo_model("LLAMA2-7B", row.seq), row.seq)
     return flops / (row.gpus * row.tflops_with_cp * 1e12)
 
 

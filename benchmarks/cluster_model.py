@@ -176,11 +176,11 @@ def table_b(rows: list) -> None:
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp, zero=1, dp_overlap=True,
                                   tp_overlap="te" if r.tp > 1 else None, pp_overlap=True))
     header(S2.NEMO_LONG, f"{PEAK_NOTE}; TFLOP/s/GPU: published (with CP) vs predicted, both by NeMo's llama2 formula")
-    m = S2.B2_MICRO_BATCHES
     for r in S2.TABLE_B_LONG:
         compare(rows, S2.NEMO_LONG, f"Llama2-7B {r.seq // 1024}K {r.gpus}g tp{r.tp} pp{r.pp} dp{r.dp} cp{r.cp}",
-                [H100, FP8] + [CP] * (r.cp > 1), S2.published_step_b2(r), m * r.dp * r.seq, r.gpus,
-                lambda r=r: plan2(S2.nemo_model("LLAMA2-7B", r.seq), r.gpus, seq=r.seq, micro_batch=1, grad_accum=m,
+                [H100, FP8] + [CP] * (r.cp > 1), S2.published_step_b2(r), r.global_batch * r.seq, r.gpus,
+                lambda r=r: plan2(S2.nemo_model("LLAMA2-7B", r.seq), r.gpus, seq=r.seq, micro_batch=1,
+                                  grad_accum=r.global_batch // r.dp,
                                   recipe="fp8-delayed", checkpointing="none", machine=DGX_H100, tp=r.tp, pp=r.pp,
                                   cp=r.cp, zero=1, dp_overlap=True, tp_overlap="te" if r.tp > 1 else None),
                 published_tflops=r.tflops_with_cp)
