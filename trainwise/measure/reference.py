@@ -180,7 +180,7 @@ STRATEGIES_FITTED = ("zero2", "fsdp")
 STRATEGY_PASSES = 3
 
 
-def strategy_links(rounds: int = 3, steps: int = 4) -> dict:
+def strategy_links(turns: int = 12) -> dict:
     """Under torchrun on CPUs (every rank calls it, the gloo process group initialised): for each of
     STRATEGIES_FITTED (FSDP2's), [latency s, bytes/s] of cost.comm.comm_seconds's ring model fitted to what
     the strategy adds to the forward and backward of STRATEGY_REFERENCES (trainwise's own step, sharded as
@@ -190,18 +190,17 @@ def strategy_links(rounds: int = 3, steps: int = 4) -> dict:
     waits for the slower rank at every block, and gloo's threads share the cores with the kernels: several
     times what the link timed alone prices (benchmarks/RESULTS.md, "The optimizer's operands in memory;
     collectives as a step runs them"). Unsharded and sharded steps are
-    timed in turns, one step of each after another, `rounds` x `steps` times after a warm-up, each the fastest
-    of its steps on the slower rank: a VM's speed moves over seconds, and steps taken in turns draw their
-    fastest from the same stretches (four steps of one after four of the other read a sharded step no slower
-    than the unsharded one once, on a suite's run); a reference whose sharded step still reads no slower is
-    timed again (STRATEGY_PASSES). Returns
+    timed in turns, one step of each after another, `turns` times after a warm-up, each the fastest of its
+    steps on the slower rank: a VM's speed moves over seconds, and steps taken in turns draw their fastest from
+    the same stretches of it. A reference whose sharded step still reads no slower is timed again
+    (STRATEGY_PASSES). Returns
     {strategy: {"link": [s, bytes/s], "rows": [[L, B, excess s], ...]}}: excess = L x latency + B /
     bandwidth (L, B: comm_seconds at unit latency and at unit inverse bandwidth)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows: dict[str, list] = {s: [] for s in STRATEGIES_FITTED}
     with torch.random.fork_rng():  # a run that calibrates here draws the same numbers as one that did not
         for model, batch, seq in STRATEGY_REFERENCES:
-            _strategy_rows(ModelConfig(**model, max_seq_len=seq), batch, seq, rank, world, rounds, steps, rows)
+            _strategy_rows(ModelConfig(**model, max_seq_len=seq), batch, seq, rank, world, turns, rows)
     out = {}
     for strategy, table in rows.items():
         latency, inv_bw = fit_linear([(r[:2], max(r[2], 1e-6)) for r in table])
@@ -209,7 +208,7 @@ def strategy_links(rounds: int = 3, steps: int = 4) -> dict:
     return out
 
 
-def _strategy_rows(cfg: ModelConfig, batch: int, seq: int, rank: int, world: int, rounds: int, steps: int,
+def _strategy_rows(cfg: ModelConfig, batch: int, seq: int, rank: int, world: int, turns: int,
                    rows: dict[str, list]) -> None:
     """One reference of strategy_links: its unsharded and sharded steps timed in turns, a row per strategy."""
     cpu = torch.device("cpu")
@@ -222,7 +221,7 @@ def _strategy_rows(cfg: ModelConfig, batch: int, seq: int, rank: int, world: int
         steps_of[strategy](batches)  # warm-up
     best = dict.fromkeys(steps_of, float("inf"))
     for _ in range(STRATEGY_PASSES):
-        for _ in range(rounds * steps):
+        for _ in range(turns):
             for strategy, step in steps_of.items():
                 dist.barrier()
                 start = time.perf_counter()
