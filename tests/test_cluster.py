@@ -24,7 +24,7 @@ from trainwise.cost.rank_memory import in_flight, layer_bytes_per_token, rank_pe
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.schedule import bubble_fraction, chunk_layers, rank_stages, schedule_seconds, stage_layers
 from trainwise.errors import TrainwiseError
-from trainwise.hardware.table import ACCELERATORS, NODES
+from trainwise.hardware.table import ACCELERATORS, NODES, lookup_cuda_device
 from trainwise.planner.derivation import explain_cluster, explain_plan, plan_table
 from trainwise.planner.layouts import fit_run_layouts
 from trainwise.planner.plan import plan_run
@@ -386,6 +386,32 @@ def test_the_b200_runs_its_kernels_measured_rates_cudnn_by_default():
     assert attention_rate(b200, 8192, 128, "flash2")[0] == pytest.approx(3.5e12 / (1 / 400 + 2.5 / 318))
     with pytest.raises(TrainwiseError, match="FlashAttention-3 runs on Hopper GPUs only"):
         attention_rate(b200, 8192, 128, "flash3")
+
+
+def test_the_gb200_plans_in_its_nvl72_domain_and_a_ring_is_held_to_its_nodes_fabric(capsys):
+    """The GB200: its own MAMF, the B200's measured attention rates (cuDNN by default), MX formats; its node an
+    NVLink domain of 72, a ring inside it at the 680 GB/s measured there. A ring across nodes also runs through
+    each node's fabric: over two H800 nodes at their NVLink's 160 GB/s (the DeepSeek-V3 report's figure), not the
+    NICs' 400; over two GB200 domains at most the domain's 680, whatever 72 NICs would carry."""
+    gb200, b200 = ACCELERATORS["gb200"], ACCELERATORS["b200"]
+    assert matmul_rate(gb200, "bf16") == 1822e12 and gb200.mx and gb200.memory_bytes == 186e9
+    assert attention_rate(gb200, 8192, 128)[0] == attention_rate(b200, 8192, 128, "cudnn")[0]
+    nvl = NODES[gb200.node]
+    assert nvl.gpus == 72 and C.group_tier(72, 1, nvl).ring_busbw == 680e9
+    assert C.group_tier(72, 2, nvl).ring_busbw == 680e9
+    assert C.group_tier(8, 2, nvl).ring_busbw == pytest.approx(0.96 * 8 * 50e9)  # eight GPUs' NICs
+    assert C.group_tier(8, 2, NODES["hgx-h800"]).ring_busbw == 160e9
+    assert C.group_tier(8, 2, NODES["dgx-h100"]).ring_busbw == 370e9  # NVLink and NICs alike: unchanged
+    assert lookup_cuda_device("NVIDIA GB200") is gb200 and lookup_cuda_device("NVIDIA B200") is b200
+    args = ["plan", "--model", "llama-3-70b", "--gpu", "gb200", "--gpus", "144", "--tp", "8", "--seq-len", "8192",
+            "--micro-batch", "1", "--global-batch", "1152", "--tokens", "1e12"]
+    for precision in ("fp8", "mxfp8"):
+        assert main(args + ["--precision", precision, "--json"]) == 0
+        j = json.loads(capsys.readouterr().out)
+        assert j["time"]["step_seconds"] > 0 and j["memory"]["peak_bytes"] > 0
+    assert main(args + ["--precision", "fp8", "--explain"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "GB200 NVL72" in out and "none published on the GB200" in out
 
 
 def test_a_gpu_held_under_its_power_runs_its_tensor_core_kernels_at_its_clock_share():

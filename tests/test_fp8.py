@@ -27,7 +27,7 @@ def plan(precision: str, gpu: str = "h100-sxm", **kw):
                            precision=precision, gpu=gpu, **kw))
 
 
-@pytest.mark.parametrize("gpu", ["h100-sxm", "h200", "h800", "b200"])
+@pytest.mark.parametrize("gpu", ["h100-sxm", "h200", "h800", "b200", "gb200"])
 def test_fp8_plans_time_and_memory_on_gpus_with_fp8_tensor_cores(gpu):
     fp8, bf16 = plan("fp8", gpu), plan("megatron", gpu)  # the same states: bf16 weights, fp32 grads/master/moments
     assert 0 < fp8.step_seconds < bf16.step_seconds
@@ -94,7 +94,7 @@ def test_fp8_recipe_flag_and_refusals(capsys):
         assert says in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("gpu", ["h100-sxm", "h200", "h800", "b200"])
+@pytest.mark.parametrize("gpu", ["h100-sxm", "h200", "h800", "b200", "gb200"])
 def test_fp8_attention_runs_cudnns_kernel_at_fp8s_speed_up_over_bf16(gpu):
     """--fp8-attention: cuDNN's attention at its bf16 rate times FP8's speed-up over bf16 in one published run (the
     H200's for Hopper, the B200's), forward and backward weighed 1 : 2.5 by FLOPs. At 8K tokens on Hopper the FP8
@@ -102,7 +102,7 @@ def test_fp8_attention_runs_cudnns_kernel_at_fp8s_speed_up_over_bf16(gpu):
     acc = ACCELERATORS[gpu]
     cudnn = attention_rate(acc, 8192, 128, "cudnn")[0]
     fp8, how = attention_rate(acc, 8192, 128, "cudnn-fp8")
-    ratio = ((3.5 / (1 / 964 + 2.5 / 430)) / (3.5 / (1 / 644 + 2.5 / 541)) if gpu != "b200"
+    ratio = ((3.5 / (1 / 964 + 2.5 / 430)) / (3.5 / (1 / 644 + 2.5 / 541)) if gpu not in ("b200", "gb200")
              else (3.5 / (1 / 1502 + 2.5 / 1255)) / (3.5 / (1 / 1384 + 2.5 / 995)))
     assert fp8 == pytest.approx(cudnn * ratio) and "FP8 speed-up" in how
     # the plan's step (4,096 tokens) moves the way the kernel's rate at its length does

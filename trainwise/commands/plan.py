@@ -80,7 +80,7 @@ def register(sub, help_text: str) -> None:
                         "dot-product attention; default: attention in bf16)")
     p.add_argument("--attention-impl", choices=[i for i in ATTENTION_IMPLS if i != "cudnn-fp8"], default="flash",
                    help="flash (the GPU's default fused kernel: FlashAttention-2 on Ampere and Hopper, cuDNN's on "
-                        "the B200), flash2, flash3 (Hopper), cudnn (Hopper, B200), or unfused (scores in memory: "
+                        "Blackwell), flash2, flash3 (Hopper), cudnn (Hopper, Blackwell), or unfused (scores in memory: "
                         "the published 2021-22 runs)")
     p.add_argument("--no-dp-overlap", action="store_true",
                    help="reduce gradients after backward instead of under it (Megatron-LM's 'local' DDP)")
@@ -214,7 +214,7 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
     if args.fp8_attention and not recipe.fp8:
         raise TrainwiseError(
             f"--fp8-attention computes attention in FP8 beside FP8 linear layers, but the precision is {recipe.name}: "
-            "add --precision fp8 (or mxfp8 on a B200), or drop --fp8-attention.")
+            "add --precision fp8 (or mxfp8 on Blackwell), or drop --fp8-attention.")
     return replace(run, recipe=recipe, layout=layout, machine=None if machine == Machine() else machine)
 
 

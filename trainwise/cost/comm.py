@@ -93,16 +93,17 @@ def group_tier(per_node: int, nodes: int, node: Node, bridged_pair: bool = False
     """The tier of a group with `per_node` ranks on each of `nodes` nodes of `node`. Inside a node: the
     node's NCCL bus bandwidths over its fabric, or over the bridge when the group is the two cards of a
     bridged pair (`bridged_pair`: two neighbours). Across nodes a ring's slowest hop is the network, each
-    rank through its share of the NICs: the node's measured cross-node busbw x per_node / gpus per node;
-    all-to-all reaches one NIC's worth whatever the ranks per node (nccl-tests issue #267); send/recv one
-    GPU's share."""
+    rank through its share of the NICs: the node's measured cross-node busbw x per_node / gpus per node, and
+    never more than the node's own busbw (a ring also runs through the node's fabric: an H800's 160 GB/s of
+    NVLink under its 400 of network, a GB200 NVL72's 680 under 72 NICs); all-to-all reaches one NIC's worth
+    whatever the ranks per node (nccl-tests issue #267); send/recv one GPU's share."""
     if nodes <= 1 and bridged_pair and node.pair_busbw:
         return Tier("bridge", node.pair_busbw, node.pair_busbw, P2P_FRACTION * node.pair_bytes_per_s)
     if nodes <= 1:
         return Tier(node.fabric, node.allreduce_busbw_intra, node.alltoall_busbw_intra,
                     P2P_FRACTION * node.intra_bytes_per_s)
-    return Tier("network", node.allreduce_busbw_inter * per_node / node.gpus, node.alltoall_busbw_inter,
-                node.allreduce_busbw_inter / node.gpus)
+    return Tier("network", min(node.allreduce_busbw_inter * per_node / node.gpus, node.allreduce_busbw_intra),
+                node.alltoall_busbw_inter, node.allreduce_busbw_inter / node.gpus)
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, tier: Tier) -> float:

@@ -17,8 +17,8 @@ from trainwise.config.run import FSDP_GRAD_SYNCS, MULTI_STAGE_SCHEDULES, PP_SCHE
 from trainwise.cost.params import embedding_params, layer_params, mlp_params, norm_params
 from trainwise.errors import TrainwiseError
 
-# flash: the GPU's default fused kernel (FlashAttention-2 on Ampere and Hopper, cuDNN's on the B200), flash2
-# FlashAttention-2 named; flash3 and cudnn: FlashAttention-3 (Hopper) and cuDNN's fused attention (Hopper, B200);
+# flash: the GPU's default fused kernel (FlashAttention-2 on Ampere and Hopper, cuDNN's on Blackwell), flash2
+# FlashAttention-2 named; flash3 and cudnn: FlashAttention-3 (Hopper) and cuDNN's fused attention (Hopper, Blackwell);
 # unfused: scores in memory; cudnn-fp8: cuDNN's attention in FP8 (plan --fp8-attention, with an FP8 precision)
 ATTENTION_IMPLS = ("flash", "flash2", "flash3", "cudnn", "unfused", "cudnn-fp8")
 # how context parallelism exchanges keys and values: ring (p2p around the cp ranks under the attention blocks:

@@ -102,6 +102,15 @@ ACCELERATORS: dict[str, Accelerator] = {
     "b200": Accelerator("B200", {"bf16": 2250 * T, "tf32": 1100 * T, "fp8": 4500 * T, "fp32": 80 * T},
                         8.0e12, 192 * GB, sms=148, mamf=1745 * T, copy_fraction=0.73, attention="b200",
                         node="dgx-b200", mx=True),
+    # GB200 (one Blackwell GPU of a GB200 superchip, up to 1,200 W): ml-engineering's table of NVIDIA's figures,
+    # per GPU: BF16 2,500, FP8 5,000, TF32 1,250, FP32 80 TFLOP/s; 8 TB/s; 186 GB HBM3e (NVIDIA's GB200 NVL72
+    # table, copied on zdszero.github.io, agrees). MXFP8 at the FP8 rate, as on the B200.
+    # Kernels: MAMF 1,822 TFLOP/s bf16 (72.9%, 4096x9728x2048); copy 5,715-5,821 GB/s of 8,000: 0.73; 148 SMs, the
+    # B200 GPU's (its SM clock 2,062 MHz against the B200's 1,965: ml-engineering); attention: the B200's measured
+    # rates (KERNEL_ATTENTION_TFLOPS), none being published on the GB200, not scaled by the clock.
+    "gb200": Accelerator("GB200", {"bf16": 2500 * T, "tf32": 1250 * T, "fp8": 5000 * T, "fp32": 80 * T},
+                         8.0e12, 186 * GB, sms=148, mamf=1822 * T, copy_fraction=0.73, attention="b200",
+                         node="gb200-nvl72", mx=True),
     # L4: NVIDIA L4 datasheet (nanochat 121e12; sourcecode.com listing): BF16 121, TF32 60, FP8 242.5,
     # FP32 30.3; 300 GB/s GDDR6; 24 GB.
     # 58 SMs (NVIDIA Ada GPU architecture whitepaper, AD104 as L4).
@@ -209,6 +218,13 @@ NODES: dict[str, Node] = {
     # across nodes as DGX H100 (same NICs).
     "dgx-b200": Node("DGX B200", 8, 900 * GB, 50 * GB, 682 * GB, 640 * GB, 370 * GB, 48 * GB,
                      "NVLink5 + 8x ConnectX-7 400 Gb/s; busbw measured (nccl-tests, NVIDIA GTC)"),
+    # GB200 NVL72: 72 GPUs in one NVLink5 domain, 900 GB/s per direction per GPU, one ConnectX-7 400 Gb/s per GPU
+    # (DGX GB200 user guide, networking: four per compute tray of four GPUs); busbw over the NVLink domain, 32
+    # GPUs: ring all-reduce 680 GB/s (NVLS off), all-to-all 640 (NCCL-GTC 2025). Across domains: the NICs at
+    # NIC_SHARE, every GPU's (no measured figure), a ring held to its in-domain hops (cost.comm.group_tier).
+    "gb200-nvl72": Node("GB200 NVL72", 72, 900 * GB, 50 * GB, 680 * GB, 640 * GB, NIC_SHARE * 72 * 50 * GB,
+                        NIC_SHARE * 50 * GB,
+                        "NVLink5 domain of 72 + 72x ConnectX-7 400 Gb/s; busbw in the domain measured (NVIDIA GTC)"),
     # MI300X platform: Infinity Fabric, 7 links x 64 GB/s per direction per GPU (AMD); all-reduce 313 GB/s
     # on 8 GPUs (4 GiB, ml-engineering network/README.md l.230); NICs not published: 8x 400 Gb/s assumed.
     "mi300x-platform": Node("MI300X platform", 8, 448 * GB, 50 * GB, 313 * GB, 313 * GB, 370 * GB, 48 * GB,
@@ -361,7 +377,8 @@ def get_accelerator(name: str) -> Accelerator:
 
 # How torch.cuda.get_device_name() spells the devices above (substring -> table key), most specific first.
 _CUDA_NAMES = [
-    ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("h200", "h200"), ("h800", "h800"), ("b200", "b200"),
+    ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("h200", "h200"), ("h800", "h800"), ("gb200", "gb200"),
+    ("b200", "b200"),
     ("a100-sxm4-40gb", "a100-40gb"), ("a100-pcie-40gb", "a100-40gb"), ("a100", "a100-80gb"),
     ("l40s", "l40s"), ("l4", "l4"), ("rtx 4090", "rtx4090"), ("rtx 3090", "rtx3090"), ("v100", "v100"),
     ("mi300x", "mi300x"), ("mi250x", "mi250x"),

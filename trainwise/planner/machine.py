@@ -39,7 +39,8 @@ class Hardware:
             return ""
         kernels = (f"matmuls at MAMF {a.mamf / 1e12:.0f} TFLOP/s (Bekman, ml-engineering)" if a.mamf else
                    "no published MAMF: matmuls at 80% of peak (the H100's share)")
-        attention = ("cuDNN's and FlashAttention-2's measured attention rates (NVIDIA cudnn-frontend)"
+        attention = (f"cuDNN's and FlashAttention-2's attention rates measured on the B200 (NVIDIA cudnn-frontend"
+                     f"{'' if a.name == 'B200' else '; none published on the ' + a.name})"
                      if a.attention == "b200" else "FlashAttention-2 published rates (Dao 2023)" if a.attention else
                      "attention at the A100's FlashAttention-2 rates x MAMF ratio (none published)")
         if a.clock_share != 1.0:
@@ -74,7 +75,7 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
         raise TrainwiseError(
             f"--precision fp8 plans the FP8 tensor cores of a GPU of the table, from published kernel figures; "
             f"--gpu {gpu} is priced by this machine's calibration, which measures no FP8 GEMMs. Plan a table GPU "
-            "with FP8 (--gpu h100-sxm, h200, h800 or b200), or this machine with --precision bf16.")
+            "with FP8 (--gpu h100-sxm, h200, h800, b200 or gb200), or this machine with --precision bf16.")
     if gpu and gpu.lower() == "cpu":  # this machine, as `trainwise hardware --calibrate` measured it
         measured = calibrate("cpu", threads=threads)
         peak = measured["peak_flops"].get(dtype, measured["peak_flops"]["fp32"])
