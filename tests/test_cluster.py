@@ -403,6 +403,12 @@ def test_the_gb200_plans_in_its_nvl72_domain_and_a_ring_is_held_to_its_nodes_fab
     assert C.group_tier(8, 2, NODES["hgx-h800"]).ring_busbw == 160e9
     assert C.group_tier(8, 2, NODES["dgx-h100"]).ring_busbw == 370e9  # NVLink and NICs alike: unchanged
     assert lookup_cuda_device("NVIDIA GB200") is gb200 and lookup_cuda_device("NVIDIA B200") is b200
+    assert [lookup_cuda_device(f"NVIDIA {n}").name for n in ("GB300", "B300")] == ["GB300", "B300"]
+    # the Blackwell Ultra nodes have no NCCL figure: derived from their line rates, their rings held the same way
+    for name, gpus in (("dgx-b300", 8), ("gb300-nvl72", 72)):
+        node = NODES[name]
+        assert node.gpus == gpus and node.allreduce_busbw_intra == pytest.approx(0.82 * 900e9)
+        assert C.group_tier(gpus, 2, node).ring_busbw == node.allreduce_busbw_intra  # the NICs would carry more
     args = ["plan", "--model", "llama-3-70b", "--gpu", "gb200", "--gpus", "144", "--tp", "8", "--seq-len", "8192",
             "--micro-batch", "1", "--global-batch", "1152", "--tokens", "1e12"]
     for precision in ("fp8", "mxfp8"):

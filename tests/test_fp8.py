@@ -27,7 +27,7 @@ def plan(precision: str, gpu: str = "h100-sxm", **kw):
                            precision=precision, gpu=gpu, **kw))
 
 
-@pytest.mark.parametrize("gpu", ["h100-sxm", "h200", "h800", "b200", "gb200"])
+@pytest.mark.parametrize("gpu", ["h100-sxm", "h200", "h800", "b200", "gb200", "b300", "gb300"])
 def test_fp8_plans_time_and_memory_on_gpus_with_fp8_tensor_cores(gpu):
     fp8, bf16 = plan("fp8", gpu), plan("megatron", gpu)  # the same states: bf16 weights, fp32 grads/master/moments
     assert 0 < fp8.step_seconds < bf16.step_seconds

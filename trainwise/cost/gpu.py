@@ -93,15 +93,15 @@ def check_attention(impl: str, acc: Accelerator | None) -> None:
     if impl == "cudnn-fp8" and not (cudnn and "fp8" in acc.peak_flops):
         raise TrainwiseError(
             f"--fp8-attention runs cuDNN's FP8 attention, whose rates are published for Hopper (H100, H200, H800) "
-            f"and Blackwell (B200, GB200) only, and this plan is on {where}. Drop --fp8-attention (attention in "
-            "bf16) or plan one of them.")
+            f"and Blackwell (measured on the B200) only, and this plan is on {where}. Drop --fp8-attention "
+            "(attention in bf16) or plan one of them.")
     if (impl == "flash3" and key != "fa2-h100") or (impl == "cudnn" and not cudnn):
         what = "FlashAttention-3 runs on Hopper GPUs only" if impl == "flash3" else (
-            "cuDNN's fused attention has published rates on Hopper and Blackwell (B200, GB200) only")
+            "cuDNN's fused attention has published rates on Hopper and Blackwell (measured on the B200) only")
         raise TrainwiseError(
             f"--attention-impl {impl}: {what}, and this plan is on {where}. Use --attention-impl flash (the "
             "GPU's default fused kernel) or plan a table H100, H200, H800"
-            + (", B200 or GB200." if impl == "cudnn" else "."))
+            + (" or a Blackwell (B200, GB200, B300, GB300)." if impl == "cudnn" else "."))
 
 
 def _interpolate(by_t: dict[int, float], seq_len: int) -> float:
@@ -127,7 +127,7 @@ def attention_rate(acc: Accelerator, seq_len: int, head_dim: int, impl: str = "f
     its published rate at the nearest head dim (64 or 128), interpolated in log T, held at the ends.
     FlashAttention-3 and cuDNN on Hopper: that rate times the kernel's speed-up over FlashAttention-2 in the
     FlashAttention-3 paper's head-dim-128 panels (same GPU, same shapes), at the same sequence length. The
-    B200 and the GB200: each kernel's rates measured on the B200 (flash: its default, cuDNN's). cudnn-fp8:
+    Blackwell GPUs: each kernel's rates measured on the B200 (flash: its default, cuDNN's). cudnn-fp8:
     cuDNN's rate times FP8's speed-up over bf16 in one measured run of its generation."""
     if impl == "cudnn-fp8":  # cuDNN's bf16 rate x FP8's speed-up over it, forward and backward, in one run
         check_attention(impl, acc)

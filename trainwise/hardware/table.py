@@ -111,6 +111,20 @@ ACCELERATORS: dict[str, Accelerator] = {
     "gb200": Accelerator("GB200", {"bf16": 2500 * T, "tf32": 1250 * T, "fp8": 5000 * T, "fp32": 80 * T},
                          8.0e12, 186 * GB, sms=148, mamf=1822 * T, copy_fraction=0.73, attention="b200",
                          node="gb200-nvl72", mx=True),
+    # B300 (Blackwell Ultra, HGX / DGX B300, 1,000 W): ml-engineering's table (NVIDIA DGX B300 datasheet): BF16
+    # 2,250, FP8 4,500, TF32 1,125, FP32 80 TFLOP/s; 8 TB/s; 288 GB HBM3e. Kernels: MAMF 1,769 TFLOP/s bf16 (78.6%,
+    # 12288x18432x1024); 148 SMs (its smaller SKU; another has 152: ml-engineering); no copy figure (the H100's
+    # fraction); attention: the B200's measured rates, none being published on the B300 (whose exponent units
+    # NVIDIA doubled for attention's softmax: these rates may understate it).
+    "b300": Accelerator("B300", {"bf16": 2250 * T, "tf32": 1125 * T, "fp8": 4500 * T, "fp32": 80 * T},
+                        8.0e12, 288 * GB, sms=148, mamf=1769 * T, attention="b200", node="dgx-b300", mx=True),
+    # GB300 (one Blackwell Ultra GPU of a GB300 superchip, up to 1,400 W): ml-engineering's table: BF16 2,500, FP8
+    # 5,000, TF32 1,250, FP32 80 TFLOP/s; 8 TB/s; 288 GB (20.7 TB over the NVL72's 72 GPUs, NVIDIA's GB300 NVL72
+    # specifications as secondary sources copy them). No MAMF or copy figure published (80% of peak and the H100's
+    # fraction, as for any such GPU); 148 SMs as the B300; attention as the B300.
+    "gb300": Accelerator("GB300", {"bf16": 2500 * T, "tf32": 1250 * T, "fp8": 5000 * T, "fp32": 80 * T},
+                         8.0e12, 288 * GB, note="memory from secondary sources", sms=148, attention="b200",
+                         node="gb300-nvl72", mx=True),
     # L4: NVIDIA L4 datasheet (nanochat 121e12; sourcecode.com listing): BF16 121, TF32 60, FP8 242.5,
     # FP32 30.3; 300 GB/s GDDR6; 24 GB.
     # 58 SMs (NVIDIA Ada GPU architecture whitepaper, AD104 as L4).
@@ -225,6 +239,15 @@ NODES: dict[str, Node] = {
     "gb200-nvl72": Node("GB200 NVL72", 72, 900 * GB, 50 * GB, 680 * GB, 640 * GB, NIC_SHARE * 72 * 50 * GB,
                         NIC_SHARE * 50 * GB,
                         "NVLink5 domain of 72 + 72x ConnectX-7 400 Gb/s; busbw in the domain measured (NVIDIA GTC)"),
+    # DGX B300: NVLink5 900 GB/s per direction, 8x ConnectX-8 800 Gb/s (DGX B300 datasheet, as ml-engineering
+    # network/README.md gives it); no NCCL figure published: busbw derived from the line rates.
+    "dgx-b300": node_from_line_rates("DGX B300", 8, "nvlink", 900 * GB, 8 * 100 * GB,
+                                     "NVLink5 + 8x ConnectX-8 800 Gb/s; busbw derived from the line rates"),
+    # GB300 NVL72: the GB200 NVL72's NVLink5 domain of 72, a ConnectX-8 800 Gb/s per GPU; no NCCL figure published
+    # on it: busbw derived from the line rates, a ring across domains held to its in-domain hops.
+    "gb300-nvl72": node_from_line_rates("GB300 NVL72", 72, "nvlink", 900 * GB, 72 * 100 * GB,
+                                        "NVLink5 domain of 72 + 72x ConnectX-8 800 Gb/s; busbw derived from the "
+                                        "line rates"),
     # MI300X platform: Infinity Fabric, 7 links x 64 GB/s per direction per GPU (AMD); all-reduce 313 GB/s
     # on 8 GPUs (4 GiB, ml-engineering network/README.md l.230); NICs not published: 8x 400 Gb/s assumed.
     "mi300x-platform": Node("MI300X platform", 8, 448 * GB, 50 * GB, 313 * GB, 313 * GB, 370 * GB, 48 * GB,
@@ -378,7 +401,7 @@ def get_accelerator(name: str) -> Accelerator:
 # How torch.cuda.get_device_name() spells the devices above (substring -> table key), most specific first.
 _CUDA_NAMES = [
     ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("h200", "h200"), ("h800", "h800"), ("gb200", "gb200"),
-    ("b200", "b200"),
+    ("b200", "b200"), ("gb300", "gb300"), ("b300", "b300"),
     ("a100-sxm4-40gb", "a100-40gb"), ("a100-pcie-40gb", "a100-40gb"), ("a100", "a100-80gb"),
     ("l40s", "l40s"), ("l4", "l4"), ("rtx 4090", "rtx4090"), ("rtx 3090", "rtx3090"), ("v100", "v100"),
     ("mi300x", "mi300x"), ("mi250x", "mi250x"),

@@ -75,7 +75,7 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
         raise TrainwiseError(
             f"--precision fp8 plans the FP8 tensor cores of a GPU of the table, from published kernel figures; "
             f"--gpu {gpu} is priced by this machine's calibration, which measures no FP8 GEMMs. Plan a table GPU "
-            "with FP8 (--gpu h100-sxm, h200, h800, b200 or gb200), or this machine with --precision bf16.")
+            "with FP8 (--gpu h100-sxm, h200, h800, b200, gb200, b300 or gb300), or this machine with --precision bf16.")
     if gpu and gpu.lower() == "cpu":  # this machine, as `trainwise hardware --calibrate` measured it
         measured = calibrate("cpu", threads=threads)
         peak = measured["peak_flops"].get(dtype, measured["peak_flops"]["fp32"])

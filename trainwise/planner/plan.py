@@ -299,9 +299,9 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         check_attention(layout.attention_impl, hw.accelerator)
     if recipe.fp8 == "mx" and hw is not None and not (hw.accelerator and hw.accelerator.mx):
         raise TrainwiseError(
-            f"--precision mxfp8 needs tensor cores that take MX block-scaled formats (Blackwell: --gpu b200 or gb200); "
-            f"the {hw.name} has none. Plan it with --precision fp8 (per-tensor or --fp8-recipe blockwise scaling) "
-            "or bf16.")
+            "--precision mxfp8 needs tensor cores that take MX block-scaled formats (Blackwell: --gpu b200, gb200, "
+            f"b300 or gb300); the {hw.name} has none. Plan it with --precision fp8 (per-tensor or --fp8-recipe "
+            "blockwise scaling) or bf16.")
     if hw is None and machine.memory:
         memory_budget = memory_budget or int(machine.memory)  # --memory without a device: still the capacity to fit
     dp = layout.dp
