@@ -103,6 +103,16 @@ def test_a_plan_whose_step_peak_is_over_the_budget_says_so_beside_fits(capsys):
         assert main([*argv, *extra]) == 0
         out = capsys.readouterr().out
         assert "yes by states + activations, but the step peak" in out and over in out, out
+    # states + activations just over the budget: the step peak's far larger excess is said beside it
+    argv[-1] = f"{memory['per_device_bytes'] - 2**20}B"
+    assert main([*argv, "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["fits"] is False and memory["over_budget_bytes"] == 2**20
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("NO: does not fit by 0.00 GiB (0.00 GB) per device by states + activations; the step peak (the highest "
+            f"rank's, with the step's transient buffers) does not fit by {memory['peak_over_budget_bytes'] / 2**30:.2f}"
+            in out), out
 
 
 def test_a_fused_loss_saves_the_logits_and_writes_one_gradient_as_wide(capsys):

@@ -270,7 +270,10 @@ def fits_text(plan) -> str:
         return "yes" if over is None else (
             f"yes by states + activations, but the step peak (the highest rank's, with the step's transient "
             f"buffers) {does_not_fit(over)}")
-    return f"NO: {does_not_fit(plan.over_budget_bytes)} per device"
+    peak = plan.peak_over_budget_bytes
+    return f"NO: {does_not_fit(plan.over_budget_bytes)} per device" + (
+        f" by states + activations; the step peak (the highest rank's, with the step's transient buffers) "
+        f"{does_not_fit(peak)}" if peak is not None and peak > plan.over_budget_bytes else "")
 
 
 def does_not_fit(over_bytes: int) -> str:
