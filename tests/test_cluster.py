@@ -395,7 +395,8 @@ def test_the_gb200_plans_in_its_nvl72_domain_and_a_ring_is_held_to_its_nodes_fab
     NICs' 400; over two GB200 domains at most the domain's 680, whatever 72 NICs would carry."""
     gb200, b200 = ACCELERATORS["gb200"], ACCELERATORS["b200"]
     assert matmul_rate(gb200, "bf16") == 1822e12 and gb200.mx and gb200.memory_bytes == 186e9
-    assert attention_rate(gb200, 8192, 128)[0] == attention_rate(b200, 8192, 128, "cudnn")[0]
+    rate, how = attention_rate(gb200, 8192, 128)
+    assert rate == attention_rate(b200, 8192, 128, "cudnn")[0] and "B200, taken for the GB200" in how
     nvl = NODES[gb200.node]
     assert nvl.gpus == 72 and C.group_tier(72, 1, nvl).ring_busbw == 680e9
     assert C.group_tier(72, 2, nvl).ring_busbw == 680e9

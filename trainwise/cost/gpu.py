@@ -141,7 +141,8 @@ def attention_rate(acc: Accelerator, seq_len: int, head_dim: int, impl: str = "f
         kernel = DEFAULT_ATTENTION.get(key, "flash2") if impl == "flash" else impl
         check_attention(kernel, acc)
         how = (f"{'cuDNN' if kernel == 'cudnn' else 'FlashAttention-2'} measured forward and backward rates "
-               f"(NVIDIA cudnn-frontend, {acc.name}, head dim 128)")
+               f"(NVIDIA cudnn-frontend, B200{'' if acc.name == 'B200' else ', taken for the ' + acc.name}, head dim "
+               "128)")
         if acc.clock_share != 1.0:
             how += f" x its clock share {acc.clock_share:.3f}"
         return acc.clock_share * 1e12 * _forward_backward(KERNEL_ATTENTION_TFLOPS[key][kernel], seq_len), how

@@ -48,7 +48,9 @@ class Hardware:
         n = self.node
         node = (f"{n.name}: NCCL all-reduce busbw {n.allreduce_busbw_intra / 1e9:.0f} GB/s in a node over {n.fabric}"
                 + (f" ({n.pair_busbw / 1e9:.0f} GB/s in a bridged pair)" if n.pair_busbw else "")
-                + f", {n.allreduce_busbw_inter / 1e9:.0f} GB/s per node across nodes ({n.source})"
+                + f", {n.allreduce_busbw_inter / 1e9:.0f} GB/s per node across nodes"
+                + (" (a ring at most the node's own)" if n.allreduce_busbw_inter > n.allreduce_busbw_intra else "")
+                + f" ({n.source})"
                 if n else "one device, no collectives")
         return f"{a.name}: {kernels}; {attention}; element-wise at {a.copy_fraction or 0.75:.0%} of HBM; {node}"
 
