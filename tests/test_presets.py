@@ -63,8 +63,8 @@ def test_moe_active_below_total():
 @pytest.mark.parametrize("mfu, python_bytes", [(0.4, 5e6), (None, 1e8)])
 def test_405b_plan_is_tensor_free_and_records_two_layers_at_most(mfu, python_bytes, monkeypatch):
     """The what-if (an assumed MFU) is arithmetic: it records no operators. The cluster model records the
-    operators of one rank's layers on fake tensors, one and two blocks deep (measure.record.step_ops extrapolates
-    the other 124), never the whole model: neither allocates a 405B tensor (one would be ~1.6 TB)."""
+    operators of one block on fake tensors, recorded one and two blocks deep and differenced (measure.record
+    .block_ops), never the whole model: neither allocates a 405B tensor (one would be ~1.6 TB)."""
     depths, run = [], record._run
     monkeypatch.setattr(record, "_run", lambda cfg, *a, **k: depths.append(cfg.n_layers) or run(cfg, *a, **k))
     record_cache = {}  # a record memoised by an earlier test would leave nothing to count
