@@ -31,7 +31,8 @@ import math
 from trainwise.cost.ops import Op
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import (ACCELERATORS, ATTENTION_TFLOPS, DEFAULT_ATTENTION, FP8_ATTENTION_TFLOPS,
-                                      HOPPER_ATTENTION_TFLOPS, KERNEL_ATTENTION_TFLOPS, Accelerator)
+                                      HOPPER_ATTENTION_TFLOPS, KERNEL_ATTENTION_TFLOPS, Accelerator,
+                                      measured_on)
 
 TILES = ((256, 128), (128, 256), (128, 128))  # cuBLAS's tiles (the guide above)
 # A tile's prologue and epilogue as K-iterations, and a call's fixed cost: two values fitted at once across two
@@ -141,8 +142,7 @@ def attention_rate(acc: Accelerator, seq_len: int, head_dim: int, impl: str = "f
         kernel = DEFAULT_ATTENTION.get(key, "flash2") if impl == "flash" else impl
         check_attention(kernel, acc)
         how = (f"{'cuDNN' if kernel == 'cudnn' else 'FlashAttention-2'} measured forward and backward rates "
-               f"(NVIDIA cudnn-frontend, B200{'' if acc.name == 'B200' else ', taken for the ' + acc.name}, head dim "
-               "128)")
+               f"(NVIDIA cudnn-frontend, {measured_on(acc)}, head dim 128)")
         if acc.clock_share != 1.0:
             how += f" x its clock share {acc.clock_share:.3f}"
         return acc.clock_share * 1e12 * _forward_backward(KERNEL_ATTENTION_TFLOPS[key][kernel], seq_len), how

@@ -363,6 +363,13 @@ FP8_ATTENTION_TFLOPS: dict[str, tuple[tuple[dict[int, float], dict[int, float]],
               {512: 170, 1024: 377, 2048: 556, 4096: 972, 8192: 1255, 16384: 1469, 32768: 1582, 65536: 1627,
                131072: 1616})),
 }
+def measured_on(acc: Accelerator) -> str:
+    """The GPU a table GPU's measured attention rates (KERNEL_ATTENTION_TFLOPS) were taken on, as the plan says it:
+    its own name, or that GPU's and that none are published on this one."""
+    source = ACCELERATORS[acc.attention].name
+    return source if source == acc.name else f"{source}, taken for the {acc.name} (none published on the {acc.name})"
+
+
 # The fused kernel a stack runs by default (--attention-impl flash) where it is not FlashAttention-2: on Blackwell,
 # cuDNN's (Transformer Engine's FusedAttention; PyTorch's SDPA puts cuDNN first on sm90 / sm100 from cuDNN 9.15,
 # check_prefer_cudnn_attention in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp). Ampere and Hopper keep

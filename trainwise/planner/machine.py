@@ -13,8 +13,8 @@ import torch
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.cache import cached, cached_link, calibration_note
 from trainwise.hardware.profile import Profile
-from trainwise.hardware.table import (ACCELERATORS, Accelerator, Node, get_accelerator, get_node, lookup_cuda_device,
-                                      node_from_line_rates)
+from trainwise.hardware.table import (ACCELERATORS, KERNEL_ATTENTION_TFLOPS, Accelerator, Node, get_accelerator,
+                                      get_node, lookup_cuda_device, measured_on, node_from_line_rates)
 from trainwise.measure.calibrate import calibrate
 
 
@@ -39,9 +39,9 @@ class Hardware:
             return ""
         kernels = (f"matmuls at MAMF {a.mamf / 1e12:.0f} TFLOP/s (Bekman, ml-engineering)" if a.mamf else
                    "no published MAMF: matmuls at 80% of peak (the H100's share)")
-        attention = (f"cuDNN's and FlashAttention-2's attention rates measured on the B200 (NVIDIA cudnn-frontend"
-                     f"{'' if a.name == 'B200' else '; none published on the ' + a.name})"
-                     if a.attention == "b200" else "FlashAttention-2 published rates (Dao 2023)" if a.attention else
+        attention = (f"cuDNN's and FlashAttention-2's measured attention rates (NVIDIA cudnn-frontend, "
+                     f"{measured_on(a)})" if a.attention in KERNEL_ATTENTION_TFLOPS else
+                     "FlashAttention-2 published rates (Dao 2023)" if a.attention else
                      "attention at the A100's FlashAttention-2 rates x MAMF ratio (none published)")
         if a.clock_share != 1.0:
             kernels += f"; every tensor-core kernel at {a.clock_share:.3f} of its published rate (held clocks)"
