@@ -62,11 +62,12 @@ def test_train_writes_verify_json(tmp_path, capsys, monkeypatch):
 
 
 def test_a_machine_far_from_its_calibration_is_said_so_with_both_predictions(tmp_path, capsys, cache):
-    """The calibration's reference steps recorded twice as fast as this machine runs them: the speed probe
-    finds the machine 2x slower, and the plan before the run and the closing table give the prediction for
+    """The calibration's reference steps recorded four times as fast as this machine runs them: the speed probe
+    finds the machine about 4x slower, and the plan before the run and the closing table give the prediction for
     the machine as probed beside the calibrated one, with both errors. The reference steps are timed here,
-    just before the run, and halved: the session's calibration may be minutes old, and this machine's speed
-    moves by a fifth within minutes."""
+    just before the run, and quartered: the session's calibration may be minutes old, and this machine's speed
+    moves by a fifth within minutes (halved, a probe once read 1.28: the run's probes 1.56x faster than this
+    timing, so the assertions below keep a margin of more than that)."""
     from pydoc_data.topics import topics
 
     import torch
@@ -77,7 +78,7 @@ def test_a_machine_far_from_its_calibration_is_said_so_with_both_predictions(tmp
     entries = json.loads((cache / "calibration.json").read_text())
     for entry in entries.values():
         if "profile" in entry:
-            entry["profile"]["probe_baseline_s"] = [t / 2 for t in now]
+            entry["profile"]["probe_baseline_s"] = [t / 4 for t in now]
             entry.pop("busy", None)  # a quiet one: a busy calibration would be measured again in the run, probes too
     (cache / "calibration.json").write_text(json.dumps(entries))
     corpus = tmp_path / "docs.txt"
@@ -88,7 +89,7 @@ def test_a_machine_far_from_its_calibration_is_said_so_with_both_predictions(tmp
     text = capsys.readouterr().out
     v = json.loads((out / "verify.json").read_text())
     probe = v["step_time_probed_s"]["probe"]
-    assert probe["ratio"] > 1.5  # this machine against a calibration twice its speed
+    assert probe["ratio"] > 1.5  # this machine against a calibration four times its speed
     assert len(probe["readings"]) == 2 and min(probe["readings"]) > 1.5  # at the start and, to confirm, the end
     assert "speed probes at the start and the end read" in text
     assert v["step_time_probed_s"]["predicted"] > 1.3 * v["step_time_s"]["predicted"]
