@@ -1,6 +1,7 @@
 """Every preset's parameter count equals transformers' num_parameters() for its published config.json."""
 
 import tracemalloc
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -67,8 +68,9 @@ def test_405b_plan_is_tensor_free_and_records_two_layers_at_most(mfu, python_byt
     .block_ops), never the whole model: neither allocates a 405B tensor (one would be ~1.6 TB)."""
     depths, run = [], record._run
     monkeypatch.setattr(record, "_run", lambda cfg, *a, **k: depths.append(cfg.n_layers) or run(cfg, *a, **k))
-    record_cache = {}  # a record memoised by an earlier test would leave nothing to count
-    monkeypatch.setattr("trainwise.planner.cluster_step._CACHE", record_cache)
+    # a record memoised by an earlier test would leave nothing to count
+    monkeypatch.setattr("trainwise.planner.cluster_step._CACHE", {})
+    monkeypatch.setattr(record, "_RECORDED", OrderedDict())
     tracemalloc.start()
     layout = make_layout(16384, tp=8, pp=16, zero=1, micro_batches=16)
     plan = plan_run(Run(get_preset("llama-3.1-405b"), seq_len=8192, grad_accum=16, recipe=get_recipe("bf16"),

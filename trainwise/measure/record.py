@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import difflib
 import itertools
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from trainwise.config import TrainConfig
@@ -92,6 +91,21 @@ def _shape(name: str, ins: list[torch.Tensor]) -> tuple[tuple[int, ...] | None, 
     return None, ""
 
 
+def _tensors(tree, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of an aten call's arguments or result, in order: what torch.utils._pytree.tree_flatten
+    finds there, filtered to tensors (an aten op takes and returns tensors, scalars, and tuples, lists and
+    dicts of them), without its generic node lookups (a tenth of a record's time)."""
+    if isinstance(tree, torch.Tensor):
+        found.append(tree)
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            _tensors(x, found)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _tensors(x, found)
+    return found
+
+
 class _Recorder(TorchDispatchMode):
     """Records each aten op's calls, FLOPs and bytes per (name, phase, dtype, shape, layout, bytes per call),
     and which tensors each call read and wrote, to price the step as a fusing stack runs it (records)."""
@@ -123,8 +137,8 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         name = str(packet)
-        ins = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-        outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        ins = _tensors((args, kwargs), [])
+        outs = _tensors(out, [])
         if name.split(".")[-1] in VIEWS:
             for o in outs:
                 if ins and o is not ins[0] and o not in self.serial:
@@ -209,13 +223,36 @@ def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpoin
     """{(name, phase, dtype, shape, layout, bytes per call): [calls, FLOPs, bytes, fused bytes, fixed bytes,
     fixed fused bytes]} of one micro-batch's step on fake tensors (bytes per call 0 for matmuls and attention,
     which their shape describes); the fixed bytes with `fixed` (_fixed_bytes), else 0."""
-    one = _run(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled, optimizer, attention)
-    calls = one.per_call()
-    out = one.records(calls)
+    calls, records = _recorded(model_cfg, micro_batch, seq_len, precision, checkpointing, compiled, optimizer,
+                               attention)
+    out = {key: list(counts) for key, counts in records.items()}
     if fixed:
-        two = _run(model_cfg, 2 * micro_batch, seq_len, precision, checkpointing, compiled, optimizer, attention)
-        _fixed_bytes(out, calls, two.per_call())
+        two, _ = _recorded(model_cfg, 2 * micro_batch, seq_len, precision, checkpointing, compiled, optimizer,
+                           attention)
+        _fixed_bytes(out, calls, two)
     return out
+
+
+# The last RECORDS_KEPT steps recorded (_recorded): their calls and records, a few hundred KB each. A planner
+# asks for the same step again where it prices a layout at another micro-batch (the record at 2B for the fixed
+# bytes, after one without) or a record reaches it by another way (plan, report, a second plan in a process).
+RECORDS_KEPT = 128
+_RECORDED: OrderedDict[str, tuple[list, dict]] = OrderedDict()
+
+
+def _recorded(*args) -> tuple[list[tuple[tuple, float, float]], dict[tuple, list]]:
+    """(_Recorder.per_call, _Recorder.records) of _run(*args), remembered: a step on fake tensors is
+    recorded once per process, whatever asks (the caller copies the records before it adds to them)."""
+    key = repr(args)
+    if key in _RECORDED:
+        _RECORDED.move_to_end(key)
+        return _RECORDED[key]
+    rec = _run(*args)
+    calls = rec.per_call()
+    _RECORDED[key] = calls, rec.records(calls)
+    while len(_RECORDED) > RECORDS_KEPT:
+        _RECORDED.popitem(last=False)
+    return _RECORDED[key]
 
 
 def _fixed_bytes(records: dict[tuple, list], a: list[tuple[tuple, float, float]], b: list[tuple[tuple, float, float]]
