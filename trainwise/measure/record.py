@@ -233,10 +233,10 @@ def _record(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpoin
     return out
 
 
-# The last RECORDS_KEPT steps recorded (_recorded): their calls and records, a few hundred KB each. A planner
+# The last RECORDS_KEPT steps recorded (_recorded): their calls and records, about 1 MB each. A planner
 # asks for the same step again where it prices a layout at another micro-batch (the record at 2B for the fixed
 # bytes, after one without) or a record reaches it by another way (plan, report, a second plan in a process).
-RECORDS_KEPT = 128
+RECORDS_KEPT = 64
 _RECORDED: OrderedDict[str, tuple[list, dict]] = OrderedDict()
 
 
