@@ -360,7 +360,7 @@ def _optimizer_as_one(rec: dict[tuple, list]) -> dict[tuple, list]:
 
 def _minus(a: dict[tuple, list], b: dict[tuple, list]) -> dict[tuple, list]:
     out = {}
-    for key in a.keys() | b.keys():
+    for key in [*a, *(k for k in b if k not in a)]:  # in the records' order: a set's order moves with the hash seed
         x, y = a.get(key, EMPTY), b.get(key, EMPTY)
         diff = [x[0] - y[0] if key[1] != "optimizer" else 1, *(u - v for u, v in zip(x[1:], y[1:]))]
         if diff[1] or diff[2] or (diff[0] and key[1] != "optimizer"):
