@@ -32,7 +32,7 @@ from trainwise.cost.ops import Op
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import (ACCELERATORS, ATTENTION_TFLOPS, DEFAULT_ATTENTION, FP8_ATTENTION_TFLOPS,
                                       HOPPER_ATTENTION_TFLOPS, KERNEL_ATTENTION_TFLOPS, Accelerator,
-                                      measured_on)
+                                      measured_on, table_gpus)
 
 TILES = ((256, 128), (128, 256), (128, 128))  # cuBLAS's tiles (the guide above)
 # A tile's prologue and epilogue as K-iterations, and a call's fixed cost: two values fitted at once across two
@@ -102,7 +102,7 @@ def check_attention(impl: str, acc: Accelerator | None) -> None:
         raise TrainwiseError(
             f"--attention-impl {impl}: {what}, and this plan is on {where}. Use --attention-impl flash (the "
             "GPU's default fused kernel) or plan a table H100, H200, H800"
-            + (" or a Blackwell (B200, GB200, B300, GB300)." if impl == "cudnn" else "."))
+            + (f" or a Blackwell ({table_gpus(lambda a: a.attention == 'b200')})." if impl == "cudnn" else "."))
 
 
 def _interpolate(by_t: dict[int, float], seq_len: int) -> float:

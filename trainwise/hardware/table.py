@@ -363,6 +363,11 @@ FP8_ATTENTION_TFLOPS: dict[str, tuple[tuple[dict[int, float], dict[int, float]],
               {512: 170, 1024: 377, 2048: 556, 4096: 972, 8192: 1255, 16384: 1469, 32768: 1582, 65536: 1627,
                131072: 1616})),
 }
+def table_gpus(has) -> str:
+    """The table's GPUs for which `has(accelerator)` holds, by key, for the errors that name where to plan instead."""
+    return ", ".join(key for key, acc in ACCELERATORS.items() if has(acc))
+
+
 def measured_on(acc: Accelerator) -> str:
     """The GPU a table GPU's measured attention rates (KERNEL_ATTENTION_TFLOPS) were taken on, as the plan says it:
     its own name, or that GPU's and that none are published on this one."""

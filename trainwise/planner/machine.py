@@ -14,7 +14,7 @@ from trainwise.errors import TrainwiseError
 from trainwise.hardware.cache import cached, cached_link, calibration_note
 from trainwise.hardware.profile import Profile
 from trainwise.hardware.table import (ACCELERATORS, KERNEL_ATTENTION_TFLOPS, Accelerator, Node, get_accelerator,
-                                      get_node, lookup_cuda_device, measured_on, node_from_line_rates)
+                                      get_node, lookup_cuda_device, measured_on, node_from_line_rates, table_gpus)
 from trainwise.measure.calibrate import calibrate
 
 
@@ -77,7 +77,7 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
         raise TrainwiseError(
             f"--precision fp8 plans the FP8 tensor cores of a GPU of the table, from published kernel figures; "
             f"--gpu {gpu} is priced by this machine's calibration, which measures no FP8 GEMMs. Plan a table GPU "
-            "with FP8 (--gpu h100-sxm, h200, h800, b200, gb200, b300 or gb300), or this machine with --precision bf16.")
+            f"with FP8 (--gpu {table_gpus(lambda a: 'fp8' in a.peak_flops)}), or this machine with --precision bf16.")
     if gpu and gpu.lower() == "cpu":  # this machine, as `trainwise hardware --calibrate` measured it
         measured = calibrate("cpu", threads=threads)
         peak = measured["peak_flops"].get(dtype, measured["peak_flops"]["fp32"])
@@ -97,7 +97,7 @@ def resolve_hardware(gpu: str | None, peak_flops: float | None = None, bandwidth
     elif gpu:
         acc = get_accelerator(gpu)
         if dtype == "fp8" and "fp8" not in acc.peak_flops:
-            with_fp8 = ", ".join(k for k, a in ACCELERATORS.items() if "fp8" in a.peak_flops)
+            with_fp8 = table_gpus(lambda a: "fp8" in a.peak_flops)
             raise TrainwiseError(
                 f"--precision fp8 needs FP8 tensor cores and their published peak, and the table has no FP8 figure "
                 f"for the {acc.name} (its published peaks: {', '.join(acc.peak_flops)}). Plan it with --precision "

@@ -21,6 +21,7 @@ from trainwise.cost.run import Machine, Run, fsdp_grad_sync
 from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time, model_flops_utilization
 from trainwise.errors import TrainwiseError
+from trainwise.hardware.table import table_gpus
 from trainwise.planner.cluster_step import predict_cluster_step
 from trainwise.planner.derivation import NO_HARDWARE, NO_TOKENS, explain_plan
 from trainwise.planner.machine import Hardware, resolve_hardware
@@ -299,9 +300,9 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         check_attention(layout.attention_impl, hw.accelerator)
     if recipe.fp8 == "mx" and hw is not None and not (hw.accelerator and hw.accelerator.mx):
         raise TrainwiseError(
-            "--precision mxfp8 needs tensor cores that take MX block-scaled formats (Blackwell: --gpu b200, gb200, "
-            f"b300 or gb300); the {hw.name} has none. Plan it with --precision fp8 (per-tensor or --fp8-recipe "
-            "blockwise scaling) or bf16.")
+            "--precision mxfp8 needs tensor cores that take MX block-scaled formats (Blackwell: --gpu "
+            f"{table_gpus(lambda a: a.mx)}); the {hw.name} has none. Plan it with --precision fp8 (per-tensor or "
+            "--fp8-recipe blockwise scaling) or bf16.")
     if hw is None and machine.memory:
         memory_budget = memory_budget or int(machine.memory)  # --memory without a device: still the capacity to fit
     dp = layout.dp
