@@ -269,13 +269,21 @@ BRIDGE_2511 = Table(
     "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (NeMo 25.11 container); model shapes: "
     "the models' config.json on the Hugging Face hub",
     "FP8-CS = Transformer Engine's per-tensor current scaling (Float8CurrentScaling: the planner's `fp8` "
-    "recipe) over Megatron's mixed precision (bf16 weights and activations, fp32 main gradients, master weights "
-    "and Adam moments); no activation recompute (none published); cuDNN's fused attention (--attention-impl cudnn: "
+    "recipe) over Megatron's mixed precision (bf16 weights and activations, fp32 master weights and Adam moments) "
+    "with bf16 main gradients, accumulated and reduced in bf16 (--grad-dtype bf16: every family's performance "
+    "recipe sets grad_reduce_in_fp32 = False, set_llama3_common_configs, set_llama31_common_configs, "
+    "set_gpt_oss_common_configs and set_qwen3_common_configs in scripts/performance/configs at 44dae92b0, the "
+    "r0.2.0 branch's commit that published the 25.11 table); no activation recompute (none published; the "
+    "recipes at that commit recompute in two rows whose layout is not the table's: Llama 3 8B's H100 recipe "
+    "5 layers under DDP where the table publishes FSDP, gpt-oss's its norms and MoE activations at micro-batch "
+    "1 where the table publishes 4); cuDNN's fused attention (--attention-impl cudnn: "
     "Transformer Engine's DotProductAttention prefers FusedAttention over FlashAttention on Hopper for 16-bit "
     "inputs since TE 1.2, DotProductAttention.forward, now get_attention_backend, in transformer_engine/pytorch; "
     "with attention sinks, as "
     "gpt-oss has, TE 2.8+ disables FlashAttention and keeps FusedAttention); sequence parallelism and tp "
-    "communication overlapped (--tp-overlap te) with tp > 1; the distributed optimizer (ZeRO-1) with gradient "
+    "communication overlapped (--tp-overlap te) with tp > 1 but on Qwen3-235B-A22B, whose H100 recipe turns the "
+    "overlap off (CommOverlapConfig(tp_comm_overlap=False) in qwen3_235b_a22b_h100_config at that commit); the "
+    "distributed optimizer (ZeRO-1) with gradient "
     "reduce-scatter and "
     "parameter all-gather overlapped; FSDP 1 = Megatron FSDP: ZeRO-3 over DP, gathered into and reduced from "
     "its buffers in place (no FSDP2 copies: fsdp_copies off); VP as given (n/a: 1), the pipeline "
@@ -291,8 +299,11 @@ BRIDGE_2511 = Table(
     "mixed precision with bf16 gradients (`bf16-mixed`: the grouped expert GEMMs in bf16); element-wise work fused "
     "on every row, BF16 too (Transformer Engine's kernels: --fused); the EP all-to-alls under another micro-batch's "
     "work where Bridge's H100 preset sets moe_a2a_overlap (Qwen3-235B-A22B: True in "
-    "scripts/performance/configs/qwen/qwen3_workload_base_configs.py, and NVIDIA's Megatron-MoE-ModelZoo runs the "
-    "same layout with A2A_OVERLAP=1; Qwen3-30B-A3B: False; gpt-oss: not set, so off): --ep-overlap")
+    "scripts/performance/configs/qwen3/workload_base_configs.py at that commit, and NVIDIA's Megatron-MoE-ModelZoo "
+    "runs the same layout with A2A_OVERLAP=1; gpt-oss: not set, so off; Qwen3-30B-A3B: off, the table's layout, VP "
+    "24 and MBS 2, being the 25.09 recipe's, perf_matrix h100 of scripts/performance/configs/qwen3/"
+    "qwen3_30b_a3b_llm_pretrain.yaml, which has no such overlap, where the 25.11 branch's recipe sets it with VP 12 "
+    "and MBS 1, a layout the table does not publish): --ep-overlap")
 BRIDGE_PRESETS = {"LLAMA3_8B": "llama-3-8b", "LLAMA3_70B": "llama-3-70b", "LLAMA3.1_405B": "llama-3.1-405b",
                   "GPT OSS 120B": "gpt-oss-120b", "Qwen3_30B_a3B": "qwen3-30b-a3b",
                   "Qwen3_235B_a22B": "qwen3-235b-a22b"}
@@ -317,6 +328,7 @@ class BridgeRow:
     tflops_per_gpu: float
     moe: bool = False
     a2a_overlap: bool = False  # Bridge's moe_a2a_overlap for the row (the table's assumption)
+    tp_comm_overlap: bool = True  # Bridge's CommOverlapConfig.tp_comm_overlap for the row, with tp > 1
 
 
 TABLE_C = [
@@ -326,7 +338,7 @@ TABLE_C = [
     BridgeRow("GPT OSS 120B", 64, "bf16", 512, 4, 4096, 0, 1, 4, 1, 1, 8, 2, 5630, 153, moe=True),
     BridgeRow("Qwen3_30B_a3B", 16, "fp8-cs", 512, 2, 4096, 0, 1, 2, 1, 24, 8, 32, 5275, 121, moe=True),
     BridgeRow("Qwen3_235B_a22B", 256, "fp8-cs", 2048, 1, 4096, 0, 2, 8, 1, 4, 32, 128, 1575, 233, moe=True,
-              a2a_overlap=True),
+              a2a_overlap=True, tp_comm_overlap=False),
 ]
 
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 from runs import run_of
 
+import trainwise
 from trainwise.cli import main
 from trainwise.config import ModelConfig, ParallelConfig
 from trainwise.cost import comm as C
@@ -573,6 +574,32 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     assert tied["calls"] == 1 and tied["seconds"] > ops["nccl all_reduce (gradient norm)"]["seconds"]
     assert j["comm"]["send_recv"]["calls"] == 4 * 2  # an activation and a gradient per micro-batch
     assert ar["bytes"] >= tp_calls * 2 * 256 * 256 * 2
+
+
+def test_main_gradients_in_bf16_halve_their_bytes_and_the_data_parallel_reduction(capsys):
+    """--grad-dtype bf16 (Megatron-Core's --grad-reduce-in-bf16): the main gradients accumulate and are reduce-scattered
+    in 2 bytes a parameter instead of 4; the parameters' all-gather stays 16-bit. A recipe whose gradients are its
+    parameters' own (amp's fp32) refuses it."""
+    args = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "16", "--zero", "1", "--seq-len", "4096",
+            "--micro-batch", "1", "--global-batch", "32", "--tokens", "1e11", "--json"]
+    plans = {}
+    for precision, dtype in (("fp8", "fp32"), ("fp8", "bf16"), ("bf16-mixed", None), ("bf16-mixed", "fp32")):
+        assert main(args + ["--precision", precision] + (["--grad-dtype", dtype] if dtype else [])) == 0
+        plans[precision, dtype] = json.loads(capsys.readouterr().out)
+    fp32, bf16 = plans["fp8", "fp32"], plans["fp8", "bf16"]
+    assert (fp32["memory"]["grad_bytes_per_param"], bf16["memory"]["grad_bytes_per_param"]) == (4, 2)
+    assert bf16["memory"]["grads_bytes"] * 2 == fp32["memory"]["grads_bytes"]
+    assert fp32["memory"]["peak_bytes"] - bf16["memory"]["peak_bytes"] == bf16["memory"]["grads_bytes"]
+    assert bf16["comm"]["reduce_scatter"]["bytes"] * 2 == fp32["comm"]["reduce_scatter"]["bytes"]
+    assert bf16["comm"]["all_gather"] == fp32["comm"]["all_gather"]
+    api = trainwise.plan("llama-3-8b", tokens=1e11, gpu="h100-sxm", gpus=16, zero=1, seq_len=4096, micro_batch=1,
+                         grad_accum=2, precision="fp8", grad_dtype="bf16").to_json()
+    assert api["memory"] == bf16["memory"] and api["comm"] == bf16["comm"]
+    mixed, mixed32 = plans["bf16-mixed", None], plans["bf16-mixed", "fp32"]
+    assert mixed32["memory"]["grads_bytes"] == 2 * mixed["memory"]["grads_bytes"] == fp32["memory"]["grads_bytes"]
+    assert main(args + ["--precision", "amp", "--grad-dtype", "bf16"]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--grad-dtype bf16" in err and "fp32 master" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("kw, text", [

@@ -10,7 +10,8 @@ from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import CHECKPOINTING, load_config
 from trainwise.config.run import FSDP_GRAD_SYNCS, PP_SCHEDULES
 from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, TP_OVERLAPS, Layout, make_layout
-from trainwise.cost.memory import FP8_SCALINGS, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES, get_recipe
+from trainwise.cost.memory import (FP8_SCALINGS, GRAD_DTYPES, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES,
+                                   get_recipe, with_grad_dtype)
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
@@ -48,6 +49,10 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--precision", help=f"recipe: {', '.join(list(RECIPES) + list(RECIPE_ALIASES))}")
     p.add_argument("--fp8-recipe", choices=list(FP8_SCALINGS),
                    help="with --precision fp8: the FP8 scaling (default current: per-tensor, just in time)")
+    p.add_argument("--grad-dtype", choices=list(GRAD_DTYPES), default=None,
+                   help="the main gradients' dtype, in which micro-batches accumulate and data parallelism reduces "
+                        "them (recipes with an fp32 master: megatron, bf16-mixed, fp8, mxfp8): bf16 is Megatron-Core's "
+                        "--grad-reduce-in-bf16 (default: the recipe's, fp32 but for bf16-mixed)")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_MOMENTS), help="adamw, sgd, sgd-momentum")
     p.add_argument("--checkpointing", choices=list(CHECKPOINTING))
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (FSDP = 3)")
@@ -211,6 +216,8 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
                 f"--fp8-recipe {args.fp8_recipe} chooses how --precision fp8 scales its FP8 tensors, but the "
                 f"precision is {recipe.name}: add --precision fp8, or drop --fp8-recipe.")
         recipe = get_recipe("fp8" if args.fp8_recipe == "current" else f"fp8-{args.fp8_recipe}")
+    if args.grad_dtype is not None:
+        recipe = with_grad_dtype(recipe, args.grad_dtype)
     if args.fp8_attention and not recipe.fp8:
         raise TrainwiseError(
             f"--fp8-attention computes attention in FP8 beside FP8 linear layers, but the precision is {recipe.name}: "

@@ -34,6 +34,7 @@ class Recipe:
     compute_dtype: str  # selects the peak FLOP/s
     description: str
     fp8: str = ""  # the linear layers' GEMMs in FP8, scaled: current | delayed | blockwise | mx ("": none)
+    reduce_bytes: int = 0  # bytes per gradient the data-parallel reduction moves (0: grad_bytes)
 
     def record_precision(self, gathered: bool = False) -> str:
         """How a step of this recipe is recorded (measure.record): 16-bit weights and activations ("bf16-pure",
@@ -55,8 +56,12 @@ RECIPES = {
     "bf16-mixed": Recipe("bf16-mixed", 2, 2, 4, 4, 2, 2, "bf16",
                          "bf16 params and grads + fp32 master weights + fp32 moments (ZeRO paper: 2+2+12)"),
     "bf16-pure": Recipe("bf16-pure", 2, 2, 0, 2, 2, 2, "bf16", "everything bf16, optimizer moments included"),
+    # Megatron-LM reduces the 16-bit gradients and copies them to its fp32 main gradients after (without
+    # --accumulate-allreduce-grads-in-fp32, as its published fp16 runs ran: examples/academic_paper_scripts/sc21/
+    # CONFIG.sh)
     "megatron": Recipe("megatron", 2, 4, 4, 4, 2, 2, "fp16", "Megatron-LM's mixed precision: 16-bit weights and "
-                       "activations, fp32 main gradients, master weights and Adam moments (2+4+4+8 = 18 bytes)"),
+                       "activations, fp32 main gradients, master weights and Adam moments (2+4+4+8 = 18 bytes)",
+                       reduce_bytes=2),
 }
 # FP8 training as Megatron-Core runs it with Transformer Engine: the transformer blocks' linear layers compute
 # in FP8 (forward and both backward GEMMs), everything else (attention, the LM head, the states) as in bf16
@@ -84,6 +89,30 @@ def get_recipe(name: str) -> Recipe:
         raise TrainwiseError(f"unknown precision '{name}'; choose one of "
                              f"{', '.join(list(RECIPES) + list(RECIPE_ALIASES))}.")
     return RECIPES[key]
+
+
+# The dtype a recipe's main gradients accumulate and are reduced in (with_grad_dtype)
+GRAD_DTYPES = {"fp32": 4, "bf16": 2}
+
+
+def with_grad_dtype(recipe: Recipe, dtype: str) -> Recipe:
+    """`recipe` with its main gradients in `dtype`: the buffer the micro-batches accumulate into and the
+    data-parallel reduction moves (Megatron-Core's --grad-reduce-in-bf16, which Megatron-Bridge's performance
+    recipes set as grad_reduce_in_fp32 = False; the optimizer steps the fp32 master with them). Only a recipe with
+    16-bit weights and an fp32 master keeps gradients apart from its parameters; under fp32, amp or bf16-pure the
+    gradients are the parameters' own, in their dtype."""
+    if dtype not in GRAD_DTYPES:
+        raise TrainwiseError(f"--grad-dtype {dtype}: choose one of {', '.join(GRAD_DTYPES)}.")
+    if GRAD_DTYPES[dtype] == recipe.grad_bytes == (recipe.reduce_bytes or recipe.grad_bytes):
+        return recipe
+    if not recipe.master_bytes:
+        raise TrainwiseError(
+            f"--grad-dtype {dtype}: under --precision {recipe.name} the gradients are the parameters' own, in their "
+            f"dtype ({recipe.grad_bytes} bytes); main gradients of another dtype need 16-bit weights with an fp32 "
+            "master copy: --precision megatron, bf16-mixed, fp8 or mxfp8, or drop --grad-dtype.")
+    return replace(recipe, grad_bytes=GRAD_DTYPES[dtype], reduce_bytes=0,
+                   description=f"{recipe.description}; main gradients in {dtype} instead (accumulated and reduced "
+                               f"in {dtype})")
 
 
 def optimizer_moments(optimizer: str) -> int:
@@ -145,7 +174,7 @@ def fsdp2_zero2_recipe(recipe: Recipe) -> Recipe:
     gradients are reduce-scattered and kept in fp32 (4 B, sharded). With the "amp" recipe that is the
     ZeRO paper's mixed-precision layout but for fp32 gradients: 2 + (4 + 4 + 8) / dp bytes per parameter."""
     return replace(recipe, name=f"{recipe.name}, FSDP2 zero2", param_bytes=recipe.compute_bytes, grad_bytes=4,
-                   master_bytes=4, description=f"{recipe.description}; FSDP2 zero2 layout")
+                   reduce_bytes=0, master_bytes=4, description=f"{recipe.description}; FSDP2 zero2 layout")
 
 
 def norm_saved_bytes(cfg: ModelConfig, s: int) -> int:

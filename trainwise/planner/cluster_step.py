@@ -141,8 +141,7 @@ def predict_cluster_step(cfg: ModelConfig, layout: Layout, acc: Accelerator, nod
 
 
 def _reduced_grad_bytes(recipe: Recipe) -> int:
-    """Bytes per gradient the data-parallel reduction moves: Megatron-LM reduces the 16-bit gradients and
-    copies them to its fp32 main gradients after (without --accumulate-allreduce-grads-in-fp32, as its
-    published fp16 runs ran: examples/academic_paper_scripts/sc21/CONFIG.sh); otherwise the recipe's."""
-    return recipe.param_bytes if recipe.name == "megatron" else recipe.grad_bytes
+    """Bytes per gradient the data-parallel reduction moves: the recipe's gradients' (the `megatron` recipe's
+    16-bit ones, Recipe.reduce_bytes)."""
+    return recipe.reduce_bytes or recipe.grad_bytes
 

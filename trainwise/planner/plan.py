@@ -161,7 +161,7 @@ class Plan:
                        "total_bytes": self.per_device_bytes * self.gpus, "per_device_bytes": self.per_device_bytes,
                        "peak_bytes": self.peak_bytes, "peak_over_budget_bytes": self.peak_over_budget_bytes,
                        "fits": self.fits, "over_budget_bytes": self.over_budget_bytes, "budget_bytes": self.budget,
-                       "precision": self.recipe.name,
+                       "precision": self.recipe.name, "grad_bytes_per_param": self.recipe.grad_bytes,
                        "optimizer": self.optimizer, "checkpointing": self.checkpointing, "zero": self.zero,
                        "compiled": self.compiled, "loss_kernel": self.loss_kernel,
                        "scope": "per device except total_bytes (all devices)"},
