@@ -21,9 +21,9 @@ import time
 import torch
 
 from trainwise.config import ModelConfig, TrainConfig
-from trainwise.measure.memtrack import track_train_step
-from trainwise.cost.memory import get_recipe
+from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Machine, Run
+from trainwise.measure.memtrack import track_train_step
 from trainwise.planner.plan import plan_run
 from trainwise.runtime.step import build_model, build_step, random_batches
 

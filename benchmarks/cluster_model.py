@@ -31,12 +31,13 @@ import time
 from pathlib import Path
 
 import cluster_dev_set_2 as S2
+
 from trainwise.cli import main as cli_main
 from trainwise.config import ModelConfig
 from trainwise.cost import cluster
 from trainwise.cost.layout import make_layout
-from trainwise.cost.memory import get_recipe, with_grad_dtype
 from trainwise.cost.rank_memory import rank_peak
+from trainwise.cost.recipe import get_recipe, with_grad_dtype
 from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.planner.plan import plan_run

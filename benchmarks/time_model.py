@@ -40,7 +40,7 @@ import torch
 
 from trainwise.config import ModelConfig, RunConfig, TrainConfig, apply_overrides, save_config
 from trainwise.cost.layout import Layout
-from trainwise.cost.memory import get_recipe
+from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.steptime import PROBE_WARN, probed_seconds, settled_probe
 from trainwise.hardware.cache import cached_link, cpu_model

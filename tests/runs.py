@@ -2,7 +2,7 @@
 tests that plan many layouts: the translation trainwise.plan(...) uses (trainwise.api.run_from_keywords)."""
 
 from trainwise.api import run_from_keywords
-from trainwise.cost.memory import get_recipe
+from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Run
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from trainwise.config import ModelConfig, TrainConfig
 from trainwise.cost.flops import flops_per_token_train
-from trainwise.cost.memory import get_recipe
+from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.measure.flopcount import count_train_step

@@ -18,10 +18,10 @@ from trainwise.cost.cluster import BREAKDOWN, IN_STEP, _tier
 from trainwise.cost.gpu import (GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, copy_bandwidth, matmul_rate,
                                 matmul_seconds)
 from trainwise.cost.layout import Layout, make_layout, param_counts, placement
-from trainwise.cost.memory import get_recipe
 from trainwise.cost.ops import WEIGHT_CAST
 from trainwise.cost.rank import StepShape, rank_comm, rank_params
 from trainwise.cost.rank_memory import in_flight, layer_bytes_per_token, rank_peak
+from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.schedule import bubble_fraction, chunk_layers, rank_stages, schedule_seconds, stage_layers
 from trainwise.errors import TrainwiseError

@@ -10,9 +10,9 @@ from trainwise.cli import main
 from trainwise.config import ModelConfig
 from trainwise.cost.gpu import attention_rate, matmul_rate
 from trainwise.cost.layout import make_layout
-from trainwise.cost.memory import get_recipe
 from trainwise.cost.rank import rank_params
-from trainwise.cost.rank_memory import rank_peak
+from trainwise.cost.rank_memory import layer_bytes_per_token, rank_peak
+from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Run
 from trainwise.hardware.table import ACCELERATORS
 from trainwise.planner.cluster_step import rank_work
@@ -65,15 +65,41 @@ def test_each_recipe_keeps_fp8_weight_copies_and_their_scales():
     block, MXFP8 a byte per 32 elements."""
     lay = make_layout(8, zero=1, micro_batches=4)
 
-    def peak(recipe: str) -> int:
-        return rank_peak(Run(MODEL, seq_len=4096, grad_accum=4, recipe=get_recipe(recipe), layout=lay)).peak
+    def peak(recipe: str):
+        return rank_peak(Run(MODEL, seq_len=4096, grad_accum=4, recipe=get_recipe(recipe), layout=lay))
 
     linear = sum(p.numel for p in rank_params(MODEL, lay, 0) if isinstance(p.spec.where, int)
                  and len(p.spec.shape) == 2)
-    assert peak("fp8") - peak("megatron") == 2 * linear
-    assert peak("fp8-delayed") == peak("fp8")
-    assert peak("fp8-blockwise") - peak("megatron") == pytest.approx(2 * linear * (1 + 4 / 128**2), abs=1)
-    assert peak("mxfp8") - peak("megatron") == pytest.approx(2 * linear * (1 + 1 / 32), abs=1)
+    base = peak("megatron")
+    # the activations shrink by what the FP8 recipes keep of their GEMMs' inputs (test below)
+    assert peak("fp8").peak - base.peak == 2 * linear - (base.activations - peak("fp8").activations)
+    assert peak("fp8-delayed").peak == peak("fp8").peak
+    for recipe, scales in (("fp8-blockwise", 4 / 128**2), ("mxfp8", 1 / 32)):
+        fp8 = peak(recipe)
+        assert fp8.peak - base.peak == pytest.approx(2 * linear * (1 + scales) - (base.activations - fp8.activations),
+                                                     abs=1)
+
+
+def test_fp8_recipes_keep_their_gemms_inputs_as_fp8_casts():
+    """Transformer Engine keeps an FP8 GEMM's input for the weight gradient as its FP8 cast: per token and
+    layer, the qkv's and the MLP's first projection's inputs (H each) and the down projection's (F) at one byte
+    instead of two, and the output projection's input (q) once more as a byte beside the attention output the
+    attention kernel keeps; block scaling's inputs carry an fp32 per 128 elements, MXFP8's a byte per 32. Worked
+    for MODEL (H 1024, q 16 x 64, F 4096; 4 layers, one micro-batch of 4096 tokens in flight)."""
+    H, q, F, tokens, layers = 1024, 1024, 4096, 4096, 4
+    lay = make_layout(8, zero=1, micro_batches=4)
+    acts = {r: rank_peak(Run(MODEL, seq_len=4096, grad_accum=4, recipe=get_recipe(r), layout=lay)).activations
+            for r in ("megatron", "fp8", "fp8-blockwise", "mxfp8")}
+    for recipe, e in (("fp8", 1), ("fp8-blockwise", 1 + 4 / 128), ("mxfp8", 1 + 1 / 32)):
+        per_token_layer = (2 - e) * (2 * H + F) - e * q
+        assert acts["megatron"] - acts[recipe] == pytest.approx(tokens * layers * per_token_layer, abs=2)
+    assert acts["megatron"] - acts["fp8"] == tokens * layers * 5120
+    # under tp 2: with sequence parallelism every input is the rank's share; without it the two gathered inputs of
+    # the column-parallel projections are whole on each rank, at one byte
+    for sp, whole in ((True, 0), (False, 2 * H)):
+        tp = make_layout(2, tp=2, sequence_parallel=sp)
+        kept = [layer_bytes_per_token(MODEL, get_recipe(r), 0, tp, 4096, "none", True) for r in ("megatron", "fp8")]
+        assert kept[0] - kept[1] == whole + (5120 - whole) / 2
 
 
 def test_fp8_recipe_flag_and_refusals(capsys):

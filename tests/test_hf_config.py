@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from trainwise.cost.params import params
 from trainwise.errors import TrainwiseError
 from trainwise.hf_config import ALIASES, PUBLISHED, config_name, from_hf_dict, load_hf_config
-
-import transformers
 
 
 def hf_count(d: dict, exclude_embeddings: bool = False) -> int:
@@ -120,7 +119,7 @@ def test_saved_by_transformers_4_and_5_plan_alike(family, tmp_path):
 def test_published_config_resaved_by_transformers_5_plans_like_the_hub_file(name, tmp_path):
     """The Hub's config.json of each preset, saved again by the installed transformers: the same plan
     (parameters, FLOPs, memory), not only the same total. No model is built, so the big ones run too."""
-    from trainwise.cost.memory import get_recipe
+    from trainwise.cost.recipe import get_recipe
     from trainwise.cost.run import Run
     from trainwise.planner.plan import plan_run
     from trainwise.presets import get_preset

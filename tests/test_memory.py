@@ -3,13 +3,8 @@
 import pytest
 
 from trainwise.config import ModelConfig
-from trainwise.cost.memory import (
-    activation_bytes,
-    activation_bytes_per_token_layer,
-    get_recipe,
-    state_bytes,
-    tensor_bytes,
-)
+from trainwise.cost.memory import activation_bytes, activation_bytes_per_token_layer, state_bytes, tensor_bytes
+from trainwise.cost.recipe import get_recipe
 from trainwise.errors import TrainwiseError
 from trainwise.units import parse_bytes
 
@@ -87,7 +82,8 @@ def test_activation_checkpointing_orders_and_logits():
 
 
 def test_fsdp2_zero2_layout_is_a_gathered_compute_copy_over_fp32_shards():
-    from trainwise.cost.memory import fsdp2_zero2_recipe, get_recipe, state_bytes
+    from trainwise.cost.memory import state_bytes
+    from trainwise.cost.recipe import fsdp2_zero2_recipe, get_recipe
 
     n = 1_000_000  # amp (bf16 autocast): bf16 copy replicated; fp32 grads, moments and master sharded
     s = state_bytes(n, fsdp2_zero2_recipe(get_recipe("amp")), "adamw", zero=2, dp=4)

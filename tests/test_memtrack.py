@@ -5,7 +5,7 @@ import torch
 
 from trainwise.config import ModelConfig, TrainConfig
 from trainwise.cost.layout import Layout
-from trainwise.cost.memory import get_recipe
+from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.measure.memtrack import track_train_step
 from trainwise.planner.plan import plan_run
@@ -124,6 +124,7 @@ def test_evaluation_and_sampling_peaks():
 
     from trainwise.config import RunConfig
     from trainwise.cost import memory as M
+    from trainwise.cost.recipe import get_recipe
     from trainwise.measure.memtrack import StepPeakMeter, _storages, live_tensors
     from trainwise.trainer.loop import evaluate
 
@@ -138,7 +139,7 @@ def test_evaluation_and_sampling_peaks():
         meter.start()
         evaluate(model, tokens, cfg, CPU, precision)
         resident = sum(_storages(live_tensors(), CPU).values())
-        planned = M.eval_peak_bytes(cfg.model, M.get_recipe("fp32" if precision == "fp32" else "amp"), resident, 4, 64)
+        planned = M.eval_peak_bytes(cfg.model, get_recipe("fp32" if precision == "fp32" else "amp"), resident, 4, 64)
         assert meter.stop() == pytest.approx(planned, rel=0.10)
     meter = StepPeakMeter(CPU)
     meter.start()

@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 from trainwise.cli import main
 from trainwise.config import ModelConfig, RunConfig, TrainConfig, apply_overrides
 from trainwise.cost.flops import flops_per_token_train
-from trainwise.cost.memory import get_recipe, kv_cache_bytes, mla_saved_bytes
+from trainwise.cost.memory import kv_cache_bytes, mla_saved_bytes
 from trainwise.cost.params import params
+from trainwise.cost.recipe import get_recipe
 from trainwise.errors import TrainwiseError
 from trainwise.measure.flopcount import flop_counter
 from trainwise.model import KVCache, Transformer

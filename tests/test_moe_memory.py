@@ -9,7 +9,8 @@ import pytest
 import torch
 from test_memtrack import check, track_vs_plan  # tests/ is on sys.path (rootdir conftest), as for `tiny`
 
-from trainwise.cost.memory import get_recipe, moe_saved_bytes
+from trainwise.cost.memory import moe_saved_bytes
+from trainwise.cost.recipe import get_recipe
 from trainwise.model.moe import MoE, pad_multiple
 from trainwise.presets import get_preset
 

@@ -5,18 +5,17 @@ from collections import OrderedDict
 
 import pytest
 import torch
+import transformers
 
 from trainwise.cost.layout import make_layout
-from trainwise.cost.memory import get_recipe
 from trainwise.cost.params import params
+from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.hf_config import PUBLISHED
 from trainwise.measure import record
 from trainwise.planner.plan import plan_run
 from trainwise.presets import PRESETS, get_preset
-
-import transformers
 
 REQUIRED = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-2-7b", "llama-3-8b", "llama-3-70b",
             "llama-3.1-405b", "mistral-7b", "mixtral-8x7b", "qwen2.5-7b", "deepseek-v3", "qwen3-30b-a3b",

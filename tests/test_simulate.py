@@ -3,7 +3,7 @@
 import pytest
 
 from trainwise.config import ModelConfig
-from trainwise.cost.memory import get_recipe
+from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.planner.plan import plan_run
 from trainwise.verify.simulate import simulate_report, simulate_step

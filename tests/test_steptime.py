@@ -9,8 +9,8 @@ import pytest
 from trainwise.config import ModelConfig
 from trainwise.cost.comm import comm_seconds, exposed_comm, ring_seconds
 from trainwise.cost.flops import flops_per_token_train
-from trainwise.cost.memory import get_recipe
 from trainwise.cost.ops import WEIGHT_CAST, Op, for_cuda
+from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.steptime import (PROBE_WARN, StepTime, predict_step, probed_seconds, scale_batch,
                                      settled_probe, step_time)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from trainwise.config import ModelConfig, RunConfig
 from trainwise.cost.layout import make_layout
-from trainwise.cost.memory import get_recipe, with_grad_dtype
+from trainwise.cost.recipe import get_recipe, with_grad_dtype
 from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.inference import LoadedRun, load_run

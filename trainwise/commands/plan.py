@@ -10,7 +10,7 @@ from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import CHECKPOINTING, load_config
 from trainwise.config.run import FSDP_GRAD_SYNCS, PP_SCHEDULES
 from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, TP_OVERLAPS, Layout, make_layout
-from trainwise.cost.memory import (FP8_SCALINGS, GRAD_DTYPES, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES,
+from trainwise.cost.recipe import (FP8_SCALINGS, GRAD_DTYPES, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES,
                                    get_recipe, with_grad_dtype)
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU

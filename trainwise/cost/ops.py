@@ -20,7 +20,7 @@ CLASSES = (("attention", ("attention",)), ("matmul", ("mm", "bmm", "addmm", "bad
 PHASES = ("forward", "backward", "optimizer")
 # Autocast's cast of a parameter to the compute dtype (measure.record names it apart from other casts): a stack
 # whose mixed-precision policy gathers the parameters in the compute dtype (FSDP2, FSDP1's param_dtype) runs
-# none, its step recorded on 16-bit weights (cost.memory.Recipe.record_precision).
+# none, its step recorded on 16-bit weights (cost.recipe.Recipe.record_precision).
 WEIGHT_CAST = "aten._to_copy(weight)"
 # The data-parallel strategies whose parameters FSDP2 gathers for each pass (trainwise's zero2 and fsdp; ZeRO-3
 # elsewhere): under a mixed-precision policy in the compute dtype, its step recorded on 16-bit weights.

@@ -25,11 +25,12 @@ from trainwise.config import ModelConfig
 from trainwise.cost import memory as M
 from trainwise.cost.layout import ZERO_BUBBLE, Layout
 from trainwise.cost.rank import divided, is_expert, rank_params, units
+from trainwise.cost.recipe import Recipe, optimizer_moments
 from trainwise.cost.run import Run, fsdp_grad_sync, trains
 from trainwise.cost.schedule import rank_stages, schedule_ops, stage_layers
 
 
-def layer_bytes_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int, layout: Layout, seq_len: int,
+def layer_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, layout: Layout, seq_len: int,
                           checkpointing: str = "none", regather: bool = False) -> float:
     """Bytes one tensor-parallel rank saves for backward per token of the sequence in one block: what
     cost.memory.activation_bytes_per_token_layer counts, split as Korthikanti et al. 2022 (section 4,
@@ -42,7 +43,7 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int, layout
     and the shared experts' input cast (every rank routes every token). Unfused attention saves the softmax
     output c x heads x T per token, and with attention dropout its mask (1 byte) and output, instead of
     flash attention's logsumexp (their 5as^2b term); selective recompute keeps none of them. Full
-    checkpointing keeps each block's input: sH, / tp with sequence parallelism."""
+    checkpointing keeps each block's input: sH, / tp with sequence parallelism. FP8: cost.memory.fp8_saved_delta."""
     c, s, H, t = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model, layout.tp
     sp = layout.sequence_parallel or t == 1
     if checkpointing == "full":
@@ -58,13 +59,12 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int, layout
         total += cfg.n_heads * seq_len * (c + (1 + c if cfg.dropout > 0 else 0)) - 4 * cfg.n_heads
     if t == 1:
         return total
-    moe = cfg.is_moe_layer(layer)
-    routed = 0.0
-    if moe:
-        routed = M.moe_saved_bytes(cfg, recipe, 0) + (c * H if cfg.n_shared_experts and not (c == 4 and s == 4) else 0)
-        if regather and sp and layout.expert_tp == 1:  # Megatron-Core's folded experts (etp 1): each rank routes
-            routed /= t  # and dispatches its own T / tp positions over the expert-parallel group
-    gathered = c * H * (1 if moe else 2)
+    moe, e = cfg.is_moe_layer(layer), M.gemm_input_bytes(recipe)  # e: a projection's kept input (FP8: its cast)
+    shared = e * H if moe and cfg.n_shared_experts and not (c == 4 and s == 4) else 0
+    routed = M.moe_saved_bytes(cfg, recipe, 0) - cfg.top_k * (c - e) * H + shared if moe else 0.0
+    if moe and regather and sp and layout.expert_tp == 1:  # Megatron-Core's folded experts (etp 1): each rank
+        routed /= t  # routes and dispatches its own T / tp positions over the expert-parallel group
+    gathered = e * H * (1 if moe else 2)
     if not sp:
         whole = 2 * M.norm_saved_bytes(cfg, s) + gathered + routed + (2 * H if cfg.dropout > 0 else 0)
     else:
@@ -72,7 +72,7 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int, layout
     return whole + (total - whole) / t
 
 
-def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, recipe: M.Recipe, compiled: bool,
+def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, recipe: Recipe, compiled: bool,
                            megatron: bool) -> int:
     """Bytes one micro-batch leaves saved on one rank for a pipeline stage of `layers` (the whole model when
     first and last), on its T / cp positions: the blocks (layer_bytes_per_token; compiled:
@@ -109,7 +109,7 @@ def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, rec
     return math.ceil(tokens * per_token + weights)
 
 
-def cp_attention_bytes(cfg: ModelConfig, recipe: M.Recipe, layout: Layout, micro_batch: int, seq_len: int) -> float:
+def cp_attention_bytes(cfg: ModelConfig, recipe: Recipe, layout: Layout, micro_batch: int, seq_len: int) -> float:
     """What one layer's all-gather attention (trainwise.runtime.context_parallel) keeps per micro-batch beyond the
     same block on the rank's T/cp positions alone (layer_bytes_per_token): SDPA saves the gathered keys and values,
     B x T x 2 nkv/tp x hd, and its (T/cp, T) mask, both in the compute dtype; with RoPE and no qk_norm the qkv
@@ -171,7 +171,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     fsdp, ddp = strategy in ("zero2", "fsdp") or replicated, strategy in ("ddp", "zero1") and not replicated
     params = rank_params(cfg, lay, rank, megatron)
     numel = sum(p.numel for p in params)
-    moments = M.optimizer_moments(run.optimizer)
+    moments = optimizer_moments(run.optimizer)
     if optimizer_share is None and strategy == "zero1":
         experts = sum(p.numel for p in params if is_expert(p.spec))
         sharded = (numel - experts) / (lay.dp * lay.cp) + experts / lay.expert_dp
@@ -260,7 +260,7 @@ def each_micro_batch(run: Run, megatron: bool) -> bool:
     return run.layout.pp == 1 and (fsdp_grad_sync(run) == "micro-batch" if run.layout.zero == 3 else megatron)
 
 
-def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, params: list) -> int:
+def fsdp_block_backward(run: Run, rank: int, recipe: Recipe, megatron: bool, params: list) -> int:
     """The high point of FSDP2's backward through one pipeline stage's blocks beyond the rank's resident states,
     block by block from the last. Throughout: the root units gathered, their LM-head side gradients (a tied table's,
     the final norm's, the head's) held until the root reduces last, the sharded gradients of the blocks already
@@ -324,7 +324,7 @@ def fsdp_block_backward(run: Run, rank: int, recipe: M.Recipe, megatron: bool, p
     return high
 
 
-def fsdp_pipeline_backward(run: Run, rank: int, recipe: M.Recipe, params: list, acts: int, scratch: int,
+def fsdp_pipeline_backward(run: Run, rank: int, recipe: Recipe, params: list, acts: int, scratch: int,
                            outside: int = 0) -> int:
     """The high point of FSDP2's backwards beyond the resident states on a pipeline rank of one stage, as torch's
     PipelineStage runs them in trainwise's trainer: every backward with gradient sync off and the units kept
@@ -391,7 +391,7 @@ def cast_experts(run: Run, params: list, layers) -> int:
     return c * sum(p.numel for p in params if divided(p.spec, lay) and p.spec.where in layers)
 
 
-def whole_embedding_grad(run: Run, params: list, recipe: M.Recipe) -> int:
+def whole_embedding_grad(run: Run, params: list, recipe: Recipe) -> int:
     """Bytes of a vocabulary-parallel embedding's whole gradient on a tp rank of the first stage, untied or on a
     stage of its own (tied over pp: the head's copy is another stage's) (trainwise's runs, not FSDP2 nor its
     replicate: fsdp_pipeline_backward; else 0): DTensor's embedding backward computes the whole (V, H) table
@@ -413,7 +413,7 @@ def vocab_table(params: list, rows: bool = False) -> int:
                if p.spec.name == "embed.weight" and p.spec.tp_dim is not None)
 
 
-def tied_grad_sum(run: Run, params: list, recipe: M.Recipe) -> int:
+def tied_grad_sum(run: Run, params: list, recipe: Recipe) -> int:
     """The end of a backward on a rank holding both uses of a tied table (pp 1; trainwise's runs, not under
     FSDP2, whose root unit reduce-scatters its own): the autograd engine holds the LM head's gradient of the
     table until the embedding's arrives, last, and sums the two. Measured beside every other gradient: two
@@ -427,7 +427,7 @@ def tied_grad_sum(run: Run, params: list, recipe: M.Recipe) -> int:
     return recipe.grad_bytes * table * (1 if recipe.compute_bytes < recipe.grad_bytes else 2)
 
 
-def fp8_weight_bytes(recipe: M.Recipe, params: list) -> int:
+def fp8_weight_bytes(recipe: Recipe, params: list) -> int:
     """The FP8 copies of the blocks' linear weights an FP8 recipe keeps through the step (Transformer Engine
     casts each weight once per step and keeps the copy and its transpose for the micro-batches after the
     first): 2 bytes per element, and their scales: one fp32 per 128 x 128 block (blockwise), one byte per
@@ -440,7 +440,7 @@ def fp8_weight_bytes(recipe: M.Recipe, params: list) -> int:
     return math.ceil(2 * n * (1 + scales))
 
 
-def weight_grad_inputs_per_token(cfg: ModelConfig, recipe: M.Recipe, layer: int) -> float:
+def weight_grad_inputs_per_token(cfg: ModelConfig, recipe: Recipe, layer: int) -> float:
     """Bytes per token a zero-bubble schedule's input half ("I") keeps for its weights' half ("W") beyond the
     saved activations: the gradient of each weight matmul's output (dW = x^T dy reads it), in the dtype the
     matmul ran in: attention's q, k, v and output projections; the MLP's gate and up (or fc) and down; in a

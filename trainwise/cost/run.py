@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainwise.config import ModelConfig, RunConfig
-from trainwise.cost import memory as M
 from trainwise.cost.layout import Layout
-
+from trainwise.cost.recipe import RECIPES, Recipe, get_recipe
 
 
 @dataclass(frozen=True)
@@ -37,8 +36,8 @@ class Run:
     micro_batch: int = 1
     seq_len: int = 2048
     grad_accum: int = 1  # K micro-batches per optimizer step (and per pipeline)
-    recipe: M.Recipe = M.RECIPES["amp"]
-    optimizer: str = "adamw"  # adamw | sgd | sgd-momentum (cost.memory.OPTIMIZER_MOMENTS)
+    recipe: Recipe = RECIPES["amp"]
+    optimizer: str = "adamw"  # adamw | sgd | sgd-momentum (cost.recipe.OPTIMIZER_MOMENTS)
     checkpointing: str = "none"  # none | selective | full
     compiled: bool = False  # a whole-model torch.compile (what autograd saves changes)
     layout: Layout = field(default_factory=Layout)
@@ -68,7 +67,7 @@ class Run:
         t = cfg.train
         optimizer = "sgd-momentum" if t.optimizer == "sgd" and t.momentum != 0 else t.optimizer
         return cls(cfg.model, micro_batch=t.micro_batch, seq_len=t.seq_len, grad_accum=t.grad_accum_steps,
-                   recipe=M.get_recipe("fp32" if precision == "fp32" else "amp"), optimizer=optimizer,
+                   recipe=get_recipe("fp32" if precision == "fp32" else "amp"), optimizer=optimizer,
                    checkpointing=t.activation_checkpointing, compiled=compiled,
                    layout=layout or Layout(micro_batches=t.grad_accum_steps),
                    tokens=t.max_steps * t.tokens_per_step * (layout.dp if layout else 1), machine=machine)

@@ -255,7 +255,7 @@ def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors
               grad_accum: int, compute_dtype: str, optimizer: str, zero: int, dp: int, grad_bytes: int,
               param_bytes: int, compiled: bool = False, cuda: bool = False, reduces: int = 1) -> StepTime:
     """Predicted time of one optimizer step as the trainer runs it on the profiled device: the operators
-    of one micro-batch's step (`ops`, recorded as cost.memory.Recipe.record_precision says: autocast, or 16-bit
+    of one micro-batch's step (`ops`, recorded as cost.recipe.Recipe.record_precision says: autocast, or 16-bit
     weights under FSDP2's policy, when compute_dtype is bf16/fp16; CUDA
     kernels on a GPU), priced by the profile, K micro-batches, plus the exposed communication of the
     strategy ZeRO-`zero` over dp (`reduces`: reduce-scatters per step, cost.comm.comm_seconds)."""

@@ -1,5 +1,5 @@
 """Topic of mixed precision: what autocast runs in which dtype on this device, why fp16 needs a GradScaler,
-and the bytes per parameter of the planner's precision recipes (trainwise.cost.memory.RECIPES)."""
+and the bytes per parameter of the planner's precision recipes (trainwise.cost.recipe.RECIPES)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from trainwise.config import ModelConfig
-from trainwise.cost.memory import RECIPES, activation_bytes, state_bytes
+from trainwise.cost.memory import activation_bytes, state_bytes
+from trainwise.cost.recipe import RECIPES
 from trainwise.errors import TrainwiseError
 from trainwise.explain.render import Doc, num
 from trainwise.explain.topic import Arg, Topic

@@ -9,6 +9,7 @@ from trainwise.cost import flops as FL
 from trainwise.cost import memory as M
 from trainwise.cost.layout import make_layout
 from trainwise.cost.params import mlp_params, params
+from trainwise.cost.recipe import OPTIMIZER_MOMENTS, get_recipe, optimizer_moments
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU, SECONDS_PER_DAY
 from trainwise.errors import TrainwiseError
@@ -151,7 +152,7 @@ def checkpointing(mode: str = "full", micro_batch: int = 2, seq_len: int = 32, d
     cfg = tiny_config(d_model=d_model, n_layers=n_layers)
     if not 1 <= seq_len <= cfg.max_seq_len or micro_batch < 1 or d_model % 4:
         raise TrainwiseError(f"--seq-len must be 1..{cfg.max_seq_len}, --micro-batch >= 1, --d-model a multiple of 4.")
-    recipe, tokens = M.get_recipe("fp32"), micro_batch * seq_len
+    recipe, tokens = get_recipe("fp32"), micro_batch * seq_len
     bytes_none, flops_none = measure_checkpointing(cfg, micro_batch, seq_len, "none")
     bytes_ck, flops_ck = measure_checkpointing(cfg, micro_batch, seq_len, mode)
     pred_none = M.activation_bytes(cfg, recipe, micro_batch, seq_len, "none")
@@ -223,7 +224,7 @@ def moe(model: str = "mixtral-8x7b", tokens: float = 1e12, lang: str = "en") -> 
     unused = n_moe * (cfg.n_experts - cfg.top_k) * expert
     seq = min(4096, cfg.max_seq_len)
     exact = FL.flops_per_token_train(cfg, seq)
-    states = M.state_bytes(counts.total, M.get_recipe("bf16-mixed"), "adamw")
+    states = M.state_bytes(counts.total, get_recipe("bf16-mixed"), "adamw")
     d = Doc(t["title"], lang)
     d.text(f"{cfg.name}: L={cfg.n_layers}, H={cfg.d_model}, n_experts={cfg.n_experts}, top_k={cfg.top_k}, "
            f"expert width F={cfg.expert_ffn_hidden}")
@@ -316,11 +317,11 @@ def budget(params_count: float = 1e9, tokens: float = 1e10, precision: str = "fp
            peak_flops: float = 100e12, mfu: float = DEFAULT_MFU, gpus: int = 1, gpu: str = LAYOUT_GPU,
            lang: str = "en") -> Doc:
     t = BUDGET[lang]
-    run = Run(None, recipe=M.get_recipe(precision), optimizer=optimizer, layout=make_layout(gpus), tokens=tokens,
+    run = Run(None, recipe=get_recipe(precision), optimizer=optimizer, layout=make_layout(gpus), tokens=tokens,
               machine=Machine(peak_flops=peak_flops))
     p = plan_run(run, mfu=mfu, params_count=params_count)
     r, s, N = p.recipe, p.states, p.counts.total
-    k = M.optimizer_moments(optimizer)
+    k = optimizer_moments(optimizer)
     d = Doc(t["title"], lang)
     d.step(t["params"], "", "", f"{num(N)}")
     d.step(t["tokens"], "", "", f"{num(tokens)}")
@@ -370,7 +371,7 @@ def concrete_layout(params_count: float, tokens: float, gpus: int, gpu: str):
     if not hw.memory_bytes:
         raise TrainwiseError(f"explain budget --gpu '{gpu}': not a GPU of the hardware table; "
                              "see `trainwise hardware`.")
-    run = Run(cfg, seq_len=LAYOUT_SEQ, recipe=M.get_recipe("bf16"), layout=make_layout(gpus), tokens=tokens,
+    run = Run(cfg, seq_len=LAYOUT_SEQ, recipe=get_recipe("bf16"), layout=make_layout(gpus), tokens=tokens,
               machine=Machine(gpu=gpu))
     good, _ = fit_run_layouts(run, global_batch=max(gpus, LAYOUT_BATCH_TOKENS // LAYOUT_SEQ),
                               memory_budget=hw.memory_bytes)
@@ -410,7 +411,7 @@ TOPICS = [
           [Arg("--params", dict(dest="params_count", type=float, default=1e9, help="parameters N (default 1e9)")),
            Arg("--tokens", dict(type=float, default=1e10, help="training tokens D (default 1e10)")),
            Arg("--precision", dict(default="fp32", help="fp32, amp, bf16-mixed, bf16-pure")),
-           Arg("--optimizer", dict(default="adamw", choices=list(M.OPTIMIZER_MOMENTS))),
+           Arg("--optimizer", dict(default="adamw", choices=list(OPTIMIZER_MOMENTS))),
            Arg("--peak-flops", dict(type=float, default=100e12, help="peak FLOP/s per device (default 100e12)")),
            Arg("--mfu", dict(type=float, default=DEFAULT_MFU, help=f"model FLOP utilisation (default {DEFAULT_MFU})")),
            Arg("--gpus", dict(type=int, default=1, help="devices G")),

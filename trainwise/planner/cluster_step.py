@@ -12,8 +12,8 @@ from dataclasses import replace
 from trainwise.config import ModelConfig
 from trainwise.cost.cluster import ClusterStep, RankWork, cluster_step
 from trainwise.cost.layout import Layout, param_counts, tp_share
-from trainwise.cost.memory import Recipe
 from trainwise.cost.ops import GATHERED, Op
+from trainwise.cost.recipe import Recipe
 from trainwise.cost.steptime import scale_batch
 from trainwise.hardware.table import Accelerator, Node
 from trainwise.measure.record import block_ops

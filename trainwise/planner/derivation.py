@@ -4,11 +4,12 @@ step, has the per-operator table, the phases, the largest contributors and the c
 
 from __future__ import annotations
 
-from trainwise.cost import memory as M
 from trainwise.cost import cluster
+from trainwise.cost import memory as M
 from trainwise.cost.gpu import attention_rate
-from trainwise.cost.steptime import COMPILED_ELEMENTWISE
 from trainwise.cost.layout import ZERO_BUBBLE
+from trainwise.cost.recipe import optimizer_moments
+from trainwise.cost.steptime import COMPILED_ELEMENTWISE
 from trainwise.units import fmt_bytes
 
 NO_HARDWARE = ("no hardware given, so no time: add --gpu NAME (see `trainwise hardware`), --gpu cpu (this "
@@ -186,7 +187,7 @@ def explain_plan(p) -> str:
         f"{'' if mp == 1 else f'; model split over tp*pp={mp}'})")
     add(f"   params     = N x {r.param_bytes} B{' / dp' if p.zero >= 3 else ''} = {fmt_bytes(s.params)}")
     add(f"   grads      = N x {r.grad_bytes} B{' / dp' if p.zero >= 2 else ''} = {fmt_bytes(s.grads)}")
-    add(f"   optimizer  = N x {M.optimizer_moments(p.optimizer)} x {r.moment_bytes} B{' / dp' if p.zero >= 1 else ''}"
+    add(f"   optimizer  = N x {optimizer_moments(p.optimizer)} x {r.moment_bytes} B{' / dp' if p.zero >= 1 else ''}"
         f" = {fmt_bytes(s.optimizer)}")
     add(f"   master     = N x {r.master_bytes} B{' / dp' if p.zero >= 1 else ''} = {fmt_bytes(s.master)}")
     add(f"   states     = {fmt_bytes(s.total)}")

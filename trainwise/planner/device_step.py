@@ -33,7 +33,7 @@ def predict_step_time(model: ModelConfig, profile: Profile, *, micro_batch: int,
     """Predicted time of one optimizer step of `model` as the trainer runs it on the profiled device
     (cost.steptime.step_time), from its recorded operators (or `ops`: one micro-batch's, e.g. scaled by
     `plan --fit`); kernels this device's table lacks are timed first when the profile is this machine's.
-    `record`: the precision the operators are recorded in (cost.memory.Recipe.record_precision), by default
+    `record`: the precision the operators are recorded in (cost.recipe.Recipe.record_precision), by default
     the compute dtype's autocast; `reduces`: the gradient reduce-scatters per step (cost.comm.comm_seconds)."""
     precision = record or ("fp32" if compute_dtype == "fp32" else compute_dtype)
     if ops is None:

@@ -17,6 +17,7 @@ from trainwise.cost.layout import Layout, check_layout, make_layout
 from trainwise.cost.ops import GATHERED
 from trainwise.cost.params import ParamCount, params
 from trainwise.cost.rank_memory import RankPeak, highest_peak
+from trainwise.cost.recipe import Recipe
 from trainwise.cost.run import Machine, Run, fsdp_grad_sync
 from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time, model_flops_utilization
@@ -24,8 +25,8 @@ from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import table_gpus
 from trainwise.planner.cluster_step import predict_cluster_step
 from trainwise.planner.derivation import NO_HARDWARE, NO_TOKENS, explain_plan
-from trainwise.planner.machine import Hardware, resolve_hardware
 from trainwise.planner.device_step import predict_step_time
+from trainwise.planner.machine import Hardware, resolve_hardware
 from trainwise.runtime.parallelize import resolve_compile
 
 
@@ -38,7 +39,7 @@ class Plan:
     seq_len: int
     micro_batch: int
     grad_accum: int
-    recipe: M.Recipe
+    recipe: Recipe
     optimizer: str
     checkpointing: str
     zero: int

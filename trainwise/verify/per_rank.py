@@ -14,6 +14,7 @@ from trainwise.cost import rank as R
 from trainwise.cost.layout import Layout
 from trainwise.cost.params import params as count_params
 from trainwise.cost.rank_memory import rank_peak
+from trainwise.cost.recipe import fsdp2_zero2_recipe
 from trainwise.cost.run import Run
 from trainwise.runtime.distributed import Dist
 from trainwise.runtime.optim import param_groups
@@ -57,12 +58,12 @@ def predicted_ranks(cfg: RunConfig, precision: str, layout: Layout, expert_token
 def _zero_plan(cfg: RunConfig, run: Run) -> list[dict]:
     """Data parallel only (its dp x cp ranks with context parallelism): ZeRO-0 for DDP, ZeRO-1 for zero1 (each
     rank's optimizer share follows ZeroRedundancyOptimizer's whole-tensor partition of this model's parameter
-    groups: cost.memory.zero1_partition), ZeRO-2 for zero2 (planned in FSDP2's layout: cost.memory.fsdp2_zero2_recipe),
+    groups: cost.memory.zero1_partition), ZeRO-2 for zero2 (planned in FSDP2's layout: cost.recipe.fsdp2_zero2_recipe),
     ZeRO-3 for FSDP; the step's peak on each rank is cost.rank_memory.rank_peak."""
     layout = run.layout
     zero, dp = ZERO_STAGE[layout.strategy], layout.dp * layout.cp  # context-parallel ranks shard alike
     n_params = count_params(cfg.model).total
-    recipe = M.fsdp2_zero2_recipe(run.recipe) if zero == 2 else run.recipe
+    recipe = fsdp2_zero2_recipe(run.recipe) if zero == 2 else run.recipe
     plan = M.state_bytes(n_params, recipe, run.optimizer, zero=zero, dp=dp)
     predicted = [{"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer + plan.master}
                  for _ in range(dp)]
