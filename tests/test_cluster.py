@@ -14,6 +14,7 @@ import trainwise
 from trainwise.cli import main
 from trainwise.config import ModelConfig, ParallelConfig
 from trainwise.cost import comm as C
+from trainwise.cost import memory as M
 from trainwise.cost.cluster import BREAKDOWN, IN_STEP, _tier
 from trainwise.cost.gpu import (GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, copy_bandwidth, matmul_rate,
                                 matmul_seconds)
@@ -649,6 +650,12 @@ def test_experts_and_few_key_value_heads_as_megatron_places_them():
     assert held["blocks.1.attn.qkv.q.weight"] == 2 * 32 * 256
     p = plan_run(run_of(moe, tokens=1e9, seq_len=512, gpus=8, ep=4, zero=1, precision="bf16", gpu="h100-sxm"))
     assert p.states.optimizer == split.optimizer and p.peak_rank[1] == split
+    # folded experts (etp 1) under sequence parallelism: each tp rank routes and dispatches its own T / tp positions,
+    # so all of a MoE layer's saved bytes are the rank's share; with etp = tp the routing is whole on every rank
+    folded, sharded = make_layout(8, tp=2, ep=4, etp=1), make_layout(8, tp=2, ep=2)
+    total = M.activation_bytes_per_token_layer(moe, get_recipe("bf16"), 1)
+    assert layer_bytes_per_token(moe, get_recipe("bf16"), 1, folded, 512, "none", True) == total / 2
+    assert layer_bytes_per_token(moe, get_recipe("bf16"), 1, sharded, 512, "none", True) > total / 2
 
 
 def test_fit_over_layouts_lists_the_fastest_that_fit():
