@@ -61,9 +61,9 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, layout: 
         return total
     moe, e = cfg.is_moe_layer(layer), M.gemm_input_bytes(recipe)  # e: a projection's kept input (FP8: its cast)
     shared = e * H if moe and cfg.n_shared_experts and not (c == 4 and s == 4) else 0
-    routed = M.moe_saved_bytes(cfg, recipe, 0) - cfg.top_k * (c - e) * H + shared if moe else 0.0
-    if moe and regather and sp and layout.expert_tp == 1:  # Megatron-Core's folded experts (etp 1): each rank
-        routed = 0.0  # routes and dispatches its own T / tp positions over the expert-parallel group: all / tp
+    # Megatron-Core's folded experts (etp 1): each rank routes and dispatches its own T / tp positions: all / tp
+    folded = regather and sp and layout.expert_tp == 1
+    routed = M.moe_saved_bytes(cfg, recipe, 0) - cfg.top_k * (c - e) * H + shared if moe and not folded else 0.0
     gathered = e * H * (1 if moe else 2)
     if not sp:
         whole = 2 * M.norm_saved_bytes(cfg, s) + gathered + routed + (2 * H if cfg.dropout > 0 else 0)
