@@ -8,6 +8,7 @@ from runs import run_of
 
 from trainwise.cli import main
 from trainwise.config import ModelConfig
+from trainwise.cost.run import MOE_IMBALANCE
 from trainwise.errors import TrainwiseError
 from trainwise.planner.plan import plan_run
 
@@ -22,8 +23,9 @@ def plan(**kw):
 
 def test_the_most_loaded_rank_sets_the_pace():
     """The breakdown sums to the step; balanced routing adds nothing; at imbalance 1.5 the most loaded rank's
-    expert GEMMs and dispatch take half as long again, and nothing else moves."""
-    even, skewed = plan(), plan(moe_imbalance=1.5)
+    expert GEMMs and dispatch take half as long again, and nothing else moves; unless told, routing is planned
+    as trained models route (cost.run.MOE_IMBALANCE), between the two."""
+    even, skewed, default = plan(moe_imbalance=1.0), plan(moe_imbalance=1.5), plan()
     for p in (even, skewed):
         assert sum(p.cluster.breakdown.values()) == pytest.approx(p.step_seconds)
     b, s = even.cluster.breakdown, skewed.cluster.breakdown
@@ -32,6 +34,9 @@ def test_the_most_loaded_rank_sets_the_pace():
     assert {k: v for k, v in s.items() if k not in ("imbalance_s", "bubble_s")} == pytest.approx(
         {k: v for k, v in b.items() if k not in ("imbalance_s", "bubble_s")})
     assert skewed.step_seconds > even.step_seconds
+    assert default.run.moe_imbalance == MOE_IMBALANCE and 1 < MOE_IMBALANCE < 1.5
+    assert default.cluster.breakdown["imbalance_s"] == pytest.approx(
+        (MOE_IMBALANCE - 1) * (b["experts_s"] + b["ep_comm_s"]))
     # a dense model has no expert terms
     dense = plan_run(run_of(ModelConfig(name="dense", vocab_size=32000, d_model=1024, n_layers=4, n_heads=16,
                                         n_kv_heads=4, max_seq_len=4096), tokens=1e9, seq_len=4096, gpus=8,
@@ -87,9 +92,11 @@ def test_experts_fold_onto_the_tensor_and_data_parallel_ranks():
 def test_overlapped_dispatch_hides_under_the_micro_batch_work():
     """--ep-overlap: each micro-batch's all-to-alls run under the other micro-batch's work, so only what
     exceeds one micro-batch's operators is exposed; nothing else in the step moves. On a slow network (the
-    dispatch longer than the work) the excess remains; on a fast one it is all hidden."""
+    dispatch longer than the work) the excess remains; on a fast one it is all hidden. (Routing balanced: the
+    most loaded rank's extra would scale the dispatch left exposed.)"""
     for intra in (1e9, 900e9):
-        plain, over = plan(intra_node_bw=intra), plan(intra_node_bw=intra, ep_overlap=True)
+        plain, over = (plan(intra_node_bw=intra, moe_imbalance=1.0),
+                       plan(intra_node_bw=intra, ep_overlap=True, moe_imbalance=1.0))
         b, o = plain.cluster.breakdown, over.cluster.breakdown
         m = plain.layout.micro_batches
         work = plain.cluster.stage_seconds[0] - b["ep_comm_s"] / m  # one micro-batch's operators (pp 1)

@@ -12,7 +12,7 @@ from trainwise.config.run import FSDP_GRAD_SYNCS, PP_SCHEDULES
 from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, TP_OVERLAPS, Layout, make_layout
 from trainwise.cost.recipe import (FP8_SCALINGS, GRAD_DTYPES, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES,
                                    get_recipe, with_grad_dtype)
-from trainwise.cost.run import Machine, Run
+from trainwise.cost.run import MOE_IMBALANCE, Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.memory import cpu_available_bytes
@@ -77,7 +77,9 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--etp", type=whole_number, default=None,
                    help="expert tensor parallelism: the routed experts' width over etp ranks (default: tp)")
     p.add_argument("--moe-imbalance", type=number, default=None,
-                   help="MoE: the most loaded expert-parallel rank's tokens over the mean (default 1.0, balanced)")
+                   help=f"MoE: the most loaded expert-parallel rank's tokens over the mean (default "
+                        f"{MOE_IMBALANCE:g}: trained routing with the experts' loads balanced, the step-to-step spread "
+                        f"a published trace measured; 1: force-balanced, as MoE benchmarks run)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="shard norms/dropout over the sequence with tp (default: on when tp > 1)")
     p.add_argument("--fp8-attention", action="store_true",

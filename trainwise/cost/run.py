@@ -13,6 +13,13 @@ from trainwise.config import ModelConfig, RunConfig
 from trainwise.cost.layout import Layout
 from trainwise.cost.recipe import RECIPES, Recipe, get_recipe
 
+# MoE routing as trained models route: the most loaded expert-parallel rank's tokens over the mean, once the
+# experts' average loads are balanced (in training by the balancing loss or bias; there by placing experts by
+# load), what is left being the step-to-step spread: DeepSeek-R1 on EP 36, the mean over its MoE layers and 100
+# steps of max / mean, 1.115 (NVIDIA TensorRT-LLM's tech blog "Scaling Expert Parallelism", its load statistics;
+# 2.56 with the experts placed in order). The published MoE benchmarks force 1.0 (balanced).
+MOE_IMBALANCE = 1.115
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -43,9 +50,9 @@ class Run:
     layout: Layout = field(default_factory=Layout)
     tokens: float | None = None  # D, the run's training tokens; None: everything per step
     machine: Machine | None = None  # None: no hardware (everything but time is known)
-    # MoE routing: the most loaded expert-parallel rank's tokens over the mean (1.0: balanced, as the published
-    # MoE benchmarks force it); the planner prices that rank's expert GEMMs and dispatch
-    moe_imbalance: float = 1.0
+    # MoE routing: the most loaded expert-parallel rank's tokens over the mean (MOE_IMBALANCE; 1.0: balanced, as
+    # the published MoE benchmarks force it); the planner prices that rank's expert GEMMs and dispatch
+    moe_imbalance: float = MOE_IMBALANCE
     # the stack fuses its element-wise work (Transformer Engine's and Megatron's fused kernels, torch.compile):
     # None: as the recipe and torch.compile imply (planner.cluster_step.fuses)
     fused: bool | None = None

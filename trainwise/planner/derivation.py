@@ -9,6 +9,7 @@ from trainwise.cost import memory as M
 from trainwise.cost.gpu import attention_rate
 from trainwise.cost.layout import ZERO_BUBBLE
 from trainwise.cost.recipe import optimizer_moments
+from trainwise.cost.run import MOE_IMBALANCE
 from trainwise.cost.steptime import COMPILED_ELEMENTWISE
 from trainwise.units import fmt_bytes
 
@@ -112,7 +113,8 @@ def explain_cluster(p) -> str:
         + f") = {b['ep_comm_s']:.4g} s")
     if lay.ep > 1 and b["experts_s"]:
         add(f"   imbalance  = m x ({p.run.moe_imbalance:g} - 1) x (experts + ep comm): the most loaded rank's extra "
-            f"(--moe-imbalance; 1: balanced) = {b['imbalance_s']:.4g} s")
+            f"(--moe-imbalance, default {MOE_IMBALANCE:g}: trained routing, the experts' loads balanced; 1: "
+            f"force-balanced) = {b['imbalance_s']:.4g} s")
     add(f"   pp p2p     = m x 2 sends of B x T x H / tp per run of stages a rank holds in a row (vpp of them; 2 "
         f"in a V)" + (", the warm-up's and cool-down's only (--pp-overlap)" if lay.pp_overlap
                       and lay.pp_schedule == "interleaved" else "") + f" = {b['pp_p2p_s']:.4g} s")
