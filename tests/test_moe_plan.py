@@ -2,6 +2,7 @@
 the most loaded expert-parallel rank under imbalanced routing (--moe-imbalance)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from runs import run_of
@@ -42,6 +43,20 @@ def test_the_most_loaded_rank_sets_the_pace():
                                         n_kv_heads=4, max_seq_len=4096), tokens=1e9, seq_len=4096, gpus=8,
                             gpu="h100-sxm"))
     assert dense.cluster.breakdown["experts_s"] == dense.cluster.breakdown["imbalance_s"] == 0
+
+
+def test_a_capacity_factor_caps_the_most_loaded_rank(capsys):
+    """A model that drops what exceeds each expert's capacity (model.dropless false) holds the most loaded rank
+    to capacity_factor x the mean, whatever the routing: 1.5 routed at a factor of 1.25 waits for 1.25, and a
+    routing under the factor is unchanged."""
+    capped = replace(MOE, dropless=False, capacity_factor=1.25)
+    even = plan_run(run_of(capped, tokens=1e9, seq_len=4096, micro_batch=1, grad_accum=8, gpus=16, ep=8, zero=1,
+                           precision="bf16-mixed", gpu="h100-sxm", moe_imbalance=1.0)).cluster.breakdown
+    for routed, waits in ((1.5, 1.25), (1.1, 1.1)):
+        b = plan_run(run_of(capped, tokens=1e9, seq_len=4096, micro_batch=1, grad_accum=8, gpus=16, ep=8, zero=1,
+                            precision="bf16-mixed", gpu="h100-sxm", moe_imbalance=routed)).cluster.breakdown
+        assert b["imbalance_s"] == pytest.approx((waits - 1) * (even["experts_s"] + even["ep_comm_s"]))
+        assert b["ep_comm_s"] == pytest.approx(even["ep_comm_s"])
 
 
 def test_imbalance_below_one_is_refused():

@@ -114,7 +114,7 @@ def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: Param
         key = (len(stage_idx[r]) - n_moe, n_moe, *_ends(layout, r), r == slowest)
         if key not in seen:
             seen[key] = _micro_batch(cfg, layout, work, stage_idx[r], r, tiers, acc, micro_batch, seq_len,
-                                     checkpointing, act_bytes, tp_overlap, moe_imbalance,
+                                     checkpointing, act_bytes, tp_overlap, routed_imbalance(cfg, moe_imbalance),
                                      log if r == slowest else None)
         part = dict(seen[key])
         stages.append(part.pop("total"))
@@ -240,6 +240,13 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
             "experts_s": plain["experts"], "recompute_s": t["all"] - plain["all"], "tp_comm_s": tp,
             "ep_comm_s": ep, "imbalance_s": skew, "cp_comm_s": cp, "pp_p2p_s": pp, "backward": t["backward"],
             "forward": t["forward"]}
+
+
+def routed_imbalance(cfg: ModelConfig, imbalance: float) -> float:
+    """The most loaded expert-parallel rank's routed tokens over the mean: the routing's `imbalance`, held to the
+    model's capacity factor where it drops what exceeds each expert's capacity (model.dropless false: a rank's
+    experts keep at most capacity_factor x the mean; the dispatch is still priced at every assignment)."""
+    return imbalance if cfg.dropless else min(imbalance, cfg.capacity_factor)
 
 
 def _tier(layout: Layout, dim: str, node: Node) -> C.Tier:

@@ -112,9 +112,11 @@ def explain_cluster(p) -> str:
         + (", past the other micro-batch's work: --ep-overlap" if lay.ep_overlap and lay.ep > 1 else "")
         + f") = {b['ep_comm_s']:.4g} s")
     if lay.ep > 1 and b["experts_s"]:
-        add(f"   imbalance  = m x ({p.run.moe_imbalance:g} - 1) x (experts + ep comm): the most loaded rank's extra "
+        routed = cluster.routed_imbalance(p.model, p.run.moe_imbalance)
+        add(f"   imbalance  = m x ({routed:g} - 1) x (experts + ep comm): the most loaded rank's extra "
             f"(--moe-imbalance, default {MOE_IMBALANCE:g}: trained routing, the experts' loads balanced; 1: "
-            f"force-balanced) = {b['imbalance_s']:.4g} s")
+            f"force-balanced" + ("" if p.model.dropless else f"; held to the model's capacity factor "
+                                 f"{p.model.capacity_factor:g}") + f") = {b['imbalance_s']:.4g} s")
     add(f"   pp p2p     = m x 2 sends of B x T x H / tp per run of stages a rank holds in a row (vpp of them; 2 "
         f"in a V)" + (", the warm-up's and cool-down's only (--pp-overlap)" if lay.pp_overlap
                       and lay.pp_schedule == "interleaved" else "") + f" = {b['pp_p2p_s']:.4g} s")
