@@ -9,6 +9,7 @@ from runs import run_of
 
 from trainwise.cli import main
 from trainwise.config import ModelConfig
+from trainwise.cost.cluster import dispatch_copies
 from trainwise.cost.run import MOE_IMBALANCE
 from trainwise.errors import TrainwiseError
 from trainwise.planner.plan import plan_run
@@ -57,6 +58,25 @@ def test_a_capacity_factor_caps_the_most_loaded_rank(capsys):
                             precision="bf16-mixed", gpu="h100-sxm", moe_imbalance=routed)).cluster.breakdown
         assert b["imbalance_s"] == pytest.approx((waits - 1) * (even["experts_s"] + even["ep_comm_s"]))
         assert b["ep_comm_s"] == pytest.approx(even["ep_comm_s"])
+
+
+def test_node_limited_routing_sends_one_copy_per_node_reached():
+    """DeepSeek-V3's group-limited routing with the groups over the nodes the ep group spans
+    (cost.cluster.dispatch_copies): the dispatch sends a token once per node it can reach (at most
+    router_group_top_k nodes, twice that where each group spans two nodes, never more than top_k); inside one
+    node, or without groups, once per routed expert."""
+    dsv3_like = replace(MOE, top_k=8, router_groups=8, router_group_top_k=4)
+    assert [dispatch_copies(dsv3_like, nodes) for nodes in (1, 2, 4, 8, 16)] == [8, 2, 4, 4, 8]
+    assert dispatch_copies(MOE, 8) == MOE.top_k
+
+    def sent(cfg, ep):
+        p = plan_run(run_of(cfg, tokens=1e9, seq_len=4096, micro_batch=1, grad_accum=8, gpus=16, ep=ep, zero=1,
+                            precision="bf16-mixed", gpu="h100-sxm"))
+        return p.cluster.comm["all_to_all"]
+    grouped = replace(MOE, router_groups=4, router_group_top_k=1)  # top_k 2, one group: one node of two
+    across, one_node = sent(grouped, 16), sent(grouped, 8)
+    assert across["calls"] == sent(MOE, 16)["calls"] and across["bytes"] == pytest.approx(sent(MOE, 16)["bytes"] / 2)
+    assert one_node == sent(MOE, 8)
 
 
 def test_imbalance_below_one_is_refused():

@@ -18,7 +18,9 @@
                             backward, under the attention kernels (exposed only past them); or (cp_impl)
                             all-gathered before each pass and their gradients reduce-scattered, or Ulysses'
                             all-to-alls of q, k, v and the output, exposed
-          expert parallel   per MoE layer an all-to-all to dispatch and one to combine, forward and backward
+          expert parallel   per MoE layer an all-to-all to dispatch and one to combine, forward and backward,
+                            of top_k copies of each token (node-limited routing across nodes: one per node
+                            reached, dispatch_copies)
           pipeline          an activation forward and a gradient backward per micro-batch and run of stages
                             the rank holds in a row, B x T x H / tp (scatter-gather / sequence parallel), exposed
                             (pp_overlap: the interleaved schedule's warm-up's and cool-down's only,
@@ -107,6 +109,7 @@ def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: Param
     stage_idx = [[i for c in sorted(rank_stages(layout, r)) for i in range(sum(layers[:c]), sum(layers[:c + 1]))]
                  for r in range(p)]
     slowest = max(range(p), key=lambda r: _stage_key(cfg, layout, stage_idx[r], r))
+    copies = dispatch_copies(cfg, placement(layout, "ep", node.gpus).nodes if node else 1)
     log = _Log()
     stages, parts, seen = [], [], {}
     for r in range(p):  # ranks alike (the same layers, neither end) are priced once
@@ -115,7 +118,7 @@ def cluster_step(cfg: ModelConfig, layout: Layout, work: RankWork, counts: Param
         if key not in seen:
             seen[key] = _micro_batch(cfg, layout, work, stage_idx[r], r, tiers, acc, micro_batch, seq_len,
                                      checkpointing, act_bytes, tp_overlap, routed_imbalance(cfg, moe_imbalance),
-                                     log if r == slowest else None)
+                                     copies, log if r == slowest else None)
         part = dict(seen[key])
         stages.append(part.pop("total"))
         parts.append(part)
@@ -174,10 +177,12 @@ class _Log:
 
 
 def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, tiers, acc, micro_batch, seq_len,
-                 checkpointing, act_bytes, tp_overlap, imbalance: float, log: _Log | None) -> dict[str, float]:
+                 checkpointing, act_bytes, tp_overlap, imbalance: float, copies: float,
+                 log: _Log | None) -> dict[str, float]:
     """One micro-batch (forward + backward) of pipeline rank r: its operators and in-step collectives. Under
     expert parallelism with imbalanced routing the rank waits for the most loaded one: its grouped expert
-    GEMMs and its dispatch take `imbalance` x the mean's."""
+    GEMMs and its dispatch take `imbalance` x the mean's. The dispatch sends `copies` of each token
+    (dispatch_copies)."""
     first, last = _ends(layout, r)
     t = _rank_compute(cfg, work, idx, first, last, acc, log)
     plain = _rank_compute(cfg, work.plain, idx, first, last, acc, None) if work.plain else t
@@ -212,7 +217,7 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
         elif tp_overlap == "te":
             tp = max(0.0, tp - t["matmul"])
     if layout.ep > 1 and n_moe:  # dispatch and combine per MoE layer and pass
-        routed = act * cfg.top_k / (layout.tp if layout.sequence_parallel else 1)
+        routed = act * copies / (layout.tp if layout.sequence_parallel else 1)
         ep = coll("ep", "all_to_all", routed, layout.ep, 2 * passes * n_moe)
         if layout.ep_overlap:  # under the other micro-batch's work, as long as there is work to hide under
             ep = max(0.0, ep - t["all"])
@@ -240,6 +245,19 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
             "experts_s": plain["experts"], "recompute_s": t["all"] - plain["all"], "tp_comm_s": tp,
             "ep_comm_s": ep, "imbalance_s": skew, "cp_comm_s": cp, "pp_p2p_s": pp, "backward": t["backward"],
             "forward": t["forward"]}
+
+
+def dispatch_copies(cfg: ModelConfig, ep_nodes: int) -> float:
+    """Copies of each token the expert-parallel dispatch (and the combine) moves over the links the ep group
+    crosses: one per routed expert (top_k); or, where the model routes node-limited (DeepSeek-V3's group-limited
+    routing, router_groups groups of experts, a token choosing among router_group_top_k of them, the groups laid
+    over the nodes the ep group spans) and that group spans nodes, one per node the token reaches, forwarded to
+    its experts inside the node over NVLink (the report's dispatch kernels, DeepEP's): at most
+    router_group_top_k nodes, their groups' nodes where a group spans several, and never more than top_k."""
+    if cfg.router_groups <= 1 or ep_nodes <= 1:
+        return cfg.top_k
+    reach = cfg.router_group_top_k * max(1, ep_nodes // cfg.router_groups)  # the nodes a token's groups cover
+    return min(cfg.top_k, reach, ep_nodes)
 
 
 def routed_imbalance(cfg: ModelConfig, imbalance: float) -> float:

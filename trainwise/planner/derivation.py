@@ -7,7 +7,7 @@ from __future__ import annotations
 from trainwise.cost import cluster
 from trainwise.cost import memory as M
 from trainwise.cost.gpu import attention_rate
-from trainwise.cost.layout import ZERO_BUBBLE
+from trainwise.cost.layout import ZERO_BUBBLE, placement
 from trainwise.cost.recipe import optimizer_moments
 from trainwise.cost.run import MOE_IMBALANCE
 from trainwise.cost.steptime import COMPILED_ELEMENTWISE
@@ -108,7 +108,13 @@ def explain_cluster(p) -> str:
     add(f"   tp comm    = m x (2 collectives of B x T x H per layer and pass, exposed{hidden}) = "
         f"{b['tp_comm_s']:.4g} s")
     add(f"   cp comm    = m x (KV ring sends past the attention kernels) = {b['cp_comm_s']:.4g} s")
-    add(f"   ep comm    = m x (all-to-all dispatch + combine per MoE layer and pass"
+    copies = ""
+    if lay.ep > 1 and b["experts_s"]:
+        node = p.hardware.node
+        n = cluster.dispatch_copies(p.model, placement(lay, "ep", node.gpus).nodes if node else 1)
+        copies = (f", B x T x H x {n:g} copies a token" + ("" if n == p.model.top_k else
+                                                          ": one per node reached, node-limited routing"))
+    add(f"   ep comm    = m x (all-to-all dispatch + combine per MoE layer and pass{copies}"
         + (", past the other micro-batch's work: --ep-overlap" if lay.ep_overlap and lay.ep > 1 else "")
         + f") = {b['ep_comm_s']:.4g} s")
     if lay.ep > 1 and b["experts_s"]:
