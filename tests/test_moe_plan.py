@@ -10,6 +10,7 @@ from runs import run_of
 from trainwise.cli import main
 from trainwise.config import ModelConfig
 from trainwise.cost.cluster import dispatch_copies
+from trainwise.cost.layout import make_layout
 from trainwise.cost.run import MOE_IMBALANCE
 from trainwise.errors import TrainwiseError
 from trainwise.planner.plan import plan_run
@@ -77,6 +78,29 @@ def test_node_limited_routing_sends_one_copy_per_node_reached():
     across, one_node = sent(grouped, 16), sent(grouped, 8)
     assert across["calls"] == sent(MOE, 16)["calls"] and across["bytes"] == pytest.approx(sent(MOE, 16)["bytes"] / 2)
     assert one_node == sent(MOE, 8)
+
+
+def test_an_allgather_dispatch_gathers_every_token_and_reduce_scatters_in_fp32():
+    """--ep-dispatch allgather (Megatron-Core's allgather dispatcher): per MoE layer and pass every token of the
+    tp x ep ranks all-gathered and the outputs reduce-scattered, one of the two in the activations' bf16 and the
+    other in fp32 (forward: gather bf16, combine fp32; backward the reverse), no all-to-all; the most loaded rank
+    computes more but receives what every rank does."""
+    def step(dispatch, imbalance):
+        return plan_run(run_of(MOE, tokens=1e9, seq_len=4096, micro_batch=1, grad_accum=8, gpus=16, ep=8, zero=0,
+                               precision="bf16-mixed", gpu="h100-sxm", ep_dispatch=dispatch,
+                               moe_imbalance=imbalance)).cluster
+    gathered = step("allgather", 1.0)
+    act = 4096 * MOE.d_model * 2  # one micro-batch's tokens x H in bf16
+    # each kind per layer and micro-batch: (n - 1) / n of the 8 ranks' tokens, in bf16 in one pass, fp32 in the other
+    per_layer = 7 / 8 * 8 * act * (1 + 2)
+    for kind in ("all_gather", "reduce_scatter"):
+        assert gathered.comm[kind]["calls"] == 8 * MOE.n_layers * 2
+        assert gathered.comm[kind]["bytes"] == pytest.approx(8 * MOE.n_layers * per_layer)
+    assert "all_to_all" not in gathered.comm and "all_to_all" in step("alltoall", 1.0).comm
+    b, skewed = gathered.breakdown, step("allgather", 1.5).breakdown
+    assert skewed["imbalance_s"] == pytest.approx(0.5 * b["experts_s"]) and skewed["ep_comm_s"] == b["ep_comm_s"]
+    with pytest.raises(TrainwiseError, match="--ep-dispatch 'scatter' must be one of alltoall, allgather"):
+        make_layout(16, ep=8, ep_dispatch="scatter")
 
 
 def test_imbalance_below_one_is_refused():

@@ -9,7 +9,7 @@ from dataclasses import replace
 from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import CHECKPOINTING, load_config
 from trainwise.config.run import FSDP_GRAD_SYNCS, PP_SCHEDULES
-from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, TP_OVERLAPS, Layout, make_layout
+from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, EP_DISPATCHES, TP_OVERLAPS, Layout, make_layout
 from trainwise.cost.recipe import (FP8_SCALINGS, GRAD_DTYPES, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES,
                                    get_recipe, with_grad_dtype)
 from trainwise.cost.run import MOE_IMBALANCE, Machine, Run
@@ -74,6 +74,10 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--cp-impl", choices=list(CP_IMPLS), default="ring",
                    help="how cp exchanges keys and values: ring (p2p under attention), allgather, a2a (Ulysses)")
     p.add_argument("--ep", type=whole_number, default=1, help="expert-parallel ranks (MoE; out of dp x cp)")
+    p.add_argument("--ep-dispatch", choices=list(EP_DISPATCHES), default="alltoall",
+                   help="how ep moves tokens to their experts: alltoall (each routed copy to its expert's rank), "
+                        "allgather (every token gathered over tp x ep, outputs reduce-scattered: Megatron-Core's "
+                        "allgather dispatcher)")
     p.add_argument("--etp", type=whole_number, default=None,
                    help="expert tensor parallelism: the routed experts' width over etp ranks (default: tp)")
     p.add_argument("--moe-imbalance", type=number, default=None,
@@ -207,7 +211,8 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
                              dp_overlap=not args.no_dp_overlap, attention_impl=attention_impl(args),
                              tp_overlap=args.tp_overlap, cp_impl=args.cp_impl, etp=args.etp,
                              ep_overlap=args.ep_overlap, pp_schedule=args.pp_schedule, pp_overlap=args.pp_overlap,
-                             dp_shard=args.dp_shard, fsdp_grad_sync=args.fsdp_grad_sync)
+                             dp_shard=args.dp_shard, fsdp_grad_sync=args.fsdp_grad_sync,
+                             ep_dispatch=args.ep_dispatch)
     machine = Machine(gpu=args.gpu, peak_flops=args.peak_flops, bandwidth=args.bandwidth, memory=args.memory,
                       gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
                       inter_node_bw=args.inter_node_bw, clock_share=args.clock_share)
@@ -267,7 +272,7 @@ def _cmd_fit(args, model, toml_run) -> int:
     if args.gpu and args.gpu.lower() not in ("cpu", "cuda") and args.peak_flops is None and args.mfu is None:
         layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=attention_impl(args),
                              cp_impl=args.cp_impl, tp_overlap=args.tp_overlap, ep_overlap=args.ep_overlap,
-                             pp_overlap=args.pp_overlap)
+                             pp_overlap=args.pp_overlap, ep_dispatch=args.ep_dispatch)
         layout = replace(layout, fsdp_grad_sync=args.fsdp_grad_sync)  # for the candidates with ZeRO-3 and one stage
         return _cmd_fit_layouts(args, run_from_args(args, model, toml_run, layout), budget)
     run = run_from_args(args, model, toml_run, fit_layout(args.gpus, args.tp, args.pp))

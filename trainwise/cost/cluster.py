@@ -20,7 +20,8 @@
                             all-to-alls of q, k, v and the output, exposed
           expert parallel   per MoE layer an all-to-all to dispatch and one to combine, forward and backward,
                             of top_k copies of each token (node-limited routing across nodes: one per node
-                            reached, dispatch_copies)
+                            reached, dispatch_copies); or (ep_dispatch) every token all-gathered over the tp x ep
+                            ranks and the outputs reduce-scattered in fp32, each pass, on the ep group's links
           pipeline          an activation forward and a gradient backward per micro-batch and run of stages
                             the rank holds in a row, B x T x H / tp (scatter-gather / sequence parallel), exposed
                             (pp_overlap: the interleaved schedule's warm-up's and cool-down's only,
@@ -216,7 +217,14 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
                                         for kind, k in forward))
         elif tp_overlap == "te":
             tp = max(0.0, tp - t["matmul"])
-    if layout.ep > 1 and n_moe:  # dispatch and combine per MoE layer and pass
+    if layout.ep > 1 and n_moe and layout.ep_dispatch == "allgather":  # gathered over tp x ep, combined in fp32
+        n = layout.expert_tp * layout.ep  # each pass one collective of the pass's dtype and one of fp32 per layer
+        gathered = act * layout.ep * (1 if layout.sequence_parallel else layout.expert_tp)
+        wide = gathered * 4 / act_bytes  # the combine's reduce-scatter in the routing weights' fp32
+        ep = (coll("ep", "all_gather", gathered, n, (passes - 1) * n_moe) + coll("ep", "all_gather", wide, n, n_moe)
+              + coll("ep", "reduce_scatter", wide, n, (passes - 1) * n_moe)
+              + coll("ep", "reduce_scatter", gathered, n, n_moe))
+    elif layout.ep > 1 and n_moe:  # dispatch and combine per MoE layer and pass
         routed = act * copies / (layout.tp if layout.sequence_parallel else 1)
         ep = coll("ep", "all_to_all", routed, layout.ep, 2 * passes * n_moe)
         if layout.ep_overlap:  # under the other micro-batch's work, as long as there is work to hide under
@@ -238,7 +246,9 @@ def _micro_batch(cfg, layout: Layout, work: RankWork, idx: list[int], r: int, ti
         own = rank_stages(layout, r)  # rank holds in a row (a V's middle two pass theirs without a send)
         runs = sum(st - 1 not in own for st in own)
         pp = coll("pp", "send_recv", act / layout.tp, 2, 2 * runs) * p2p_exposed_share(layout, r)
-    skew = (imbalance - 1) * (t["experts"] + ep) if layout.ep > 1 and n_moe else 0.0
+    # the most loaded rank computes more and, exchanging all-to-all, receives more; gathered, every rank the same
+    waits = t["experts"] + (ep if layout.ep_dispatch == "alltoall" else 0.0)
+    skew = (imbalance - 1) * waits if layout.ep > 1 and n_moe else 0.0
     if log is not None and skew:
         log.op("expert imbalance (the most loaded rank's extra)", 0, skew)
     return {"total": t["all"] + tp + ep + skew + cp + pp, "compute_s": plain["all"] - plain["experts"],

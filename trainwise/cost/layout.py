@@ -26,6 +26,11 @@ ATTENTION_IMPLS = ("flash", "flash2", "flash3", "cudnn", "unfused", "cudnn-fp8")
 # reduce-scattered after: PyTorch's context_parallel default, Megatron-Core's all_gather) or a2a (Ulysses:
 # all-to-alls trade the sequence split for a head split around attention: DeepSpeed, Megatron-Core's a2a)
 CP_IMPLS = ("ring", "allgather", "a2a")
+# how expert parallelism moves tokens to their experts and back: alltoall (each routed copy to its expert's rank
+# and back: Megatron-Core's alltoall and flex dispatchers, torchtitan's, trainwise's trainer) or allgather (every
+# token gathered over the tp x ep ranks, each rank keeping its experts' rows, the outputs reduce-scattered in
+# fp32: Megatron-Core's allgather dispatcher, its default)
+EP_DISPATCHES = ("alltoall", "allgather")
 V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank placed in a V: rank r holds r and 2 pp - 1 - r
 ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")  # schedules that split a backward into its I and W halves
 
@@ -62,6 +67,7 @@ class Layout:
     # | zbv | dualpipev (vpp = 2 in a V: rank_stages)
     pp_schedule: str = "1f1b"
     cp_impl: str = "ring"  # CP_IMPLS: how context parallelism exchanges keys and values
+    ep_dispatch: str = "alltoall"  # EP_DISPATCHES: how expert parallelism moves tokens to their experts
     # expert tensor parallelism: the routed experts' width split over etp ranks (None: over tp, Megatron-Core's
     # default). The experts fold onto the same tp x cp x dp ranks as etp x ep x edp (Megatron-Core's MoE
     # parallel folding): ep x etp must divide tp x cp x dp, and each expert's gradients reduce over edp.
@@ -140,7 +146,8 @@ class Layout:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "cp": self.cp, "ep": self.ep,
                 "sequence_parallel": self.sequence_parallel, "zero": self.zero,
                 "micro_batches": self.micro_batches, "dp_overlap": self.dp_overlap,
-                "attention_impl": self.attention_impl, "cp_impl": self.cp_impl, "etp": self.expert_tp,
+                "attention_impl": self.attention_impl, "cp_impl": self.cp_impl, "ep_dispatch": self.ep_dispatch,
+                "etp": self.expert_tp,
                 "ep_overlap": self.ep_overlap, "pp_schedule": self.pp_schedule, "tp_overlap": self.tp_overlap,
                 "pp_overlap": self.pp_overlap, "dp_shard": self.dp_shard or self.dp, "fsdp_copies": self.fsdp_copies,
                 "fsdp_grad_sync": self.fsdp_grad_sync}
@@ -151,7 +158,7 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
                 dp_overlap: bool = True, attention_impl: str = "flash", tp_overlap: str | bool | None = None,
                 cp_impl: str = "ring", etp: int | None = None, ep_overlap: bool = False,
                 pp_schedule: str | None = None, pp_overlap: bool = False, dp_shard: int | None = None,
-                fsdp_copies: bool = True, fsdp_grad_sync: str | None = None) -> Layout:
+                fsdp_copies: bool = True, fsdp_grad_sync: str | None = None, ep_dispatch: str = "alltoall") -> Layout:
     """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1;
     the pipeline schedule 1F1B, or interleaved 1F1B with vpp > 1, unless `pp_schedule` names one; tp_overlap
     one of TP_OVERLAPS (True: "async", as the bare --tp-overlap). ep_overlap and pp_overlap say what the stack
@@ -165,6 +172,8 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
         raise TrainwiseError(f"--attention-impl '{attention_impl}' must be one of {', '.join(ATTENTION_IMPLS)}.")
     if cp_impl not in CP_IMPLS:
         raise TrainwiseError(f"--cp-impl '{cp_impl}' must be one of {', '.join(CP_IMPLS)}.")
+    if ep_dispatch not in EP_DISPATCHES:
+        raise TrainwiseError(f"--ep-dispatch '{ep_dispatch}' must be one of {', '.join(EP_DISPATCHES)}.")
     tp_overlap = "async" if tp_overlap is True else tp_overlap or None  # the bare --tp-overlap: AsyncTP
     if tp_overlap is not None and tp_overlap not in TP_OVERLAPS:
         raise TrainwiseError(f"--tp-overlap '{tp_overlap}' must be one of {', '.join(TP_OVERLAPS)}: async "
@@ -186,7 +195,7 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
                   micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl,
                   tp_overlap=tp_overlap, pp_schedule=pp_schedule, cp_impl=cp_impl,
                   etp=None if etp is None or etp == tp else etp, ep_overlap=ep_overlap, pp_overlap=pp_overlap,
-                  dp_shard=dp_shard, fsdp_copies=fsdp_copies, fsdp_grad_sync=fsdp_grad_sync)
+                  dp_shard=dp_shard, fsdp_copies=fsdp_copies, fsdp_grad_sync=fsdp_grad_sync, ep_dispatch=ep_dispatch)
 
 
 def _check_grad_sync(sync: str | None, zero: int, pp: int) -> None:

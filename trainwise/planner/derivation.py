@@ -108,18 +108,21 @@ def explain_cluster(p) -> str:
     add(f"   tp comm    = m x (2 collectives of B x T x H per layer and pass, exposed{hidden}) = "
         f"{b['tp_comm_s']:.4g} s")
     add(f"   cp comm    = m x (KV ring sends past the attention kernels) = {b['cp_comm_s']:.4g} s")
-    copies = ""
-    if lay.ep > 1 and b["experts_s"]:
+    moves, gathered = "all-to-all dispatch + combine", lay.ep_dispatch == "allgather"
+    if lay.ep > 1 and b["experts_s"] and gathered:
+        moves = "all-gather of every token over tp x ep + fp32 reduce-scatter of the outputs (--ep-dispatch allgather)"
+    elif lay.ep > 1 and b["experts_s"]:
         node = p.hardware.node
         n = cluster.dispatch_copies(p.model, placement(lay, "ep", node.gpus).nodes if node else 1)
-        copies = (f", B x T x H x {n:g} copies a token" + ("" if n == p.model.top_k else
+        moves += (f", B x T x H x {n:g} copies a token" + ("" if n == p.model.top_k else
                                                           ": one per node reached, node-limited routing"))
-    add(f"   ep comm    = m x (all-to-all dispatch + combine per MoE layer and pass{copies}"
+    add(f"   ep comm    = m x ({moves} per MoE layer and pass"
         + (", past the other micro-batch's work: --ep-overlap" if lay.ep_overlap and lay.ep > 1 else "")
         + f") = {b['ep_comm_s']:.4g} s")
     if lay.ep > 1 and b["experts_s"]:
         routed = cluster.routed_imbalance(p.model, p.run.moe_imbalance)
-        add(f"   imbalance  = m x ({routed:g} - 1) x (experts + ep comm): the most loaded rank's extra "
+        add(f"   imbalance  = m x ({routed:g} - 1) x (experts{'' if gathered else ' + ep comm'}): the most loaded "
+            f"rank's extra "
             f"(--moe-imbalance, default {MOE_IMBALANCE:g}: trained routing, the experts' loads balanced; 1: "
             f"force-balanced" + ("" if p.model.dropless else f"; held to the model's capacity factor "
                                  f"{p.model.capacity_factor:g}") + f") = {b['imbalance_s']:.4g} s")
