@@ -552,7 +552,8 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
     j = p.to_json()
     assert j["layout"] == {"dp": 4, "tp": 2, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False,
                            "zero": 0, "micro_batches": 4, "dp_overlap": True, "attention_impl": "flash",
-                           "cp_impl": "ring", "etp": 2, "ep_overlap": False, "pp_schedule": "1f1b",
+                           "cp_impl": "ring", "ep_dispatch": "alltoall", "etp": 2, "ep_overlap": False,
+                           "pp_schedule": "1f1b",
                            "tp_overlap": None, "pp_overlap": False, "dp_shard": 4, "fsdp_copies": True,
                            "fsdp_grad_sync": "step"}
     assert (j["hardware"]["gpus_per_node"], j["hardware"]["intra_node_bytes_per_s"],
