@@ -191,6 +191,14 @@ def mla_saved_bytes(cfg: ModelConfig, recipe: Recipe, checkpointing: str = "none
             + c * nh * dv)
 
 
+def megatron_moe_lean_bytes(cfg: ModelConfig, recipe: Recipe) -> float:
+    """Bytes per token a MoE layer of Megatron-Core keeps fewer than trainwise's (moe_saved_bytes): it weights
+    each routed copy in its experts' fused activation, before the down projection, so its unpermute keeps no
+    expert outputs (top_k x cH), and its router keeps its compute-dtype input, not an fp32 copy ((4 - c) H)."""
+    c, H = recipe.compute_bytes, cfg.d_model
+    return cfg.top_k * c * H + (4 - c) * H
+
+
 def moe_saved_bytes(cfg: ModelConfig, recipe: Recipe, expert_mlp: float) -> float:
     """Bytes per token trainwise.model.moe.MoE saves for backward (training mode, shared experts not
     included), read off torch.autograd.graph.saved_tensors_hooks; the same for the torch._grouped_mm

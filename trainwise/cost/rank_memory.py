@@ -39,11 +39,12 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, layout: 
     Whole on every rank: without sequence parallelism the norms' inputs, the inputs of the column-parallel
     projections and the dropout masks (their "10 sbh"); with it the all-gathered inputs of the
     column-parallel projections (2cH; a MoE layer's cH), unless backward gathers them again (`regather`,
-    Megatron-LM's sequence parallelism); in a MoE layer the router, the routing and the dispatch buffers
-    and the shared experts' input cast (every rank routes every token). Unfused attention saves the softmax
-    output c x heads x T per token, and with attention dropout its mask (1 byte) and output, instead of
-    flash attention's logsumexp (their 5as^2b term); selective recompute keeps none of them. Full
-    checkpointing keeps each block's input: sH, / tp with sequence parallelism. FP8: cost.memory.fp8_saved_delta."""
+    Megatron-LM's sequence parallelism, whose MoE layer keeps less: cost.memory.megatron_moe_lean_bytes); in
+    a MoE layer the router, the routing and the dispatch buffers and the shared experts' input cast (every rank
+    routes every token). Unfused attention saves the softmax output c x heads x T per token, and with attention
+    dropout its mask (1 byte) and output, instead of flash attention's logsumexp (their 5as^2b term); selective
+    recompute keeps none of them. Full checkpointing keeps each block's input: sH, / tp with sequence
+    parallelism. FP8: cost.memory.fp8_saved_delta."""
     c, s, H, t = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model, layout.tp
     sp = layout.sequence_parallel or t == 1
     if checkpointing == "full":
@@ -54,7 +55,8 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, layout: 
         down = c * H if cfg.gated else 0
         rest = M.op_saved_bytes(cfg, recipe) - s * H - down
         return s * H / (t if sp else 1) + down + (rest + (2 * c * H if t > 1 and sp else 0)) / t
-    total = M.activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing)
+    lean = M.megatron_moe_lean_bytes(cfg, recipe) if regather and cfg.is_moe_layer(layer) else 0.0
+    total = M.activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing) - lean
     if layout.attention_impl == "unfused" and checkpointing != "selective":
         total += cfg.n_heads * seq_len * (c + (1 + c if cfg.dropout > 0 else 0)) - 4 * cfg.n_heads
     if t == 1:
@@ -63,7 +65,7 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, layout: 
     shared = e * H if moe and cfg.n_shared_experts and not (c == 4 and s == 4) else 0
     # Megatron-Core's folded experts (etp 1): each rank routes and dispatches its own T / tp positions: all / tp
     folded = regather and sp and layout.expert_tp == 1
-    routed = M.moe_saved_bytes(cfg, recipe, 0) - cfg.top_k * (c - e) * H + shared if moe and not folded else 0.0
+    routed = M.moe_saved_bytes(cfg, recipe, 0) - cfg.top_k * (c - e) * H + shared - lean if moe and not folded else 0
     gathered = e * H * (1 if moe else 2)
     if not sp:
         whole = 2 * M.norm_saved_bytes(cfg, s) + gathered + routed + (2 * H if cfg.dropout > 0 else 0)
@@ -100,10 +102,8 @@ def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, rec
         per_token += 8 + M.norm_saved_bytes(cfg, s) / seq + c * H / (seq if megatron else 1) + loss / vocab
     if lay.pp > 1 and not megatron:
         per_token += c * cfg.vocab_size if last else s * H / seq
-    weights = 0
-    if c != s:
-        blocks = 0 if ckpt in ("full", "op") else sum(M.matmul_weight_params(cfg, i) for i in layers)
-        weights = c * (blocks + (cfg.vocab_size * cfg.d_model if last else 0)) / tp
+    blocks = 0 if c == s or ckpt in ("full", "op") else sum(M.matmul_weight_params(cfg, i) for i in layers)
+    weights = c * (blocks + (cfg.vocab_size * cfg.d_model if last else 0)) / tp if c != s else 0
     if lay.cp > 1 and not megatron and ckpt == "none":
         weights += len(layers) * cp_attention_bytes(cfg, recipe, lay, run.micro_batch, run.seq_len)
     return math.ceil(tokens * per_token + weights)
