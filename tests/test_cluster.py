@@ -656,11 +656,13 @@ def test_experts_and_few_key_value_heads_as_megatron_places_them():
     folded, sharded = make_layout(8, tp=2, ep=4, etp=1), make_layout(8, tp=2, ep=2)
     bf16 = get_recipe("bf16")
     total = M.activation_bytes_per_token_layer(moe, bf16, 1)
-    # Megatron-Core's layer (another stack's run: regather) weights the routed copies inside the experts'
-    # activation, so no expert outputs are kept for it (top_k x 2H), and its router keeps a bf16 input, not an
-    # fp32 copy (2H): 2 x 2 x 256 + 2 x 256 bytes fewer per token than trainwise's
-    lean = M.megatron_moe_lean_bytes(moe, bf16)
-    assert lean == 2 * 2 * 256 + 2 * 256
+    # Megatron-Core's block (another stack's run: regather) keeps fewer bytes per token than trainwise's: its two
+    # fused RMSNorms no x * rsqrt (2 x 2H), and its MoE layer, which weights the routed copies inside the experts'
+    # activation, no expert outputs (top_k x 2H) and a bf16 router input, not an fp32 copy (2H)
+    norms, moe_lean = M.megatron_lean_bytes(moe, bf16, 1)
+    assert moe.norm == "rmsnorm" and (norms, moe_lean) == (2 * 2 * 256, 2 * 2 * 256 + 2 * 256)
+    assert M.megatron_lean_bytes(replace(moe, norm="layernorm"), bf16, 1)[0] == 0
+    lean = norms + moe_lean
     assert layer_bytes_per_token(moe, bf16, 1, make_layout(8), 512, "none", True) == total - lean
     assert layer_bytes_per_token(moe, bf16, 1, make_layout(8), 512, "none", False) == total
     assert layer_bytes_per_token(moe, bf16, 1, folded, 512, "none", True) == (total - lean) / 2

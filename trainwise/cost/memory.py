@@ -191,12 +191,15 @@ def mla_saved_bytes(cfg: ModelConfig, recipe: Recipe, checkpointing: str = "none
             + c * nh * dv)
 
 
-def megatron_moe_lean_bytes(cfg: ModelConfig, recipe: Recipe) -> float:
-    """Bytes per token a MoE layer of Megatron-Core keeps fewer than trainwise's (moe_saved_bytes): it weights
-    each routed copy in its experts' fused activation, before the down projection, so its unpermute keeps no
-    expert outputs (top_k x cH), and its router keeps its compute-dtype input, not an fp32 copy ((4 - c) H)."""
-    c, H = recipe.compute_bytes, cfg.d_model
-    return cfg.top_k * c * H + (4 - c) * H
+def megatron_lean_bytes(cfg: ModelConfig, recipe: Recipe, layer: int) -> tuple[float, float]:
+    """Bytes per token a block of Megatron-Core (Transformer Engine's modules) keeps fewer than trainwise's, as
+    (its two norms, its MoE layer): a fused RMSNorm keeps its input and rsigma, not also x * rsqrt (sH each;
+    a LayerNorm the same as trainwise's); a MoE layer weights each routed copy in its experts' fused activation,
+    before the down projection, so its unpermute keeps no expert outputs (top_k x cH), and its router keeps its
+    compute-dtype input, not an fp32 copy ((4 - c) H)."""
+    c, s, H = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model
+    norms = 2 * s * H if cfg.norm == "rmsnorm" else 0
+    return norms, cfg.top_k * c * H + (4 - c) * H if cfg.is_moe_layer(layer) else 0.0
 
 
 def moe_saved_bytes(cfg: ModelConfig, recipe: Recipe, expert_mlp: float) -> float:

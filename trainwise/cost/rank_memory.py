@@ -39,7 +39,7 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, layout: 
     Whole on every rank: without sequence parallelism the norms' inputs, the inputs of the column-parallel
     projections and the dropout masks (their "10 sbh"); with it the all-gathered inputs of the
     column-parallel projections (2cH; a MoE layer's cH), unless backward gathers them again (`regather`,
-    Megatron-LM's sequence parallelism, whose MoE layer keeps less: cost.memory.megatron_moe_lean_bytes); in
+    Megatron-LM's sequence parallelism, whose blocks keep less: cost.memory.megatron_lean_bytes); in
     a MoE layer the router, the routing and the dispatch buffers and the shared experts' input cast (every rank
     routes every token). Unfused attention saves the softmax output c x heads x T per token, and with attention
     dropout its mask (1 byte) and output, instead of flash attention's logsumexp (their 5as^2b term); selective
@@ -55,8 +55,8 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, layout: 
         down = c * H if cfg.gated else 0
         rest = M.op_saved_bytes(cfg, recipe) - s * H - down
         return s * H / (t if sp else 1) + down + (rest + (2 * c * H if t > 1 and sp else 0)) / t
-    lean = M.megatron_moe_lean_bytes(cfg, recipe) if regather and cfg.is_moe_layer(layer) else 0.0
-    total = M.activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing) - lean
+    norms, lean = M.megatron_lean_bytes(cfg, recipe, layer) if regather else (0, 0)
+    total = M.activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing) - norms - lean
     if layout.attention_impl == "unfused" and checkpointing != "selective":
         total += cfg.n_heads * seq_len * (c + (1 + c if cfg.dropout > 0 else 0)) - 4 * cfg.n_heads
     if t == 1:
@@ -68,7 +68,7 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, layout: 
     routed = M.moe_saved_bytes(cfg, recipe, 0) - cfg.top_k * (c - e) * H + shared - lean if moe and not folded else 0
     gathered = e * H * (1 if moe else 2)
     if not sp:
-        whole = 2 * M.norm_saved_bytes(cfg, s) + gathered + routed + (2 * H if cfg.dropout > 0 else 0)
+        whole = 2 * M.norm_saved_bytes(cfg, s) - norms + gathered + routed + (2 * H if cfg.dropout > 0 else 0)
     else:
         whole = routed + (0 if regather else gathered)
     return whole + (total - whole) / t
