@@ -1,5 +1,5 @@
 """FP8 training as the cluster planner prices it (cost.memory's fp8 recipes, cost.gpu's FP8 rate,
-planner.cluster_step._fp8, cost.rank_memory.fp8_weight_bytes): where it runs, what it costs, what it holds."""
+planner.cluster_step._fp8, cost.memory.fp8_weight_bytes): where it runs, what it costs, what it holds."""
 
 import json
 
@@ -12,8 +12,9 @@ from trainwise.cost.gpu import attention_rate, matmul_rate
 from trainwise.cost.layout import make_layout
 from trainwise.cost.rank import rank_params
 from trainwise.cost.rank_memory import layer_bytes_per_token, rank_peak
-from trainwise.cost.recipe import get_recipe
+from trainwise.cost.recipe import get_recipe, with_fp8_params
 from trainwise.cost.run import Run
+from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import ACCELERATORS
 from trainwise.planner.cluster_step import rank_work
 from trainwise.planner.plan import plan_run
@@ -78,6 +79,29 @@ def test_each_recipe_keeps_fp8_weight_copies_and_their_scales():
         fp8 = peak(recipe)
         assert fp8.peak - base.peak == pytest.approx(2 * linear * (1 + scales) - (base.activations - fp8.activations),
                                                      abs=1)
+
+
+def test_fp8_parameters_keep_one_byte_each_and_their_transpose_and_gather_in_fp8(capsys):
+    """--fp8-params (Megatron-Core's --fp8-param-gather): each block linear weight is its FP8 cast, 1 byte where
+    it took the recipe's 2, with its transpose kept (1 byte, the copy itself no longer apart): 2 bytes per such
+    weight fewer on the rank; the other parameters as before. ZeRO-1's parameter all-gather moves them in FP8:
+    its bytes drop by the FP8 weights' share of a byte. Refused without FP8 GEMMs."""
+    lay = make_layout(8, zero=1, micro_batches=4)
+    fp8 = get_recipe("fp8")
+    kept = [rank_peak(Run(MODEL, seq_len=4096, grad_accum=4, recipe=r, layout=lay)) for r in
+            (fp8, with_fp8_params(fp8))]
+    held = rank_params(MODEL, lay, 0)
+    linear = sum(p.numel for p in held if isinstance(p.spec.where, int) and len(p.spec.shape) == 2)
+    total = sum(p.numel for p in held)
+    assert kept[0].params - kept[1].params == linear and kept[1].params == 2 * total - linear
+    assert kept[0].peak - kept[1].peak == 2 * linear
+    gathered = [plan("fp8", **flag).cluster.comm["all_gather"]["bytes"] for flag in ({}, {"fp8_params": True})]
+    assert gathered[1] == pytest.approx(gathered[0] * (1 - linear / total / 2))
+    assert plan("fp8", fp8_params=True).to_json()["memory"]["fp8_params"] is True
+    with pytest.raises(TrainwiseError, match="--fp8-params keeps the FP8 linear layers' weights"):
+        with_fp8_params(get_recipe("bf16-mixed"))
+    assert main(["plan", "--model", "gpt2", "--fp8-params"]) == 2
+    assert "--fp8-params" in capsys.readouterr().err
 
 
 def test_fp8_recipes_keep_their_gemms_inputs_as_fp8_casts():

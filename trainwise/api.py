@@ -8,7 +8,7 @@ from pathlib import Path
 
 from trainwise.config import ModelConfig, RunConfig
 from trainwise.cost.layout import make_layout
-from trainwise.cost.recipe import get_recipe, with_grad_dtype
+from trainwise.cost.recipe import get_recipe, with_fp8_params, with_grad_dtype
 from trainwise.cost.run import Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.inference import LoadedRun, load_run
@@ -37,8 +37,8 @@ def train(config: RunConfig | None = None, out: str | Path | None = None, **kwar
 def plan(model=None, *, params: float | None = None, tokens: float | None = None, **run) -> Plan:
     """Same as `trainwise plan`: `model` is a preset name, a trainwise TOML, a HF config.json or a
     ModelConfig; `run` takes the command's flags as keywords (seq_len, micro_batch, grad_accum, precision,
-    grad_dtype, optimizer, checkpointing, gpu, gpus, tp, pp, zero, peak_flops, mfu, price, memory_budget, ...), over a
-    TOML's [train] settings. Returns a Plan (`.to_json()`, `.explain()`)."""
+    grad_dtype, fp8_params, optimizer, checkpointing, gpu, gpus, tp, pp, zero, peak_flops, mfu, price,
+    memory_budget, ...), over a TOML's [train] settings. Returns a Plan (`.to_json()`, `.explain()`)."""
     toml_run = None
     if isinstance(model, str):
         model, toml_run = load_model(model)
@@ -60,6 +60,8 @@ def run_from_keywords(base: Run, tokens: float, keywords: dict) -> tuple[Run, di
     recipe = get_recipe(kw.pop("precision")) if "precision" in kw else base.recipe
     if "grad_dtype" in kw:
         recipe = with_grad_dtype(recipe, kw.pop("grad_dtype"))
+    if kw.pop("fp8_params", False):
+        recipe = with_fp8_params(recipe)
     run = replace(base, tokens=tokens, recipe=recipe, machine=None if machine == Machine() else machine,
                   **{k: kw.pop(k) for k in RUN_KEYWORDS if k in kw})
     layout, split = kw.pop("layout", None), {k: kw.pop(k) for k in list(kw) if k in LAYOUT_KEYWORDS}

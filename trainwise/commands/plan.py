@@ -11,7 +11,7 @@ from trainwise.config import CHECKPOINTING, load_config
 from trainwise.config.run import FSDP_GRAD_SYNCS, PP_SCHEDULES
 from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, EP_DISPATCHES, TP_OVERLAPS, Layout, make_layout
 from trainwise.cost.recipe import (FP8_SCALINGS, GRAD_DTYPES, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES,
-                                   get_recipe, with_grad_dtype)
+                                   get_recipe, with_fp8_params, with_grad_dtype)
 from trainwise.cost.run import MOE_IMBALANCE, Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
@@ -53,6 +53,10 @@ def register(sub, help_text: str) -> None:
                    help="the main gradients' dtype, in which micro-batches accumulate and data parallelism reduces "
                         "them (recipes with an fp32 master: megatron, bf16-mixed, fp8, mxfp8): bf16 is Megatron-Core's "
                         "--grad-reduce-in-bf16 (default: the recipe's, fp32 but for bf16-mixed)")
+    p.add_argument("--fp8-params", action="store_true",
+                   help="with an FP8 precision: the FP8 linear layers' weights kept as FP8 parameters, 1 byte each "
+                        "with their transposes, gathered in FP8 (Megatron-Core's --fp8-param-gather, Transformer "
+                        "Engine's fp8_model_init); the fp32 master stays in the optimizer")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_MOMENTS), help="adamw, sgd, sgd-momentum")
     p.add_argument("--checkpointing", choices=list(CHECKPOINTING))
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (FSDP = 3)")
@@ -225,6 +229,8 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
         recipe = get_recipe("fp8" if args.fp8_recipe == "current" else f"fp8-{args.fp8_recipe}")
     if args.grad_dtype is not None:
         recipe = with_grad_dtype(recipe, args.grad_dtype)
+    if args.fp8_params:
+        recipe = with_fp8_params(recipe)
     if args.fp8_attention and not recipe.fp8:
         raise TrainwiseError(
             f"--fp8-attention computes attention in FP8 beside FP8 linear layers, but the precision is {recipe.name}: "

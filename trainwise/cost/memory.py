@@ -34,10 +34,11 @@ class StateBytes:
 
 
 def state_bytes(n_params: int, recipe: Recipe, optimizer: str, zero: int = 0, dp: int = 1,
-                model_parallel: int = 1) -> StateBytes:
+                model_parallel: int = 1, fp8_numel: int = 0) -> StateBytes:
     """Per-device bytes of model states. Each part = n_params / (tp*pp) x bytes/param, divided by the
     data-parallel degree dp when the ZeRO stage shards it (ZeRO paper, section 5.1-5.3):
-    stage >= 1 shards optimizer + master, >= 2 grads, 3 params. fp32 AdamW, 1e9 params: 16e9 bytes."""
+    stage >= 1 shards optimizer + master, >= 2 grads, 3 params. fp32 AdamW, 1e9 params: 16e9 bytes.
+    With FP8 parameters (Recipe.fp8_params) the `fp8_numel` linear weights among them take 1 byte each."""
     if zero not in (0, 1, 2, 3):
         raise TrainwiseError(f"--zero {zero} must be 0, 1, 2 or 3 (FSDP full sharding = 3).")
     n = n_params / model_parallel
@@ -46,11 +47,31 @@ def state_bytes(n_params: int, recipe: Recipe, optimizer: str, zero: int = 0, dp
         return math.ceil(n * bytes_per_param / (dp if sharded else 1))
 
     return StateBytes(
-        params=part(recipe.param_bytes, zero >= 3),
+        params=part(recipe.param_bytes, zero >= 3) - (math.floor(fp8_numel / model_parallel * (recipe.param_bytes - 1)
+                                                              / (dp if zero >= 3 else 1)) if recipe.fp8_params else 0),
         grads=part(recipe.grad_bytes, zero >= 2),
         optimizer=part(recipe.moment_bytes * optimizer_moments(optimizer), zero >= 1),
         master=part(recipe.master_bytes, zero >= 1),
     )
+
+
+def fp8_weights(params: list) -> int:
+    """Elements of the blocks' linear weights among a rank's parameters (cost.rank.rank_params): those an FP8
+    recipe multiplies in FP8 (the router excepted)."""
+    return sum(p.numel for p in params if isinstance(p.spec.where, int) and len(p.spec.shape) >= 2
+               and ".router." not in p.spec.name and ".weight" in p.spec.name)
+
+
+def fp8_weight_bytes(recipe: Recipe, params: list) -> int:
+    """The FP8 copies of the blocks' linear weights an FP8 recipe keeps through the step (Transformer Engine
+    casts each weight once per step and keeps the copy and its transpose for the micro-batches after the
+    first): 2 bytes per element; with FP8 parameters (Recipe.fp8_params) the parameter is the copy, and the
+    transpose alone is kept (1 byte). And their scales: one fp32 per 128 x 128 block (blockwise), one byte per
+    32 elements (MXFP8); per-tensor scales and delayed scaling's amax history are a few kilobytes."""
+    if not recipe.fp8:
+        return 0
+    scales = {"blockwise": 4 / (128 * 128), "mx": 1 / 32}.get(recipe.fp8, 0.0)
+    return math.ceil((1 if recipe.fp8_params else 2) * fp8_weights(params) * (1 + scales))
 
 
 def zero1_partition(group_numels: list[list[int]], dp: int) -> list[int]:

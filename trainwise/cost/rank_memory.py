@@ -229,8 +229,9 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
         act = tokens // (lay.tp if lay.sequence_parallel else 1) * cfg.d_model * acts_recipe.residual_bytes
         buffers = sum(K * act * sum(0 <= n < lay.stages and n not in stages for n in (st - 1, st + 1))
                       for st in stages)  # a link to another rank's stage (a V's middle two share one)
-    params_bytes = recipe.param_bytes * numel
-    resident = params_bytes + optimizer + master + buffers + fp8_weight_bytes(recipe, params)
+    fp8_params = M.fp8_weights(params) if recipe.fp8_params else 0  # 1 byte each, not param_bytes
+    params_bytes = recipe.param_bytes * numel - (recipe.param_bytes - 1) * fp8_params
+    resident = params_bytes + optimizer + master + buffers + M.fp8_weight_bytes(recipe, params)
     backward = resident + in_flight_high + scratch + gathered + no_sync
     if fsdp and plain and lay.pp > 1 and lay.vpp == 1 and lay.pp_schedule not in ZERO_BUBBLE:
         backward = resident + fsdp_pipeline_backward(run, rank, acts_recipe, params, per_stage[0], scratch, outside)
@@ -425,19 +426,6 @@ def tied_grad_sum(run: Run, params: list, recipe: Recipe) -> int:
         return 0
     table = sum(p.numel for p in params if p.spec.name == "embed.weight")
     return recipe.grad_bytes * table * (1 if recipe.compute_bytes < recipe.grad_bytes else 2)
-
-
-def fp8_weight_bytes(recipe: Recipe, params: list) -> int:
-    """The FP8 copies of the blocks' linear weights an FP8 recipe keeps through the step (Transformer Engine
-    casts each weight once per step and keeps the copy and its transpose for the micro-batches after the
-    first): 2 bytes per element, and their scales: one fp32 per 128 x 128 block (blockwise), one byte per
-    32 elements (MXFP8); per-tensor scales and delayed scaling's amax history are a few kilobytes."""
-    if not recipe.fp8:
-        return 0
-    n = sum(p.numel for p in params if isinstance(p.spec.where, int) and len(p.spec.shape) >= 2
-            and ".router." not in p.spec.name and ".weight" in p.spec.name)
-    scales = {"blockwise": 4 / (128 * 128), "mx": 1 / 32}.get(recipe.fp8, 0.0)
-    return math.ceil(2 * n * (1 + scales))
 
 
 def weight_grad_inputs_per_token(cfg: ModelConfig, recipe: Recipe, layer: int) -> float:

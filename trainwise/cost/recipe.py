@@ -25,6 +25,7 @@ class Recipe:
     description: str
     fp8: str = ""  # the linear layers' GEMMs in FP8, scaled: current | delayed | blockwise | mx ("": none)
     reduce_bytes: int = 0  # bytes per gradient the data-parallel reduction moves (0: grad_bytes)
+    fp8_params: bool = False  # the FP8 linear weights are the parameters, 1 byte each (with_fp8_params)
 
     def record_precision(self, gathered: bool = False) -> str:
         """How a step of this recipe is recorded (measure.record): 16-bit weights and activations ("bf16-pure",
@@ -103,6 +104,20 @@ def with_grad_dtype(recipe: Recipe, dtype: str) -> Recipe:
     return replace(recipe, grad_bytes=GRAD_DTYPES[dtype], reduce_bytes=0,
                    description=f"{recipe.description}; main gradients in {dtype} instead (accumulated and reduced "
                                f"in {dtype})")
+
+
+def with_fp8_params(recipe: Recipe) -> Recipe:
+    """`recipe` with its FP8 GEMMs' weights kept as FP8 parameters (Megatron-Core's --fp8-param-gather, Transformer
+    Engine's fp8_model_init; Megatron-Bridge's FP8 current-scaling recipe sets fp8_param_gather): each such weight
+    is its 1-byte FP8 cast, written from the optimizer's fp32 master after each step and gathered by data
+    parallelism in FP8, with no bf16 copy beside it; the other parameters (embeddings, norms, the router, the LM
+    head) stay in the recipe's dtype. cost.memory.fp8_weight_bytes keeps the transpose alone."""
+    if not recipe.fp8:
+        raise TrainwiseError(
+            f"--fp8-params keeps the FP8 linear layers' weights as FP8 parameters, but the precision is {recipe.name}, "
+            "which has no FP8 GEMMs: add --precision fp8 (or mxfp8 on Blackwell), or drop --fp8-params.")
+    return replace(recipe, fp8_params=True, description=f"{recipe.description}; the FP8 linear weights kept as FP8 "
+                                                        "parameters (1 byte), gathered in FP8")
 
 
 def optimizer_moments(optimizer: str) -> int:

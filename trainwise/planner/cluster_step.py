@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from trainwise.config import ModelConfig
+from trainwise.cost import memory as M
 from trainwise.cost.cluster import ClusterStep, RankWork, cluster_step
 from trainwise.cost.layout import Layout, param_counts, tp_share
 from trainwise.cost.ops import GATHERED, Op
+from trainwise.cost.params import params
 from trainwise.cost.recipe import Recipe
 from trainwise.cost.steptime import scale_batch
 from trainwise.hardware.table import Accelerator, Node
@@ -136,8 +138,19 @@ def predict_cluster_step(cfg: ModelConfig, layout: Layout, acc: Accelerator, nod
     return cluster_step(cfg, layout, work, param_counts(cfg, layout), acc=acc, node=node, micro_batch=micro_batch,
                         seq_len=seq_len, checkpointing=checkpointing, act_bytes=recipe.compute_bytes,
                         grad_bytes=_reduced_grad_bytes(recipe),
-                        param_bytes=recipe.compute_bytes if gathered else recipe.param_bytes, tp_overlap=tp_overlap,
+                        param_bytes=_gathered_param_bytes(cfg, recipe, gathered), tp_overlap=tp_overlap,
                         moe_imbalance=moe_imbalance)
+
+
+def _gathered_param_bytes(cfg: ModelConfig, recipe: Recipe, gathered: bool) -> float:
+    """Bytes per parameter the data-parallel all-gathers move: the compute dtype's where FSDP gathers them
+    (FSDP2's mixed-precision policy), else the parameters' own; FP8 parameters (Recipe.fp8_params) gathered in
+    FP8, 1 byte each, beside the rest."""
+    whole = recipe.compute_bytes if gathered else recipe.param_bytes
+    if not recipe.fp8_params:
+        return whole
+    fp8 = sum(M.matmul_weight_params(cfg, i) for i in range(cfg.n_layers)) / params(cfg).total
+    return whole - fp8 * (whole - 1)
 
 
 def _reduced_grad_bytes(recipe: Recipe) -> int:

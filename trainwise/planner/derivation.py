@@ -198,7 +198,8 @@ def explain_plan(p) -> str:
     mp = p.tp * p.pp
     add(f"3. Memory per device ({r.name}: {r.description}; optimizer {p.optimizer}; ZeRO-{p.zero} over dp={p.dp}"
         f"{'' if mp == 1 else f'; model split over tp*pp={mp}'})")
-    add(f"   params     = N x {r.param_bytes} B{' / dp' if p.zero >= 3 else ''} = {fmt_bytes(s.params)}")
+    fp8 = " - the FP8 linear weights x 1 B (FP8 parameters: --fp8-params)" if r.fp8_params else ""
+    add(f"   params     = N x {r.param_bytes} B{fp8}{' / dp' if p.zero >= 3 else ''} = {fmt_bytes(s.params)}")
     add(f"   grads      = N x {r.grad_bytes} B{' / dp' if p.zero >= 2 else ''} = {fmt_bytes(s.grads)}")
     add(f"   optimizer  = N x {optimizer_moments(p.optimizer)} x {r.moment_bytes} B{' / dp' if p.zero >= 1 else ''}"
         f" = {fmt_bytes(s.optimizer)}")

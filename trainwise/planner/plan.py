@@ -163,6 +163,7 @@ class Plan:
                        "peak_bytes": self.peak_bytes, "peak_over_budget_bytes": self.peak_over_budget_bytes,
                        "fits": self.fits, "over_budget_bytes": self.over_budget_bytes, "budget_bytes": self.budget,
                        "precision": self.recipe.name, "grad_bytes_per_param": self.recipe.grad_bytes,
+                       "fp8_params": self.recipe.fp8_params,
                        "optimizer": self.optimizer, "checkpointing": self.checkpointing, "zero": self.zero,
                        "compiled": self.compiled, "loss_kernel": self.loss_kernel,
                        "scope": "per device except total_bytes (all devices)"},
@@ -327,7 +328,9 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         convention = "8ND" if checkpointing == "full" else "6ND"
         notes.append("activations unknown without a model config (--params only)")
         peak_rank = None
-    states = M.state_bytes(counts.total, recipe, optimizer, zero, layout.shard // layout.cp, tp * pp)  # HSDP: its shard
+    fp8_numel = sum(M.matmul_weight_params(model, i) for i in range(model.n_layers)) if model and recipe.fp8 else 0
+    states = M.state_bytes(counts.total, recipe, optimizer, zero, layout.shard // layout.cp, tp * pp,  # HSDP: its
+                           fp8_numel)  # shard
     if gpus > 1 and peak_rank is not None:  # over more than one rank: the highest rank's states and activations
         high = peak_rank[1]
         states, acts = M.StateBytes(high.params, high.grads, high.optimizer, high.master), high.activations
