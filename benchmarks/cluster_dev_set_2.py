@@ -269,8 +269,11 @@ BRIDGE_2511 = Table(
     "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (NeMo 25.11 container); model shapes: "
     "the models' config.json on the Hugging Face hub",
     "FP8-CS = Transformer Engine's per-tensor current scaling (Float8CurrentScaling: the planner's `fp8` "
-    "recipe) over Megatron's mixed precision (bf16 weights and activations, fp32 master weights and Adam moments) "
-    "with bf16 main gradients, accumulated and reduced in bf16 (--grad-dtype bf16: every family's performance "
+    "recipe) over Megatron's mixed precision (bf16 activations, fp32 master weights and Adam moments) with the "
+    "FP8 linear weights kept as FP8 parameters and gathered in FP8 (--fp8-params: the performance scripts' "
+    "get_precision_config('fp8_cs') is bf16_with_fp8_current_scaling_mixed(), which sets fp8_param_gather = True, "
+    "in scripts/performance/utils/helpers.py and src/megatron/bridge/training/mixed_precision.py at 44dae92b0) and "
+    "bf16 main gradients, accumulated and reduced in bf16 (--grad-dtype bf16: every family's performance "
     "recipe sets grad_reduce_in_fp32 = False, set_llama3_common_configs, set_llama31_common_configs, "
     "set_gpt_oss_common_configs and set_qwen3_common_configs in scripts/performance/configs at 44dae92b0, the "
     "r0.2.0 branch's commit that published the 25.11 table); no activation recompute (none published; the "

@@ -37,7 +37,7 @@ from trainwise.config import ModelConfig
 from trainwise.cost import cluster
 from trainwise.cost.layout import make_layout
 from trainwise.cost.rank_memory import rank_peak
-from trainwise.cost.recipe import get_recipe, with_grad_dtype
+from trainwise.cost.recipe import get_recipe, with_fp8_params, with_grad_dtype
 from trainwise.cost.run import MOE_IMBALANCE, Machine, Run
 from trainwise.errors import TrainwiseError
 from trainwise.planner.plan import plan_run
@@ -100,10 +100,12 @@ FAMILIES = (FIRST, H100, FSDP, CP, FP8, MOE)
 
 def plan2(cfg: ModelConfig, gpus: int, *, seq: int, micro_batch: int, grad_accum: int, recipe: str,
           checkpointing: str, machine: Machine, compiled: bool = False, fused: bool | None = None,
-          fused_loss: bool = False, grad_dtype: str | None = None, moe_imbalance: float = MOE_IMBALANCE, **layout):
+          fused_loss: bool = False, grad_dtype: str | None = None, moe_imbalance: float = MOE_IMBALANCE,
+          fp8_params: bool = False, **layout):
     """A second-set row planned with `trainwise plan`'s function (no per-row setting: the table's assumption)."""
     lay = make_layout(gpus, micro_batches=grad_accum, **layout)
     states = get_recipe(recipe) if grad_dtype is None else with_grad_dtype(get_recipe(recipe), grad_dtype)
+    states = with_fp8_params(states) if fp8_params else states
     return plan_run(Run(cfg, micro_batch=micro_batch, seq_len=seq, grad_accum=grad_accum, recipe=states,
                         checkpointing=checkpointing, compiled=compiled, layout=lay, tokens=1e9, machine=machine,
                         fused=fused, fused_loss=fused_loss, moe_imbalance=moe_imbalance))
@@ -199,6 +201,7 @@ def table_c(rows: list) -> None:
                 lambda r=r, fp8=fp8: plan2(S2.bridge_model(r), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
                                   grad_accum=S2.bridge_accumulation(r), recipe="fp8" if fp8 else "bf16-mixed",
                                   checkpointing="none", grad_dtype="bf16", moe_imbalance=1.0,  # force-balanced
+                                  fp8_params=fp8,
                                   machine=DGX_H100, ep=r.ep, etp=1 if r.moe else None,
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp or 1, zero=3 if r.fsdp else 1, dp_overlap=True,
                                   fsdp_copies=False,
