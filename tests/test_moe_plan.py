@@ -101,6 +101,8 @@ def test_an_allgather_dispatch_gathers_every_token_and_reduce_scatters_in_fp32()
     assert skewed["imbalance_s"] == pytest.approx(0.5 * b["experts_s"]) and skewed["ep_comm_s"] == b["ep_comm_s"]
     with pytest.raises(TrainwiseError, match="--ep-dispatch 'scatter' must be one of alltoall, allgather"):
         make_layout(16, ep=8, ep_dispatch="scatter")
+    with pytest.raises(TrainwiseError, match="--ep-overlap hides the expert-parallel all-to-alls"):
+        make_layout(16, ep=8, ep_dispatch="allgather", ep_overlap=True)
 
 
 def test_imbalance_below_one_is_refused():

@@ -174,6 +174,10 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
         raise TrainwiseError(f"--cp-impl '{cp_impl}' must be one of {', '.join(CP_IMPLS)}.")
     if ep_dispatch not in EP_DISPATCHES:
         raise TrainwiseError(f"--ep-dispatch '{ep_dispatch}' must be one of {', '.join(EP_DISPATCHES)}.")
+    if ep_overlap and ep_dispatch != "alltoall":
+        raise TrainwiseError("--ep-overlap hides the expert-parallel all-to-alls under another micro-batch's work "
+                             "(Megatron-Core's combined 1F1B), which its allgather dispatcher does not run: drop "
+                             "--ep-overlap, or plan --ep-dispatch alltoall.")
     tp_overlap = "async" if tp_overlap is True else tp_overlap or None  # the bare --tp-overlap: AsyncTP
     if tp_overlap is not None and tp_overlap not in TP_OVERLAPS:
         raise TrainwiseError(f"--tp-overlap '{tp_overlap}' must be one of {', '.join(TP_OVERLAPS)}: async "

@@ -328,7 +328,8 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         convention = "8ND" if checkpointing == "full" else "6ND"
         notes.append("activations unknown without a model config (--params only)")
         peak_rank = None
-    fp8_numel = sum(M.matmul_weight_params(model, i) for i in range(model.n_layers)) if model and recipe.fp8 else 0
+    fp8_numel = sum(M.matmul_weight_params(model, i) for i in range(model.n_layers)) if model and recipe.fp8_params \
+        else 0
     states = M.state_bytes(counts.total, recipe, optimizer, zero, layout.shard // layout.cp, tp * pp,  # HSDP: its
                            fp8_numel)  # shard
     if gpus > 1 and peak_rank is not None:  # over more than one rank: the highest rank's states and activations
