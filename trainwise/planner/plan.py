@@ -330,8 +330,8 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         peak_rank = None
     fp8_numel = sum(M.matmul_weight_params(model, i) for i in range(model.n_layers)) if model and recipe.fp8_params \
         else 0
-    states = M.state_bytes(counts.total, recipe, optimizer, zero, layout.shard // layout.cp, tp * pp,  # HSDP: its
-                           fp8_numel)  # shard
+    # HSDP: the states over its shard group
+    states = M.state_bytes(counts.total, recipe, optimizer, zero, layout.shard // layout.cp, tp * pp, fp8_numel)
     if gpus > 1 and peak_rank is not None:  # over more than one rank: the highest rank's states and activations
         high = peak_rank[1]
         states, acts = M.StateBytes(high.params, high.grads, high.optimizer, high.master), high.activations

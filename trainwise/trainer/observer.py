@@ -30,8 +30,7 @@ from trainwise.runtime.step import TrainingStep
 # which reads a step low when the worker happens to free a buffer the run still used at the peak (an
 # all-gather's output under FSDP2: -6% of a tiny model's step), and high when the profiler misses a worker's
 # free or a buffer slips past it (+4 to +18% on the tests' models). Each is one step's accident, so the
-# step's own peak is the median of several: of five, where a run has them (a median of three read +12.8% once,
-# two of its steps high, on a loaded machine)
+# step's own peak is the median of several (five, where a run has them).
 PEAK_STEPS = 5
 
 
