@@ -258,6 +258,12 @@ def matmul_weight_params(cfg: ModelConfig, layer: int) -> int:
     return attention_params(cfg) + experts + shared
 
 
+def block_matmul_params(cfg: ModelConfig) -> int:
+    """The matmul weights of every block (matmul_weight_params summed over the layers): what autocast casts, and
+    what an FP8 recipe multiplies in FP8."""
+    return sum(matmul_weight_params(cfg, i) for i in range(cfg.n_layers))
+
+
 def autocast_weight_bytes(cfg: ModelConfig, recipe: Recipe, checkpointing: str = "none") -> int:
     """Under autocast each Linear's weight is cast to the compute dtype once per forward, and the copy is
     saved for backward: c x (matmul weights) of every block (none under full checkpointing: a block's
@@ -266,7 +272,7 @@ def autocast_weight_bytes(cfg: ModelConfig, recipe: Recipe, checkpointing: str =
     c = recipe.compute_bytes
     if c == recipe.residual_bytes:
         return 0
-    blocks = 0 if checkpointing in ("full", "op") else sum(matmul_weight_params(cfg, i) for i in range(cfg.n_layers))
+    blocks = 0 if checkpointing in ("full", "op") else block_matmul_params(cfg)
     return c * (blocks + cfg.vocab_size * cfg.d_model)
 
 

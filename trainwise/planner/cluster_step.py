@@ -149,7 +149,7 @@ def _gathered_param_bytes(cfg: ModelConfig, recipe: Recipe, gathered: bool) -> f
     whole = recipe.compute_bytes if gathered else recipe.param_bytes
     if not recipe.fp8_params:
         return whole
-    fp8 = sum(M.matmul_weight_params(cfg, i) for i in range(cfg.n_layers)) / params(cfg).total
+    fp8 = M.block_matmul_params(cfg) / params(cfg).total
     return whole - fp8 * (whole - 1)
 
 

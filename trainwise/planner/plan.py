@@ -328,8 +328,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         convention = "8ND" if checkpointing == "full" else "6ND"
         notes.append("activations unknown without a model config (--params only)")
         peak_rank = None
-    fp8_numel = sum(M.matmul_weight_params(model, i) for i in range(model.n_layers)) if model and recipe.fp8_params \
-        else 0
+    fp8_numel = M.block_matmul_params(model) if model and recipe.fp8_params else 0
     # HSDP: the states over its shard group
     states = M.state_bytes(counts.total, recipe, optimizer, zero, layout.shard // layout.cp, tp * pp, fp8_numel)
     if gpus > 1 and peak_rank is not None:  # over more than one rank: the highest rank's states and activations
