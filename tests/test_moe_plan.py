@@ -10,10 +10,13 @@ from runs import run_of
 from trainwise.cli import main
 from trainwise.config import ModelConfig
 from trainwise.cost.cluster import dispatch_copies
-from trainwise.cost.layout import make_layout
-from trainwise.cost.run import MOE_IMBALANCE
+from trainwise.cost.layout import Layout, make_layout
+from trainwise.cost.rank_memory import stage_activation_bytes
+from trainwise.cost.recipe import get_recipe
+from trainwise.cost.run import MOE_IMBALANCE, Run
 from trainwise.errors import TrainwiseError
 from trainwise.planner.plan import plan_run
+from trainwise.verify.per_rank import received_routing
 
 MOE = ModelConfig(name="moe-plan", vocab_size=32000, d_model=1024, n_layers=4, n_heads=16, n_kv_heads=4,
                   ffn_hidden=2816, n_experts=16, top_k=2, expert_ffn_hidden=704, max_seq_len=4096)
@@ -185,3 +188,45 @@ def test_a_fused_stack_moves_less_element_wise_traffic(capsys):
     for flag, word in (([], "element-wise work eager"), (["--fused"], "element-wise work fused")):
         assert main(args + flag) == 0
         assert word in capsys.readouterr().out
+
+
+def test_the_most_loaded_rank_keeps_its_extra_routed_copies():
+    """Memory under imbalance, worked by hand on MOE (4 MoE layers, top 2, H 1024, expert width 704, gated),
+    bf16-mixed (c = 2), one micro-batch of 4096 tokens: at imbalance 1.5 a stage of the 4 layers keeps half a
+    mean rank's routed copies more, 0.5 x 2 copies x 4096 tokens x 4 layers x (each copy's grouped input 2H and
+    its expert's gate|up and product 3 x 2 x 704). Under trainwise's tp 2 the expert's width is split and its
+    input is whole; Megatron-Core's folded experts (sequence parallel, etp 1) route T / tp positions a rank: both
+    halve. A capacity factor caps the rank (model.dropless false); full checkpointing keeps no expert's copies;
+    without expert parallelism every rank computes its own routing."""
+    rec = get_recipe("bf16-mixed")
+
+    def extra(layout, imbalance, megatron=False, model=MOE, checkpointing="none"):
+        def saved(imb):
+            run = Run(model, micro_batch=1, seq_len=4096, recipe=rec, layout=layout, moe_imbalance=imb,
+                      checkpointing=checkpointing)
+            return stage_activation_bytes(run, range(4), True, True, rec, False, megatron)
+        return saved(imbalance) - saved(1.0)
+
+    grouped, mlp, copies = 2 * 1024, 3 * 2 * 704, 0.5 * 2 * 4096 * 4
+    assert extra(Layout(dp=2, ep=2), 1.5) == pytest.approx(copies * (grouped + mlp), abs=1)
+    assert extra(Layout(dp=2, tp=2, ep=2), 1.5) == pytest.approx(copies * (grouped + mlp / 2), abs=1)
+    folded = Layout(dp=2, tp=2, ep=2, etp=1, sequence_parallel=True)
+    assert extra(folded, 1.5, megatron=True) == pytest.approx(copies * (grouped + mlp) / 2, abs=1)
+    capped = replace(MOE, dropless=False, capacity_factor=1.25)
+    assert extra(Layout(dp=2, ep=2), 2.0, model=capped) == pytest.approx(copies / 2 * (grouped + mlp), abs=1)
+    assert extra(Layout(dp=2, ep=2), 1.5, checkpointing="full") == 0
+    assert extra(Layout(dp=4), 1.5) == 0
+    # the plan's activations and its step peak carry it, and --explain says so
+    even, skewed = plan(moe_imbalance=1.0), plan(moe_imbalance=1.5)
+    assert skewed.activations_bytes > even.activations_bytes and skewed.peak_bytes > even.peak_bytes
+
+
+def test_per_rank_verify_plans_each_rank_at_the_copies_it_received():
+    """verify's per-rank plan under expert parallelism evaluates each rank's memory at the routing the run
+    measured: dp 2 = ep 2, rank 0 routed [40, 30, 50, 8] to experts 0-3 and rank 1 [20, 44, 36, 28]; rank 0
+    holds experts 0 and 1 and received 40 + 30 + 20 + 44 = 134 of the group's 256 (mean 128: 1.046875), rank 1
+    122 (0.953125); unmeasured, the planner's default."""
+    run = Run(replace(MOE, n_experts=4), layout=Layout(dp=2, ep=2))
+    tokens = ((40, 30, 50, 8), (20, 44, 36, 28))
+    assert [received_routing(run, r, tokens).moe_imbalance for r in (0, 1)] == [134 / 128, 122 / 128]
+    assert received_routing(run, 0, None).moe_imbalance == MOE_IMBALANCE

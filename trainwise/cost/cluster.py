@@ -53,6 +53,7 @@ from trainwise.cost import comm as C
 from trainwise.cost.gpu import copy_bandwidth, op_seconds
 from trainwise.cost.layout import ZERO_BUBBLE, Layout, ParamCounts, placement
 from trainwise.cost.ops import Op, for_cuda
+from trainwise.cost.run import routed_imbalance
 from trainwise.cost.schedule import (bubble_fraction, chunk_layers, p2p_exposed_share, rank_stages, schedule_seconds,
                                      v_shape)
 from trainwise.hardware.profile import DEFAULT_OVERHEAD
@@ -268,13 +269,6 @@ def dispatch_copies(cfg: ModelConfig, ep_nodes: int) -> float:
         return cfg.top_k
     reach = cfg.router_group_top_k * max(1, ep_nodes // cfg.router_groups)  # the nodes a token's groups cover
     return min(cfg.top_k, reach, ep_nodes)
-
-
-def routed_imbalance(cfg: ModelConfig, imbalance: float) -> float:
-    """The most loaded expert-parallel rank's routed tokens over the mean: the routing's `imbalance`, held to the
-    model's capacity factor where it drops what exceeds each expert's capacity (model.dropless false: a rank's
-    experts keep at most capacity_factor x the mean; the dispatch is still priced at every assignment)."""
-    return imbalance if cfg.dropless else min(imbalance, cfg.capacity_factor)
 
 
 def _tier(layout: Layout, dim: str, node: Node) -> C.Tier:

@@ -135,23 +135,37 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: in
         attn -= lse
     if cfg.dropout > 0:
         attn += 2 * H
-    gated = cfg.gated
     up_inputs = c * H
-
-    def mlp(width: int) -> float:
-        if gated:
-            return (4 if cfg.activation == "clamped_swiglu" else 3) * c * width
-        return (1 if cfg.activation == "relu" else 2) * c * width
-
     if cfg.is_moe_layer(layer):
-        ffn = norm + moe_saved_bytes(cfg, recipe, mlp(cfg.expert_ffn_hidden))
+        ffn = norm + moe_saved_bytes(cfg, recipe, unit_saved_bytes(cfg, c, cfg.expert_ffn_hidden))
         if cfg.n_shared_experts:
-            ffn += mlp(cfg.n_shared_experts * cfg.expert_ffn_hidden)
+            ffn += unit_saved_bytes(cfg, c, cfg.n_shared_experts * cfg.expert_ffn_hidden)
             if not (c == 4 and s == 4):  # in fp32 the shared fc input is the router's input tensor
                 ffn += up_inputs
     else:
-        ffn = norm + up_inputs + mlp(cfg.ffn_hidden)
+        ffn = norm + up_inputs + unit_saved_bytes(cfg, c, cfg.ffn_hidden)
     return attn + ffn - fp8_saved_delta(cfg, recipe, layer)
+
+
+def unit_saved_bytes(cfg: ModelConfig, c: int, width: int) -> float:
+    """Bytes per token an MLP of `width` saves beyond its input, in compute dtype c (activation_bytes_per_token_layer's
+    MLP terms): gated, the gate|up output and the product (clamped SwiGLU also act(gate)); plain, the activation's
+    input and output (ReLU its output alone)."""
+    if cfg.gated:
+        return (4 if cfg.activation == "clamped_swiglu" else 3) * c * width
+    return (1 if cfg.activation == "relu" else 2) * c * width
+
+
+def expert_saved_bytes(cfg: ModelConfig, recipe: Recipe) -> tuple[float, float]:
+    """Bytes one routed assignment leaves saved on the rank whose expert computes it, as (the expert's grouped
+    input, its MLP): c H (an FP8 recipe's cast, gemm_input_bytes) and unit_saved_bytes of the expert's width (its
+    FP8 product as the cast). Under expert parallelism a rank keeps these for the copies it receives: the most
+    loaded rank (cost.run.routed_imbalance) the most."""
+    c, H, F = recipe.compute_bytes, cfg.d_model, cfg.expert_ffn_hidden
+    if not recipe.fp8:
+        return c * H, unit_saved_bytes(cfg, c, F)
+    e = gemm_input_bytes(recipe)
+    return e * H, unit_saved_bytes(cfg, c, F) - _fp8_product_delta(cfg, recipe, F)
 
 
 def gemm_input_bytes(recipe: Recipe) -> float:
@@ -176,14 +190,21 @@ def fp8_saved_delta(cfg: ModelConfig, recipe: Recipe, layer: int) -> float:
         return 0.0
     c, H, k, e = recipe.compute_bytes, cfg.d_model, cfg.top_k, gemm_input_bytes(recipe)
 
-    def product(width: int) -> float:  # the down projection's input
-        return -e * width if cfg.activation == "relu" and not cfg.gated else (c - e) * width
+    def mlp(width: int) -> float:  # its input, and the down projection's
+        return (c - e) * H + _fp8_product_delta(cfg, recipe, width)
 
     attn = 0.0 if cfg.attention == "mla" else (c - e) * H - e * cfg.n_heads * cfg.head_dim
     if not cfg.is_moe_layer(layer):
-        return attn + (c - e) * H + product(cfg.ffn_hidden)
-    shared = (c - e) * H + product(cfg.n_shared_experts * cfg.expert_ffn_hidden) if cfg.n_shared_experts else 0.0
-    return attn + k * ((c - e) * H + product(cfg.expert_ffn_hidden)) + shared
+        return attn + mlp(cfg.ffn_hidden)
+    shared = mlp(cfg.n_shared_experts * cfg.expert_ffn_hidden) if cfg.n_shared_experts else 0.0
+    return attn + k * mlp(cfg.expert_ffn_hidden) + shared
+
+
+def _fp8_product_delta(cfg: ModelConfig, recipe: Recipe, width: int) -> float:
+    """The down projection's input kept as its FP8 cast, bytes per token fewer (fp8_saved_delta); ReLU keeps
+    its output for its own backward, so the cast is kept beside it."""
+    c, e = recipe.compute_bytes, gemm_input_bytes(recipe)
+    return -e * width if cfg.activation == "relu" and not cfg.gated else (c - e) * width
 
 
 def mla_saved_bytes(cfg: ModelConfig, recipe: Recipe, checkpointing: str = "none") -> float:

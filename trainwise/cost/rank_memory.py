@@ -26,7 +26,7 @@ from trainwise.cost import memory as M
 from trainwise.cost.layout import ZERO_BUBBLE, Layout
 from trainwise.cost.rank import divided, is_expert, rank_params, units
 from trainwise.cost.recipe import Recipe, optimizer_moments
-from trainwise.cost.run import Run, fsdp_grad_sync, trains
+from trainwise.cost.run import Run, fsdp_grad_sync, routed_imbalance, trains
 from trainwise.cost.schedule import rank_stages, schedule_ops, stage_layers
 
 
@@ -85,7 +85,9 @@ def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, rec
     tensor parallelism the embedding's masked ids and mask (int64 + bool); a pipeline stage of
     torch.distributed.pipelining keeps its output until the gradient comes back (sH, or the last stage's
     logits cV; Megatron-LM frees the output's data once sent); under autocast the compute-dtype copies of
-    the stage's matmul weights (their 1/tp)."""
+    the stage's matmul weights (their 1/tp). Under expert parallelism the experts of the most loaded rank keep
+    what the routed copies beyond the mean save (cost.run.routed_imbalance x cost.memory.expert_saved_bytes:
+    the grouped input whole on each tp rank, 1/tp where Megatron-Core folds the experts, the MLP 1/tp)."""
     cfg, lay, ckpt = run.model, run.layout, run.checkpointing
     tokens, H, c, s, tp = run.tokens_per_micro_batch / lay.cp, cfg.d_model, recipe.compute_bytes, \
         recipe.residual_bytes, lay.tp
@@ -94,6 +96,11 @@ def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, rec
         per_token = sum(M.compiled_block_bytes_per_token(cfg, recipe, i, run.seq_len, ckpt) for i in layers)
     else:
         per_token = sum(layer_bytes_per_token(cfg, recipe, i, lay, run.seq_len, ckpt, megatron) for i in layers)
+    if lay.ep > 1 and ckpt not in ("full", "op"):
+        grouped, mlp = M.expert_saved_bytes(cfg, recipe)
+        folded = megatron and seq == tp and lay.expert_tp == 1  # layer_bytes_per_token's folded experts
+        extra = cfg.top_k * (grouped / (tp if folded else 1) + mlp / tp) * sum(cfg.is_moe_layer(i) for i in layers)
+        per_token += (routed_imbalance(cfg, run.moe_imbalance) - 1) * extra
     vocab = tp if megatron else 1  # the logits: gathered (trainwise) or vocabulary-parallel
     if first:
         per_token += 8 + (9 if tp > 1 else 0)

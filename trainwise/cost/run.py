@@ -21,6 +21,15 @@ from trainwise.cost.recipe import RECIPES, Recipe, get_recipe
 MOE_IMBALANCE = 1.115
 
 
+def routed_imbalance(cfg: ModelConfig, imbalance: float) -> float:
+    """The most loaded expert-parallel rank's routed tokens over the mean: the routing's `imbalance`, held to the
+    model's capacity factor where it drops what exceeds each expert's capacity (model.dropless false: a rank's
+    experts keep at most capacity_factor x the mean; the dispatch is still priced at every assignment). The
+    cluster step prices that rank's expert GEMMs and dispatch, the per-rank memory model its experts' saved
+    copies."""
+    return imbalance if cfg.dropless else min(imbalance, cfg.capacity_factor)
+
+
 @dataclass(frozen=True)
 class Machine:
     """The hardware a run is planned on, as asked for: a table accelerator or this machine's device by name

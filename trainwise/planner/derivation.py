@@ -9,7 +9,7 @@ from trainwise.cost import memory as M
 from trainwise.cost.gpu import attention_rate
 from trainwise.cost.layout import ZERO_BUBBLE, placement
 from trainwise.cost.recipe import optimizer_moments
-from trainwise.cost.run import MOE_IMBALANCE
+from trainwise.cost.run import MOE_IMBALANCE, routed_imbalance
 from trainwise.cost.steptime import COMPILED_ELEMENTWISE
 from trainwise.units import fmt_bytes
 
@@ -120,7 +120,7 @@ def explain_cluster(p) -> str:
         + (", past the other micro-batch's work: --ep-overlap" if lay.ep_overlap and lay.ep > 1 else "")
         + f") = {b['ep_comm_s']:.4g} s")
     if lay.ep > 1 and b["experts_s"]:
-        routed = cluster.routed_imbalance(p.model, p.run.moe_imbalance)
+        routed = routed_imbalance(p.model, p.run.moe_imbalance)
         add(f"   imbalance  = m x ({routed:g} - 1) x (experts{'' if gathered else ' + ep comm'}): the most loaded "
             f"rank's extra "
             f"(--moe-imbalance, default {MOE_IMBALANCE:g}: trained routing, the experts' loads balanced; 1: "
@@ -205,8 +205,12 @@ def explain_plan(p) -> str:
         f" = {fmt_bytes(s.optimizer)}")
     add(f"   master     = N x {r.master_bytes} B{' / dp' if p.zero >= 1 else ''} = {fmt_bytes(s.master)}")
     add(f"   states     = {fmt_bytes(s.total)}")
+    hot = routed_imbalance(p.model, p.run.moe_imbalance) if p.model and p.model.n_experts and p.layout.ep > 1 else 1
     add(f"   activations ({p.checkpointing} checkpointing, B x T = {p.micro_batch * p.seq_len:,} tokens, "
-        f"incl. {M.LOSS_KERNELS.get(p.loss_kernel, 'the loss')}) = {fmt_bytes(p.activations_bytes)}")
+        f"incl. {M.LOSS_KERNELS.get(p.loss_kernel, 'the loss')}"
+        + (f"; the most loaded expert-parallel rank's experts keep {hot:g} x the mean's routed copies "
+           f"(--moe-imbalance)" if hot != 1 and p.checkpointing not in ("full", "op") else "")
+        + f") = {fmt_bytes(p.activations_bytes)}")
     if p.held_grad_sums:
         add(f"   held sums  = N x 4 B{f' / (tp*pp)' if mp > 1 else ''}, the micro-batches' unsharded fp32 gradients "
             f"summed until the last one's reduce-scatter (--fsdp-grad-sync step) = {fmt_bytes(p.held_grad_sums)}")

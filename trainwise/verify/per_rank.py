@@ -7,6 +7,7 @@ all-to-alls at the routing the run measured: each rank's "expert_tokens")."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from trainwise.config import ZERO_STAGE, RunConfig
 from trainwise.cost import memory as M
@@ -41,11 +42,12 @@ def step_shape(cfg: RunConfig, precision: str, layout: Layout, expert_tokens: li
 def predicted_ranks(cfg: RunConfig, precision: str, layout: Layout, expert_tokens: list | None = None) -> list[dict]:
     """Every rank's predicted params, grads, optimizer, peak_memory_bytes (cost.rank_memory.rank_peak, the
     model the plan and the memory check read) and comm (with expert parallelism at `expert_tokens`, each
-    rank's measured assignments per expert, when given)."""
+    rank's measured assignments per expert, when given: its all-to-alls and, in its peak, the copies its experts
+    received)."""
     run = Run.of(cfg, precision, layout)
     shape = step_shape(cfg, precision, layout, expert_tokens)
     if layout.model_parallel > 1 or layout.ep > 1:
-        peaks = [rank_peak(run, r) for r in range(layout.gpus)]
+        peaks = [rank_peak(received_routing(run, r, shape.expert_tokens), r) for r in range(layout.gpus)]
         ranks = [{"params": p.params, "grads": p.grads, "optimizer": p.optimizer + p.master,
                   "peak_memory_bytes": p.peak} for p in peaks]
     else:
@@ -53,6 +55,20 @@ def predicted_ranks(cfg: RunConfig, precision: str, layout: Layout, expert_token
     for r, rank in enumerate(ranks):
         rank["comm"] = R.rank_comm(cfg.model, layout, r, shape)
     return ranks
+
+
+def received_routing(run: Run, rank: int, expert_tokens: tuple | None) -> Run:
+    """The run with its routing imbalance (Run.moe_imbalance) as `rank`'s experts met it in the measured step:
+    the assignments its ep group routed to them over the group's mean per rank (below 1 on a rank that
+    received fewer); the planner's default (cost.run.MOE_IMBALANCE) where none was measured."""
+    cfg, lay = run.model, run.layout
+    if lay.ep <= 1 or not expert_tokens:
+        return run
+    group, ep_rank = R.expert_group(lay, rank)
+    local = cfg.n_experts // lay.ep
+    received = sum(expert_tokens[r][e] for r in group for e in range(ep_rank * local, (ep_rank + 1) * local))
+    mean = sum(sum(expert_tokens[r]) for r in group) / lay.ep
+    return replace(run, moe_imbalance=received / mean)
 
 
 def _zero_plan(cfg: RunConfig, run: Run) -> list[dict]:
