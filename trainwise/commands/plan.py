@@ -85,7 +85,8 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--etp", type=whole_number, default=None,
                    help="expert tensor parallelism: the routed experts' width over etp ranks (default: tp)")
     p.add_argument("--moe-imbalance", type=number, default=None,
-                   help=f"MoE: the most loaded expert-parallel rank's tokens over the mean (default "
+                   help=f"MoE: the most loaded expert-parallel rank's tokens over the mean, in its step time and its "
+                        f"experts' saved activations (default "
                         f"{MOE_IMBALANCE:g}: trained routing with the experts' loads balanced, the step-to-step spread "
                         f"a published trace measured; 1: force-balanced, as MoE benchmarks run)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
