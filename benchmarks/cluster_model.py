@@ -100,7 +100,7 @@ FAMILIES = (FIRST, H100, FSDP, CP, FP8, MOE)
 
 def plan2(cfg: ModelConfig, gpus: int, *, seq: int, micro_batch: int, grad_accum: int, recipe: str,
           checkpointing: str, machine: Machine, compiled: bool = False, fused: bool | None = None,
-          fused_loss: bool = False, grad_dtype: str | None = None, moe_imbalance: float = MOE_IMBALANCE,
+          fused_loss: str | None = None, grad_dtype: str | None = None, moe_imbalance: float = MOE_IMBALANCE,
           fp8_params: bool = False, **layout):
     """A second-set row planned with `trainwise plan`'s function (no per-row setting: the table's assumption)."""
     lay = make_layout(gpus, micro_batches=grad_accum, **layout)
@@ -206,7 +206,7 @@ def table_c(rows: list) -> None:
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp or 1, zero=3 if r.fsdp else 1, dp_overlap=True,
                                   fsdp_copies=False,
                                   tp_overlap="te" if r.tp > 1 and r.tp_comm_overlap else None,
-                                  ep_overlap=r.a2a_overlap, fused=True,
+                                  ep_overlap=r.a2a_overlap, fused=True, fused_loss="inplace",
                                   pp_overlap=True,
                                   attention_impl="cudnn"))
 
@@ -246,7 +246,7 @@ def table_e(rows: list) -> None:
                 lambda r=r, ckpt=ckpt: plan2(S2.mpt(r.model, r.seq), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
                                              grad_accum=r.grad_accum, recipe="amp", checkpointing=ckpt,
                                              machine=DGX_H100, zero=3, fsdp_copies=False,
-                                             fsdp_grad_sync="micro-batch", fused_loss=True))
+                                             fsdp_grad_sync="micro-batch", fused_loss="copy"))
 
 
 def dev_set_2() -> list[dict]:

@@ -116,28 +116,37 @@ def test_a_plan_whose_step_peak_is_over_the_budget_says_so_beside_fits(capsys):
 
 
 def test_a_fused_loss_saves_the_logits_and_writes_one_gradient_as_wide(capsys):
-    """--fused-loss (another stack's fused cross-entropy on the compute-dtype logits, as llm-foundry runs
-    flash-attn's): worked by hand on one device under bf16 autocast (c = 2), N = B x T tokens, V words. torch's
-    F.cross_entropy saves the fp32 log-softmax (4V a token) and its backward holds two fp32 N x V buffers (8V);
-    the fused kernel saves the logits and their logsumexp (cV + 4) and writes one gradient as wide (cV). With a
-    vocabulary this large the loss's scratch is the backward's widest buffer, so the backward high point moves by
-    N (4V - cV - 4) of saved bytes and N (8V - cV) of scratch; the states and the step time do not move."""
+    """--fused-loss (another stack's fused cross-entropy on the compute-dtype logits: copy, as llm-foundry runs
+    flash-attn's; inplace, Transformer Engine's): worked by hand on one device under bf16 autocast (c = 2), N =
+    B x T tokens, V words. torch's F.cross_entropy saves the fp32 log-softmax (4V a token) and its backward
+    holds two fp32 N x V buffers (8V); the fused kernel saves the logits and their logsumexp (cV + 4) and writes
+    one gradient as wide (cV). With a vocabulary this large the loss's scratch is the backward's widest buffer,
+    so the backward high point moves by N (4V - cV - 4) of saved bytes and N (8V - cV) of scratch; the states
+    and the step time do not move."""
     cfg = ModelConfig(vocab_size=32000, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, max_seq_len=512)
     V, c, N = cfg.vocab_size, 2, 4 * 512
     plans = {fused: plan_run(run_of(cfg, tokens=1e6, seq_len=512, micro_batch=4, precision="amp", gpu="h100-sxm",
-                                    fused_loss=fused)) for fused in (False, True)}
-    torch_, fused = plans[False], plans[True]
-    assert (torch_.loss_kernel, fused.loss_kernel) == ("torch", "fused")
+                                    fused_loss=fused)) for fused in (None, "copy", "inplace")}
+    torch_, fused, inplace = plans[None], plans["copy"], plans["inplace"]
+    assert (torch_.loss_kernel, fused.loss_kernel, inplace.loss_kernel) == ("torch", "fused", "inplace")
     assert torch_.activations_bytes - fused.activations_bytes == N * (4 * V - c * V - 4)
     high = {k: p.peak_rank[1] for k, p in plans.items()}
-    assert high[False].backward - high[True].backward == N * (4 * V - c * V - 4) + N * (8 * V - c * V)
-    assert torch_.states == fused.states and torch_.step_seconds == fused.step_seconds
+    assert high[None].backward - high["copy"].backward == N * (4 * V - c * V - 4) + N * (8 * V - c * V)
+    # in place (Transformer Engine's): the saved logits' buffer holds their gradient, so it saves cV and its
+    # backward no scratch of its own; the MLP's backward (2 x N x c x F) is then the widest buffer
+    assert torch_.activations_bytes - inplace.activations_bytes == N * (4 * V - c * V)
+    assert high[None].backward - high["inplace"].backward == N * (4 * V - c * V) + N * 8 * V - N * 2 * c * 256
+    assert torch_.states == fused.states == inplace.states
+    assert torch_.step_seconds == fused.step_seconds == inplace.step_seconds
     argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--zero", "3", "--tokens", "1e9"]
-    for extra, kernel in (([], "torch"), (["--fused-loss"], "fused")):
+    for extra, kernel, said in (([], "torch", "loss"), (["--fused-loss"], "fused", "fused loss"),
+                                (["--fused-loss", "inplace"], "inplace", "in-place fused loss")):
         assert main([*argv, *extra, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["memory"]["loss_kernel"] == kernel
         assert main([*argv, *extra, "--explain"]) == 0
-        assert f"incl. the {'loss' if kernel == 'torch' else 'fused loss'}'s " in capsys.readouterr().out
+        assert f"incl. the {said}'s " in capsys.readouterr().out
+    with pytest.raises(TrainwiseError, match="fused_loss 'somewhere'"):
+        plan_run(run_of(cfg, tokens=1e6, seq_len=512, fused_loss="somewhere"))
     assert main(["plan", "--params", "1e9", "--tokens", "1e10", "--fused-loss", "--explain"]) == 0  # no model: no loss
     assert "activations" in capsys.readouterr().out
 

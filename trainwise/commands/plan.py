@@ -9,6 +9,7 @@ from dataclasses import replace
 from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import CHECKPOINTING, load_config
 from trainwise.config.run import FSDP_GRAD_SYNCS, PP_SCHEDULES
+from trainwise.cost.loss import FUSED_LOSSES
 from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, EP_DISPATCHES, TP_OVERLAPS, Layout, make_layout
 from trainwise.cost.recipe import (FP8_SCALINGS, GRAD_DTYPES, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES,
                                    get_recipe, with_fp8_params, with_grad_dtype)
@@ -106,10 +107,12 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                    help="the stack fuses element-wise work (Transformer Engine, Megatron's kernels; default: compiled "
                         "runs and the megatron and FP8 recipes)")
-    p.add_argument("--fused-loss", action="store_true", default=None,
-                   help="the stack's cross-entropy is one fused kernel on the compute-dtype logits (flash-attn's, as "
-                        "llm-foundry runs it): it saves them and writes one gradient as wide, where torch's keeps fp32 "
-                        "log-softmax rows and two fp32 B*T*V buffers in backward")
+    p.add_argument("--fused-loss", nargs="?", const="copy", choices=FUSED_LOSSES, default=None,
+                   help="the stack's cross-entropy is one fused kernel on the compute-dtype logits, where torch's "
+                        "keeps fp32 log-softmax rows and two fp32 B*T*V buffers in backward: copy (the bare flag: "
+                        "flash-attn's, as llm-foundry runs it) saves them and writes one gradient as wide; inplace "
+                        "(Transformer Engine's, Megatron-Core's cross_entropy_fusion_impl te) writes the gradient "
+                        "over them in forward")
     p.add_argument("--ep-overlap", action="store_true",
                    help="MoE: expert-parallel all-to-alls under another micro-batch's work (Megatron's combined 1F1B)")
     p.add_argument("--pp-overlap", action="store_true",

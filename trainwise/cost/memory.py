@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from trainwise.config import ModelConfig
+from trainwise.cost import loss as L
 from trainwise.cost.params import attention_params, mlp_params
 from trainwise.cost.recipe import Recipe, optimizer_moments
 from trainwise.errors import TrainwiseError
@@ -331,7 +332,8 @@ def compiled_block_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int,
 
 
 def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len: int,
-                     checkpointing: str = "none", tp: int = 1, compiled: bool = False, fused_loss: bool = False) -> int:
+                     checkpointing: str = "none", tp: int = 1, compiled: bool = False,
+                     fused_loss: str | None = None) -> int:
     """Per micro-batch activation bytes on one device.
 
     none/selective: sum over layers of the per-token-layer bytes x B x T.
@@ -340,7 +342,7 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
     Always: token ids and targets (int64, 16 bytes/token); the final norm; the LM head input cH; the
       fp32 log-softmax output B x T x V (4V) that cross-entropy saves, or with model.loss_chunk_tokens
       only the fp32 logsumexp (4 bytes/token), or compiled or `fused_loss` the logits cV and a logsumexp
-      (loss_saved_bytes_per_token); under autocast, the weight copies (autocast_weight_bytes).
+      (cost.loss.loss_saved_bytes_per_token); under autocast, the weight copies (autocast_weight_bytes).
     With pipeline parallelism under 1F1B the first stage holds pp micro-batches of L/pp layers, i.e. the
     same L-layer total (Korthikanti section 4.2.3); tensor parallelism with sequence parallelism
     divides everything by tp."""
@@ -355,30 +357,9 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
     else:
         layers = sum(activation_bytes_per_token_layer(cfg, recipe, i, checkpointing) for i in range(cfg.n_layers))
     head = 16 + norm_saved_bytes(cfg, recipe.residual_bytes) + recipe.compute_bytes * cfg.d_model
-    head += loss_saved_bytes_per_token(cfg, recipe, loss_kernel(cfg, compiled, fused_loss))
+    head += L.loss_saved_bytes_per_token(cfg, recipe, L.loss_kernel(cfg, compiled, fused_loss))
     weights = autocast_weight_bytes(cfg, recipe, checkpointing)
     return math.ceil((tokens * (layers + head) + weights) / tp)
-
-
-# The cross-entropy a run computes, by what it keeps (loss_kernel): what the plan's memory says it saves
-LOSS_KERNELS = {"torch": "the loss's fp32 log-softmax B*T*V", "chunked": "the chunked loss's fp32 logsumexp B*T",
-                "compiled": "the compiled loss's logits B*T*V", "fused": "the fused loss's logits B*T*V"}
-
-
-def loss_kernel(cfg: ModelConfig, compiled: bool = False, fused: bool = False) -> str:
-    """The cross-entropy a run computes: "chunked" (model.loss_chunk_tokens: trainwise.model.loss), "compiled"
-    (torch.compile's one fused kernel), "fused" (another stack's fused kernel on the compute-dtype logits:
-    cost.run.Run.fused_loss) or "torch" (F.cross_entropy on their fp32 copy)."""
-    return "chunked" if cfg.loss_chunk_tokens else "compiled" if compiled else "fused" if fused else "torch"
-
-
-def loss_saved_bytes_per_token(cfg: ModelConfig, recipe: Recipe, kernel: str = "torch") -> int:
-    """What the cross-entropy saves for backward per token: F.cross_entropy the fp32 log-softmax row (4V); the
-    chunked loss the fp32 logsumexp (4); a fused kernel, compiled or another stack's, the logits as the LM head
-    made them (cV) and their logsumexp."""
-    if kernel == "chunked":
-        return 4
-    return recipe.compute_bytes * cfg.vocab_size + 4 if kernel in ("compiled", "fused") else 4 * cfg.vocab_size
 
 
 def mlp_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int) -> int:
@@ -389,36 +370,6 @@ def mlp_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int) -> int:
     c = recipe.compute_bytes
     return max(tokens * 2 * c * (cfg.top_k * cfg.expert_ffn_hidden if cfg.is_moe_layer(i) else cfg.ffn_hidden)
                for i in _distinct_layers(cfg))
-
-
-def loss_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1, kernel: str = "torch") -> int:
-    """Scratch of the cross-entropy's backward, alive at the start of backward beside the activations.
-
-    Plain F.cross_entropy: two fp32 N x V buffers (the log-softmax gradient and the logits gradient), 8V per token.
-    Another stack's fused kernel (flash-attn's cross-entropy as llm-foundry calls it, not in place): one gradient as
-    wide as the logits it saved, cV per token. Chunked (model.loss_chunk_tokens = C > 0, trainwise.model.loss): the
-    fp32 grad_weight accumulator 4VH, grad_hidden cNH, and one chunk's recomputed fp32 logits/softmax 4CV plus, when
-    the compute dtype c is not fp32, its c-byte cast for the matmuls cCV and the c-byte VH product each chunk adds
-    to the accumulator. N x V never appears."""
-    V, H, c = cfg.vocab_size, cfg.d_model, recipe.compute_bytes
-    if not cfg.loss_chunk_tokens:
-        return math.ceil((c if kernel == "fused" else 8) * V * tokens / tp)
-    chunk = min(cfg.loss_chunk_tokens, tokens)
-    cast = c if c != 4 else 0
-    return math.ceil((4 * V * H + c * tokens * H + (4 + cast) * chunk * V + cast * V * H) / tp)
-
-
-def compiled_loss_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, checkpointing: str) -> int:
-    """Compiled, the cross-entropy backward is one fused kernel. Without full checkpointing it writes the
-    logits' gradient over the saved logits (inductor reuses a buffer at its last use): no N x V scratch,
-    and the high point moves to the LM head's weight gradient, 4VH (fp32), plus its c-byte matmul
-    output under autocast. Under full checkpointing the loss sits in a graph of its own whose backward
-    holds the fp32 log-softmax gradient 4V and the logits' gradient cV per token (measured:
-    benchmarks/memory_grid.py)."""
-    V, H, c = cfg.vocab_size, cfg.d_model, recipe.compute_bytes
-    if checkpointing == "full":
-        return tokens * (4 + c) * V
-    return 4 * V * H + (c * V * H if c != recipe.residual_bytes else 0)
 
 
 def recompute_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1, checkpointing: str = "full") -> int:

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
+from trainwise.cost import loss as L
 from trainwise.cost import memory as M
 from trainwise.cost.layout import ZERO_BUBBLE, Layout
 from trainwise.cost.rank import divided, is_expert, rank_params, units
@@ -105,7 +106,7 @@ def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, rec
     if first:
         per_token += 8 + (9 if tp > 1 else 0)
     if last:
-        loss = M.loss_saved_bytes_per_token(cfg, recipe, M.loss_kernel(cfg, compiled, run.fused_loss))
+        loss = L.loss_saved_bytes_per_token(cfg, recipe, L.loss_kernel(cfg, compiled, run.fused_loss))
         per_token += 8 + M.norm_saved_bytes(cfg, s) / seq + c * H / (seq if megatron else 1) + loss / vocab
     if lay.pp > 1 and not megatron:
         per_token += c * cfg.vocab_size if last else s * H / seq
@@ -149,7 +150,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     """The peak of one training step on `rank` (RankPeak.peak), the larger of two high points:
       backward: parameters + optimizer states + torch's pipelining's receive buffers (one per micro-batch and
         link; Megatron-Core receives into the chunk's input, an activation) + the larger of an MLP's backward
-        (mlp_backward_bytes) and the cross-entropy's backward scratch on the last stage (cost.memory.loss_kernel's:
+        (mlp_backward_bytes) and the cross-entropy's backward scratch on the last stage (cost.loss.loss_kernel's:
         torch's two fp32 B T V buffers, whole on every tp rank, or 1/tp of them vocabulary-parallel; compiled,
         compiled_loss_backward_bytes) or, under full checkpointing, one recomputed block's activations + under FSDP2
         the gathered parameters in the compute dtype (zero2: all of the rank's, kept from forward to backward; fsdp:
@@ -195,11 +196,11 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
                  + cast_experts(run, params, stage_layers(cfg.n_layers, lay.stages, st)) for st in stages]
     tokens = run.tokens_per_micro_batch // lay.cp
     scratch = math.ceil(M.mlp_backward_bytes(cfg, acts_recipe, tokens) / lay.tp)
-    kernel = M.loss_kernel(cfg, compiled, run.fused_loss) if lay.stages - 1 in stages else None  # the last stage's
+    kernel = L.loss_kernel(cfg, compiled, run.fused_loss) if lay.stages - 1 in stages else None  # the last stage's
     if kernel == "compiled":
-        scratch = M.compiled_loss_backward_bytes(cfg, acts_recipe, tokens, run.checkpointing)
+        scratch = L.compiled_loss_backward_bytes(cfg, acts_recipe, tokens, run.checkpointing)
     elif kernel:
-        scratch = max(scratch, M.loss_backward_bytes(cfg, acts_recipe, tokens, 1, kernel)
+        scratch = max(scratch, L.loss_backward_bytes(cfg, acts_recipe, tokens, 1, kernel)
                       // (lay.tp if megatron else 1))
     if run.checkpointing in ("full", "op"):
         scratch = max(scratch, math.ceil(M.recompute_bytes(cfg, acts_recipe, tokens, 1, run.checkpointing) / lay.tp))

@@ -5,6 +5,7 @@ step, has the per-operator table, the phases, the largest contributors and the c
 from __future__ import annotations
 
 from trainwise.cost import cluster
+from trainwise.cost import loss as L
 from trainwise.cost import memory as M
 from trainwise.cost.gpu import attention_rate
 from trainwise.cost.layout import ZERO_BUBBLE, placement
@@ -207,7 +208,7 @@ def explain_plan(p) -> str:
     add(f"   states     = {fmt_bytes(s.total)}")
     hot = routed_imbalance(p.model, p.run.moe_imbalance) if p.model and p.model.n_experts and p.layout.ep > 1 else 1
     add(f"   activations ({p.checkpointing} checkpointing, B x T = {p.micro_batch * p.seq_len:,} tokens, "
-        f"incl. {M.LOSS_KERNELS.get(p.loss_kernel, 'the loss')}"
+        f"incl. {L.LOSS_KERNELS.get(p.loss_kernel, 'the loss')}"
         + (f"; the most loaded expert-parallel rank's experts keep {hot:g} x the mean's routed copies "
            f"(--moe-imbalance)" if hot != 1 and p.checkpointing not in ("full", "op") else "")
         + f") = {fmt_bytes(p.activations_bytes)}")

@@ -10,6 +10,7 @@ from typing import Any
 
 from trainwise.config import ZERO_STAGE, ModelConfig, RunConfig, check_op_checkpointing
 from trainwise.cost import flops as FL
+from trainwise.cost import loss as L
 from trainwise.cost import memory as M
 from trainwise.cost.cluster import ClusterStep
 from trainwise.cost.gpu import check_attention
@@ -104,10 +105,10 @@ class Plan:
 
     @property
     def loss_kernel(self) -> str | None:
-        """The cross-entropy the plan's memory prices (cost.memory.loss_kernel); None without a model."""
+        """The cross-entropy the plan's memory prices (cost.loss.loss_kernel); None without a model."""
         if self.model is None:
             return None
-        return M.loss_kernel(self.model, self.compiled, self.run is not None and self.run.fused_loss)
+        return L.loss_kernel(self.model, self.compiled, self.run is not None and self.run.fused_loss)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -287,6 +288,9 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
                          f"{seq_len}" + (" (learned positions: a longer table)" if model.position == "learned" else ""))
             model = replace(model, max_seq_len=seq_len)
             run = replace(run, model=model)
+    if run.fused_loss not in (None, False, True, *L.FUSED_LOSSES):
+        raise TrainwiseError(f"fused_loss {run.fused_loss!r} is not a fused cross-entropy: give one of "
+                             f"{', '.join(L.FUSED_LOSSES)} (where its gradient goes), or none for torch's.")
     if not run.moe_imbalance >= 1:
         raise TrainwiseError(
             f"--moe-imbalance {run.moe_imbalance} is the most loaded expert-parallel rank's tokens over the mean, "
