@@ -277,7 +277,7 @@ BRIDGE_2511 = Table(
     "recipe sets grad_reduce_in_fp32 = False, set_llama3_common_configs, set_llama31_common_configs, "
     "set_gpt_oss_common_configs and set_qwen3_common_configs in scripts/performance/configs at 44dae92b0, the "
     "r0.2.0 branch's commit that published the 25.11 table); the cross-entropy Transformer Engine's fused kernel, "
-    "its gradient written over the logits in forward (--fused-loss inplace: GPTModelProvider, every row's "
+    "its gradient written over the logits in forward (--loss-kernel te: GPTModelProvider, every row's "
     "model's provider, sets cross_entropy_loss_fusion = True and the performance scripts' "
     "set_common_perf_overrides cross_entropy_fusion_impl = 'te' at 44dae92b0; Megatron-Core then calls TE's "
     "parallel_cross_entropy, whose forward stores the gradient in its input); no activation recompute (none "
@@ -389,7 +389,9 @@ TORCHTITAN_2412 = Table(
     "build_pipeline_schedule took pipeline_parallel_degree; one per stage, as its help text said, came in Jan "
     "2025); CP = keys and values all-gathered "
     "(torchtitan's context_parallel_rotate_method default, allgather: --cp-impl allgather); "
-    "flash attention (SDPA); published s = global batch x seq / (GPUs x TPS) (torchtitan's TPS divides a "
+    "flash attention (SDPA); the loss F.cross_entropy on an fp32 copy of the logits, not compiled (train.py's "
+    "loss_fn at 9dec370: --loss-kernel torch); published s = global batch x seq / (GPUs x TPS) (torchtitan's TPS "
+    "divides a "
     "data-parallel rank's tokens by tp x pp x cp); 8 GPUs per node over NVLink, 400 Gb/s per GPU between "
     "nodes (DGX H100's node)")
 D_SEQ, D_MEMORY, D_BANDWIDTH = 8192, 96 * GB, 2.4e12
@@ -494,7 +496,7 @@ FOUNDRY = Table(
     "_train_microbatch, at the table's time and since: --fsdp-grad-sync micro-batch); the loss MPT's default, "
     "loss_fn fused_crossentropy (flash-attn 1.0.9's cross-entropy, not in place: it saves the bf16 logits and "
     "writes one bf16 gradient; llmfoundry/models/mpt/modeling_mpt.py and setup.py at v0.3.0, the branch "
-    "submit_benchmarks.py installs: --fused-loss); activation checkpointing "
+    "submit_benchmarks.py installs: --loss-kernel flash-attn); activation checkpointing "
     "True = full, "
     "False = none (the 3b and 1b rows: False, HFU = MFU); attention at FlashAttention-2's rates, where the "
     "runs used llm-foundry's Triton flash attention (attn_impl: triton in the MPT yamls and the default of "

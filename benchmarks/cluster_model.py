@@ -100,7 +100,7 @@ FAMILIES = (FIRST, H100, FSDP, CP, FP8, MOE)
 
 def plan2(cfg: ModelConfig, gpus: int, *, seq: int, micro_batch: int, grad_accum: int, recipe: str,
           checkpointing: str, machine: Machine, compiled: bool = False, fused: bool | None = None,
-          fused_loss: str | None = None, grad_dtype: str | None = None, moe_imbalance: float = MOE_IMBALANCE,
+          loss_kernel: str | None = None, grad_dtype: str | None = None, moe_imbalance: float = MOE_IMBALANCE,
           fp8_params: bool = False, **layout):
     """A second-set row planned with `trainwise plan`'s function (no per-row setting: the table's assumption)."""
     lay = make_layout(gpus, micro_batches=grad_accum, **layout)
@@ -108,7 +108,7 @@ def plan2(cfg: ModelConfig, gpus: int, *, seq: int, micro_batch: int, grad_accum
     states = with_fp8_params(states) if fp8_params else states
     return plan_run(Run(cfg, micro_batch=micro_batch, seq_len=seq, grad_accum=grad_accum, recipe=states,
                         checkpointing=checkpointing, compiled=compiled, layout=lay, tokens=1e9, machine=machine,
-                        fused=fused, fused_loss=fused_loss, moe_imbalance=moe_imbalance))
+                        fused=fused, loss_kernel=loss_kernel, moe_imbalance=moe_imbalance))
 
 
 def header(table: S2.Table, note: str = "") -> None:
@@ -206,7 +206,7 @@ def table_c(rows: list) -> None:
                                   tp=r.tp, pp=r.pp, cp=r.cp, vpp=r.vp or 1, zero=3 if r.fsdp else 1, dp_overlap=True,
                                   fsdp_copies=False,
                                   tp_overlap="te" if r.tp > 1 and r.tp_comm_overlap else None,
-                                  ep_overlap=r.a2a_overlap, fused=True, fused_loss="inplace",
+                                  ep_overlap=r.a2a_overlap, fused=True, loss_kernel="te",
                                   pp_overlap=True,
                                   attention_impl="cudnn"))
 
@@ -225,14 +225,14 @@ def table_d(rows: list) -> None:
                                        checkpointing="op" if r.checkpointing == "selective" else r.checkpointing,
                                        machine=teton, compiled=r.compiled, tp=r.tp,
                                        pp=r.pp, vpp=r.vpp, zero=2 if r.pp > 1 else 3,
-                                       tp_overlap="async" if r.async_tp else None),
+                                       tp_overlap="async" if r.async_tp else None, loss_kernel="torch"),
                 r.memory_gib)
     for r in S2.TABLE_D_CP:
         compare(rows, S2.TORCHTITAN_2412, f"8B seq {r.seq // 1024}K FSDP {r.dp} CP {r.cp}, compile + Float8",
                 [H100, FSDP, FP8] + [CP] * (r.cp > 1), S2.published_step_d_cp(r), r.dp * r.seq, r.gpus,
                 lambda r=r: plan2(S2.titan_model("8B", r.seq), r.gpus, seq=r.seq, micro_batch=1, grad_accum=1,
                                   recipe="fp8", checkpointing="full", machine=teton, compiled=True, cp=r.cp, zero=3,
-                                  cp_impl="allgather"),
+                                  cp_impl="allgather", loss_kernel="torch"),
                 r.memory_gib)
 
 
@@ -246,7 +246,7 @@ def table_e(rows: list) -> None:
                 lambda r=r, ckpt=ckpt: plan2(S2.mpt(r.model, r.seq), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
                                              grad_accum=r.grad_accum, recipe="amp", checkpointing=ckpt,
                                              machine=DGX_H100, zero=3, fsdp_copies=False,
-                                             fsdp_grad_sync="micro-batch", fused_loss="copy"))
+                                             fsdp_grad_sync="micro-batch", loss_kernel="flash-attn"))
 
 
 def dev_set_2() -> list[dict]:

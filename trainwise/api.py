@@ -19,7 +19,7 @@ from trainwise.trainer.loop import train as _train
 
 PLAN_KEYWORDS = ("mfu", "price", "memory_budget", "causal_halving")  # plan_run's own; the rest describe the Run
 RUN_KEYWORDS = ("seq_len", "micro_batch", "grad_accum", "optimizer", "checkpointing", "compiled", "moe_imbalance",
-                "fused", "fused_loss")
+                "fused", "loss_kernel")
 LAYOUT_KEYWORDS = set(inspect.signature(make_layout).parameters) - {"micro_batches"}  # gpus, tp, pp, zero, ...
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 from trainwise.commands.args import byte_size, number, whole_number
 from trainwise.config import CHECKPOINTING, load_config
 from trainwise.config.run import FSDP_GRAD_SYNCS, PP_SCHEDULES
-from trainwise.cost.loss import FUSED_LOSSES
+from trainwise.cost.loss import STACK_LOSSES
 from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, EP_DISPATCHES, TP_OVERLAPS, Layout, make_layout
 from trainwise.cost.recipe import (FP8_SCALINGS, GRAD_DTYPES, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES,
                                    get_recipe, with_fp8_params, with_grad_dtype)
@@ -107,12 +107,13 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                    help="the stack fuses element-wise work (Transformer Engine, Megatron's kernels; default: compiled "
                         "runs and the megatron and FP8 recipes)")
-    p.add_argument("--fused-loss", nargs="?", const="copy", choices=FUSED_LOSSES, default=None,
-                   help="the stack's cross-entropy is one fused kernel on the compute-dtype logits, where torch's "
-                        "keeps fp32 log-softmax rows and two fp32 B*T*V buffers in backward: copy (the bare flag: "
-                        "flash-attn's, as llm-foundry runs it) saves them and writes one gradient as wide; inplace "
-                        "(Transformer Engine's, Megatron-Core's cross_entropy_fusion_impl te) writes the gradient "
-                        "over them in forward")
+    p.add_argument("--loss-kernel", choices=STACK_LOSSES, default=None,
+                   help="the stack's cross-entropy, by what it keeps: torch (F.cross_entropy: fp32 log-softmax rows "
+                        "and two fp32 B*T*V buffers in backward), megatron (vocab_parallel_cross_entropy: the fp32 "
+                        "softmax, its gradient made over it), flash-attn (its fused kernel, as llm-foundry runs it: "
+                        "the logits and one gradient as wide), te (Transformer Engine's, Megatron-Core's "
+                        "cross_entropy_fusion_impl te: the gradient written over the logits); default: trainwise's "
+                        "own where it trains the run, megatron elsewhere")
     p.add_argument("--ep-overlap", action="store_true",
                    help="MoE: expert-parallel all-to-alls under another micro-batch's work (Megatron's combined 1F1B)")
     p.add_argument("--pp-overlap", action="store_true",
@@ -204,7 +205,7 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
     base = toml_run or Run(model, seq_len=2048 if model is None else min(2048, model.max_seq_len),
                            recipe=get_recipe("bf16"))
     given = {key: getattr(args, key) for key in ("seq_len", "micro_batch", "grad_accum", "optimizer", "checkpointing",
-                                                 "moe_imbalance", "fused", "fused_loss")
+                                                 "moe_imbalance", "fused", "loss_kernel")
              if getattr(args, key) is not None}
     run = replace(base, model=model, tokens=args.tokens, **given)
     check_numbers(("--tokens", run.tokens), ("--seq-len", run.seq_len), ("--micro-batch", run.micro_batch),

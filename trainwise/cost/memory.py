@@ -333,7 +333,7 @@ def compiled_block_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int,
 
 def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len: int,
                      checkpointing: str = "none", tp: int = 1, compiled: bool = False,
-                     fused_loss: str | None = None) -> int:
+                     loss_kernel: str | None = None) -> int:
     """Per micro-batch activation bytes on one device.
 
     none/selective: sum over layers of the per-token-layer bytes x B x T.
@@ -341,7 +341,7 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
       section 4.3); one block's activations while it is recomputed in backward are in peak_bytes.
     Always: token ids and targets (int64, 16 bytes/token); the final norm; the LM head input cH; the
       fp32 log-softmax output B x T x V (4V) that cross-entropy saves, or with model.loss_chunk_tokens
-      only the fp32 logsumexp (4 bytes/token), or compiled or `fused_loss` the logits cV and a logsumexp
+      only the fp32 logsumexp (4 bytes/token), or compiled or another stack's `loss_kernel` its own
       (cost.loss.loss_saved_bytes_per_token); under autocast, the weight copies (autocast_weight_bytes).
     With pipeline parallelism under 1F1B the first stage holds pp micro-batches of L/pp layers, i.e. the
     same L-layer total (Korthikanti section 4.2.3); tensor parallelism with sequence parallelism
@@ -357,7 +357,7 @@ def activation_bytes(cfg: ModelConfig, recipe: Recipe, micro_batch: int, seq_len
     else:
         layers = sum(activation_bytes_per_token_layer(cfg, recipe, i, checkpointing) for i in range(cfg.n_layers))
     head = 16 + norm_saved_bytes(cfg, recipe.residual_bytes) + recipe.compute_bytes * cfg.d_model
-    head += L.loss_saved_bytes_per_token(cfg, recipe, L.loss_kernel(cfg, compiled, fused_loss))
+    head += L.loss_saved_bytes_per_token(cfg, recipe, L.loss_kernel(cfg, compiled, loss_kernel))
     weights = autocast_weight_bytes(cfg, recipe, checkpointing)
     return math.ceil((tokens * (layers + head) + weights) / tp)
 

@@ -77,18 +77,18 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, layout: 
 
 def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, recipe: Recipe, compiled: bool,
                            megatron: bool) -> int:
-    """Bytes one micro-batch leaves saved on one rank for a pipeline stage of `layers` (the whole model when
-    first and last), on its T / cp positions: the blocks (layer_bytes_per_token; compiled:
-    cost.memory.compiled_block_bytes_per_token); token ids (first) and targets (last), int64; on the last
-    stage the final norm, the LM head's input cH and the loss's fp32 log-softmax 4V (trainwise gathers the
-    logits: whole on every tp rank; compiled or Run.fused_loss, a fused loss saves the logits cV and a logsumexp;
-    `megatron`: the head's input as each rank's shard and a vocabulary-parallel loss, 1/tp each); under
-    tensor parallelism the embedding's masked ids and mask (int64 + bool); a pipeline stage of
-    torch.distributed.pipelining keeps its output until the gradient comes back (sH, or the last stage's
-    logits cV; Megatron-LM frees the output's data once sent); under autocast the compute-dtype copies of
-    the stage's matmul weights (their 1/tp). Under expert parallelism the experts of the most loaded rank keep
-    what the routed copies beyond the mean save (cost.run.routed_imbalance x cost.memory.expert_saved_bytes:
-    the grouped input whole on each tp rank, 1/tp where Megatron-Core folds the experts, the MLP 1/tp)."""
+    """Bytes one micro-batch leaves saved on one rank for a pipeline stage of `layers` (the whole model when first and
+    last), on its T / cp positions: the blocks (layer_bytes_per_token; compiled:
+    cost.memory.compiled_block_bytes_per_token); token ids (first) and targets (last), int64; on the last stage the
+    final norm, the LM head's input cH and the loss's fp32 log-softmax 4V (trainwise gathers the logits: whole on
+    every tp rank; compiled or another stack's kernel (Run.loss_kernel) as cost.loss.loss_saved_bytes_per_token
+    says; `megatron`: the head's input as each rank's shard and a vocabulary-parallel loss, 1/tp each); under tensor
+    parallelism the embedding's masked ids and mask (int64 + bool); a pipeline stage of torch.distributed.pipelining
+    keeps its output until the gradient comes back (sH, or the last stage's logits cV; Megatron-LM frees the
+    output's data once sent); under autocast the compute-dtype copies of the stage's matmul weights (their 1/tp).
+    Under expert parallelism the experts of the most loaded rank keep what the routed copies beyond the mean save
+    (cost.run.routed_imbalance x cost.memory.expert_saved_bytes: the grouped input whole on each tp rank, 1/tp where
+    Megatron-Core folds the experts, the MLP 1/tp)."""
     cfg, lay, ckpt = run.model, run.layout, run.checkpointing
     tokens, H, c, s, tp = run.tokens_per_micro_batch / lay.cp, cfg.d_model, recipe.compute_bytes, \
         recipe.residual_bytes, lay.tp
@@ -106,7 +106,7 @@ def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, rec
     if first:
         per_token += 8 + (9 if tp > 1 else 0)
     if last:
-        loss = L.loss_saved_bytes_per_token(cfg, recipe, L.loss_kernel(cfg, compiled, run.fused_loss))
+        loss = L.loss_saved_bytes_per_token(cfg, recipe, L.loss_kernel(cfg, compiled, run.loss_kernel, megatron))
         per_token += 8 + M.norm_saved_bytes(cfg, s) / seq + c * H / (seq if megatron else 1) + loss / vocab
     if lay.pp > 1 and not megatron:
         per_token += c * cfg.vocab_size if last else s * H / seq
@@ -196,7 +196,8 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
                  + cast_experts(run, params, stage_layers(cfg.n_layers, lay.stages, st)) for st in stages]
     tokens = run.tokens_per_micro_batch // lay.cp
     scratch = math.ceil(M.mlp_backward_bytes(cfg, acts_recipe, tokens) / lay.tp)
-    kernel = L.loss_kernel(cfg, compiled, run.fused_loss) if lay.stages - 1 in stages else None  # the last stage's
+    last = lay.stages - 1 in stages  # the loss is the last stage's
+    kernel = L.loss_kernel(cfg, compiled, run.loss_kernel, megatron) if last else None
     if kernel == "compiled":
         scratch = L.compiled_loss_backward_bytes(cfg, acts_recipe, tokens, run.checkpointing)
     elif kernel:

@@ -65,11 +65,9 @@ class Run:
     # the stack fuses its element-wise work (Transformer Engine's and Megatron's fused kernels, torch.compile):
     # None: as the recipe and torch.compile imply (planner.cluster_step.fuses)
     fused: bool | None = None
-    # the stack's cross-entropy is one fused kernel on the compute-dtype logits (cost.loss.FUSED_LOSSES): "copy"
-    # saves them and writes one gradient as wide (flash-attn's, llm-foundry's default), "inplace" writes the gradient
-    # over them (Transformer Engine's, Megatron-Core's cross_entropy_fusion_impl "te"); trainwise's own loss is
-    # F.cross_entropy, the chunked loss or torch.compile's kernel, so the trainer never sets it
-    fused_loss: str | None = None
+    # the stack's cross-entropy kernel (cost.loss.STACK_LOSSES: torch, megatron, flash-attn, te), which sets what the
+    # loss keeps; None: trainwise's own where it trains the run (cost.run.trains), Megatron-Core's elsewhere
+    loss_kernel: str | None = None
 
     @property
     def tokens_per_micro_batch(self) -> int:

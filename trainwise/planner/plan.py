@@ -19,7 +19,7 @@ from trainwise.cost.ops import GATHERED
 from trainwise.cost.params import ParamCount, params
 from trainwise.cost.rank_memory import RankPeak, highest_peak
 from trainwise.cost.recipe import Recipe
-from trainwise.cost.run import Machine, Run, fsdp_grad_sync
+from trainwise.cost.run import Machine, Run, fsdp_grad_sync, trains
 from trainwise.cost.steptime import StepTime
 from trainwise.cost.time import DEFAULT_MFU, TimeEstimate, cost_usd, estimate_time, model_flops_utilization
 from trainwise.errors import TrainwiseError
@@ -108,7 +108,8 @@ class Plan:
         """The cross-entropy the plan's memory prices (cost.loss.loss_kernel); None without a model."""
         if self.model is None:
             return None
-        return L.loss_kernel(self.model, self.compiled, self.run is not None and self.run.fused_loss)
+        run = self.run
+        return L.loss_kernel(self.model, self.compiled, run and run.loss_kernel, run is not None and not trains(run))
 
     @property
     def peak_bytes(self) -> int | None:
@@ -288,9 +289,9 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
                          f"{seq_len}" + (" (learned positions: a longer table)" if model.position == "learned" else ""))
             model = replace(model, max_seq_len=seq_len)
             run = replace(run, model=model)
-    if run.fused_loss not in (None, False, True, *L.FUSED_LOSSES):
-        raise TrainwiseError(f"fused_loss {run.fused_loss!r} is not a fused cross-entropy: give one of "
-                             f"{', '.join(L.FUSED_LOSSES)} (where its gradient goes), or none for torch's.")
+    if run.loss_kernel not in (None, *L.STACK_LOSSES):
+        raise TrainwiseError(f"loss_kernel {run.loss_kernel!r} is not a cross-entropy the planner knows: give one of "
+                             f"{', '.join(L.STACK_LOSSES)}, or none for the stack's default.")
     if not run.moe_imbalance >= 1:
         raise TrainwiseError(
             f"--moe-imbalance {run.moe_imbalance} is the most loaded expert-parallel rank's tokens over the mean, "
@@ -320,7 +321,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
         fpt = model_fpt + FL.recompute_flops_per_token(fwd, checkpointing, model)
         convention = "exact" if fpt == model_fpt else "exact+recompute"
         check_layout(model, layout, seq_len)
-        acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled, run.fused_loss)
+        acts = M.activation_bytes(model, recipe, micro_batch, seq_len, checkpointing, tp, compiled, run.loss_kernel)
         peak_rank = highest_peak(run)
         name = model.name
     else:
