@@ -659,9 +659,15 @@ def test_experts_and_few_key_value_heads_as_megatron_places_them():
     # Megatron-Core's block (another stack's run: regather) keeps fewer bytes per token than trainwise's: its two
     # fused RMSNorms no x * rsqrt (2 x 2H), and its MoE layer, which weights the routed copies inside the experts'
     # activation, no expert outputs (top_k x 2H) and a bf16 router input, not an fp32 copy (2H)
-    norms, moe_lean = M.megatron_lean_bytes(moe, bf16, 1)
-    assert moe.norm == "rmsnorm" and (norms, moe_lean) == (2 * 2 * 256, 2 * 2 * 256 + 2 * 256)
+    norms, moe_lean, act = M.megatron_lean_bytes(moe, bf16, 1)
+    assert moe.norm == "rmsnorm" and (norms, moe_lean, act) == (2 * 2 * 256, 2 * 2 * 256 + 2 * 256, 0)
     assert M.megatron_lean_bytes(replace(moe, norm="layernorm"), bf16, 1)[0] == 0
+    # gpt-oss's clamped SwiGLU under Megatron-Core's fused weighted activation: its input kept, act(gate) not,
+    # top_k x c x F per token (F the expert width), outside the routing (the experts' width is 1/tp where split)
+    clamped = replace(moe, activation="clamped_swiglu")
+    assert M.megatron_lean_bytes(clamped, bf16, 1)[2] == moe.top_k * 2 * moe.expert_ffn_hidden
+    assert layer_bytes_per_token(clamped, bf16, 1, make_layout(8), 512, "none", True) == (
+        M.activation_bytes_per_token_layer(clamped, bf16, 1) - norms - moe_lean - moe.top_k * 2 * moe.expert_ffn_hidden)
     lean = norms + moe_lean
     assert layer_bytes_per_token(moe, bf16, 1, make_layout(8), 512, "none", True) == total - lean
     assert layer_bytes_per_token(moe, bf16, 1, make_layout(8), 512, "none", False) == total

@@ -234,15 +234,20 @@ def mla_saved_bytes(cfg: ModelConfig, recipe: Recipe, checkpointing: str = "none
             + c * nh * dv)
 
 
-def megatron_lean_bytes(cfg: ModelConfig, recipe: Recipe, layer: int) -> tuple[float, float]:
+def megatron_lean_bytes(cfg: ModelConfig, recipe: Recipe, layer: int) -> tuple[float, float, float]:
     """Bytes per token a block of Megatron-Core (Transformer Engine's modules) keeps fewer than trainwise's, as
-    (its two norms, its MoE layer): a fused RMSNorm keeps its input and rsigma, not also x * rsqrt (sH each;
-    a LayerNorm the same as trainwise's); a MoE layer weights each routed copy in its experts' fused activation,
-    before the down projection, so its unpermute keeps no expert outputs (top_k x cH), and its router keeps its
-    compute-dtype input, not an fp32 copy ((4 - c) H)."""
+    (its two norms, its MoE layer's routing, its experts): a fused RMSNorm keeps its input and rsigma, not also
+    x * rsqrt (sH each; a LayerNorm the same as trainwise's); a MoE layer weights each routed copy in its experts'
+    fused activation, before the down projection, so its unpermute keeps no expert outputs (top_k x cH), and its
+    router keeps its compute-dtype input, not an fp32 copy ((4 - c) H); that fused activation keeps only its input
+    (and the weights) and computes the rest again in backward, so gpt-oss's clamped SwiGLU keeps no act(gate)
+    (top_k x cF; a SwiGLU's fused kernel keeps what trainwise's does)."""
     c, s, H = recipe.compute_bytes, recipe.residual_bytes, cfg.d_model
     norms = 2 * s * H if cfg.norm == "rmsnorm" else 0
-    return norms, cfg.top_k * c * H + (4 - c) * H if cfg.is_moe_layer(layer) else 0.0
+    if not cfg.is_moe_layer(layer):
+        return norms, 0.0, 0.0
+    clamped = cfg.activation == "clamped_swiglu"
+    return norms, cfg.top_k * c * H + (4 - c) * H, cfg.top_k * c * cfg.expert_ffn_hidden if clamped else 0.0
 
 
 def moe_saved_bytes(cfg: ModelConfig, recipe: Recipe, expert_mlp: float) -> float:

@@ -56,8 +56,8 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, layout: 
         down = c * H if cfg.gated else 0
         rest = M.op_saved_bytes(cfg, recipe) - s * H - down
         return s * H / (t if sp else 1) + down + (rest + (2 * c * H if t > 1 and sp else 0)) / t
-    norms, lean = M.megatron_lean_bytes(cfg, recipe, layer) if regather else (0, 0)
-    total = M.activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing) - norms - lean
+    norms, lean, act = M.megatron_lean_bytes(cfg, recipe, layer) if regather else (0, 0, 0)
+    total = M.activation_bytes_per_token_layer(cfg, recipe, layer, checkpointing) - norms - lean - act
     if layout.attention_impl == "unfused" and checkpointing != "selective":
         total += cfg.n_heads * seq_len * (c + (1 + c if cfg.dropout > 0 else 0)) - 4 * cfg.n_heads
     if t == 1:
