@@ -666,6 +666,9 @@ def test_experts_and_few_key_value_heads_as_megatron_places_them():
     # top_k x c x F per token (F the expert width), outside the routing (the experts' width is 1/tp where split)
     clamped = replace(moe, activation="clamped_swiglu")
     assert M.megatron_lean_bytes(clamped, bf16, 1)[2] == moe.top_k * 2 * moe.expert_ffn_hidden
+    # and per routed copy, as the most loaded rank's extra copies keep it: 3 cF where trainwise's keeps 4 cF
+    assert [M.expert_saved_bytes(clamped, bf16, megatron)[1] for megatron in (False, True)] == [
+        4 * 2 * moe.expert_ffn_hidden, 3 * 2 * moe.expert_ffn_hidden]
     assert layer_bytes_per_token(clamped, bf16, 1, make_layout(8), 512, "none", True) == (
         M.activation_bytes_per_token_layer(clamped, bf16, 1) - norms - moe_lean - moe.top_k * 2 * moe.expert_ffn_hidden)
     lean = norms + moe_lean

@@ -148,25 +148,26 @@ def activation_bytes_per_token_layer(cfg: ModelConfig, recipe: Recipe, layer: in
     return attn + ffn - fp8_saved_delta(cfg, recipe, layer)
 
 
-def unit_saved_bytes(cfg: ModelConfig, c: int, width: int) -> float:
+def unit_saved_bytes(cfg: ModelConfig, c: int, width: int, fused: bool = False) -> float:
     """Bytes per token an MLP of `width` saves beyond its input, in compute dtype c (activation_bytes_per_token_layer's
-    MLP terms): gated, the gate|up output and the product (clamped SwiGLU also act(gate)); plain, the activation's
-    input and output (ReLU its output alone)."""
+    MLP terms): gated, the gate|up output and the product (clamped SwiGLU also act(gate), unless `fused`: Megatron-
+    Core's fused weighted activation of its experts, which keeps its input and computes the rest again); plain, the
+    activation's input and output (ReLU its output alone)."""
     if cfg.gated:
-        return (4 if cfg.activation == "clamped_swiglu" else 3) * c * width
+        return (4 if cfg.activation == "clamped_swiglu" and not fused else 3) * c * width
     return (1 if cfg.activation == "relu" else 2) * c * width
 
 
-def expert_saved_bytes(cfg: ModelConfig, recipe: Recipe) -> tuple[float, float]:
+def expert_saved_bytes(cfg: ModelConfig, recipe: Recipe, megatron: bool = False) -> tuple[float, float]:
     """Bytes one routed assignment leaves saved on the rank whose expert computes it, as (the expert's grouped
     input, its MLP): c H (an FP8 recipe's cast, gemm_input_bytes) and unit_saved_bytes of the expert's width (its
-    FP8 product as the cast). Under expert parallelism a rank keeps these for the copies it receives: the most
-    loaded rank (cost.run.routed_imbalance) the most."""
+    FP8 product as the cast; `megatron`: Megatron-Core's fused activation). Under expert parallelism a rank keeps
+    these for the copies it receives: the most loaded rank (cost.run.routed_imbalance) the most."""
     c, H, F = recipe.compute_bytes, cfg.d_model, cfg.expert_ffn_hidden
     if not recipe.fp8:
-        return c * H, unit_saved_bytes(cfg, c, F)
+        return c * H, unit_saved_bytes(cfg, c, F, megatron)
     e = gemm_input_bytes(recipe)
-    return e * H, unit_saved_bytes(cfg, c, F) - _fp8_product_delta(cfg, recipe, F)
+    return e * H, unit_saved_bytes(cfg, c, F, megatron) - _fp8_product_delta(cfg, recipe, F)
 
 
 def gemm_input_bytes(recipe: Recipe) -> float:
@@ -246,8 +247,9 @@ def megatron_lean_bytes(cfg: ModelConfig, recipe: Recipe, layer: int) -> tuple[f
     norms = 2 * s * H if cfg.norm == "rmsnorm" else 0
     if not cfg.is_moe_layer(layer):
         return norms, 0.0, 0.0
-    clamped = cfg.activation == "clamped_swiglu"
-    return norms, cfg.top_k * c * H + (4 - c) * H, cfg.top_k * c * cfg.expert_ffn_hidden if clamped else 0.0
+    F = cfg.expert_ffn_hidden
+    experts = cfg.top_k * (unit_saved_bytes(cfg, c, F) - unit_saved_bytes(cfg, c, F, fused=True))
+    return norms, cfg.top_k * c * H + (4 - c) * H, experts
 
 
 def moe_saved_bytes(cfg: ModelConfig, recipe: Recipe, expert_mlp: float) -> float:

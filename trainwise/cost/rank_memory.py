@@ -98,7 +98,7 @@ def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, rec
     else:
         per_token = sum(layer_bytes_per_token(cfg, recipe, i, lay, run.seq_len, ckpt, megatron) for i in layers)
     if lay.ep > 1 and ckpt not in ("full", "op"):
-        grouped, mlp = M.expert_saved_bytes(cfg, recipe)
+        grouped, mlp = M.expert_saved_bytes(cfg, recipe, megatron)
         folded = megatron and seq == tp and lay.expert_tp == 1  # layer_bytes_per_token's folded experts
         extra = cfg.top_k * (grouped / (tp if folded else 1) + mlp / tp) * sum(cfg.is_moe_layer(i) for i in layers)
         per_token += (routed_imbalance(cfg, run.moe_imbalance) - 1) * extra
