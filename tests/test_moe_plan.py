@@ -120,7 +120,8 @@ def test_explain_and_json_show_the_moe_terms(capsys):
     assert main(args + ["--explain"]) == 0
     out = capsys.readouterr().out
     for term in ("experts    = m x grouped GEMMs of the rank's 16 experts", "ep comm    = m x (all-to-all dispatch",
-                 "imbalance  = m x (1.2 - 1)"):
+                 "imbalance  = m x (1.2 - 1)", "the most loaded expert-parallel rank's experts keep 1.2 x the mean's "
+                 "routed copies (--moe-imbalance)"):
         assert term in out
     assert main(args + ["--json"]) == 0
     b = json.loads(capsys.readouterr().out)["time"]["breakdown"]
