@@ -106,6 +106,11 @@ class Layout:
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
 
+    def folds_experts(self, megatron: bool) -> bool:
+        """Megatron-Core's folded experts (another stack's run, sequence parallel or tp 1, etp 1): each tp rank routes
+        and dispatches its own T / tp positions, so all a MoE layer keeps is 1/tp on each."""
+        return megatron and (self.sequence_parallel or self.tp == 1) and self.expert_tp == 1
+
     @property
     def expert_dp(self) -> int:
         """Ranks holding the same experts (what their gradients are reduced, and FSDP shards them, over)."""

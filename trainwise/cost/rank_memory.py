@@ -64,8 +64,7 @@ def layer_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, layout: 
         return total
     moe, e = cfg.is_moe_layer(layer), M.gemm_input_bytes(recipe)  # e: a projection's kept input (FP8: its cast)
     shared = e * H if moe and cfg.n_shared_experts and not (c == 4 and s == 4) else 0
-    # Megatron-Core's folded experts (etp 1): each rank routes and dispatches its own T / tp positions: all / tp
-    folded = regather and sp and layout.expert_tp == 1
+    folded = layout.folds_experts(regather)  # each rank routes its own T / tp positions: all / tp
     routed = M.moe_saved_bytes(cfg, recipe, 0) - cfg.top_k * (c - e) * H + shared - lean if moe and not folded else 0
     gathered = e * H * (1 if moe else 2)
     if not sp:
@@ -99,7 +98,7 @@ def stage_activation_bytes(run: Run, layers: range, first: bool, last: bool, rec
         per_token = sum(layer_bytes_per_token(cfg, recipe, i, lay, run.seq_len, ckpt, megatron) for i in layers)
     if lay.ep > 1 and ckpt not in ("full", "op"):
         grouped, mlp = M.expert_saved_bytes(cfg, recipe, megatron)
-        folded = megatron and seq == tp and lay.expert_tp == 1  # layer_bytes_per_token's folded experts
+        folded = lay.folds_experts(megatron)
         extra = cfg.top_k * (grouped / (tp if folded else 1) + mlp / tp) * sum(cfg.is_moe_layer(i) for i in layers)
         per_token += (routed_imbalance(cfg, run.moe_imbalance) - 1) * extra
     vocab = tp if megatron else 1  # the logits: gathered (trainwise) or vocabulary-parallel
