@@ -89,20 +89,28 @@ PEAK_QUANTILE = 0.9
 
 
 def peak_round(device: torch.device) -> dict:
-    """One round of peak timings: {"rates": {dtype: [FLOP/s of every repetition, all sizes]}, "share":
-    our threads' lowest CPU share, "others": other processes' share of the cores meanwhile (or None)}."""
+    """One round of peak timings: {"rates": {dtype: [FLOP/s of every repetition, all sizes]}, "sizes": {dtype:
+    [the square sizes timed]}, "share": our threads' lowest CPU share, "others": other processes' share of the
+    cores meanwhile (or None)}."""
     kind = "cuda" if device.type == "cuda" else "cpu"
     dtypes = ["fp32", "bf16"] + (["fp16"] if kind == "cuda" else [])
     wall, before = time.perf_counter(), cpu_busy_jiffies()
-    rates, shares = {}, []
+    rates, sizes, shares = {}, {}, []
     for name in dtypes:
-        rates[name] = []
+        rates[name], sizes[name] = [], []
         for n in peak_sizes(kind, name):
-            r, share = matmul_rates(device, DTYPES[name], n, 0.2 if name == "fp32" else 0.15)
+            seconds = 0.2 if name == "fp32" else 0.15
+            r, share = matmul_rates(device, DTYPES[name], n, seconds)
             rates[name] += r
+            sizes[name].append(n)
             shares.append(share)
-    return {"rates": rates, "share": min(shares), "others": others_share(before, cpu_busy_jiffies(),
-                                                                          time.perf_counter() - wall)}
+            # The larger sizes keep fast units busy (AMX tiles). A multiply that alone outlasts the round's
+            # time runs at the dtype's rate already, and a larger one only takes longer: a CPU without bf16
+            # instructions multiplies 2048 to 4096 at one rate, 0.27 to 2.3 s a multiply (benchmarks/RESULTS.md).
+            if 2 * n**3 / max(r) > seconds:
+                break
+    return {"rates": rates, "sizes": sizes, "share": min(shares),
+            "others": others_share(before, cpu_busy_jiffies(), time.perf_counter() - wall)}
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -197,7 +205,7 @@ def measure_peak(device: torch.device, rounds: list[dict] | None = None, bandwid
                        for name in rounds[0]["rates"]},
         "bandwidth_bytes_per_s": bandwidth or bandwidth_bytes_per_s(device),
         "method": f"{PEAK_QUANTILE:.0%} quantile of repeated dense matmuls of square sizes "
-                  f"{ {name: peak_sizes(kind, name) for name in PEAK_SIZES[kind]} } in "
+                  f"{rounds[0]['sizes']} in "
                   f"{len(rounds)} rounds; bandwidth from a 256 MiB copy; profile: trainwise.measure.kernels",
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "measured_unix": time.time(),
