@@ -94,12 +94,14 @@ def test_data_parallel_collectives_of_a_step():
     """dp 2, tiny tied model, K 2. fsdp: per micro-batch the root (embedding + final norm: 9632 elements, a
     4816-element shard) and each block (15424: 7712) all-gathered before forward and again before backward:
     12 calls, (2 x 4816 + 4 x 7712) x 4 x 2 micro-batches = 323840 bytes; one reduce-scatter of each unit's
-    fp32 gradients: 80960 bytes; the gradient norm's scalar: 4 bytes. DDP: one 161920-byte bucket."""
+    fp32 gradients: 80960 bytes; the gradient norm's scalar: 4 bytes. DDP: one 161920-byte bucket, then the map of
+    the tensors each rank used (find_unused_parameters: 14 int32, the embedding, each block's 2 norms, fused qkv,
+    out, fused gate-up and down projections, the final norm: 56 bytes)."""
     cfg, shape = ModelConfig(**TINY), R.StepShape(2, 32, 2, 4, 4)
     assert R.rank_comm(cfg, Layout(dp=2, zero=3), 0, shape) == {
         "all_gather": {"calls": 12, "bytes": 323840}, "all_reduce": {"calls": 1, "bytes": 4},
         "reduce_scatter": {"calls": 3, "bytes": 80960}}
-    assert R.rank_comm(cfg, Layout(dp=2, zero=0), 0, shape) == {"all_reduce": {"calls": 1, "bytes": 161920}}
+    assert R.rank_comm(cfg, Layout(dp=2, zero=0), 0, shape) == {"all_reduce": {"calls": 2, "bytes": 161920 + 56}}
 
 
 DENSE_UNTIED = {**TINY, "tie_embeddings": False}

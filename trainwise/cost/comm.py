@@ -9,6 +9,19 @@ from trainwise.config import STRATEGY_OF_STAGE
 from trainwise.hardware.table import Node
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
+DDP_FIRST_BUCKET_BYTES = 2**20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def ddp_buckets(grad_bytes: list[int]) -> list[int]:
+    """DDP's gradient buckets (bytes): parameters in reverse order, a bucket closed once it reaches its
+    cap (1 MiB for the first, 25 MiB after: torch's compute_bucket_assignment_by_size)."""
+    buckets, current, cap = [], 0, DDP_FIRST_BUCKET_BYTES
+    for n in reversed(grad_bytes):
+        current += n
+        if current >= cap:
+            buckets.append(current)
+            current, cap = 0, DDP_BUCKET_BYTES
+    return buckets + ([current] if current else [])
 
 
 def ring_seconds(kind: str, nbytes: float, world: int, link: list[float], messages: int = 1) -> float:
@@ -27,7 +40,7 @@ def comm_seconds(strategy: str, world: int, grad_bytes: float, param_bytes: floa
                  grad_accum: int, link: list[float], gather_bytes: float | None = None,
                  reduces: int = 1) -> dict[str, float]:
     """{collective: seconds} one step issues. ddp/zero1: one all-reduce of the gradients in 25 MiB
-    buckets on the last micro-batch (zero1 then broadcasts the updated parameters); zero2: one
+    buckets on the last micro-batch, then of the map of the tensors each rank used (zero1 then broadcasts the updated parameters); zero2: one
     all-gather of the parameters per micro-batch (kept until backward) + one reduce-scatter of the
     gradients (`reduces` of them: the micro-batches whose gradients are reduce-scattered,
     Layout.fsdp_grad_sync); fsdp: all-gathers before forward and again before backward, per micro-batch.
@@ -38,7 +51,8 @@ def comm_seconds(strategy: str, world: int, grad_bytes: float, param_bytes: floa
         return {}
     if strategy in ("ddp", "zero1"):
         buckets = max(1, -(-int(grad_bytes) // DDP_BUCKET_BYTES))
-        out = {"all_reduce": ring_seconds("all_reduce", grad_bytes, world, link, buckets)}
+        # and the map of the tensors each rank used (find_unused_parameters: runtime.distributed.wrap), a message
+        out = {"all_reduce": ring_seconds("all_reduce", grad_bytes, world, link, buckets + 1)}
         if strategy == "zero1":
             out["broadcast"] = ring_seconds("broadcast", param_bytes, world, link, n_blocks + 1)
         return out

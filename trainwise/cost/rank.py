@@ -30,11 +30,10 @@ import math
 from dataclasses import dataclass, replace
 
 from trainwise.config import ModelConfig
-from trainwise.cost.comm import DDP_BUCKET_BYTES, bytes_sent
+from trainwise.cost.comm import bytes_sent, ddp_buckets
 from trainwise.cost.layout import Layout
 from trainwise.cost.schedule import rank_stages, schedule_ops, stage_layers, v_shape
 
-DDP_FIRST_BUCKET_BYTES = 2**20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 TIED_COPY = "lm_head.weight (tied copy)"  # the last pipeline stage's own copy of a tied embedding table
 
 
@@ -397,24 +396,12 @@ def _fsdp_gathers(ops: list[tuple[str, int]], chunk: int, reshard_after_forward:
     return calls
 
 
-def _ddp_buckets(grad_bytes: list[int]) -> list[int]:
-    """DDP's gradient buckets (bytes): parameters in reverse order, a bucket closed once it reaches its
-    cap (1 MiB for the first, 25 MiB after: torch's compute_bucket_assignment_by_size)."""
-    buckets, current, cap = [], 0, DDP_FIRST_BUCKET_BYTES
-    for n in reversed(grad_bytes):
-        current += n
-        if current >= cap:
-            buckets.append(current)
-            current, cap = 0, DDP_BUCKET_BYTES
-    return buckets + ([current] if current else [])
-
-
 def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> None:
     """The dp dimension's collectives of one step (runtime.distributed.wrap): FSDP2 all-gathers each
     unit's shards (fsdp: before forward and again before backward, per micro-batch; zero2: once per
     micro-batch) and reduce-scatters its fp32 gradients on the last micro-batch (on every one with
-    Layout.fsdp_grad_sync "micro-batch"); replicate all-reduces
-    each unit's gradients once; DDP all-reduces its buckets once. Divided experts (ep > 1) are neither DDP's nor
+    Layout.fsdp_grad_sync "micro-batch"); replicate all-reduces each unit's gradients once; DDP all-reduces its
+    buckets once, then the map of the parameters each rank used. Divided experts (ep > 1) are neither DDP's nor
     replicate's or FSDP2's: their gradients, flattened, are all-reduced once over the edp ranks that hold the same
     experts."""
     dp, K = layout.dp * layout.cp, shape.grad_accum  # the cp ranks hold the same parameters: they reduce too
@@ -441,8 +428,27 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
         for unit in by_unit.values():
             _add(out, "all_reduce", 1, sum(p.tp_numel for p in unit) * 4, dp)
     else:  # DDP (ddp, zero1)
-        for bucket in _ddp_buckets([4 * p.tp_numel for p in params if not divided(p.spec, layout)]):
+        held = _ddp_tensors(params, layout)
+        for bucket in ddp_buckets(held):
             _add(out, "all_reduce", 1, bucket, dp)
+        # find_unused_parameters (runtime.distributed.wrap): which of its tensors each rank used, an int32 each
+        _add(out, "all_reduce", 1, 4 * len(held), dp)
+
+
+def _ddp_tensors(params: list, layout: Layout) -> list[int]:
+    """The fp32 gradient bytes of each tensor DDP holds, in the model's order. runtime.distributed.wrap splits the
+    fused projections under ep > 1 (runtime.fused) and leaves them whole otherwise: attention's q, k and v one
+    tensor, a gated MLP's gate and up one."""
+    sizes: dict[str, int] = {}
+    for p in params:
+        if not divided(p.spec, layout):
+            parts = p.spec.name.split(".")
+            if layout.ep == 1 and len(parts) >= 3 and (parts[-3] == "qkv" and parts[-2] in ("q", "k", "v") or
+                                                      parts[-3] in ("fc", "experts_fc") and parts[-2] in ("gate", "up")):
+                parts = parts[:-2] + parts[-1:]
+            name = ".".join(parts)
+            sizes[name] = sizes.get(name, 0) + 4 * p.tp_numel
+    return list(sizes.values())
 
 
 def rank_comm(cfg: ModelConfig, layout: Layout, rank: int, shape: StepShape) -> dict[str, dict[str, int]]:

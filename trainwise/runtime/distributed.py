@@ -171,8 +171,15 @@ def wrap(model: nn.Module, d: Dist, device: torch.device, precision: str) -> nn.
         # peak RSS -73 / -106 MiB per rank for a 27.8M-parameter model whose fp32 gradients are 106 MiB).
         # broadcast_buffers=False: the buffers (RoPE tables, MoE choice biases moved by the all-reduced load)
         # are the same on every rank already; DDP would broadcast them before every forward.
+        # find_unused_parameters=True keeps DDP's first bucket layout (parameters in reverse order, the layout
+        # cost.rank prices) for the whole run: otherwise DDP lays its buckets out again after the first step, in
+        # the order the gradients arrived, and a resumed run's first step would reduce in the other layout. Over
+        # three or more ranks a gradient's sum then adds the ranks' parts in another order, and the resumed run
+        # parts from the uninterrupted one in the last bits. The price is a walk of the autograd graph a step
+        # (and torch's one-line warning at the first backward that no parameter was unused).
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       gradient_as_bucket_view=True, broadcast_buffers=False)
+                                       gradient_as_bucket_view=True, broadcast_buffers=False,
+                                       find_unused_parameters=True)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy()
