@@ -214,8 +214,8 @@ def test_cp_messages_worked_by_hand():
     Rank 0 holds positions 0-3 and 12-15, rank 1 4-11. Per layer and micro-batch each rank's k and v (2 x 8
     positions x 2 x 2 x 8 floats) are all-gathered into 2 x 2 x 2 x 16 x 8 x 4 = 4096 bytes, of which it sends
     half, and their gradients reduce-scattered in backward (2048 B): 4 calls of each, 8192 B. All-reduces: each
-    micro-batch's loss (a 4-byte scalar: 2 x 1/2 x 4 = 4 B) and DDP's one bucket of every gradient (40480 floats,
-    161920 B) over dp x cp = 2 ranks: 3 calls, 161928 B. dp 2 x cp 2: ranks 0, 1 divide one sequence, 2, 3 the
+    micro-batch's loss (a 4-byte scalar: 2 x 1/2 x 4 = 4 B), DDP's one bucket of every gradient (40480 floats,
+    161920 B) and its map of the 14 tensors each rank used (56 B) over dp x cp = 2 ranks: 4 calls, 161984 B. dp 2 x cp 2: ranks 0, 1 divide one sequence, 2, 3 the
     next."""
     assert rank_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert rank_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
@@ -225,7 +225,7 @@ def test_cp_messages_worked_by_hand():
     cfg, layout = config("cp"), layout_for(config("cp").parallel, 2)
     for rank in (0, 1):
         assert R.rank_comm(cfg.model, layout, rank, R.StepShape(2, 16, 2, 4, 4)) == {
-            "all_gather": {"calls": 4, "bytes": 8192}, "all_reduce": {"calls": 3, "bytes": 161928},
+            "all_gather": {"calls": 4, "bytes": 8192}, "all_reduce": {"calls": 4, "bytes": 161984},
             "reduce_scatter": {"calls": 4, "bytes": 8192}}
 
 
@@ -376,14 +376,15 @@ def test_ep_messages_worked_by_hand():
     and micro-batch one exchange of the counts (2 int64 to the other rank: 16 B): 4 x 16 = 64 B; 4 x 5 = 20
     calls. Uniform routing (64 per expert) sends 2 x 256 x 128 + 64 = 65600 B. All-reduces: DDP's one bucket
     of the dense gradients (embedding 9600 + 2 blocks x 15552 + final norm 32 = 40736 floats; 2 x 1/2 x 162944
-    B), the gradient norm (4 B) and the two layers' expert loads (8 floats: 32 B); the experts' gradients have
-    no other rank to be reduced with (edp 1). dp 4 = edp 2 x ep 2 ("dp_ep": a dense and a MoE layer, K = 1): DDP's
-    bucket (9600 + 15424 + 15552 + 32 = 40608 floats, 162432 B: 2 x 3/4 x 162432 = 243648 B sent), the rank's
-    expert gradients (2 experts x 3 x 32 x 128 floats = 98304 B) over edp 2 (98304 B sent), the norm (6 B) and
-    the load (4 floats: 24 B)."""
+    B) and its map of the 22 tensors each rank used (the model split: 88 B), the gradient norm (4 B) and the two
+    layers' expert loads (8 floats: 32 B); the experts' gradients have no other rank to be reduced with (edp 1). dp
+    4 = edp 2 x ep 2 ("dp_ep": a dense and a MoE layer, K = 1): DDP's bucket (9600 + 15424 + 15552 + 32 = 40608
+    floats, 162432 B: 2 x 3/4 x 162432 = 243648 B sent) and map (21 tensors, 84 B: 126 B sent), the rank's expert
+    gradients (2 experts x 3 x 32 x 128 floats = 98304 B) over edp 2 (98304 B sent), the norm (6 B) and the load
+    (4 floats: 24 B)."""
     cfg, layout = config("ep").model, Layout(dp=2, ep=2)
     tokens = ((40, 30, 50, 8), (20, 44, 36, 28))
-    all_reduce = {"calls": 3, "bytes": 162944 + 4 + 32}
+    all_reduce = {"calls": 4, "bytes": 162944 + 88 + 4 + 32}
     for rank in (0, 1):
         assert R.rank_comm(cfg, layout, rank, R.StepShape(2, 16, 2, 4, 4, expert_tokens=tokens)) == {
             "all_reduce": all_reduce, "all_to_all": {"calls": 20, "bytes": 31296}}
@@ -392,7 +393,7 @@ def test_ep_messages_worked_by_hand():
     assert [R.expert_group(Layout(dp=4, ep=2), r) for r in range(4)] == [([0, 1], 0), ([0, 1], 1), ([2, 3], 0),
                                                                           ([2, 3], 1)]
     dp_ep = R.rank_comm(config("dp_ep").model, Layout(dp=4, ep=2), 3, R.StepShape(2, 16, 1, 4, 4))
-    assert dp_ep["all_reduce"] == {"calls": 4, "bytes": 243648 + 98304 + 6 + 24}
+    assert dp_ep["all_reduce"] == {"calls": 5, "bytes": 243648 + 126 + 98304 + 6 + 24}
 
 
 
@@ -430,11 +431,15 @@ def test_trainer_runs_tp_end_to_end_with_per_rank_verify(corpus, tmp_path):
             assert (e["calls"]["measured"] == e["calls"]["predicted"]
                     and e["bytes"]["measured"] == e["bytes"]["predicted"]), kind
     assert main(["verify", str(run)]) == 0
-    # export gathers the full weights: the same tensors as the one-process run's, within the losses' tolerance
+    # export gathers the full weights from the DCP shards: the tensors the run's checkpoint holds, bit for bit (the
+    # one-process run's are close but not equal: AdamW's step, about lr for any gradient, follows the sign of a
+    # gradient near zero, which tp's other summation order can flip)
     assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     exported = load_file(tmp_path / "hf" / "model.safetensors")
+    gathered = load(run).model.state_dict()
+    assert torch.equal(exported["model.embed_tokens.weight"], gathered["embed.weight"])
     reference = load_file(single / "checkpoints/step_00000007/model.safetensors")
-    torch.testing.assert_close(exported["model.embed_tokens.weight"], reference["embed.weight"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(exported["model.embed_tokens.weight"], reference["embed.weight"], rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("sets, hint", [
