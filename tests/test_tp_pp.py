@@ -215,8 +215,8 @@ def test_cp_messages_worked_by_hand():
     positions x 2 x 2 x 8 floats) are all-gathered into 2 x 2 x 2 x 16 x 8 x 4 = 4096 bytes, of which it sends
     half, and their gradients reduce-scattered in backward (2048 B): 4 calls of each, 8192 B. All-reduces: each
     micro-batch's loss (a 4-byte scalar: 2 x 1/2 x 4 = 4 B), DDP's one bucket of every gradient (40480 floats,
-    161920 B) and its map of the 14 tensors each rank used (56 B) over dp x cp = 2 ranks: 4 calls, 161984 B. dp 2 x cp 2: ranks 0, 1 divide one sequence, 2, 3 the
-    next."""
+    161920 B) and its map of the 14 tensors each rank used (56 B) over dp x cp = 2 ranks: 4 calls, 161984 B. dp 2 x
+    cp 2: ranks 0, 1 divide one sequence, 2, 3 the next."""
     assert rank_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert rank_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     assert all(torch.equal(sequence_order(24, cp), head_tail_order(24, cp)) for cp in (2, 3, 6))

@@ -39,13 +39,13 @@ def ring_seconds(kind: str, nbytes: float, world: int, link: list[float], messag
 def comm_seconds(strategy: str, world: int, grad_bytes: float, param_bytes: float, n_blocks: int,
                  grad_accum: int, link: list[float], gather_bytes: float | None = None,
                  reduces: int = 1) -> dict[str, float]:
-    """{collective: seconds} one step issues. ddp/zero1: one all-reduce of the gradients in 25 MiB
-    buckets on the last micro-batch, then of the map of the tensors each rank used (zero1 then broadcasts the updated parameters); zero2: one
-    all-gather of the parameters per micro-batch (kept until backward) + one reduce-scatter of the
-    gradients (`reduces` of them: the micro-batches whose gradients are reduce-scattered,
-    Layout.fsdp_grad_sync); fsdp: all-gathers before forward and again before backward, per micro-batch.
-    Sharded strategies gather per block (n_blocks + 1 messages). gather_bytes: gathered parameter bytes when
-    the mixed-precision policy gathers in bf16 (default: param_bytes)."""
+    """{collective: seconds} one step issues. ddp/zero1: one all-reduce of the gradients in 25 MiB buckets on the last
+    micro-batch, then of the map of the tensors each rank used (zero1 then broadcasts the updated parameters);
+    zero2: one all-gather of the parameters per micro-batch (kept until backward) + one reduce-scatter of the
+    gradients (`reduces` of them: the micro-batches whose gradients are reduce-scattered, Layout.fsdp_grad_sync);
+    fsdp: all-gathers before forward and again before backward, per micro-batch. Sharded strategies gather per block
+    (n_blocks + 1 messages). gather_bytes: gathered parameter bytes when the mixed-precision policy gathers in bf16
+    (default: param_bytes)."""
     gather = param_bytes if gather_bytes is None else gather_bytes
     if world <= 1 or strategy in ("none", ""):
         return {}

@@ -443,8 +443,9 @@ def _ddp_tensors(params: list, layout: Layout) -> list[int]:
     for p in params:
         if not divided(p.spec, layout):
             parts = p.spec.name.split(".")
-            if layout.ep == 1 and len(parts) >= 3 and (parts[-3] == "qkv" and parts[-2] in ("q", "k", "v") or
-                                                      parts[-3] in ("fc", "experts_fc") and parts[-2] in ("gate", "up")):
+            fused = len(parts) >= 3 and (parts[-3] == "qkv" and parts[-2] in ("q", "k", "v")
+                                         or parts[-3] in ("fc", "experts_fc") and parts[-2] in ("gate", "up"))
+            if fused and layout.ep == 1:
                 parts = parts[:-2] + parts[-1:]
             name = ".".join(parts)
             sizes[name] = sizes.get(name, 0) + 4 * p.tp_numel
