@@ -350,7 +350,9 @@ def test_top_k_and_top_p_filter():
     assert draws == {3}
 
 
-@pytest.mark.parametrize("per_block", [False, True], ids=["whole", "per_block"])
+# the whole model under -m slow: its cold compile is 20-40 s of the suite, and tests/test_train.py trains the
+# whole-model compile to the eager run's losses
+@pytest.mark.parametrize("per_block", [pytest.param(False, marks=pytest.mark.slow), True], ids=["whole", "per_block"])
 def test_compiled_model_keeps_keys_and_matches_eager(per_block):
     from trainwise.runtime.parallelize import apply_compile, remove_compile
 
