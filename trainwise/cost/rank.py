@@ -445,9 +445,7 @@ def _ddp_tensors(params: list, layout: Layout) -> list[int]:
             parts = p.spec.name.split(".")
             fused = len(parts) >= 3 and (parts[-3] == "qkv" and parts[-2] in ("q", "k", "v")
                                          or parts[-3] in ("fc", "experts_fc") and parts[-2] in ("gate", "up"))
-            if fused and layout.ep == 1:
-                parts = parts[:-2] + parts[-1:]
-            name = ".".join(parts)
+            name = ".".join(parts[:-2] + parts[-1:] if fused and layout.ep == 1 else parts)
             sizes[name] = sizes.get(name, 0) + 4 * p.tp_numel
     return list(sizes.values())
 
