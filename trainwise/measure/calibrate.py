@@ -105,8 +105,8 @@ def peak_round(device: torch.device) -> dict:
             sizes[name].append(n)
             shares.append(share)
             # The larger sizes keep fast units busy (AMX tiles). A multiply that alone outlasts the round's
-            # time runs at the dtype's rate already, and a larger one only takes longer: a CPU without bf16
-            # instructions multiplies 2048 to 4096 at one rate, 0.27 to 2.3 s a multiply (benchmarks/RESULTS.md).
+            # time runs at the dtype's rate already, and a larger one only takes longer (bf16 on a CPU without
+            # bf16 instructions: benchmarks/RESULTS.md).
             if 2 * n**3 / max(r) > seconds:
                 break
     return {"rates": rates, "sizes": sizes, "share": min(shares),
