@@ -104,7 +104,7 @@ def peak_round(device: torch.device) -> dict:
             rates[name] += r
             sizes[name].append(n)
             shares.append(share)
-            # The larger sizes keep fast units busy (AMX tiles). A multiply that alone outlasts the round's
+            # The larger sizes keep fast matrix units busy. A multiply that alone outlasts the round's
             # time runs at the dtype's rate already, and a larger one only takes longer (bf16 on a CPU without
             # bf16 instructions: benchmarks/RESULTS.md).
             if 2 * n**3 / max(r) > seconds:
