@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from trainwise.config import ModelConfig, TrainConfig
 from trainwise.cost.comm import comm_seconds
+from trainwise.cost.memory import DTYPE_BYTES
 from trainwise.cost.params import params as count_params
 from trainwise.cost.steptime import kernels_to_time, op_seconds
 from trainwise.cost.time import fit_linear
@@ -21,6 +22,7 @@ from trainwise.measure.kernels import time_kernel_pass
 from trainwise.measure.load import cpu_busy_jiffies, load_factor, others_share
 from trainwise.measure.record import step_ops
 from trainwise.runtime.distributed import Dist
+from trainwise.runtime.precision import resolve_precision
 from trainwise.runtime.step import build_model, build_step, random_batches
 
 # Reference steps the step fit runs: unlike the configurations benchmarks/time_model.py checks, and from
@@ -165,7 +167,8 @@ def probe_speed(device: torch.device, calibrated_s: list[float], seconds: float 
 
 # Two reference models for the data-parallel strategies' communication as a training step runs it: the
 # same depth (so the same number of collectives), parameter bytes 7x apart (the per-byte term); unlike
-# the configurations benchmarks/time_model.py checks. (model, micro-batch, T), bf16 as the default recipe.
+# the configurations benchmarks/time_model.py checks. (model, micro-batch, T), in the recipe a run on this CPU
+# takes by default (runtime.precision.resolve_precision): bf16 where it multiplies bf16 natively, else fp32.
 STRATEGY_REFERENCES = (
     (dict(vocab_size=1024, d_model=128, n_layers=2, n_heads=2, n_kv_heads=2, ffn_hidden=384), 4, 128),
     (dict(vocab_size=2048, d_model=384, n_layers=2, n_heads=6, n_kv_heads=2, ffn_hidden=1024), 4, 128),
@@ -212,11 +215,12 @@ def _strategy_rows(cfg: ModelConfig, batch: int, seq: int, rank: int, world: int
                    rows: dict[str, list]) -> None:
     """One reference of strategy_links: its unsharded and sharded steps timed in turns, a row per strategy."""
     cpu = torch.device("cpu")
+    precision, _ = resolve_precision("auto", cpu)
     batches = random_batches(cfg.vocab_size, batch, seq, 1, cpu, seed=rank)
     steps_of = {}
     for strategy in ("none", *STRATEGIES_FITTED):
         torch.manual_seed(0)
-        steps_of[strategy] = build_step(build_model(cfg, cpu), TrainConfig(), cpu, "bf16", optimizer=False,
+        steps_of[strategy] = build_step(build_model(cfg, cpu), TrainConfig(), cpu, precision, optimizer=False,
                                         dist=Dist(strategy, rank, world, rank) if strategy != "none" else None)
         steps_of[strategy](batches)  # warm-up
     best = dict.fromkeys(steps_of, float("inf"))
@@ -233,7 +237,8 @@ def _strategy_rows(cfg: ModelConfig, batch: int, seq: int, rank: int, world: int
         if all(seconds[s] > seconds["none"] for s in STRATEGIES_FITTED):
             break
     n = count_params(cfg).total
+    gathered = DTYPE_BYTES[precision] * n  # FSDP2 gathers the parameters in the compute dtype
     for strategy in STRATEGIES_FITTED:
-        terms = [sum(comm_seconds(strategy, world, 4 * n, 4 * n, cfg.n_layers, 1, link, 2 * n).values())
+        terms = [sum(comm_seconds(strategy, world, 4 * n, 4 * n, cfg.n_layers, 1, link, gathered).values())
                  for link in ([1.0, float("inf")], [0.0, 1.0])]
         rows[strategy].append([*terms, max(seconds[strategy] - seconds["none"], 0.0)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import platform
 
 import torch
 
@@ -25,7 +26,14 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True where oneDNN runs bf16 matmuls natively (AVX512-BF16 or AMX), about 2x fp32 speed."""
+    """True where the CPU multiplies bf16 natively, about 2x its fp32 speed: on x86 AVX512-BF16 or AMX tiles.
+    oneDNN also runs bf16 on an x86 CPU with plain AVX-512, converting to fp32 on the way, and reports it as
+    supported; there a bf16 matmul is several times slower than fp32 (benchmarks/RESULTS.md), so that CPU's
+    fast recipe is fp32. Elsewhere (Arm), oneDNN's own answer."""
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        cpu = torch.cpu
+        if hasattr(cpu, "_is_avx512_bf16_supported") and hasattr(cpu, "_is_amx_tile_supported"):
+            return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):

@@ -337,6 +337,7 @@ def _train_steps(run: _Run, progress: _Progress, account: RunAccount, log: RunLo
     while progress.step < t.max_steps:
         with observer.step(progress.step):
             lr, grad_norm = _optimizer_step(run, progress.step, observer)
+        interval_start += observer.own_seconds()  # step_time_s is the step's, not the peak meter's
         progress.step += 1
         progress.tokens_seen += tokens_per_step
         interval_steps += 1
