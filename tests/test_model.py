@@ -350,11 +350,9 @@ def test_top_k_and_top_p_filter():
     assert draws == {3}
 
 
-# Under -m slow: each cold compile is 20-40 s of the suite. The default suite trains both compiles to the eager
-# losses: the whole model in tests/test_train.py, per block under torchrun in tests/test_tp_pp.py (tp_compiled,
-# resumed from its checkpoint into a model compiled again).
-@pytest.mark.slow
-@pytest.mark.parametrize("per_block", [False, True], ids=["whole", "per_block"])
+# The whole model under -m slow: its cold compile is 20-40 s of the suite, and tests/test_train.py trains the
+# whole-model compile to the eager run's losses. Blocks compiled under torchrun: tests/test_tp_pp.py, -m slow.
+@pytest.mark.parametrize("per_block", [pytest.param(False, marks=pytest.mark.slow), True], ids=["whole", "per_block"])
 def test_compiled_model_keeps_keys_and_matches_eager(per_block):
     from trainwise.runtime.parallelize import apply_compile, remove_compile
 

@@ -47,12 +47,13 @@ def rank_env() -> dict:
 
 
 TWO_RANKS = ["tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_tied", "moe_tp", "moe_pp", "ep", "ep_fsdp", "moe_fsdp",
-             "fsdp_sync", "cp", "pp_zb", "pp_zb_moe", "pp_zbv", "pp_dualpipev", "pp_fp16", "tp_compiled"]
+             "fsdp_sync", "cp", "pp_zb", "pp_zb_moe", "pp_zbv", "pp_dualpipev", "pp_fp16"]
 FOUR_RANKS = ["fsdp_tp", "pp_tp", "pp_tp_tied", "pp_dp", "pp_fsdp", "tp_dp_bf16", "dp_ep", "dp_ep_zero2", "tp_ep_fsdp",
               "cp_dp", "tp_cp", "pp_dp_ep"]
-# Launched on 2 ranks of their own under -m slow: a pipeline stage's compiled blocks (one rank waits on the other's
-# cold kernel build: a third of the 2-rank launch's time). tp_compiled compiles blocks in the default suite.
-SLOW = ["pp_compiled"]
+# Launched on 2 ranks of their own under -m slow: compiled blocks, of a pipeline stage and of DTensor shards (a cold
+# kernel build, on one rank while the other waits: a third of the 2-rank launch's time). The default suite compiles
+# per block in one process (tests/test_model.py) and trains the whole-model compile (tests/test_train.py).
+SLOW = ["pp_compiled", "tp_compiled"]
 CASES = TWO_RANKS + FOUR_RANKS + [pytest.param(case, marks=pytest.mark.slow) for case in SLOW]
 
 
@@ -101,8 +102,7 @@ class Runs(dict):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Runs:
     """Every layout's per-rank results: a 2-rank launch and a 4-rank launch, side by side (nothing they
-    record is a time, and the 2-rank launch's compiles leave a core idle while one rank waits on the other's
-    kernel build: together about 80 s on 2 cores, one after the other about 95 s)."""
+    record is a time, and each leaves a core idle at times while its ranks wait on one another)."""
     out = tmp_path_factory.mktemp("tp_pp")
     two = _start(2, out / "two", [*TWO_RANKS, "reshard", "reshard_ep"])
     four = _start(4, out / "four", FOUR_RANKS)
