@@ -70,6 +70,7 @@ class StepObserver:
             began = time.perf_counter()
             self._meter = StepPeakMeter(self._step.device, self._foreign)
             self._meter.start()
+            distributed.barrier(self._d)  # the ranks leave the meter's start together (own_seconds)
             self._own_s += time.perf_counter() - began
         counter = CommCounter() if self._last(i) else None
         try:
@@ -90,12 +91,15 @@ class StepObserver:
             meter, self._meter = self._meter, None
             meter.stop()
             self.peak_bytes = steady_peak(meter.span_peaks or [meter.peak_bytes])
+            distributed.barrier(self._d)
             self._own_s += time.perf_counter() - began
 
     def own_seconds(self) -> float:
         """Seconds the meter spent starting and stopping since the last call (a CPU profiler's start walks the
         live tensors, its stop reads every allocation event: 0.3 s each for a tiny model), which the loop leaves
-        out of step_time_s as it leaves out checkpoint saves."""
+        out of step_time_s as it leaves out checkpoint saves. Under torchrun the ranks wait for one another at
+        the end of each (a barrier): a rank that started or stopped its meter first would otherwise wait at the
+        step's next collective for the others, and count their meters' time as its step's."""
         seconds, self._own_s = self._own_s, 0.0
         return seconds
 
