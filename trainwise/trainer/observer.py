@@ -77,21 +77,23 @@ class StepObserver:
             with counter or contextlib.nullcontext(), self._meter.span() if self._meter else contextlib.nullcontext():
                 yield
         except BaseException:
-            self.close()
+            self.close(together=False)  # the other ranks may not be coming: no barrier
             raise
         if i + 1 == self._max_steps:
             self.close()
         if counter is not None:
             self.comm = counter.result()
 
-    def close(self) -> None:
-        """End the measured stretch (after the last step, or wherever the run stops): the step's peak."""
+    def close(self, together: bool = True) -> None:
+        """End the measured stretch (after the last step, or where a step failed: together=False, each rank on
+        its own): the step's peak."""
         if self._meter is not None:
             began = time.perf_counter()
             meter, self._meter = self._meter, None
             meter.stop()
             self.peak_bytes = steady_peak(meter.span_peaks or [meter.peak_bytes])
-            distributed.barrier(self._d)
+            if together:
+                distributed.barrier(self._d)
             self._own_s += time.perf_counter() - began
 
     def own_seconds(self) -> float:
