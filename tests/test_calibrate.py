@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trainwise.cli import main
-from trainwise.hardware.cache import busy_note, calibration_note
+from trainwise.hardware.cache import busy_note, cached_link, calibration_note, link_key
 from trainwise.measure import calibrate as calibrate_module
 from trainwise.measure.calibrate import BUSY_OTHERS, calibrate, measure_peak
 from trainwise.measure.load import cpu_busy_jiffies, others_share
@@ -49,6 +49,18 @@ def as_cached(entry: dict) -> dict:
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINWISE_CACHE", str(tmp_path))
     return tmp_path / "calibration.json"
+
+
+def test_a_gloo_link_without_ddp_as_its_steps_ran_it_is_measured_again(cache):
+    """A link entry of an older trainwise (collectives alone, or FSDP2's strategies without ddp's) reads as none,
+    so that the next torchrun CPU run measures it again with every strategy's fit."""
+    link = {"link": [1e-4, 1e9], "world": 2, "backend": "gloo"}
+    fsdp = {"link": [2e-3, 4e8], "rows": []}
+    for strategies, found in (({}, False), ({"zero2": fsdp, "fsdp": fsdp}, False),
+                              ({"ddp": fsdp, "zero2": fsdp, "fsdp": fsdp}, True)):
+        entry = {**link, "strategies": strategies} if strategies else link
+        cache.write_text(json.dumps({link_key("gloo", 2): entry}))
+        assert (cached_link("gloo", 2) == entry) is found and (cached_link("gloo", 2) is None) is not found
 
 
 def test_others_share_counts_other_processes_only():
@@ -130,7 +142,8 @@ def test_a_day_old_calibration_is_flagged_while_busy_and_measured_again_when_qui
     first = calibrate("cpu")
     assert first == entries[first["machine"]]  # the session's, taken as it is (quiet or not)
     for entry in entries.values():
-        entry["measured_unix"] -= 2 * 86400
+        if "measured_unix" in entry:  # a device's (a link's, when a torchrun test ran first, has none)
+            entry["measured_unix"] -= 2 * 86400
     cache.write_text(json.dumps(entries))
     old = calibrate("cpu")
     assert old["measured_unix"] < first["measured_unix"] and "days ago" in calibration_note(old)

@@ -43,9 +43,9 @@ def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def test_collectives_are_calibrated_under_torchrun_and_used_by_the_plan():
     """`torchrun --nproc_per_node 2 -m trainwise hardware --calibrate` measures gloo's all-reduce,
-    all-gather and reduce-scatter alone, fits the ring model's latency and bandwidth, then FSDP2's
-    collectives as real sharded steps run them (two reference models against their unsharded steps),
-    and caches both; the plan prices FSDP2 at the second. First in this file: the session's cache then
+    all-gather and reduce-scatter alone, fits the ring model's latency and bandwidth, then DDP's and FSDP2's
+    collectives as real steps run them (two reference models against their unsharded steps),
+    and caches both; the plan prices those strategies at the second. First in this file: the session's cache then
     holds the link the 2-rank runs below price their steps with, measured once."""
     from test_steptime import profile
 
@@ -56,14 +56,15 @@ def test_collectives_are_calibrated_under_torchrun_and_used_by_the_plan():
     proc = subprocess.run([*TORCHRUN, "-m", "trainwise", "hardware", "--calibrate"], env=rank_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "gloo collectives over 2 ranks" in proc.stdout and "fsdp as its training steps run them" in proc.stdout
+    assert "gloo collectives over 2 ranks" in proc.stdout and "fsdp as its training steps run them" in proc.stdout \
+        and "ddp as its training steps run them" in proc.stdout
     entry = cached_link("gloo", 2)
     p = profile()
     _use_measured_link(p, "gloo", 2)
     latency, bandwidth = entry["link"]
     assert 0 <= latency < 0.1 and 1e6 < bandwidth < 1e12
     assert p.link == [latency, bandwidth] and p.link_source.startswith("calibrated (gloo, 2 ranks, ")
-    assert set(p.strategy_links) == {"zero2", "fsdp"}
+    assert set(p.strategy_links) == {"ddp", "zero2", "fsdp"}
     for strategy, fit in entry["strategies"].items():
         assert len(fit["rows"]) == len(STRATEGY_REFERENCES) and all(r[2] > 0 for r in fit["rows"])
         # a sharded step's collectives cost more than the same collectives on idle ranks (copies in and out,

@@ -117,13 +117,13 @@ def test_a_cpu_plan_reduce_scatters_as_often_as_its_layout_says(calibrated):
     assert comm["micro-batch"]["all_gather"] == comm["step"]["all_gather"]
 
 
-def test_fsdp_is_priced_at_its_collectives_as_its_steps_ran_them_ddp_at_the_collectives_alone():
-    """Over gloo the link calibration fits each FSDP2 strategy's collectives to what they added to real
-    steps (measure.reference.strategy_links); a strategy without such a fit (ddp, zero1) takes the link of
-    the collectives timed alone."""
+def test_each_strategy_is_priced_at_its_collectives_as_its_steps_ran_them_else_alone():
+    """Over gloo the link calibration fits each strategy's collectives to what they added to real steps
+    (measure.reference.strategy_links): zero1 takes ddp's fit (the same DDP reducer); a strategy without
+    a fit takes the link of the collectives timed alone."""
     p = profile()
     p.link, p.link_source = [1e-4, 1e9], "calibrated (gloo, 2 ranks)"
-    p.strategy_links = {"fsdp": [2e-3, 4e8], "zero2": [1e-3, 5e8]}
+    p.strategy_links = {"fsdp": [2e-3, 4e8], "zero2": [1e-3, 5e8], "ddp": [5e-4, 8e8]}
     mm = Op("aten.mm", "matmul", "forward", "fp32", (1, 512, 512, 512), 4, 4 * 2 * 512**3, 4 * 3 * 4 * 512**2)
     common = dict(n_layers=3, n_param_tensors=4, n_params=25_000_000, grad_accum=1, compute_dtype="fp32",
                   optimizer="adamw", dp=2, grad_bytes=100_000_000, param_bytes=100_000_000)
@@ -131,6 +131,12 @@ def test_fsdp_is_priced_at_its_collectives_as_its_steps_ran_them_ddp_at_the_coll
     assert fsdp.comm == comm_seconds("fsdp", 2, 1e8, 1e8, 3, 1, [2e-3, 4e8])
     assert fsdp.comm_s == pytest.approx(sum(fsdp.comm.values()))  # a CPU: all of it shows
     assert "fsdp's collectives as its training steps ran them" in fsdp.comm_how and "2,000 us per hop" in fsdp.comm_how
+    for zero, strategy in ((0, "ddp"), (1, "zero1")):
+        st = step_time([mm], p, zero=zero, **common)
+        assert st.comm == comm_seconds(strategy, 2, 1e8, 1e8, 3, 1, [5e-4, 8e8])
+        assert "500 us per hop" in st.comm_how and "training steps ran them" in st.comm_how
+    assert "zero1's collectives as ddp's training steps ran them" in step_time([mm], p, zero=1, **common).comm_how
+    p.strategy_links = {"fsdp": [2e-3, 4e8]}
     for zero, strategy in ((0, "ddp"), (1, "zero1")):
         st = step_time([mm], p, zero=zero, **common)
         assert st.comm == comm_seconds(strategy, 2, 1e8, 1e8, 3, 1, p.link)

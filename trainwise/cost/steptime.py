@@ -251,6 +251,11 @@ def scale_batch(ops: list[Op], factor: int, seq_len: int) -> list[Op]:
     return out
 
 
+# The strategy whose link calibration (measure.reference.strategy_links) prices another's collectives: zero1's
+# gradients are all-reduced by the same DDP reducer as ddp's (its optimizer's broadcast beside them).
+FITTED_AS = {"zero1": "ddp"}
+
+
 def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors: int, n_params: int,
               grad_accum: int, compute_dtype: str, optimizer: str, zero: int, dp: int, grad_bytes: int,
               param_bytes: int, compiled: bool = False, cuda: bool = False, reduces: int = 1) -> StepTime:
@@ -270,7 +275,8 @@ def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors
     base = predict_step(ops, profile, tensors, n_params, compiled, 0.0, optimizer, async_launch=cuda,
                         precision=precision)
     strategy = strategy_for(zero, dp)
-    link = profile.strategy_links.get(strategy, profile.link)
+    fitted = FITTED_AS.get(strategy, strategy)
+    link = profile.strategy_links.get(fitted, profile.link)
     comm = comm_seconds(strategy, dp, grad_bytes, param_bytes, n_layers, grad_accum, link,
                         param_bytes // 2 if precision != "fp32" and zero >= 2 else None, reduces)
     phases = base.by_phase()
@@ -278,7 +284,8 @@ def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors
     base.comm_s, base.seconds = exposed, base.seconds + exposed
     base.comm = comm
     if comm:
-        how = "as its training steps ran them" if strategy in profile.strategy_links else "alone"
+        how = (("as its training steps ran them" if fitted == strategy else f"as {fitted}'s training steps ran them")
+               if fitted in profile.strategy_links else "alone")
         source = ("the default link (`trainwise hardware --calibrate` under torchrun measures this machine's)"
                   if profile.link_source == "default" else f"{strategy}'s collectives {how}, {profile.link_source}")
         base.comm_how = f"ring model at {link[0] * 1e6:,.0f} us per hop and {link[1] / 1e9:.3g} GB/s: {source}"

@@ -110,9 +110,10 @@ def link_key(backend: str, world: int) -> str:
 def cached_link(backend: str, world: int) -> dict | None:
     """This machine's collectives over `world` ranks as calibrate_link measured them, or None: "link"
     [latency s, bytes/s] of collectives alone, and over gloo "strategies" {strategy: {"link": ...}} (as a
-    training step runs them). An entry from before the strategies were measured reads as none, over gloo."""
+    training step runs them). An entry from before the strategies (ddp among them) were measured reads as none,
+    over gloo."""
     entry = read_json(calibration_path()).get(link_key(backend, world))
-    return entry if entry and (backend != "gloo" or "strategies" in entry) else None
+    return entry if entry and (backend != "gloo" or "ddp" in entry.get("strategies", {})) else None
 
 
 def cached(device: torch.device | str) -> dict | None:

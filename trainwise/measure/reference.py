@@ -173,11 +173,11 @@ STRATEGY_REFERENCES = (
     (dict(vocab_size=1024, d_model=128, n_layers=2, n_heads=2, n_kv_heads=2, ffn_hidden=384), 4, 128),
     (dict(vocab_size=2048, d_model=384, n_layers=2, n_heads=6, n_kv_heads=2, ffn_hidden=1024), 4, 128),
 )
-# The FSDP2 strategies, whose collectives run block by block between the compute. DDP (and zero1) all-reduce
-# the gradients once, in one bucket after the backward of a model under 25 MiB of gradients: priced at the
-# collectives timed alone (kernels.collective_fit); its excess over the unsharded reference steps, 1-15 ms,
-# was within their noise, and a fit to it read 0.0035 s per hop at unbounded bandwidth (RESULTS.md, ibid.).
-STRATEGIES_FITTED = ("zero2", "fsdp")
+# DDP, whose reducer all-reduces the gradients in buckets from hooks during the backward (zero1's too:
+# cost.steptime prices zero1 at this fit), and the FSDP2 strategies, whose collectives run block by block
+# between the compute. DDP's excess over the unsharded step is 2-3x what its all-reduces cost timed alone
+# (RESULTS.md, "DDP's collectives as its steps run them").
+STRATEGIES_FITTED = ("ddp", "zero2", "fsdp")
 # A sharded step read no slower than the unsharded one is the machine's noise, not a measurement (its fit would
 # price the strategy's collectives at nothing): its reference is timed again, at most this many times in all.
 STRATEGY_PASSES = 3
@@ -185,14 +185,14 @@ STRATEGY_PASSES = 3
 
 def strategy_links(turns: int = 12) -> dict:
     """Under torchrun on CPUs (every rank calls it, the gloo process group initialised): for each of
-    STRATEGIES_FITTED (FSDP2's), [latency s, bytes/s] of cost.comm.comm_seconds's ring model fitted to what
-    the strategy adds to the forward and backward of STRATEGY_REFERENCES (trainwise's own step, sharded as
-    the trainer shards it) over the same step unsharded, both ranks computing at once. A collective timed
-    alone on idle ranks (kernels.collective_fit) leaves out what a step's collectives cost on cores that
-    also compute: FSDP2 copies each block's parameters in and out of its gathered buffer, casts them,
-    waits for the slower rank at every block, and gloo's threads share the cores with the kernels: several
-    times what the link timed alone prices (benchmarks/RESULTS.md, "The optimizer's operands in memory;
-    collectives as a step runs them"). Unsharded and sharded steps are
+    STRATEGIES_FITTED, [latency s, bytes/s] of cost.comm.comm_seconds's ring model fitted to what
+    the strategy adds to the forward and backward of STRATEGY_REFERENCES (trainwise's own step, sharded as the
+    trainer shards it) over the same step unsharded, both ranks computing at once. A collective timed alone on idle
+    ranks (kernels.collective_fit) leaves out what a step's collectives cost on cores that also compute: DDP's
+    reducer runs its hooks and walks the autograd graph, FSDP2 copies each block's parameters in and out of its
+    gathered buffer, casts them, waits for the slower rank at every block, and gloo's threads share the cores with
+    the kernels: several times what the link timed alone prices (benchmarks/RESULTS.md, "The optimizer's operands in
+    memory; collectives as a step runs them"). Unsharded and sharded steps are
     timed in turns, one step of each after another, `turns` times after a warm-up, each the fastest of its
     steps on the slower rank: a VM's speed moves over seconds, and steps taken in turns draw their fastest from
     the same stretches of it. A reference whose sharded step still reads no slower is timed again
