@@ -258,7 +258,8 @@ def _add(out: dict, kind: str, calls: int, nbytes: int, world: int) -> None:
         return
     entry = out.setdefault(kind, {"calls": 0, "bytes": 0})
     entry["calls"] += calls
-    entry["bytes"] += calls * round(bytes_sent(kind, nbytes, world))
+    if kind != "broadcast":  # a broadcast's bytes depend on its root: its calls only (runtime.comms counts so)
+        entry["bytes"] += calls * round(bytes_sent(kind, nbytes, world))
 
 
 def _p2p(out: dict, sends: int, receives: int, nbytes: int) -> None:
@@ -433,6 +434,8 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
             _add(out, "all_reduce", 1, bucket, dp)
         # find_unused_parameters (runtime.distributed.wrap): which of its tensors each rank used, an int32 each
         _add(out, "all_reduce", 1, 4 * len(held), dp)
+        if layout.strategy == "zero1":  # ZeroRedundancyOptimizer's step: each updated tensor from its owner
+            _add(out, "broadcast", len(held), 0, dp)
 
 
 def _ddp_tensors(params: list, layout: Layout) -> list[int]:

@@ -278,7 +278,7 @@ def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors
     fitted = FITTED_AS.get(strategy, strategy)
     link = profile.strategy_links.get(fitted, profile.link)
     comm = comm_seconds(strategy, dp, grad_bytes, param_bytes, n_layers, grad_accum, link,
-                        param_bytes // 2 if precision != "fp32" and zero >= 2 else None, reduces)
+                        param_bytes // 2 if precision != "fp32" and zero >= 2 else None, reduces, n_param_tensors)
     phases = base.by_phase()
     exposed = exposed_comm(comm, phases.get("backward", 0.0) + phases.get("forward", 0.0), overlaps=cuda)
     base.comm_s, base.seconds = exposed, base.seconds + exposed

@@ -165,11 +165,14 @@ def probe_speed(device: torch.device, calibrated_s: list[float], seconds: float 
             "others_share": share, "load_factor": load_factor(share, torch.get_num_threads())}
 
 
-# Two reference models for the data-parallel strategies' communication as a training step runs it: the
-# same depth (so the same number of collectives), parameter bytes 7x apart (the per-byte term); unlike
-# the configurations benchmarks/time_model.py checks. (model, micro-batch, T), in the recipe a run on this CPU
-# takes by default (runtime.precision.resolve_precision): bf16 where it multiplies bf16 natively, else fp32.
+# Three reference models for the data-parallel strategies' communication as a training step runs it: the
+# same depth (so the same number of collectives), parameter bytes 7x and 50x apart (the per-byte term), the
+# smallest's excess nearly all per-message cost (fitted to the larger two alone, ddp's per-hop term moved
+# tenfold between calibrations: benchmarks/RESULTS.md); unlike the configurations benchmarks/time_model.py
+# checks. (model, micro-batch, T), in the recipe a run on this CPU takes by default
+# (runtime.precision.resolve_precision): bf16 where it multiplies bf16 natively, else fp32.
 STRATEGY_REFERENCES = (
+    (dict(vocab_size=512, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128), 2, 64),
     (dict(vocab_size=1024, d_model=128, n_layers=2, n_heads=2, n_kv_heads=2, ffn_hidden=384), 4, 128),
     (dict(vocab_size=2048, d_model=384, n_layers=2, n_heads=6, n_kv_heads=2, ffn_hidden=1024), 4, 128),
 )
