@@ -87,11 +87,14 @@ def test_ring_collectives_and_strategies():
     # all-reduce of 1e8 bytes over 2 ranks: 2 hops x 1e-4 + 2 x (1/2) x 1e8 / 1e9 = 0.1002 s
     assert ring_seconds("all_reduce", 1e8, 2, link) == pytest.approx(0.1002)
     assert ring_seconds("all_reduce", 1e8, 1, link) == 0
-    # DDP: 1e8 bytes = 4 buckets of 25 MiB, then the map of the tensors used: 5 x 2e-4 + 0.1 = 0.1010 s
-    assert comm_seconds("ddp", 2, 1e8, 1e8, 3, 1, link) == {"all_reduce": pytest.approx(0.1010)}
-    # ZeRO-1: the same all-reduces, then each of 14 updated tensors broadcast from its owner: 14 x 1e-4 + 0.05
-    zero1 = comm_seconds("zero1", 2, 1e8, 1e8, 3, 1, link, tensors=14)
-    assert zero1 == {"all_reduce": pytest.approx(0.1010), "broadcast": pytest.approx(0.0514)}
+    # DDP: 1e8 bytes in 10 tensors of 1e7 = torch's buckets (1 MiB first, then 25 MiB, in reverse order) of 1, 3, 3
+    # and 3 tensors, then the map of the tensors used: 5 x 2 x 1e-4 + 0.1 = 0.1010 s
+    tensors = [10_000_000] * 10
+    assert comm_seconds("ddp", 2, 1e8, 1e8, 3, 1, link, tensor_bytes=tensors) == {"all_reduce": pytest.approx(0.1010)}
+    assert comm_seconds("ddp", 2, 1e8, 1e8, 3, 1, link) == {"all_reduce": pytest.approx(0.1004)}  # one tensor
+    # ZeRO-1: the same all-reduces, then each updated tensor broadcast from its owner: 10 x 1e-4 + 0.05
+    zero1 = comm_seconds("zero1", 2, 1e8, 1e8, 3, 1, link, tensor_bytes=tensors)
+    assert zero1 == {"all_reduce": pytest.approx(0.1010), "broadcast": pytest.approx(0.0510)}
     # FSDP, K = 2, 3 blocks (4 messages): all-gather 4 x 1e-4 + 0.5 x 1e8 / 1e9 = 0.0504, twice per micro-batch
     # (before forward, before backward) x 2 micro-batches = 0.2016; one reduce-scatter 0.0504
     fsdp = comm_seconds("fsdp", 2, 1e8, 1e8, 3, 2, link)
@@ -128,21 +131,21 @@ def test_each_strategy_is_priced_at_its_collectives_as_its_steps_ran_them_else_a
     p.link, p.link_source = [1e-4, 1e9], "calibrated (gloo, 2 ranks)"
     p.strategy_links = {"fsdp": [2e-3, 4e8], "zero2": [1e-3, 5e8], "ddp": [5e-4, 8e8]}
     mm = Op("aten.mm", "matmul", "forward", "fp32", (1, 512, 512, 512), 4, 4 * 2 * 512**3, 4 * 3 * 4 * 512**2)
-    common = dict(n_layers=3, n_param_tensors=4, n_params=25_000_000, grad_accum=1, compute_dtype="fp32",
-                  optimizer="adamw", dp=2, grad_bytes=100_000_000, param_bytes=100_000_000)
+    common = dict(n_layers=3, grad_tensor_bytes=[25_000_000] * 4, n_params=25_000_000, grad_accum=1,
+                  compute_dtype="fp32", optimizer="adamw", dp=2, grad_bytes=100_000_000, param_bytes=100_000_000)
     fsdp = step_time([mm], p, zero=3, **common)
     assert fsdp.comm == comm_seconds("fsdp", 2, 1e8, 1e8, 3, 1, [2e-3, 4e8])
     assert fsdp.comm_s == pytest.approx(sum(fsdp.comm.values()))  # a CPU: all of it shows
     assert "fsdp's collectives as its training steps ran them" in fsdp.comm_how and "2,000 us per hop" in fsdp.comm_how
     for zero, strategy in ((0, "ddp"), (1, "zero1")):
         st = step_time([mm], p, zero=zero, **common)
-        assert st.comm == comm_seconds(strategy, 2, 1e8, 1e8, 3, 1, [5e-4, 8e8], tensors=4)
+        assert st.comm == comm_seconds(strategy, 2, 1e8, 1e8, 3, 1, [5e-4, 8e8], tensor_bytes=[25_000_000] * 4)
         assert "500 us per hop" in st.comm_how and "training steps ran them" in st.comm_how
     assert "zero1's collectives as ddp's training steps ran them" in step_time([mm], p, zero=1, **common).comm_how
     p.strategy_links = {"fsdp": [2e-3, 4e8]}
     for zero, strategy in ((0, "ddp"), (1, "zero1")):
         st = step_time([mm], p, zero=zero, **common)
-        assert st.comm == comm_seconds(strategy, 2, 1e8, 1e8, 3, 1, p.link, tensors=4)
+        assert st.comm == comm_seconds(strategy, 2, 1e8, 1e8, 3, 1, p.link, tensor_bytes=[25_000_000] * 4)
         assert "alone, calibrated (gloo, 2 ranks)" in st.comm_how
     assert step_time([mm], p, zero=3, **{**common, "dp": 1}).comm_how == ""  # one rank: nothing to say
     assert "the default link" in step_time([mm], profile(), zero=0, **common).comm_how  # no link calibrated

@@ -38,10 +38,11 @@ def ring_seconds(kind: str, nbytes: float, world: int, link: list[float], messag
 
 def comm_seconds(strategy: str, world: int, grad_bytes: float, param_bytes: float, n_blocks: int,
                  grad_accum: int, link: list[float], gather_bytes: float | None = None,
-                 reduces: int = 1, tensors: int | None = None) -> dict[str, float]:
-    """{collective: seconds} one step issues. ddp/zero1: one all-reduce of the gradients in 25 MiB buckets on the last
-    micro-batch, then of the map of the tensors each rank used (zero1 then broadcasts each of its `tensors`
-    updated parameter tensors from the rank that updated it, ZeroRedundancyOptimizer's step; default n_blocks + 1);
+                 reduces: int = 1, tensor_bytes: list[int] | None = None) -> dict[str, float]:
+    """{collective: seconds} one step issues. ddp/zero1: one all-reduce of the gradients per DDP bucket (ddp_buckets
+    of `tensor_bytes`, each parameter tensor's gradient bytes in the model's order; default: grad_bytes as one
+    tensor) on the last micro-batch, then of the map of the tensors each rank used (zero1 then broadcasts each
+    updated tensor from the rank that updated it, ZeroRedundancyOptimizer's step: a message a tensor);
     zero2: one all-gather of the parameters per micro-batch (kept until backward) + one reduce-scatter of the
     gradients (`reduces` of them: the micro-batches whose gradients are reduce-scattered, Layout.fsdp_grad_sync);
     fsdp: all-gathers before forward and again before backward, per micro-batch. Sharded strategies gather per block
@@ -51,11 +52,12 @@ def comm_seconds(strategy: str, world: int, grad_bytes: float, param_bytes: floa
     if world <= 1 or strategy in ("none", ""):
         return {}
     if strategy in ("ddp", "zero1"):
-        buckets = max(1, -(-int(grad_bytes) // DDP_BUCKET_BYTES))
+        tensor_bytes = tensor_bytes or [int(grad_bytes)]
+        buckets = len(ddp_buckets(tensor_bytes))
         # and the map of the tensors each rank used (find_unused_parameters: runtime.distributed.wrap), a message
         out = {"all_reduce": ring_seconds("all_reduce", grad_bytes, world, link, buckets + 1)}
         if strategy == "zero1":
-            out["broadcast"] = ring_seconds("broadcast", param_bytes, world, link, tensors or n_blocks + 1)
+            out["broadcast"] = ring_seconds("broadcast", param_bytes, world, link, len(tensor_bytes))
         return out
     gathers = grad_accum * (2 if strategy == "fsdp" else 1)
     return {"all_gather": gathers * ring_seconds("all_gather", gather, world, link, n_blocks + 1),

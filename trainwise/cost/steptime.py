@@ -256,19 +256,21 @@ def scale_batch(ops: list[Op], factor: int, seq_len: int) -> list[Op]:
 FITTED_AS = {"zero1": "ddp"}
 
 
-def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors: int, n_params: int,
+def step_time(ops: list[Op], profile: Profile, *, n_layers: int, grad_tensor_bytes: list[int], n_params: int,
               grad_accum: int, compute_dtype: str, optimizer: str, zero: int, dp: int, grad_bytes: int,
               param_bytes: int, compiled: bool = False, cuda: bool = False, reduces: int = 1) -> StepTime:
     """Predicted time of one optimizer step as the trainer runs it on the profiled device: the operators
     of one micro-batch's step (`ops`, recorded as cost.recipe.Recipe.record_precision says: autocast, or 16-bit
     weights under FSDP2's policy, when compute_dtype is bf16/fp16; CUDA
     kernels on a GPU), priced by the profile, K micro-batches, plus the exposed communication of the
-    strategy ZeRO-`zero` over dp (`reduces`: reduce-scatters per step, cost.comm.comm_seconds)."""
+    strategy ZeRO-`zero` over dp (`reduces`: reduce-scatters per step; `grad_tensor_bytes`: each parameter tensor's
+    gradient bytes in the model's order, for the optimizer's per-tensor cost, DDP's buckets and ZeRO-1's broadcasts:
+    cost.comm.comm_seconds)."""
     precision = "fp32" if compute_dtype == "fp32" else compute_dtype
     if cuda:
         ops = for_cuda(ops)
     ops = [o.scaled(grad_accum) if o.phase != "optimizer" else o for o in ops]
-    tensors = n_param_tensors
+    tensors = len(grad_tensor_bytes)
     if zero >= 1 and dp > 1:  # each rank updates only its 1/dp shard of the parameters
         ops = [o if o.phase != "optimizer" else o.resized(1 / dp, 1 / dp) for o in ops]
         n_params = n_params // dp
@@ -278,7 +280,7 @@ def step_time(ops: list[Op], profile: Profile, *, n_layers: int, n_param_tensors
     fitted = FITTED_AS.get(strategy, strategy)
     link = profile.strategy_links.get(fitted, profile.link)
     comm = comm_seconds(strategy, dp, grad_bytes, param_bytes, n_layers, grad_accum, link,
-                        param_bytes // 2 if precision != "fp32" and zero >= 2 else None, reduces, n_param_tensors)
+                        param_bytes // 2 if precision != "fp32" and zero >= 2 else None, reduces, grad_tensor_bytes)
     phases = base.by_phase()
     exposed = exposed_comm(comm, phases.get("backward", 0.0) + phases.get("forward", 0.0), overlaps=cuda)
     base.comm_s, base.seconds = exposed, base.seconds + exposed

@@ -316,7 +316,13 @@ def _run(model_cfg, micro_batch: int, seq_len: int, precision: str, checkpointin
 
 def param_tensors(model_cfg) -> int:
     """Parameter tensors of the built model (the optimizer's per-tensor cost), counted on the meta device."""
-    return len(list(build_model(model_cfg, "meta").parameters()))
+    return len(param_numels(model_cfg))
+
+
+def param_numels(model_cfg) -> list[int]:
+    """Elements of each parameter tensor of the built model, in its order (DDP's buckets, cost.comm.ddp_buckets),
+    on the meta device."""
+    return [p.numel() for p in build_model(model_cfg, "meta").parameters()]
 
 
 def block_ops(model_cfg, micro_batch: int, seq_len: int, precision: str = "fp32", checkpointing: str = "none",

@@ -20,7 +20,7 @@ from trainwise.cost.steptime import kernels_to_time, op_seconds
 from trainwise.cost.time import fit_linear
 from trainwise.measure.kernels import time_kernel_pass
 from trainwise.measure.load import cpu_busy_jiffies, load_factor, others_share
-from trainwise.measure.record import step_ops
+from trainwise.measure.record import param_numels, step_ops
 from trainwise.runtime.distributed import Dist
 from trainwise.runtime.precision import resolve_precision
 from trainwise.runtime.step import build_model, build_step, random_batches
@@ -241,7 +241,8 @@ def _strategy_rows(cfg: ModelConfig, batch: int, seq: int, rank: int, world: int
             break
     n = count_params(cfg).total
     gathered = DTYPE_BYTES[precision] * n  # FSDP2 gathers the parameters in the compute dtype
+    tensors = [4 * numel for numel in param_numels(cfg)]  # fp32 gradients: DDP's buckets
     for strategy in STRATEGIES_FITTED:
-        terms = [sum(comm_seconds(strategy, world, 4 * n, 4 * n, cfg.n_layers, 1, link, gathered).values())
+        terms = [sum(comm_seconds(strategy, world, 4 * n, 4 * n, cfg.n_layers, 1, link, gathered, 1, tensors).values())
                  for link in ([1.0, float("inf")], [0.0, 1.0])]
         rows[strategy].append([*terms, max(seconds[strategy] - seconds["none"], 0.0)])
