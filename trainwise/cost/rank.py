@@ -253,13 +253,12 @@ class StepShape:
 def _add(out: dict, kind: str, calls: int, nbytes: int, world: int) -> None:
     """Record `calls` collectives of `kind` over world ranks, each of an nbytes buffer S as cost.comm
     counts it (the gathered output of an all-gather, the input of a reduce-scatter, the reduced buffer of
-    an all-reduce), and the whole bytes the rank sends: cost.comm.bytes_sent, rounded."""
+    an all-reduce), and the whole bytes the rank sends: cost.comm.bytes_sent, rounded (a broadcast: its calls only)."""
     if calls <= 0 or world <= 1:
         return
     entry = out.setdefault(kind, {"calls": 0, "bytes": 0})
     entry["calls"] += calls
-    if kind != "broadcast":  # a broadcast's bytes depend on its root: its calls only (runtime.comms counts so)
-        entry["bytes"] += calls * round(bytes_sent(kind, nbytes, world))
+    entry["bytes"] += 0 if kind == "broadcast" else calls * round(bytes_sent(kind, nbytes, world))
 
 
 def _p2p(out: dict, sends: int, receives: int, nbytes: int) -> None:
@@ -402,9 +401,9 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
     unit's shards (fsdp: before forward and again before backward, per micro-batch; zero2: once per
     micro-batch) and reduce-scatters its fp32 gradients on the last micro-batch (on every one with
     Layout.fsdp_grad_sync "micro-batch"); replicate all-reduces each unit's gradients once; DDP all-reduces its
-    buckets once, then the map of the parameters each rank used. Divided experts (ep > 1) are neither DDP's nor
-    replicate's or FSDP2's: their gradients, flattened, are all-reduced once over the edp ranks that hold the same
-    experts."""
+    buckets once, then the map of the parameters each rank used, and zero1 broadcasts each updated tensor. Divided
+    experts (ep > 1) are neither DDP's nor replicate's or FSDP2's: their gradients, flattened, are all-reduced once
+    over the edp ranks that hold the same experts."""
     dp, K = layout.dp * layout.cp, shape.grad_accum  # the cp ranks hold the same parameters: they reduce too
     if dp <= 1 or layout.strategy == "none":
         return
@@ -434,8 +433,7 @@ def _data_parallel(out: dict, cfg: ModelConfig, layout: Layout, rank: int, shape
             _add(out, "all_reduce", 1, bucket, dp)
         # find_unused_parameters (runtime.distributed.wrap): which of its tensors each rank used, an int32 each
         _add(out, "all_reduce", 1, 4 * len(held), dp)
-        if layout.strategy == "zero1":  # ZeroRedundancyOptimizer's step: each updated tensor from its owner
-            _add(out, "broadcast", len(held), 0, dp)
+        _add(out, "broadcast", len(held) if layout.strategy == "zero1" else 0, 0, dp)
 
 
 def _ddp_tensors(params: list, layout: Layout) -> list[int]:
