@@ -39,8 +39,7 @@ def predict_step_time(model: ModelConfig, profile: Profile, *, micro_batch: int,
     if ops is None:
         ops = cached_step_ops(model, micro_batch, seq_len, precision, checkpointing, compiled and not cuda, optimizer)
     time_new_kernels(ops, profile)  # all of the step's new kernels together, in passes
-    # the gradients are fp32 (the weights' dtype) under every recipe the trainer runs
-    return step_time(ops, profile, n_layers=model.n_layers, grad_tensor_bytes=[4 * n for n in param_numels(model)],
-                     n_params=n_params,
+    tensor_bytes = [4 * n for n in param_numels(model)]  # fp32 gradients, the weights' dtype, as grad_bytes counts
+    return step_time(ops, profile, n_layers=model.n_layers, grad_tensor_bytes=tensor_bytes, n_params=n_params,
                      grad_accum=grad_accum, compute_dtype=compute_dtype, optimizer=optimizer, zero=zero, dp=dp,
                      grad_bytes=grad_bytes, param_bytes=param_bytes, compiled=compiled, cuda=cuda, reduces=reduces)
