@@ -142,6 +142,8 @@ def test_two_ranks_equal_one_process_with_grad_accum(strategy, one_process, two_
     # (ddp's steps 3 and 5 read 0.38 and 0.31 s against a 0.03 s median when they were counted in)
     times = [row["step_time_s"] for row in rows[1:]]
     assert max(times) < 5 * statistics.median(times), times
+    # steps 3 to 5 ran under the peak meter (not the first two: PEAK_STEPS): their rows say so
+    assert [row.get("metered_steps") for row in rows] == [None, None, 1, 1, 1]
 
 
 # fsdp (parameters resharded after the forward, gathered again under recompute) by default; zero2, the same

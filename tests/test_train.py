@@ -16,6 +16,7 @@ from tiny import TINY, set_args
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides, load_config
 from trainwise.trainer.loop import train
+from trainwise.verify.verify import steady_step_time
 
 TRAIN = [*TINY, "train.micro_batch=4", "train.eval_every=5", "train.eval_steps=2", "train.checkpoint_every=4"]
 METRIC_KEYS = {"step", "tokens", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "flops_per_s", "mfu"}
@@ -212,9 +213,13 @@ def test_step_time_leaves_out_checkpoint_saves(corpus, tmp_path):
         out = tmp_path / f"every{every}"
         train(tiny_config(corpus, "train.max_steps=12", "train.eval_every=0", f"train.checkpoint_every={every}"),
               out=out, quiet=True)
-        times = [r["step_time_s"] for r in read_metrics(out)[1:]]
+        rows = read_metrics(out)
+        times = [r["step_time_s"] for r in rows[1:]]
         medians.append(statistics.median(times))
         assert times[-1] < 5 * medians[-1], times
+        # the last step ran under the meter's profiler: its row says so, and verify's step time leaves it out
+        assert [r.get("metered_steps") for r in rows] == [None] * 11 + [1]
+        assert steady_step_time(out) == (pytest.approx(statistics.fmean(times[:-1])), 10)
     assert medians[1] < 2.5 * medians[0], medians
 
 

@@ -350,6 +350,8 @@ def _train_steps(run: _Run, progress: _Progress, account: RunAccount, log: RunLo
                 torch.cuda.synchronize(device)
             row = _log_row(run, account, step, progress.tokens_seen, lr, grad_norm, interval_steps,
                            time.perf_counter() - interval_start, tokens_per_step)
+            if metered := observer.metered_steps():
+                row["metered_steps"] = metered
             progress.last_loss = row["loss"]
             if do_eval:
                 progress.val_loss = row["val_loss"] = _evaluate(run, tokens.val)

@@ -52,6 +52,7 @@ class StepObserver:
         self._grad_bytes = 0
         self._expert_tokens: torch.Tensor | None = None
         self._own_s = 0.0  # seconds the meter took to start and stop, not yet handed to the loop (own_seconds)
+        self._metered = 0  # steps run under the meter, not yet handed to the loop (metered_steps)
 
     def _last(self, i: int) -> bool:
         return self._d.active and i + 1 == self._max_steps
@@ -73,6 +74,7 @@ class StepObserver:
             distributed.barrier(self._d)  # the ranks leave the meter's start together (own_seconds)
             self._own_s += time.perf_counter() - began
         counter = CommCounter() if self._last(i) else None
+        self._metered += self._meter is not None
         try:
             with counter or contextlib.nullcontext(), self._meter.span() if self._meter else contextlib.nullcontext():
                 yield
@@ -104,6 +106,13 @@ class StepObserver:
         step's next collective for the others, and count their meters' time as its step's."""
         seconds, self._own_s = self._own_s, 0.0
         return seconds
+
+    def metered_steps(self) -> int:
+        """Steps run under the peak meter since the last call. On a CPU its profiler records every operator, and
+        a metered step takes longer than the run's others: the loop marks the metrics rows that hold one
+        (`metered_steps`), and verify measures the step time on the rows without (verify.steady_step_time)."""
+        steps, self._metered = self._metered, 0
+        return steps
 
     def forward(self, i: int) -> None:
         """After each micro-batch's forward of step `i`."""

@@ -64,9 +64,11 @@ def measure_step(cfg: RunConfig, model: torch.nn.Module, optimizer_state: dict |
 
 def steady_step_time(run_dir: Path) -> tuple[float | None, int]:
     """Mean logged step_time_s of a run over the steady state: every training row after the first log
-    interval (which holds start-up: allocation, kernel selection). Returns (mean, rows used)."""
-    times = [r["step_time_s"] for r in rundir.read_metrics(run_dir) if "step_time_s" in r]
-    steady = times[1:] or times
+    interval (which holds start-up: allocation, kernel selection), but those whose steps ran under the peak
+    meter (`metered_steps`: its profiler slows them) where others remain. Returns (mean, rows used)."""
+    rows = [r for r in rundir.read_metrics(run_dir) if "step_time_s" in r]
+    rows = rows[1:] or rows
+    steady = [r["step_time_s"] for r in rows if not r.get("metered_steps")] or [r["step_time_s"] for r in rows]
     return (statistics.fmean(steady) if steady else None), len(steady)
 
 
