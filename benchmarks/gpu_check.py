@@ -42,7 +42,7 @@ def run(device: str, steps: int, overrides: list[str], out: Path) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     result = train(cfg, out=out, quiet=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    step_time_s, n_rows = steady_step_time(out)  # rows after the first log interval
+    step_time_s, n_rows = steady_step_time(out)  # rows after the first log interval, but the metered ones
     tokens_per_s = rows[0]["tokens_per_s"] * rows[0]["step_time_s"] / step_time_s  # tokens per step / time
     verify = json.loads((out / "verify.json").read_text())
     stats = {"steps": steps, "steady_rows": n_rows, "tokens_per_s": tokens_per_s,
