@@ -68,7 +68,7 @@ def steady_step_time(run_dir: Path) -> tuple[float | None, int]:
     meter (`metered_steps`: its profiler slows them) where others remain. Returns (mean, rows used)."""
     rows = [r for r in rundir.read_metrics(run_dir) if "step_time_s" in r]
     rows = rows[1:] or rows
-    steady = [r["step_time_s"] for r in rows if not r.get("metered_steps")] or [r["step_time_s"] for r in rows]
+    steady = [r["step_time_s"] for r in ([r for r in rows if not r.get("metered_steps")] or rows)]
     return (statistics.fmean(steady) if steady else None), len(steady)
 
 
