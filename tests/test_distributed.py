@@ -131,6 +131,17 @@ def test_two_ranks_equal_one_process_with_grad_accum(strategy, one_process, two_
                                     and c["bytes"]["predicted"] == c["bytes"]["measured"]
                                     for c in rank["comm"].values()), rank["comm"]
         assert ("broadcast" in rank["comm"]) == (strategy == "zero1")
+    # the speed probe of rank 0 at the start (the others waiting), and the prediction for the machine as probed
+    v = json.loads((multi / "verify.json").read_text())
+    start = json.loads((multi / "plan.json").read_text())["time"]["probe"]
+    probed = v["step_time_probed_s"]
+    assert len(probed["probe"]["now_s"]) == 5 and probed["measured"] == v["step_time_s"]["measured"]
+    # (the step priced at the end can differ from the start's by a little: both ranks time the step's new kernels
+    # into the one kernel table at the start, and rank 0's plan at the end reads the last writer's)
+    if probed["probe"]["at"] == start["at"]:  # the start reading stood (else one at the end was nearer)
+        assert probed["probe"]["ratio"] == start["ratio"] and probed["predicted"] > 0
+    else:
+        assert probed["probe"]["readings"][0] == pytest.approx(start["ratio"])
     assert main(["verify", str(multi)]) == 0
     assert f"Per rank: {strategy} on 2 ranks" in (multi / "report.html").read_text()
     # the metrics rows' throughput is both ranks' together: MFU against both ranks' peak (one rank's: 2x, > 1)

@@ -59,6 +59,7 @@ class RunAccount:
         self.peak_flops, self.peak_source = hw.peak_flops, hw.peak_source
         self.compiled = compiled  # how the step runs, for the step-time model: compiled, and on how many ranks
         self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         # the plan is the data-parallel one (tokens per step = dp replicas' batches); a tensor- or pipeline-
         # parallel replica's per-rank shares are trainwise.cost.rank's (verify.json's per_rank)
         self.dp = dp or self.world_size
@@ -102,9 +103,17 @@ class RunAccount:
     def _probe(self) -> dict | None:
         """A speed probe of this machine (measure.reference.probe_speed), kept with its calibration, or the one
         kept there if it is under PROBE_REUSE_S old; None where the device has no calibrated reference steps
-        (a table GPU, torchrun ranks of one thread each)."""
+        (a table GPU). Under torchrun rank 0 probes while the other ranks wait at a barrier, as its calibration
+        ran on one rank while the others waited for its lock; the other ranks keep None (rank 0 writes plan.json
+        and verify.json)."""
+        reading = self._probe_here() if self.rank == 0 else None
+        if self.world_size > 1:
+            torch.distributed.barrier()
+        return reading
+
+    def _probe_here(self) -> dict | None:
         calibrated = ((self.hardware.calibration or {}).get("profile") or {}).get("probe_baseline_s")
-        if self.world_size > 1 or not calibrated:
+        if not calibrated:
             return None
         last = (self.hardware.calibration or {}).get("last_probe") or {}
         if last.get("calibrated_s") == calibrated and 0 <= time.time() - last.get("unix", 0) < PROBE_REUSE_S:
@@ -117,9 +126,7 @@ class RunAccount:
         """After the run: the calibration's reference steps timed again (measure.reference.reference_speed),
         as a verify.json entry {"predicted": their calibrated seconds (summed), "measured": now, "error"}: how much
         of the step-time error is this machine's speed having moved since it was calibrated. None where
-        there is no such calibration (a table GPU, torchrun ranks of one thread each)."""
-        if self.world_size > 1:
-            return None
+        there is no such calibration (a table GPU). Under torchrun rank 0 alone calls it, the other ranks gone."""
         calibrated = ((cached(self.device) or {}).get("profile") or {}).get("probe_baseline_s")
         if not calibrated:
             return None
