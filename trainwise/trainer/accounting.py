@@ -67,7 +67,19 @@ class RunAccount:
             say(f"measuring the gloo collectives over {self.world_size} ranks, alone and as training steps run them "
                 "(about 15 s, once per machine: `trainwise hardware --calibrate` under torchrun)")
             calibrate_link()  # every rank: they are collectives
-        self.probe = self._probe()  # the machine's speed now against its calibration (about a second)
+        # Under torchrun rank 0 alone probes the machine and prices the step (timing the step's new kernels),
+        # the other ranks waiting at a barrier, as its calibration ran on one rank while the others waited for its
+        # lock; the other ranks keep no probe and no plan (rank 0 writes plan.json and verify.json).
+        self.probe = self.start_plan = None
+        if self.rank == 0:
+            self.probe = self._probe()  # the machine's speed now against its calibration (about a second)
+            self.start_plan = self._say_plan(model, say)
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def _say_plan(self, model: torch.nn.Module, say) -> dict:
+        """The model, its FLOPs and the plan (plan_json, returned) as the run starts."""
+        cfg, hw = self.cfg, self.hardware
         # a divided model's rank holds some of it (pipeline stages): the planner's count of the whole
         built = sum(p.numel() for p in model.parameters()) if self.dp == self.world_size else self.counts.total
         say(f"model {cfg.model.name}: {built:,} parameters ({self.counts.active:,} active per token), "
@@ -85,6 +97,7 @@ class RunAccount:
         if probed := when.get("probe"):
             say(f"      {probe_line(probed, when['step_seconds'])}")
         say("      (plan.json; `trainwise plan --model RUN/config.toml --gpu cpu --explain` derives it)")
+        return plan
 
     def plan(self) -> Plan:
         return plan_for_run(self.cfg, precision=self.precision, peak_flops=self.peak_flops, device=self.device.type,
@@ -103,15 +116,7 @@ class RunAccount:
     def _probe(self) -> dict | None:
         """A speed probe of this machine (measure.reference.probe_speed), kept with its calibration, or the one
         kept there if it is under PROBE_REUSE_S old; None where the device has no calibrated reference steps
-        (a table GPU). Under torchrun rank 0 probes while the other ranks wait at a barrier, as its calibration
-        ran on one rank while the others waited for its lock; the other ranks keep None (rank 0 writes plan.json
-        and verify.json)."""
-        reading = self._probe_here() if self.rank == 0 else None
-        if self.world_size > 1:
-            torch.distributed.barrier()
-        return reading
-
-    def _probe_here(self) -> dict | None:
+        (a table GPU)."""
         calibrated = ((self.hardware.calibration or {}).get("profile") or {}).get("probe_baseline_s")
         if not calibrated:
             return None

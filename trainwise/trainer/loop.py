@@ -299,7 +299,7 @@ def _restore_or_create(run: _Run, state: ckpt.Checkpoint | None, account: RunAcc
             rundir.truncate_metrics(out, step)
             rundir.remove_unfinished(out)
     elif d.is_main:
-        rundir.create_run_dir(out, run.cfg, tokenizer, account.plan_json())
+        rundir.create_run_dir(out, run.cfg, tokenizer, account.start_plan)
     distributed.barrier(d)
     return step, tokens_seen
 
