@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,11 @@ def test_unsupported_and_malformed(tmp_path):
         load_hf_config(bad)
     with pytest.raises(TrainwiseError, match="divide"):
         from_hf_dict(dict(tiny("llama"), hidden_size=60, num_attention_heads=8, head_dim=None))
+    # a size that is no whole number of at least 1: an error naming the field and its value, not a traceback
+    for key, value in (("num_attention_heads", 0), ("hidden_size", "big"), ("num_hidden_layers", 32.0),
+                       ("vocab_size", True), ("intermediate_size", -1)):
+        with pytest.raises(TrainwiseError, match=f"'{key}' = {re.escape(json.dumps(value))}, which sizes the model"):
+            from_hf_dict(dict(tiny("llama"), **{key: value}))
 
 
 # ---------------------------------------------------------------------------------------------------

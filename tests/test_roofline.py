@@ -53,3 +53,21 @@ def test_roofline_measure_cpu(tmp_path):
     big = ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, max_seq_len=2048)
     with pytest.raises(TrainwiseError, match="parameters"):
         check_measurable(big, 1, 2048, [], peak, bw)
+
+
+def test_the_command_takes_its_sequences_as_plan_does(capsys):
+    """--seq-len and --micro-batch not positive: one error naming the flag; a --seq-len past the model's
+    context: the model configured to take it, as `trainwise plan` plans it."""
+    import json
+
+    from trainwise.cli import main
+
+    base = ["roofline", "--model", "trainwise-small", "--gpu", "h100-sxm"]
+    for flag, value in (("--seq-len", "-8"), ("--seq-len", "0"), ("--micro-batch", "0")):
+        assert main([*base, flag, value]) == 2
+        assert f"{flag} = {value} must be positive" in capsys.readouterr().err
+    assert main([*base, "--seq-len", "128", "--json"]) == 0
+    short = json.loads(capsys.readouterr().out)
+    assert main([*base, "--seq-len", "1024", "--json"]) == 0  # past trainwise-small's 256 positions
+    long = json.loads(capsys.readouterr().out)
+    assert sum(op["flops"] for op in long["ops"]) > 8 * sum(op["flops"] for op in short["ops"])  # attention: more

@@ -209,6 +209,18 @@ def test_predict_without_a_fit_says_how_to_make_one(capsys):
     assert "scale sweep" in capsys.readouterr().err
 
 
+def test_a_fit_file_that_is_no_fit_record_is_one_error(tmp_path, capsys):
+    from trainwise.cli import main
+
+    for text, why in (("{", "not JSON"), ("[1]", "not a JSON object"), ("{}", "no law, bootstrap, runs, conventions"),
+                      ('{"law": {"E": "x"}, "bootstrap": {}, "runs": [], "conventions": {}}', "its law is not")):
+        path = tmp_path / "fit.json"
+        path.write_text(text)
+        for command in (["predict", "--model", "trainwise-small", "--tokens", "1e6"], ["optimal", "--flops", "1e14"]):
+            assert main(["scale", *command, "--fit", str(path)]) == 2
+            assert f"is not a fit record of `trainwise scale fit` ({why}" in " ".join(capsys.readouterr().err.split())
+
+
 # ---------------------------------------------------------------------------------------------------
 # The sweep
 

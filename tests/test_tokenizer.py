@@ -130,6 +130,17 @@ def test_bad_inputs_raise_trainwise_error(tmp_path):
         Tokenizer.load(broken)
 
 
+def test_decode_command_refuses_ids_outside_the_vocabulary(tok, tmp_path, capsys):
+    from trainwise.cli import main
+
+    path = tmp_path / "tokenizer.json"
+    tok.save(path)
+    assert main(["tokenizer", "decode", "--tokenizer", str(path), "--", "5", str(tok.vocab_size), "-1"]) == 2
+    assert f"token ids {tok.vocab_size}, -1 outside" in capsys.readouterr().err
+    assert main(["tokenizer", "decode", "--tokenizer", str(path), *map(str, tok.encode("def f"))]) == 0
+    assert capsys.readouterr().out == "def f\n"
+
+
 @pytest.mark.slow
 def test_encode_speed_on_builtin_corpus(tok):
     """>= 5 MB/s with 2 cores. Marked slow because a loaded machine makes any timing flaky."""

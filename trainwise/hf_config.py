@@ -140,7 +140,12 @@ def _need(d: dict, key: str, family: str) -> Any:
         raise TrainwiseError(
             f"the {family} config.json has no '{key}' field{''.join(f' (or {a!r})' for a in also)}, which "
             "sizes the model; add it (see the model's published config.json).")
-    return d[key]
+    value = d[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TrainwiseError(
+            f"the {family} config.json gives '{key}' = {json.dumps(value)}, which sizes the model and must be a "
+            "whole number of at least 1; correct it (see the model's published config.json).")
+    return value
 
 
 def from_hf_dict(d: dict[str, Any], name: str = "hf-model", build: bool = False,

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def load_run(run_dir: str | Path, device: str = "auto") -> LoadedRun:
 def sample_text(model: torch.nn.Module, tokenizer: Tokenizer, device: torch.device, n_tokens: int,
                 seed: int, prompt: str = "", temperature: float = 0.8, top_k: int = 50,
                 top_p: float = 1.0) -> str:
+    check_sampling(n_tokens, temperature, top_k, top_p)
     generator = torch.Generator(device=device).manual_seed(seed)
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     idx = torch.tensor([ids], dtype=torch.long, device=device)
@@ -70,3 +72,15 @@ def sample_text(model: torch.nn.Module, tokenizer: Tokenizer, device: torch.devi
         return f"(no sample: {err})"
     new = out[0, len(ids):].tolist() if not prompt else out[0].tolist()
     return tokenizer.decode(new)
+
+
+def check_sampling(n_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """The sampling settings a user gives (`trainwise sample`'s flags, LoadedRun.generate's arguments)."""
+    problems = [f"{name} (--{name.replace('_', '-')}) = {value} must be {what}" for name, value, ok, what in (
+        ("max_new_tokens", n_tokens, n_tokens >= 0, "0 or more"),
+        ("temperature", temperature, math.isfinite(temperature) and temperature >= 0, "a finite number, 0 or more "
+         "(0 samples greedily)"),
+        ("top_k", top_k, top_k >= 0, "0 or more (0 keeps every token)"),
+        ("top_p", top_p, 0 <= top_p <= 1, "between 0 and 1 (1 keeps every token)")) if not ok]
+    if problems:
+        raise TrainwiseError(f"cannot sample: {'; '.join(problems)}.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 
@@ -12,6 +13,7 @@ from trainwise.config import CHECKPOINTING
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import get_accelerator
 from trainwise.planner.machine import resolve_hardware
+from trainwise.planner.plan import check_numbers
 from trainwise.planner.spec import load_model
 from trainwise.runtime.precision import resolve_precision
 from trainwise.measure.roofline import (
@@ -36,7 +38,7 @@ def register(sub, help_text: str) -> None:
     r.add_argument("--gpu", help="accelerator from `trainwise hardware` (default: this CPU, calibrated)")
     r.add_argument("--precision", choices=["fp32", "bf16"],
                    help="default: what the trainer picks there (bf16 on a GPU or a CPU with native bf16)")
-    r.add_argument("--seq-len", type=int)
+    r.add_argument("--seq-len", type=int, help="default: 2048 or the model's shorter context")
     r.add_argument("--micro-batch", type=int, default=1)
     r.add_argument("--checkpointing", choices=list(CHECKPOINTING), default="none")
     r.add_argument("--measure", action="store_true",
@@ -49,6 +51,7 @@ def register(sub, help_text: str) -> None:
 
 def cmd_roofline(args: argparse.Namespace) -> int:
     model, _ = load_model(args.model)
+    check_numbers(("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch))
     if args.measure and args.gpu:
         raise TrainwiseError("--measure profiles a step on this CPU; it cannot be combined with --gpu.")
     if args.precision is None:  # the trainer's choice on that device (train.precision = auto)
@@ -59,6 +62,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     hardware = resolve_hardware(args.gpu or "cpu", None, None, None, args.precision)
     peak, bw, hw = hardware.peak_flops, hardware.bandwidth_bytes_per_s, hardware.name
     seq = args.seq_len or min(model.max_seq_len, 2048)
+    model = replace(model, max_seq_len=max(seq, model.max_seq_len))  # as `plan` takes a longer --seq-len
     if args.measure:
         check_measurable(model, args.micro_batch, seq, [], peak, bw)  # size first: before the fake step
     points = roofline_ops(model, args.micro_batch, seq, args.precision, args.checkpointing, cuda=bool(args.gpu))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from trainwise.inference import load_run
+from trainwise.inference import check_sampling, load_run
 
 
 def register(sub, help_text: str) -> None:
@@ -23,6 +23,7 @@ def register(sub, help_text: str) -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # before the checkpoint loads
     run = load_run(args.run_dir, device=args.device)
     print(run.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed))

@@ -47,5 +47,8 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
             ids = [int(i) for i in args.ids]
         except ValueError:
             raise TrainwiseError("decode takes token ids as integers, e.g. `decode 464 3290`.") from None
+        if outside := [i for i in ids if not 0 <= i < tok.vocab_size]:
+            raise TrainwiseError(f"token id{'s' if len(outside) > 1 else ''} {', '.join(map(str, outside[:5]))} "
+                                 f"outside {args.tokenizer}'s vocabulary: its ids run from 0 to {tok.vocab_size - 1}.")
         print(tok.decode(ids))
     return 0

@@ -40,12 +40,30 @@ def save_fit(record: dict, data_cfg: DataConfig, tokenizer: Tokenizer, cache_roo
     return path
 
 
+# What `trainwise scale predict` and `optimal` read from a fit record (scale.fitting), and its law's parameters
+FIT_KEYS = ("law", "bootstrap", "runs", "conventions")
+LAW_KEYS = ("E", "A", "B", "alpha", "beta")
+
+
 def load_fit_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise TrainwiseError(f"fit file '{path}' does not exist; `trainwise scale fit RUN...` writes one "
                              "(its path is printed), or leave --fit out to use the stored fit of the corpus.")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        record, why = None, f"not JSON: {err}"
+    else:
+        missing = [key for key in FIT_KEYS if key not in record] if isinstance(record, dict) else None
+        law = record.get("law") if isinstance(record, dict) else None
+        why = ("not a JSON object" if missing is None else f"no {', '.join(missing)}" if missing
+               else None if isinstance(law, dict) and all(isinstance(law.get(k), (int, float)) for k in LAW_KEYS)
+               else f"its law is not {{{', '.join(LAW_KEYS)}}} as numbers")
+    if why:
+        raise TrainwiseError(f"fit file '{path}' is not a fit record of `trainwise scale fit` ({why}); pass the "
+                             "file it printed, or leave --fit out to use the stored fit of the corpus.")
+    return record
 
 
 def stored_fits(cache_root: str | Path | None = None) -> list[tuple[Path, dict]]:

@@ -218,6 +218,17 @@ def format_table(v: dict) -> str:
     return "\n".join(lines)
 
 
+def _stored_measurements(old: dict) -> dict:
+    """What a run's verify.json measured, as build_verify takes it."""
+    return {"flops_per_step": old["flops_per_step"]["measured"],
+            "peak_memory_bytes": old["peak_memory_bytes"]["measured"],
+            "memory_bytes": {k: e["measured"] for k, e in old["memory_bytes"].items()},
+            "peak_source": old.get("peak_memory", {}).get("source", "copy"),
+            "tracker_peak_bytes": old.get("peak_memory", {}).get("tracker_copy_bytes"),
+            "cuda_max_allocated_bytes": old.get("cuda", {}).get("max_allocated_bytes"),
+            "cuda_max_reserved_bytes": old.get("cuda", {}).get("max_reserved_bytes")}
+
+
 def verify_run(run_dir: str | Path) -> dict:
     """Recompute verify.json of a finished run: re-plan from its config.toml, re-read metrics.jsonl,
     keep the measured FLOPs and memory from the stored verify.json."""
@@ -226,22 +237,21 @@ def verify_run(run_dir: str | Path) -> dict:
     if not rundir.is_run_dir(run_dir) or not path.is_file():
         raise TrainwiseError(f"'{run_dir}' has no {rundir.CONFIG} and {rundir.VERIFY}; pass a directory that "
                              f"`trainwise train` finished ({rundir.VERIFY} is written at the end of a run).")
-    old = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+        info = old.get("run", {})
+        peak_flops, device, measured = info["peak_flops"], old["device"], _stored_measurements(old)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise TrainwiseError(f"{path} is not the verify.json `trainwise train` writes ({type(err).__name__}: "
+                             f"{err}): its measurements cannot be read. `trainwise train` writes it at the end of a "
+                             "run: train the run again (a new --out) to measure them anew.") from None
     cfg = load_config(run_dir / rundir.CONFIG)
-    info = old.get("run", {})
-    plan = plan_for_run(cfg, precision=info.get("precision", "fp32"), peak_flops=info["peak_flops"],
-                        device="cpu" if old["device"] == "cpu" else "cuda" if torch.cuda.is_available() else None,
+    plan = plan_for_run(cfg, precision=info.get("precision", "fp32"), peak_flops=peak_flops,
+                        device="cpu" if device == "cpu" else "cuda" if torch.cuda.is_available() else None,
                         compiled=info.get("compiled", False),
                         world_size=info.get("dp", info.get("world_size", 1)))
-    measured = {"flops_per_step": old["flops_per_step"]["measured"],
-                "peak_memory_bytes": old["peak_memory_bytes"]["measured"],
-                "memory_bytes": {k: e["measured"] for k, e in old["memory_bytes"].items()},
-                "peak_source": old.get("peak_memory", {}).get("source", "copy"),
-                "tracker_peak_bytes": old.get("peak_memory", {}).get("tracker_copy_bytes"),
-                "cuda_max_allocated_bytes": old.get("cuda", {}).get("max_allocated_bytes"),
-                "cuda_max_reserved_bytes": old.get("cuda", {}).get("max_reserved_bytes")}
     step_time, _ = steady_step_time(run_dir)
-    new = build_verify(cfg, plan, measured, step_time, old["device"], info.get("peak_source", "stored"),
+    new = build_verify(cfg, plan, measured, step_time, device, info.get("peak_source", "stored"),
                        old.get("step_time_probed_s", {}).get("probe"))
     new["run"] = info
     for key in ("per_rank", "machine_speed"):  # measured when the run ended; kept as the run recorded them
