@@ -223,3 +223,13 @@ def test_registered_in_cli(capsys):
 
     assert cli_main(["explain", "roofline", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ridge_point"] == 100
+
+
+def test_values_a_topic_cannot_compute_with_are_one_error(capsys):
+    """A topic run with values it cannot compute with: one error naming the values, exit 2, no traceback."""
+    for argv, named in ((["embedding", "--vocab-size", "0"], "--vocab-size 0"),
+                        (["mfu", "--devices", "0"], "--devices 0"),
+                        (["einsum", "--equation", "ij->ijk", "--shapes", "2,3"], "--equation ij->ijk")):
+        assert cli_main(["explain", *argv]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"`trainwise explain {argv[0]}` cannot compute with {named}" in err, err

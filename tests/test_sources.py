@@ -122,6 +122,9 @@ def test_forced_encoding_and_cache_key_follow_the_decision(tmp_path, tok):
     assert forced.stats.report["encodings"] == {"iso8859-1": {"files": 1, "bytes": path.stat().st_size}}
     with pytest.raises(TrainwiseError, match="data.encoding = 'klingon'.*gb18030"):
         DataConfig(encoding="klingon").validate()
+    # a codec that refuses the whole file (UTF-16 without its byte-order mark): one error naming file and codec
+    with pytest.raises(TrainwiseError, match=r"a.txt' cannot be read as utf-16 \(UTF-16 stream does not start"):
+        prepare_data(DataConfig(paths=[str(path)], val_fraction=0.3, encoding="utf-16"), tok, seq_len=4)
 
 
 def test_damaged_utf8_stays_utf8_and_counts_the_damage(tmp_path, tok):

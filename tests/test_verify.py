@@ -54,10 +54,11 @@ def test_train_writes_verify_json(tmp_path, capsys, monkeypatch):
     assert "is not the verify.json `trainwise train` writes" in " ".join(capsys.readouterr().err.split())
     assert (out / "verify.json").read_text() == "{'not': json}"
     # sampling settings out of range: refused before the checkpoint loads, every one named
-    assert main(["sample", str(out), "--temperature", "nan", "--top-k", "-3", "--top-p", "1.5"]) == 2
+    bad = ["--temperature", "nan", "--top-k", "-3", "--top-p", "1.5", "--seed", str(10**30)]
+    assert main(["sample", str(out), *bad]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert all(f"{flag}) = {value} must be" in err for flag, value in (("--temperature", "nan"), ("--top-k", "-3"),
-                                                                         ("--top-p", "1.5")))
+                                                                         ("--top-p", "1.5"), ("--seed", 10**30)))
     # the speed probe at the start: the prediction for the machine as probed, an entry of the same form
     probed = v["step_time_probed_s"]
     assert probed["measured"] == v["step_time_s"]["measured"] and len(probed["probe"]["now_s"]) == 5

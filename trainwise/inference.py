@@ -62,7 +62,7 @@ def load_run(run_dir: str | Path, device: str = "auto") -> LoadedRun:
 def sample_text(model: torch.nn.Module, tokenizer: Tokenizer, device: torch.device, n_tokens: int,
                 seed: int, prompt: str = "", temperature: float = 0.8, top_k: int = 50,
                 top_p: float = 1.0) -> str:
-    check_sampling(n_tokens, temperature, top_k, top_p)
+    check_sampling(n_tokens, temperature, top_k, top_p, seed)
     generator = torch.Generator(device=device).manual_seed(seed)
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     idx = torch.tensor([ids], dtype=torch.long, device=device)
@@ -74,13 +74,14 @@ def sample_text(model: torch.nn.Module, tokenizer: Tokenizer, device: torch.devi
     return tokenizer.decode(new)
 
 
-def check_sampling(n_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+def check_sampling(n_tokens: int, temperature: float, top_k: int, top_p: float, seed: int = 0) -> None:
     """The sampling settings a user gives (`trainwise sample`'s flags, LoadedRun.generate's arguments)."""
     problems = [f"{name} (--{name.replace('_', '-')}) = {value} must be {what}" for name, value, ok, what in (
         ("max_new_tokens", n_tokens, n_tokens >= 0, "0 or more"),
         ("temperature", temperature, math.isfinite(temperature) and temperature >= 0, "a finite number, 0 or more "
          "(0 samples greedily)"),
         ("top_k", top_k, top_k >= 0, "0 or more (0 keeps every token)"),
-        ("top_p", top_p, 0 <= top_p <= 1, "between 0 and 1 (1 keeps every token)")) if not ok]
+        ("top_p", top_p, 0 <= top_p <= 1, "between 0 and 1 (1 keeps every token)"),
+        ("seed", seed, 0 <= seed < 2**63, "0 or more and under 2^63 (a torch generator's seed)")) if not ok]
     if problems:
         raise TrainwiseError(f"cannot sample: {'; '.join(problems)}.")

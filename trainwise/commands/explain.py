@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from trainwise.errors import TrainwiseError
 from trainwise.explain import LANGS, LISTING, listing, run_topic, topics
 
 
@@ -42,7 +43,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(listing(lang))
         return 0
     t = topics()[args.topic]
-    doc = run_topic(t.name, lang, **{a.dest: getattr(args, a.dest) for a in t.args})
+    given = {a.dest: getattr(args, a.dest) for a in t.args}
+    try:
+        doc = run_topic(t.name, lang, **given)
+    except (ArithmeticError, ValueError, RuntimeError, LookupError) as err:
+        # A topic computes with the values given; one it cannot compute with is the user's to change. At its
+        # defaults every topic runs (tests/test_explain.py), so a failure there is a defect and raises.
+        changed = [f"{a.flag} {given[a.dest]}" for a in t.args if given[a.dest] != a.kwargs.get("default")]
+        if not changed:
+            raise
+        raise TrainwiseError(f"`trainwise explain {t.name}` cannot compute with {', '.join(changed)} "
+                             f"({type(err).__name__}: {err}); `trainwise explain {t.name} --help` says what each "
+                             "takes, and its defaults run.") from None
     if args.json:
         print(json.dumps(doc.values, ensure_ascii=False, indent=2, default=str))
     else:

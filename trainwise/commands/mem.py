@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from trainwise.cost.memory import tensor_bytes
 from trainwise.errors import TrainwiseError
@@ -21,9 +22,13 @@ def register(sub, help_text: str) -> None:
 
 def cmd_mem(args: argparse.Namespace) -> int:
     try:
-        shape = [int(float(s)) for s in args.shape.split(",") if s.strip()]
+        sizes = [float(s) for s in args.shape.split(",")]
     except ValueError:
-        raise TrainwiseError(f"--shape '{args.shape}' must be comma-separated integers, e.g. 8,1024,4096.") from None
+        sizes = []
+    if not sizes or not all(math.isfinite(n) and n >= 1 and n == int(n) for n in sizes):
+        raise TrainwiseError(f"--shape '{args.shape}' must be comma-separated whole numbers of at least 1, e.g. "
+                             "8,1024,4096.")
+    shape = [int(n) for n in sizes]
     t = tensor_bytes(shape, args.dtype)
     if args.json:
         print(json.dumps({"shape": list(t.shape), "dtype": t.dtype, "bytes": t.bytes, "MB": t.mb, "MiB": t.mib}))

@@ -23,7 +23,8 @@ def register(sub, help_text: str) -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # before the checkpoint loads
+    # before the checkpoint loads
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     run = load_run(args.run_dir, device=args.device)
     print(run.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed))

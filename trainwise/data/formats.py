@@ -116,15 +116,19 @@ def iter_pieces(parts: Iterable[Part], text_field: str, chunk_chars: int,
     for part in parts:
         f = part.file
         before = _replaced[0]
-        if f.format == "text":
-            pieces = mark_last(rechunk(_text_chunks(part, chunk_chars, reading), chunk_chars))
-            yield from ((p, last and part.reaches_end) for p, last in pieces)
-        elif f.format == "jsonl":
-            yield from _jsonl(part, text_field, chunk_chars)
-        elif f.format in ("csv", "tsv"):
-            yield from _csv(f, text_field, chunk_chars)
-        else:
-            yield from _table(f, text_field, chunk_chars)
+        try:  # undecodable bytes are counted and replaced ("trainwise-count"); a codec can refuse the whole stream
+            if f.format == "text":
+                pieces = mark_last(rechunk(_text_chunks(part, chunk_chars, reading), chunk_chars))
+                yield from ((p, last and part.reaches_end) for p, last in pieces)
+            elif f.format == "jsonl":
+                yield from _jsonl(part, text_field, chunk_chars)
+            elif f.format in ("csv", "tsv"):
+                yield from _csv(f, text_field, chunk_chars)
+            else:
+                yield from _table(f, text_field, chunk_chars)
+        except UnicodeError as err:
+            raise TrainwiseError(f"'{f.path}' cannot be read as {f.encoding} ({err}); give its encoding "
+                                 "(data.encoding, `trainwise data --encoding`), or auto to detect it.") from None
         reading.replaced_bytes += _replaced[0] - before
         if f.format != "text":
             reading.bytes_read += (part.end if part.end is not None else f.size) - part.start
