@@ -70,6 +70,18 @@ def test_load_file_and_missing_field(tmp_path):
         load_hf_config(path)
 
 
+def test_a_folder_holding_a_config_json_is_the_model_it_describes(tmp_path):
+    from trainwise.planner.spec import load_model
+
+    checkout = tmp_path / "Meta-Llama-3-8B"
+    checkout.mkdir()
+    (checkout / "config.json").write_text(json.dumps(PUBLISHED["llama-3-8b"]))
+    model, run = load_model(str(checkout))
+    assert (model.name, params(model).total, run) == ("Meta-Llama-3-8B", 8_030_261_248, None)
+    with pytest.raises(TrainwiseError, match="is a folder without config.toml .* or config.json"):
+        load_model(str(tmp_path / "Meta-Llama-3-8B" / ".."))
+
+
 def test_unsupported_and_malformed(tmp_path):
     with pytest.raises(TrainwiseError, match="not supported"):
         from_hf_dict({"model_type": "bert"})

@@ -59,6 +59,7 @@ def test_cli_mem(capsys):
     (["plan", "--params", "-5", "--tokens", "1e9", "--gpu", "h100"], "positive"),
     (["plan", "--params", "1e9", "--tokens", "0", "--gpu", "h100"], "positive"),
     (["mem", "--shape", "8,0", "--dtype", "bf16"], "at least 1"),
+    (["train", "--config", "/"], "config file '/' is a folder, not a file"),
     *[(["mem", "--shape", shape], f"--shape '{shape}' must be comma-separated whole numbers") for shape in
       ("inf,2", "8.5,2", "8,,4", "1e400")],
     # found by the slow property test: a zero divisor of the global batch and a negative bandwidth (whose plan

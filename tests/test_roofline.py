@@ -71,3 +71,17 @@ def test_the_command_takes_its_sequences_as_plan_does(capsys):
     assert main([*base, "--seq-len", "1024", "--json"]) == 0  # past trainwise-small's 256 positions
     long = json.loads(capsys.readouterr().out)
     assert sum(op["flops"] for op in long["ops"]) > 8 * sum(op["flops"] for op in short["ops"])  # attention: more
+
+
+def test_a_plot_path_that_cannot_be_written_names_the_path_and_the_fix(tmp_path, capsys):
+    """The operating system's refusal, with the user's path (not the temporary file written beside it) and what
+    to do about it; nothing left behind."""
+    from trainwise.cli import main
+
+    base = ["roofline", "--model", "trainwise-small", "--gpu", "h100-sxm", "--plot"]
+    (tmp_path / "taken.png").mkdir()
+    for path, fix in ((tmp_path / "nowhere" / "roof.png", "Give a path that exists"),
+                      (tmp_path / "taken.png", "A folder has that name: give the path of a file")):
+        assert main([*base, str(path)]) == 2
+        assert f"({path}). {fix}" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["taken.png"] and not any((tmp_path / "taken.png").iterdir())

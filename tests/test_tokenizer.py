@@ -122,8 +122,10 @@ def test_bad_inputs_raise_trainwise_error(tmp_path):
     with pytest.raises(TrainwiseError, match="vocab_size = 100"):
         Tokenizer.train(["abc"], 100)
     missing = tmp_path / "nope.json"
-    with pytest.raises(TrainwiseError, match="nope.json"):
+    with pytest.raises(TrainwiseError, match="nope.json' does not exist"):
         Tokenizer.load(missing)
+    with pytest.raises(TrainwiseError, match="is a folder, not a file; pass the tokenizer.json of a run"):
+        Tokenizer.load(tmp_path)
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
     with pytest.raises(TrainwiseError, match="broken.json"):

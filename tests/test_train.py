@@ -62,7 +62,7 @@ def result_vocab(out: Path) -> int:
 # bf16, the default recipe, by default; fp32 under -m slow (exact resume is also held by tests/test_relaunch.py
 # and tests/test_faults.py in the default suite)
 @pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "bf16"])
-def test_sigterm_then_resume_reproduces_the_uninterrupted_run(corpus, tmp_path, precision):
+def test_sigterm_then_resume_reproduces_the_uninterrupted_run(corpus, tmp_path, precision, capsys):
     """SIGTERM mid-run: the step finishes, a checkpoint is saved, exit 0; resuming gives bitwise the
     same losses and weights as a run that was never interrupted (dropout on, so RNG state matters)."""
     extra = ["train.max_steps=60", f"train.precision={precision}", "model.dropout=0.1", "train.eval_every=0",
@@ -89,6 +89,15 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run(corpus, tmp_path, 
     a = load_file(straight / "checkpoints/step_00000060/model.safetensors")
     b = load_file(split / "checkpoints/step_00000060/model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # a --max-steps behind the run's step, and an --out beside --resume: one error each, nothing rewritten
+    files = {p.name: p.read_bytes() for p in split.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", "--resume", str(split), "--max-steps", "30", "--quiet"]) == 2
+    assert "is at step 60, past train.max_steps = 30" in " ".join(capsys.readouterr().err.split())
+    assert main(["train", "--resume", str(split), "--out", str(tmp_path / "other"), "--quiet"]) == 2
+    assert "drop --out" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in split.iterdir() if p.is_file()} == files
+    assert not (tmp_path / "other").exists()
 
 
 def test_sample_is_reproducible_with_a_seed(corpus, tmp_path, capsys):

@@ -53,6 +53,13 @@ def test_train_writes_verify_json(tmp_path, capsys, monkeypatch):
     assert main(["verify", str(out)]) == 2
     assert "is not the verify.json `trainwise train` writes" in " ".join(capsys.readouterr().err.split())
     assert (out / "verify.json").read_text() == "{'not': json}"
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "config.toml").write_bytes((out / "config.toml").read_bytes())
+    for where, said in ((tmp_path / "none", "is not a run directory (no such folder)"),
+                        (unfinished, "holds a run without verify.json, which `trainwise train` writes at the end")):
+        assert main(["verify", str(where)]) == 2
+        assert said in " ".join(capsys.readouterr().err.split())
     # sampling settings out of range: refused before the checkpoint loads, every one named
     bad = ["--temperature", "nan", "--top-k", "-3", "--top-p", "1.5", "--seed", str(10**30)]
     assert main(["sample", str(out), *bad]) == 2

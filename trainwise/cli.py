@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 import textwrap
@@ -61,6 +62,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# What to do about the operating system's refusals a user meets (others: the generic advice)
+OS_FIXES = {errno.ENOENT: "Give a path that exists (a file to write: one whose folder exists)",
+            errno.EISDIR: "A folder has that name: give the path of a file",
+            errno.ENOTDIR: "A part of that path is a file, not a folder: give another path",
+            errno.EACCES: "Fix the permissions, or give a path you may write", errno.EPERM: "Fix the permissions",
+            errno.EROFS: "That file system is read-only: give a path on another",
+            errno.ENOSPC: "Free disk space"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     keep_freed_memory()  # what `plan` and `hardware` time is what `train` runs: one allocator (runtime.allocator)
@@ -72,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # `trainwise ... | head`: an OSError too, but not the user's problem
         return 0
-    except OSError as err:  # a full disk, a permission, a vanished file: the user's environment, not a bug
+    except OSError as err:  # a full disk, a permission, a path that is not there: the user's environment, not a bug
         where = f" ({err.filename})" if err.filename else ""
-        print(f"trainwise {args.command}: error: {err.strerror or err}{where}. Free disk space or fix the "
-              "permissions, then run the command again (a training run resumes with --resume DIR).",
-              file=sys.stderr)
+        fix = OS_FIXES.get(err.errno, "Free disk space or fix the permissions")
+        again = " (a training run resumes with --resume DIR)" if args.command == "train" else ""
+        print(f"trainwise {args.command}: error: {err.strerror or err}{where}. {fix}, then run the command "
+              f"again{again}.", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

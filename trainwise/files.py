@@ -21,6 +21,11 @@ def replacing(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if str(tmp) not in (err.filename, err.filename2):
+            raise
+        raise type(err)(err.errno, err.strerror, str(path)) from None  # the user's path, not our temporary one
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

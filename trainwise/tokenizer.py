@@ -126,7 +126,8 @@ class Tokenizer:
         """tokenizer.json, with the HF_SIDE_FILES beside it (as transformers reads a model directory)."""
         path = Path(path)
         if not path.is_file():
-            raise TrainwiseError(f"tokenizer file '{path}' does not exist; pass the tokenizer.json of a run.")
+            said = "is a folder, not a file" if path.is_dir() else "does not exist"
+            raise TrainwiseError(f"tokenizer file '{path}' {said}; pass the tokenizer.json of a run.")
         try:
             hf = HFTokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception on a bad file

@@ -75,9 +75,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     if args.resume:
-        if args.config or args.data or args.set or args.model or args.init_from:
+        if args.config or args.data or args.set or args.model or args.init_from or args.out:
             raise TrainwiseError(
-                "--resume continues a run with the config saved in its directory; drop --config, --data, "
+                "--resume DIR continues the run in DIR with the config saved there; drop --out, --config, --data, "
                 "--model, --set and --init-from (only --max-steps may change)."
             )
         result = train(out=args.resume, resume=True, max_steps=args.max_steps, quiet=args.quiet)

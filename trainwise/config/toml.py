@@ -67,7 +67,9 @@ def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
 def load_config(path: str | Path) -> RunConfig:
     path = Path(path)
     if not path.is_file():
-        raise TrainwiseError(f"config file '{path}' does not exist; pass an existing TOML file to --config.")
+        said = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise TrainwiseError(f"config file '{path}' {said}; pass an existing TOML file to --config (a run "
+                             "directory's is its config.toml).")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:

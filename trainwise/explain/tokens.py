@@ -59,7 +59,8 @@ def read_text(text: str | None, file: str | None) -> str:
     if file is not None:
         path = Path(file)
         if not path.is_file():
-            raise TrainwiseError(f"--file '{file}' does not exist; pass a UTF-8 text file, "
+            said = "is a folder, not a file" if path.is_dir() else "does not exist"
+            raise TrainwiseError(f"--file '{file}' {said}; pass a UTF-8 text file, "
                                  "or the text itself with --text.")
         try:
             text = path.read_text(encoding="utf-8")

@@ -262,6 +262,11 @@ def _build(cfg: RunConfig, out: Path, resume: bool, init_state: dict | None, tok
     if d.rank:
         torch.manual_seed(cfg.train.seed + d.rank)  # ranks draw different dropout masks
     start_step = state.trainer_state["step"] if state is not None else 0
+    if start_step > cfg.train.max_steps:  # before anything in the run directory changes
+        raise TrainwiseError(
+            f"the run in {out} is at step {start_step}, past train.max_steps = {cfg.train.max_steps}: give "
+            f"--max-steps above {start_step} to train it further (`trainwise train --resume {out} --max-steps N`). "
+            "Its files are left as they were.")
     compiled, why_compile = resolve_compile(cfg.train.compile, cfg.model, cfg.train.max_steps - start_step,
                                             d.strategy, divided=d.divided)
     if d.layout.cp > 1:  # runtime.mesh.check_layout refuses train.compile = true

@@ -234,9 +234,13 @@ def verify_run(run_dir: str | Path) -> dict:
     keep the measured FLOPs and memory from the stored verify.json."""
     run_dir = Path(run_dir)
     path = run_dir / rundir.VERIFY
-    if not rundir.is_run_dir(run_dir) or not path.is_file():
-        raise TrainwiseError(f"'{run_dir}' has no {rundir.CONFIG} and {rundir.VERIFY}; pass a directory that "
-                             f"`trainwise train` finished ({rundir.VERIFY} is written at the end of a run).")
+    if not rundir.is_run_dir(run_dir):
+        why = f"no {rundir.CONFIG} in it" if run_dir.is_dir() else "no such folder"
+        raise TrainwiseError(f"'{run_dir}' is not a run directory ({why}); pass a directory `trainwise train --out` "
+                             "wrote.")
+    if not path.is_file():
+        raise TrainwiseError(f"'{run_dir}' holds a run without {rundir.VERIFY}, which `trainwise train` writes at "
+                             f"the end of a run: finish it (`trainwise train --resume {run_dir}`), then verify it.")
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
         info = old.get("run", {})
