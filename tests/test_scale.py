@@ -210,7 +210,13 @@ def test_predict_without_a_fit_says_how_to_make_one(capsys):
 
 
 def test_a_fit_file_that_is_no_fit_record_is_one_error(tmp_path, capsys):
+    from dataclasses import fields
+
     from trainwise.cli import main
+    from trainwise.scale.law import Law
+    from trainwise.scale.store import LAW_KEYS
+
+    assert LAW_KEYS == tuple(f.name for f in fields(Law))  # the store's check names the law's own fields
 
     for text, why in (("{", "not JSON"), ("[1]", "not a JSON object"), ("{}", "no law, bootstrap, runs, conventions"),
                       ('{"law": {"E": "x"}, "bootstrap": {}, "runs": [], "conventions": {}}', "its law is not")):

@@ -43,3 +43,8 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
 def write_json_atomic(path: str | Path, data, indent: int | None = 1) -> None:
     """Write `data` as JSON to `path` whole or not at all."""
     write_atomic(path, json.dumps(data, indent=indent))
+
+
+def not_a_file(path: Path) -> str:
+    """Why `path` cannot be read as a file, for an error message: a folder has its name, or nothing does."""
+    return "is a folder, not a file" if path.is_dir() else "does not exist"

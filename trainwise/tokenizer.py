@@ -35,7 +35,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from trainwise.errors import TrainwiseError
-from trainwise.files import write_atomic
+from trainwise.files import not_a_file, write_atomic
 
 EOT = "<|endoftext|>"
 # end-of-sequence names of the common open tokenizers, tried in this order when none is declared:
@@ -126,8 +126,7 @@ class Tokenizer:
         """tokenizer.json, with the HF_SIDE_FILES beside it (as transformers reads a model directory)."""
         path = Path(path)
         if not path.is_file():
-            said = "is a folder, not a file" if path.is_dir() else "does not exist"
-            raise TrainwiseError(f"tokenizer file '{path}' {said}; pass the tokenizer.json of a run.")
+            raise TrainwiseError(f"tokenizer file '{path}' {not_a_file(path)}; pass the tokenizer.json of a run.")
         try:
             hf = HFTokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception on a bad file

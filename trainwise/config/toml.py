@@ -19,7 +19,7 @@ from trainwise.config.checks import suggest
 from trainwise.config.model import default_ffn_hidden
 from trainwise.config.run import SECTIONS, RunConfig
 from trainwise.errors import TrainwiseError
-from trainwise.files import write_atomic
+from trainwise.files import not_a_file, write_atomic
 
 
 def section_from_dict(cls: type, values: dict[str, Any], where: str) -> Any:
@@ -67,8 +67,7 @@ def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
 def load_config(path: str | Path) -> RunConfig:
     path = Path(path)
     if not path.is_file():
-        said = "is a folder, not a file" if path.is_dir() else "does not exist"
-        raise TrainwiseError(f"config file '{path}' {said}; pass an existing TOML file to --config (a run "
+        raise TrainwiseError(f"config file '{path}' {not_a_file(path)}; pass an existing TOML file to --config (a run "
                              "directory's is its config.toml).")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))

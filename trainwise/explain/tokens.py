@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trainwise import rundir
 from trainwise.errors import TrainwiseError
+from trainwise.files import not_a_file
 from trainwise.explain.render import Doc
 from trainwise.explain.topic import Arg, Topic
 from trainwise.tokenizer import EOT, MIN_VOCAB_SIZE, Tokenizer
@@ -59,8 +60,7 @@ def read_text(text: str | None, file: str | None) -> str:
     if file is not None:
         path = Path(file)
         if not path.is_file():
-            said = "is a folder, not a file" if path.is_dir() else "does not exist"
-            raise TrainwiseError(f"--file '{file}' {said}; pass a UTF-8 text file, "
+            raise TrainwiseError(f"--file '{file}' {not_a_file(path)}; pass a UTF-8 text file, "
                                  "or the text itself with --text.")
         try:
             text = path.read_text(encoding="utf-8")

@@ -40,7 +40,8 @@ def save_fit(record: dict, data_cfg: DataConfig, tokenizer: Tokenizer, cache_roo
     return path
 
 
-# What `trainwise scale predict` and `optimal` read from a fit record (scale.fitting), and its law's parameters
+# What `trainwise scale predict` and `optimal` read from a fit record (scale.fitting), and the fields of its law
+# (scale.law.Law's, which this module sits below)
 FIT_KEYS = ("law", "bootstrap", "runs", "conventions")
 LAW_KEYS = ("E", "A", "B", "alpha", "beta")
 
@@ -55,15 +56,23 @@ def load_fit_file(path: str | Path) -> dict:
     except (ValueError, UnicodeDecodeError) as err:
         record, why = None, f"not JSON: {err}"
     else:
-        missing = [key for key in FIT_KEYS if key not in record] if isinstance(record, dict) else None
-        law = record.get("law") if isinstance(record, dict) else None
-        why = ("not a JSON object" if missing is None else f"no {', '.join(missing)}" if missing
-               else None if isinstance(law, dict) and all(isinstance(law.get(k), (int, float)) for k in LAW_KEYS)
-               else f"its law is not {{{', '.join(LAW_KEYS)}}} as numbers")
+        why = _not_a_fit(record)
     if why:
         raise TrainwiseError(f"fit file '{path}' is not a fit record of `trainwise scale fit` ({why}); pass the "
                              "file it printed, or leave --fit out to use the stored fit of the corpus.")
     return record
+
+
+def _not_a_fit(record) -> str | None:
+    """What keeps a JSON value from being read as a fit record, or None."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if missing := [key for key in FIT_KEYS if key not in record]:
+        return f"no {', '.join(missing)}"
+    law = record["law"]
+    if not (isinstance(law, dict) and all(isinstance(law.get(k), (int, float)) for k in LAW_KEYS)):
+        return f"its law is not {{{', '.join(LAW_KEYS)}}} as numbers"
+    return None
 
 
 def stored_fits(cache_root: str | Path | None = None) -> list[tuple[Path, dict]]:
