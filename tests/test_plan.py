@@ -73,6 +73,40 @@ def test_cli_errors(capsys, argv, text):
     assert text in capsys.readouterr().err
 
 
+def test_flags_a_plan_would_ignore_are_refused_and_named_together(capsys):
+    """A flag that changes nothing in the plan it is given to is one error naming each such flag and why, and
+    nothing printed to stdout; where it applies, the same flag is taken. --fit's candidates take the layout flags
+    wherever they apply, so there only the model decides."""
+    from trainwise.cli import build_parser
+    from trainwise.commands.plan import flags_not_used
+    from trainwise.presets import get_preset
+
+    dense = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "16", "--tokens", "1e9"]
+    assert main([*dense, "--etp", "2", "--cp-impl", "a2a", "--pp-overlap", "--params", "1e9"]) == 2
+    captured = capsys.readouterr()
+    err = " ".join(captured.err.split())
+    assert captured.out == "" and err.count("trainwise plan: error:") == 1 and "drop them" in err
+    assert "--etp applies to Mixture-of-Experts layers, and the model is llama-3-8b, a dense model" in err
+    assert "--cp-impl a2a is how context parallelism exchanges keys and values, and --cp is 1" in err
+    assert "--pp-overlap hides the interleaved schedule's sends, and --vpp is 1" in err
+    assert "--params 1e+09 counts a model known only by its size" in err
+    for flags, text in ((["--fsdp-grad-sync", "step"], "and --zero is 0, not 3"), (["--tp-overlap"], "--tp is 1"),
+                        (["--sequence-parallel"], "--tp is 1"), (["--moe-imbalance", "1"], "a dense model")):
+        assert main([*dense, *flags]) == 2 and text in " ".join(capsys.readouterr().err.split()), flags
+
+    def unused(model: str, *flags: str) -> list[str]:
+        argv = ["plan", "--model", model, *flags]
+        return flags_not_used(build_parser(argv).parse_args(argv), get_preset(model))
+
+    assert unused("mixtral-8x7b", "--ep-overlap") == ["--ep-overlap hides expert-parallel all-to-alls, and --ep is 1"]
+    for flags in (["--ep", "2", "--ep-overlap", "--etp", "1", "--ep-dispatch", "alltoall", "--moe-imbalance", "1"],
+                  ["--cp", "2", "--cp-impl", "a2a"], ["--vpp", "2", "--pp-overlap"], ["--tp", "2", "--tp-overlap"],
+                  ["--tp", "2", "--sequence-parallel"], ["--zero", "3", "--fsdp-grad-sync", "step"]):
+        assert unused("mixtral-8x7b", *flags) == [], flags
+    assert unused("llama-3-8b", "--fit", "--pp-overlap", "--cp-impl", "allgather", "--tp-overlap") == []
+    assert unused("llama-3-8b", "--fit", "--etp", "2") != []
+
+
 def test_cli_tables_and_explain(capsys, tmp_path):
     assert main(["hardware"]) == 0
     assert "H100" in capsys.readouterr().out

@@ -76,11 +76,13 @@ def register(sub, help_text: str) -> None:
                    help="pipeline schedule (default 1f1b, interleaved with --vpp > 1); interleaved_zb, zbv and "
                         "dualpipev split each backward in two (zero bubble), zbv and dualpipev with --vpp 2 in a V")
     p.add_argument("--cp", type=whole_number, default=1, help="context-parallel ranks (the sequence split)")
-    p.add_argument("--cp-impl", choices=list(CP_IMPLS), default="ring",
-                   help="how cp exchanges keys and values: ring (p2p under attention), allgather, a2a (Ulysses)")
+    p.add_argument("--cp-impl", choices=list(CP_IMPLS), default=None,
+                   help="how cp exchanges keys and values: ring (p2p under attention; the default), allgather, a2a "
+                        "(Ulysses)")
     p.add_argument("--ep", type=whole_number, default=1, help="expert-parallel ranks (MoE; out of dp x cp)")
-    p.add_argument("--ep-dispatch", choices=list(EP_DISPATCHES), default="alltoall",
-                   help="how ep moves tokens to their experts: alltoall (each routed copy to its expert's rank), "
+    p.add_argument("--ep-dispatch", choices=list(EP_DISPATCHES), default=None,
+                   help="how ep moves tokens to their experts: alltoall (the default: each routed copy to its expert's "
+                        "rank), "
                         "allgather (every token gathered over tp x ep, outputs reduce-scattered: Megatron-Core's "
                         "allgather dispatcher)")
     p.add_argument("--etp", type=whole_number, default=None,
@@ -154,6 +156,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.tokens = toml_run.tokens  # a trainwise TOML knows its run length
     if model is None and args.params is None:
         raise TrainwiseError("give --model PRESET|FILE or --params N.")
+    unused = flags_not_used(args, model)
+    if unused:
+        one = len(unused) == 1
+        raise TrainwiseError(f"{'; '.join(unused)}: drop {'it' if one else 'them'}, or plan a run "
+                             f"{'it applies' if one else 'they apply'} to (a flag that changes nothing would leave "
+                             "the plan looking like its answer).")
     if args.tokens is None and args.simulate:
         args.tokens = 1.0  # --simulate is about one step; time figures then cover one token
         if not args.gpu and not args.peak_flops:
@@ -184,6 +192,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if scaling["repetition_note"]:
             print(f"{'':<22} warning: {scaling['repetition_note']}")
     return 0
+
+
+def flags_not_used(args: argparse.Namespace, model) -> list[str]:
+    """The flags given that the plan of `model` (None: --params alone) would ignore, each with why; --fit's
+    candidates take the layout flags wherever they apply, so only the model decides there."""
+    unused = []
+    if model is not None and args.params is not None:
+        unused.append(f"--params {args.params:g} counts a model known only by its size, and --model "
+                      f"{args.model} gives the whole model")
+    if model is None or not model.is_moe:
+        what = "--params alone" if model is None else f"{model.name}, a dense model"
+        unused += [f"{flag} applies to Mixture-of-Experts layers, and the model is {what}"
+                   for flag, given in (("--etp", args.etp is not None), ("--ep-dispatch", args.ep_dispatch is not None),
+                                       ("--ep-overlap", args.ep_overlap),
+                                       ("--moe-imbalance", args.moe_imbalance is not None)) if given]
+    if args.fit:
+        return unused
+    if args.cp_impl is not None and args.cp == 1:
+        unused.append(f"--cp-impl {args.cp_impl} is how context parallelism exchanges keys and values, and --cp is 1")
+    if args.pp_overlap and args.vpp == 1:
+        unused.append("--pp-overlap hides the interleaved schedule's sends, and --vpp is 1")
+    if args.ep_overlap and args.ep == 1 and model is not None and model.is_moe:
+        unused.append("--ep-overlap hides expert-parallel all-to-alls, and --ep is 1")
+    if args.fsdp_grad_sync is not None and args.zero != 3:
+        unused.append(f"--fsdp-grad-sync {args.fsdp_grad_sync} is when FSDP reduce-scatters, and --zero is "
+                      f"{args.zero}, not 3")
+    if args.tp == 1:
+        unused += [f"{flag} applies to tensor parallelism, and --tp is 1"
+                   for flag, given in (("--sequence-parallel", args.sequence_parallel),
+                                       (f"--tp-overlap {args.tp_overlap}", args.tp_overlap is not None)) if given]
+    return unused
 
 
 def attention_impl(args: argparse.Namespace) -> str:
@@ -218,10 +257,10 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
         layout = make_layout(args.gpus, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
                              sequence_parallel=args.sequence_parallel, zero=args.zero, micro_batches=run.grad_accum,
                              dp_overlap=not args.no_dp_overlap, attention_impl=attention_impl(args),
-                             tp_overlap=args.tp_overlap, cp_impl=args.cp_impl, etp=args.etp,
+                             tp_overlap=args.tp_overlap, cp_impl=args.cp_impl or "ring", etp=args.etp,
                              ep_overlap=args.ep_overlap, pp_schedule=args.pp_schedule, pp_overlap=args.pp_overlap,
                              dp_shard=args.dp_shard, fsdp_grad_sync=args.fsdp_grad_sync,
-                             ep_dispatch=args.ep_dispatch)
+                             ep_dispatch=args.ep_dispatch or "alltoall")
     machine = Machine(gpu=args.gpu, peak_flops=args.peak_flops, bandwidth=args.bandwidth, memory=args.memory,
                       gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
                       inter_node_bw=args.inter_node_bw, clock_share=args.clock_share)
@@ -282,8 +321,9 @@ def _cmd_fit(args, model, toml_run) -> int:
                              "--dp-shard, or plan the HSDP layout without --fit.")
     if args.gpu and args.gpu.lower() not in ("cpu", "cuda") and args.peak_flops is None and args.mfu is None:
         layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=attention_impl(args),
-                             cp_impl=args.cp_impl, tp_overlap=args.tp_overlap, ep_overlap=args.ep_overlap,
-                             pp_overlap=args.pp_overlap, ep_dispatch=args.ep_dispatch)
+                             cp_impl=args.cp_impl or "ring", tp_overlap=args.tp_overlap,
+                             ep_overlap=args.ep_overlap, pp_overlap=args.pp_overlap,
+                             ep_dispatch=args.ep_dispatch or "alltoall")
         layout = replace(layout, fsdp_grad_sync=args.fsdp_grad_sync)  # for the candidates with ZeRO-3 and one stage
         return _cmd_fit_layouts(args, run_from_args(args, model, toml_run, layout), budget)
     run = run_from_args(args, model, toml_run, fit_layout(args.gpus, args.tp, args.pp))
