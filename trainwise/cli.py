@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import re
 import sys
 import textwrap
 
@@ -34,7 +35,12 @@ COMMANDS = {
 
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-paragraph error: the flag, what is wrong, and where the usage is (not the whole
-    usage block, which buries the one line that matters)."""
+    usage block, which buries the one line that matters). A negative number in exponent form (-1e9) is a
+    value, as -5 and -0.5 are to argparse, not an unknown flag: the flag's own check then names it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def error(self, message: str):
         text = f"{self.prog}: error: {message.rstrip('.')}. See `{self.prog} --help` for the options and examples."

@@ -19,10 +19,19 @@ def number(text: str) -> float:
     return value
 
 
-def whole_number(text: str) -> int:
+def positive_number(text: str) -> float:
+    """A number above 0 (a count of tokens, FLOPs, minutes): 0 is refused, never read as "not given"."""
     value = number(text)
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"'{text}' must be a whole number")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"'{text}' must be above 0")
+    return value
+
+
+def whole_number(text: str) -> int:
+    """A count of at least 1 (ranks, sequences, steps)."""
+    value = number(text)
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' must be a whole number of at least 1")
     return int(value)
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import replace
 
-from trainwise.commands.args import byte_size, number, whole_number
+from trainwise.commands.args import byte_size, number, positive_number, whole_number
 from trainwise.config import CHECKPOINTING, load_config
 from trainwise.config.run import FSDP_GRAD_SYNCS, PP_SCHEDULES
 from trainwise.cost.loss import STACK_LOSSES
@@ -140,7 +140,7 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--causal-halving", action="store_true", help="halve attention score/value FLOPs (causal)")
     p.add_argument("--fit", action="store_true", help="search micro-batch, grad-accum, checkpointing, ZeRO")
     p.add_argument("--global-batch", type=whole_number, help="--fit target, in sequences")
-    p.add_argument("--global-batch-tokens", type=number,
+    p.add_argument("--global-batch-tokens", type=positive_number,
                    help="--fit target, in tokens (rounded to whole sequences, and said so)")
     p.add_argument("--json", action="store_true", help="print JSON only (SI units)")
     p.add_argument("--explain", action="store_true", help="print each formula with the numbers substituted")

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from trainwise import rundir
-from trainwise.commands.args import number
+from trainwise.commands.args import positive_number, whole_number
 from trainwise.config import DataConfig, RunConfig, load_config
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
@@ -67,22 +67,24 @@ def register(sub_parsers, help_text: str) -> None:
         q = sub.add_parser(name, help=helptext)
         if name == "predict":
             q.add_argument("--model", required=True, help="preset name or trainwise TOML (its [data] picks the fit)")
-            q.add_argument("--tokens", type=number,
+            q.add_argument("--tokens", type=positive_number,
                            help="training tokens D (default: a TOML's max_steps x tokens/step)")
         else:
-            q.add_argument("--flops", type=number, required=True, help="compute budget C in FLOPs")
+            q.add_argument("--flops", type=positive_number, required=True, help="compute budget C in FLOPs")
             q.add_argument("--gpu", default="cpu", help="hardware of the plan (default: this CPU, measured)")
-            q.add_argument("--peak-flops", type=number, help="peak FLOP/s per device (overrides --gpu)")
-            q.add_argument("--mfu", type=number, help="model FLOP utilisation of the plan (default the planner's)")
+            q.add_argument("--peak-flops", type=positive_number, help="peak FLOP/s per device (overrides --gpu)")
+            q.add_argument("--mfu", type=positive_number,
+                           help="model FLOP utilisation of the plan (default the planner's)")
         q.add_argument("--data", nargs="+", metavar="PATH",
                        help=f"corpus of the fit (default: {SWEEP_DATA[0]}, the sweep's)")
-        q.add_argument("--vocab-size", type=int, help="tokenizer vocab size of the fit (default 4096 or the TOML's)")
+        q.add_argument("--vocab-size", type=whole_number,
+                       help="tokenizer vocab size of the fit (default 4096 or the TOML's)")
         q.add_argument("--fit", metavar="FIT.json", help="a fit file instead of the stored fit of the corpus")
         q.add_argument("--json", action="store_true")
         q.set_defaults(func=cmd_predict if name == "predict" else cmd_optimal)
 
     s = sub.add_parser("sweep", help="train a small IsoFLOP grid inside a time budget, then fit it")
-    s.add_argument("--minutes", type=number, required=True, help="wall-time budget of the training, minutes")
+    s.add_argument("--minutes", type=positive_number, required=True, help="wall-time budget of the training, minutes")
     s.add_argument("--data", nargs="+", metavar="PATH",
                    help=f"corpus (default: {SWEEP_DATA[0]}, the standard library's source, ~12 MB of mostly code)")
     s.add_argument("--out", help="directory for the runs (default runs/scale-sweep-DATE-TIME); "
