@@ -74,6 +74,10 @@ def test_cli_mem(capsys):
     (["scale", "predict", "--model", "trainwise-gpt2-small", "--tokens", "0"], "--tokens: '0' must be above 0"),
     (["scale", "optimal", "--flops", "-1e9"], "--flops: '-1e9' must be above 0"),
     (["plan", "--params", "-1e9", "--tokens", "1e9"], "--params = -1000000000.0 must be positive"),
+    # a plan replays its step's schedule micro-batch by micro-batch: these ran until memory ran out
+    *[(["plan", "--model", "trainwise-gpt2-small", "--gpu", "h100", *flags], "more than the 100,000 a plan replays")
+      for flags in (["--grad-accum", "1e12"], ["--global-batch", "1e9"], ["--fit", "--global-batch", "1e9"],
+                    ["--fit", "--memory-budget", "80GiB", "--global-batch", "1e9"])],
     (["plan", "--model", "deepseek-v3", "--gpu", "v100", "--bandwidth", "-1"], "--bandwidth = -1 must be positive"),
 ])
 def test_cli_errors(capsys, argv, text):

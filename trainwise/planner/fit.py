@@ -16,7 +16,7 @@ from trainwise.cost.steptime import scale_batch
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
 from trainwise.planner.machine import Hardware, resolve_hardware
-from trainwise.planner.plan import plan_run, positive
+from trainwise.planner.plan import MAX_MICRO_BATCHES, check_micro_batches, plan_run, positive
 from trainwise.planner.device_step import cached_step_ops, predict_step_time
 
 
@@ -82,6 +82,8 @@ def fit_run(run: Run, *, global_batch: int, memory_budget: int, mfu: float | Non
         raise TrainwiseError(f"global batch {global_batch} sequences does not split over {dp} data-parallel ranks.")
     per_rank = global_batch // dp
     micro_batches = [b for b in range(1, min(per_rank, max_micro_batch) + 1) if per_rank % b == 0]
+    check_micro_batches(per_rank // micro_batches[-1])  # the fewest any candidate runs
+    micro_batches = [b for b in micro_batches if per_rank // b <= MAX_MICRO_BATCHES]
     counts = params(model)
     hw, machine = None, None
     if run.machine is not None and (run.machine.gpu is not None or run.machine.peak_flops is not None):

@@ -12,7 +12,7 @@ from trainwise.cost.layout import make_layout
 from trainwise.cost.run import Run
 from trainwise.cost.time import DEFAULT_MFU
 from trainwise.errors import TrainwiseError
-from trainwise.planner.plan import Plan, plan_run
+from trainwise.planner.plan import MAX_MICRO_BATCHES, Plan, check_micro_batches, plan_run
 
 
 
@@ -44,6 +44,7 @@ def candidate_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, global_
     global batch, leaving at least pp micro-batches per pipeline (a multiple of pp when interleaved); ZeRO
     0, 1 and 3 (FSDP; with data parallelism); every checkpointing mode (op-level: dense attention models).
     Sequence parallelism with every tp > 1."""
+    check_micro_batches(global_batch // (gpus * max_micro_batch))  # fewer than any layout runs
     out, dense = [], not model.is_moe and model.attention != "mla"
     for tp in (t for t in _divisors(gpus) if t <= gpus_per_node and model.n_heads % t == 0):
         for pp in (p for p in _divisors(gpus // tp) if p <= model.n_layers):
@@ -56,6 +57,8 @@ def candidate_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, global_
                 for b in (b for b in _divisors(global_batch // dp) if b <= max_micro_batch):
                     # micro-batches per pipeline: at least pp, a multiple of it interleaved
                     m = global_batch // (dp * b)
+                    if m > MAX_MICRO_BATCHES:
+                        continue
                     for vpp in (v for v in vpps if m >= pp and (v == 1 or m % pp == 0)):
                         for ep in eps:
                             for zero in ((0, 1, 3) if dp * cp > 1 else (0,)):

@@ -232,6 +232,20 @@ def positive(name: str, value: float | None) -> None:
         raise TrainwiseError(f"{name} = {value} must be positive.")
 
 
+# The most micro-batches per step a plan takes: its memory and pipeline terms replay a step's schedule
+# micro-batch by micro-batch (cost.schedule), ~6 s for this many, and a run's global batch of sequences is
+# micro-batch x this x data-parallel ranks; a larger count is a mistyped flag, not a run to plan.
+MAX_MICRO_BATCHES = 100_000
+
+
+def check_micro_batches(grad_accum: int) -> None:
+    if grad_accum > MAX_MICRO_BATCHES:
+        raise TrainwiseError(
+            f"{grad_accum:,} micro-batches per step (--grad-accum, or --global-batch / (micro-batch x dp)) is more "
+            f"than the {MAX_MICRO_BATCHES:,} a plan replays: its schedule is priced micro-batch by micro-batch. "
+            "Raise --micro-batch or the data-parallel ranks, or lower the global batch.")
+
+
 def check_numbers(*named: tuple[str, float | None], mfu: float | None = None) -> None:
     """The numbers a user gives, each named by the flag that sets it: positive, and --mfu a fraction."""
     for name, value in named:
@@ -277,6 +291,7 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
     check_numbers(("--tokens", tokens), ("--seq-len", seq_len), ("--micro-batch", micro_batch),
                   ("--grad-accum", grad_accum), ("--tp", tp), ("--pp", pp), ("--gpus", gpus),
                   ("--params", params_count), ("--price", price), mfu=mfu)
+    check_micro_batches(grad_accum)
     if model is None and params_count is None:
         raise TrainwiseError("give a model (--model PRESET|FILE) or a parameter count (--params N).")
     if checkpointing not in FL.RECOMPUTE:
