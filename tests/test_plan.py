@@ -78,6 +78,8 @@ def test_cli_mem(capsys):
     *[(["plan", "--model", "trainwise-gpt2-small", "--gpu", "h100", *flags], "more than the 100,000 a plan replays")
       for flags in (["--grad-accum", "1e12"], ["--global-batch", "1e9"], ["--fit", "--global-batch", "1e9"],
                     ["--fit", "--memory-budget", "80GiB", "--global-batch", "1e9"])],
+    (["plan", "--model", "trainwise-gpt2-small", "--fit", "--memory-budget", "80GiB", "--global-batch", "1e9"],
+     "more than the 100,000 a plan replays"),
     (["plan", "--model", "deepseek-v3", "--gpu", "v100", "--bandwidth", "-1"], "--bandwidth = -1 must be positive"),
 ])
 def test_cli_errors(capsys, argv, text):
