@@ -244,6 +244,20 @@ def test_empty_corpus_is_refused_and_leaves_no_cache_entry(tmp_path, tok):
     assert list((cache_root() / "data").iterdir()) == []
 
 
+def test_a_tokenizer_is_not_trained_on_a_corpus_without_text(tmp_path, capsys):
+    """`tokenizer train` on empty files was a tokenizer of the 257 byte tokens, saved and cached as if trained."""
+    from trainwise.cli import main
+
+    write(tmp_path / "d" / "a.txt", "")
+    write(tmp_path / "d" / "b.jsonl", '{"text": ""}\n')
+    with pytest.raises(TrainwiseError, match="contains no text"):
+        prepare_tokenizer(DataConfig(paths=[str(tmp_path / "d")]), 300)
+    assert not (cache_root() / "tokenizers").exists() or list((cache_root() / "tokenizers").iterdir()) == []
+    out = tmp_path / "tok.json"
+    assert main(["tokenizer", "train", "--data", str(tmp_path / "d" / "a.txt"), "--out", str(out)]) == 2
+    assert "contains no text" in capsys.readouterr().err and not out.exists()
+
+
 def test_prepare_tokenizer_is_cached_and_deterministic(tmp_path):
     cfg = DataConfig(paths=[str(write(tmp_path / "a.txt", words(5000)))])
     first = prepare_tokenizer(cfg, 300)

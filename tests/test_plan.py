@@ -80,6 +80,10 @@ def test_cli_mem(capsys):
                     ["--fit", "--memory-budget", "80GiB", "--global-batch", "1e9"])],
     (["plan", "--model", "trainwise-gpt2-small", "--fit", "--memory-budget", "80GiB", "--global-batch", "1e9"],
      "more than the 100,000 a plan replays"),
+    # matplotlib added .png to a name without an extension: the file said written was not there
+    (["roofline", "--model", "trainwise-gpt2-small", "--gpu", "h100", "--plot", "roof"],
+     "--plot: 'roof' needs the extension of an image format, e.g. roof.png"),
+    (["scale", "fit", "runs", "--plot", "fit.xyz"], "--plot: 'fit.xyz' needs the extension of an image format"),
     (["plan", "--model", "deepseek-v3", "--gpu", "v100", "--bandwidth", "-1"], "--bandwidth = -1 must be positive"),
 ])
 def test_cli_errors(capsys, argv, text):

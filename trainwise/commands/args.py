@@ -35,6 +35,20 @@ def whole_number(text: str) -> int:
     return int(value)
 
 
+def plot_file(text: str) -> str:
+    """A chart's file name whose extension names a format matplotlib writes (without one, it would add .png
+    and write another file than the one asked for)."""
+    from matplotlib.backend_bases import FigureCanvasBase  # slow to import: only where a chart is asked for
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = text.rpartition(".")[2].lower() if "." in text.rpartition("/")[2] else ""
+    if suffix not in formats:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' needs the extension of an image format, e.g. {text.rstrip('.')}.png (or "
+            f"{', '.join(sorted(f for f in formats if f != 'png'))})")
+    return text
+
+
 def byte_size(text: str) -> int:
     """A memory size as people type it (80GiB, 24GB, 1e9): argparse then names the flag in its error."""
     try:

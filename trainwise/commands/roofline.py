@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import torch
 
+from trainwise.commands.args import plot_file
 from trainwise.config import CHECKPOINTING
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import get_accelerator
@@ -44,7 +45,7 @@ def register(sub, help_text: str) -> None:
     r.add_argument("--measure", action="store_true",
                    help="also profile one real training step on this CPU (torch.profiler) and put each "
                         "operator's achieved FLOP/s beside its bound (models up to 200M parameters)")
-    r.add_argument("--plot", metavar="FILE.png")
+    r.add_argument("--plot", type=plot_file, metavar="FILE.png")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_roofline)
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from trainwise import rundir
-from trainwise.commands.args import positive_number, whole_number
+from trainwise.commands.args import plot_file, positive_number, whole_number
 from trainwise.config import DataConfig, RunConfig, load_config
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.time import DEFAULT_MFU
@@ -58,7 +58,7 @@ def register(sub_parsers, help_text: str) -> None:
                    help="auto: every validation row of constant-LR runs, the final row of decaying ones")
     f.add_argument("--bootstrap", type=int, default=100, help="bootstrap refits for the uncertainty (default 100)")
     f.add_argument("--form", default="full", help=FORM_HELP)
-    f.add_argument("--plot", metavar="FILE.png", help="write the chart of the fit")
+    f.add_argument("--plot", type=plot_file, metavar="FILE.png", help="write the chart of the fit")
     f.add_argument("--json", action="store_true", help="print the fit record as JSON")
     f.set_defaults(func=cmd_fit)
 
@@ -91,7 +91,7 @@ def register(sub_parsers, help_text: str) -> None:
                    "one that holds a stopped sweep: continue it")
     s.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override the base config (lr, vocab)")
     s.add_argument("--form", default="full", help=FORM_HELP)
-    s.add_argument("--plot", metavar="FILE.png", help="write the chart of the fit")
+    s.add_argument("--plot", type=plot_file, metavar="FILE.png", help="write the chart of the fit")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_sweep)
 

@@ -49,6 +49,8 @@ SHARD_BYTES = 32 * 2**20  # a unit of work (and of redone work after a kill)
 # HF's Encoding objects (~300 bytes per token) stay near 100 MB.
 ENCODE_CHARS = 16_384
 BATCH_CHARS = 1_000_000
+NO_TEXT = ("the corpus contains no text: its files are empty or hold only empty records. Add files with text, or "
+           "check data.text_field.")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -156,8 +158,7 @@ def build(entry: Path, shards: list[list[Part]], tokenizer_json: str, eot_id: in
         stats = _run_shards(partial, shards, eot_id, vocab_size, text_field, chunk_chars, workers)
         if stats.tokens == 0:
             shutil.rmtree(partial, ignore_errors=True)
-            raise TrainwiseError("the corpus contains no text: its files are empty or hold only empty records. "
-                                 "Add files with text, or check data.text_field.")
+            raise TrainwiseError(NO_TEXT)
         with open(partial / "tokens.bin", "wb") as out:
             for i in range(len(shards)):
                 with open(_shard_bin(partial, i), "rb") as src:
