@@ -81,10 +81,9 @@ def register(sub, help_text: str) -> None:
                         "(Ulysses)")
     p.add_argument("--ep", type=whole_number, default=1, help="expert-parallel ranks (MoE; out of dp x cp)")
     p.add_argument("--ep-dispatch", choices=list(EP_DISPATCHES), default=None,
-                   help="how ep moves tokens to their experts: alltoall (the default: each routed copy to its expert's "
-                        "rank), "
-                        "allgather (every token gathered over tp x ep, outputs reduce-scattered: Megatron-Core's "
-                        "allgather dispatcher)")
+                   help="how ep moves tokens to their experts: alltoall (the default: each routed copy to its "
+                        "expert's rank), allgather (every token gathered over tp x ep, outputs reduce-scattered: "
+                        "Megatron-Core's allgather dispatcher)")
     p.add_argument("--etp", type=whole_number, default=None,
                    help="expert tensor parallelism: the routed experts' width over etp ranks (default: tp)")
     p.add_argument("--moe-imbalance", type=number, default=None,
@@ -202,7 +201,7 @@ def flags_not_used(args: argparse.Namespace, model) -> list[str]:
         unused.append(f"--params {args.params:g} counts a model known only by its size, and --model "
                       f"{args.model} gives the whole model")
     if model is None or not model.is_moe:
-        what = "--params alone" if model is None else f"{model.name}, a dense model"
+        what = "known only by --params" if model is None else f"{model.name}, a dense model"
         unused += [f"{flag} applies to Mixture-of-Experts layers, and the model is {what}"
                    for flag, given in (("--etp", args.etp is not None), ("--ep-dispatch", args.ep_dispatch is not None),
                                        ("--ep-overlap", args.ep_overlap),
