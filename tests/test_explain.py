@@ -233,3 +233,13 @@ def test_values_a_topic_cannot_compute_with_are_one_error(capsys):
         assert cli_main(["explain", *argv]) == 2
         err = " ".join(capsys.readouterr().err.split())
         assert f"`trainwise explain {argv[0]}` cannot compute with {named}" in err, err
+    # values a topic computes with but that describe no machine: they printed a negative attainable FLOP/s and an
+    # MFU of 400%
+    for argv, text in ((["roofline", "--intensity", "20", "-5"], "--intensity = -5.0 must be positive"),
+                       (["mfu", "--achieved-flops", "4e14", "--peak-flops", "1e14"],
+                        "--achieved-flops 4e14 FLOP/s is more than 1 x --peak-flops 1e14")):
+        assert cli_main(["explain", *argv]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert text in err, err
+    assert cli_main(["explain", "mfu", "--achieved-flops", "4e14", "--peak-flops", "1e14", "--devices", "8"]) == 0
+    assert "50.0%" in capsys.readouterr().out

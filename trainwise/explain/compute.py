@@ -221,6 +221,8 @@ def roofline(peak_flops: float = 100e12, bandwidth: float = 1e12, intensity: lis
     positive(peak_flops, "--peak-flops")
     positive(bandwidth, "--bandwidth")
     intensity = intensity if intensity is not None else [20.0, 150.0]
+    for i in intensity:
+        positive(i, "--intensity")  # FLOPs per byte moved: a kernel that runs does some of each
     ridge = ridge_point(peak_flops, bandwidth)
     d = Doc(t["title"], lang)
     d.step(t["ridge"], "P / BW", f"{num(peak_flops)} / {num(bandwidth)}", f"{num(ridge)} FLOPs/byte")
@@ -276,7 +278,13 @@ MFU = {
 def mfu(achieved_flops: float = 40e12, peak_flops: float = 100e12, devices: int = 1, lang: str = "en") -> Doc:
     t = MFU[lang]
     positive(peak_flops, "--peak-flops")
+    positive(achieved_flops, "--achieved-flops")
     value = model_flops_utilization(achieved_flops, peak_flops, devices)
+    if value > 1:
+        raise TrainwiseError(
+            f"--achieved-flops {num(achieved_flops)} FLOP/s is more than {devices} x --peak-flops {num(peak_flops)}: "
+            "no run exceeds its devices' peak, so one of them is in other units (FLOP/s of all devices against one "
+            "device's peak: give --devices) or of another dtype.")
     cfg, seq = ModelConfig(), ModelConfig().max_seq_len
     per_token = flops_per_token_train(cfg, seq)
     per_token_hw = flops_per_token_train(cfg, seq, recompute="full")
