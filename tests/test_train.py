@@ -15,6 +15,7 @@ from tiny import TINY, set_args
 
 from trainwise.cli import main
 from trainwise.config import RunConfig, apply_overrides, load_config
+from trainwise.runtime.optim import lr_at
 from trainwise.trainer.loop import train
 from trainwise.verify.verify import steady_step_time
 
@@ -164,6 +165,19 @@ def test_cli_error_has_no_traceback_and_existing_run_is_untouched(corpus, tmp_pa
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     proc = run_cli("train", "--set", "trian.seed=1", cwd=tmp_path)
     assert_clean_error(proc, "trian", "'train'")
+
+
+def test_a_min_lr_above_the_lr_is_refused_naming_both(corpus, tmp_path, capsys):
+    """A learning rate set below the default min_lr, min_lr left alone, rose over the run from lr to min_lr instead
+    of decaying; now one error before anything is written, and a min_lr at most the lr decays to it."""
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--set", "train.lr=1e-4"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "train.min_lr = 0.0002 is above train.lr = 0.0001" in err and "train.min_lr=1e-05" in err, err
+    assert not out.exists()
+    cfg = apply_overrides(RunConfig(), ["train.lr=1e-4", "train.min_lr=1e-5"])
+    cfg.train.validate()
+    assert lr_at(cfg.train.max_steps, cfg.train) == pytest.approx(1e-5)
 
 
 def test_compile_setting_auto_compiles_only_long_dense_single_process_or_ddp_runs():

@@ -79,6 +79,11 @@ class TrainConfig:
                 raise TrainwiseError(f"train.{key} = {getattr(self, key)} must not be negative.")
         if self.lr <= 0:
             raise TrainwiseError(f"train.lr = {self.lr} must be positive (e.g. 1e-3).")
+        if self.min_lr > self.lr:  # the cosine schedule would raise the rate from lr to min_lr as it "decays"
+            raise TrainwiseError(
+                f"train.min_lr = {self.min_lr:g} is above train.lr = {self.lr:g}: the learning rate would rise over "
+                f"the run instead of decaying to it. Set train.min_lr at most train.lr, e.g. train.min_lr="
+                f"{self.lr / 10:g} (a tenth, as the defaults {TrainConfig.lr:g} and {TrainConfig.min_lr:g} are).")
         for key in ("beta1", "beta2", "momentum"):  # torch's optimizers refuse others without naming the key
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise TrainwiseError(f"train.{key} = {getattr(self, key)} must be in [0, 1) (e.g. 0.9).")
