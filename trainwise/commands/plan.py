@@ -21,7 +21,7 @@ from trainwise.hardware.table import get_accelerator
 from trainwise.planner.derivation import does_not_fit, plan_table
 from trainwise.planner.fit import fit_layout, fit_run, global_batch_sequences
 from trainwise.planner.layouts import fit_run_layouts
-from trainwise.planner.plan import check_numbers, plan_run
+from trainwise.planner.plan import check_micro_batches, check_numbers, plan_run
 from trainwise.planner.spec import load_model
 from trainwise.scale.fitting import plan_prediction
 from trainwise.units import fmt_bytes
@@ -252,6 +252,7 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
     if args.global_batch and not args.fit:
         run = replace(run, grad_accum=accumulation_for(args.global_batch, run.micro_batch,
                                                        args.gpus // (args.tp * args.pp * args.cp), args.grad_accum))
+    check_micro_batches(run.grad_accum)
     if layout is None:
         layout = make_layout(args.gpus, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
                              sequence_parallel=args.sequence_parallel, zero=args.zero, micro_batches=run.grad_accum,

@@ -127,7 +127,7 @@ def prepare_tokenizer(data_cfg: DataConfig, vocab_size: int, cache_root: str | P
     with tqdm(desc="training tokenizer", unit="char", unit_scale=True, delay=1.0, file=sys.stderr) as bar:
         tok = Tokenizer.train(counted(bar), vocab_size)
         if bar.n == 0:  # no merge learned: the bytes alone, which a corpus with text would not give
-            raise TrainwiseError(tokencache.NO_TEXT)
+            raise TrainwiseError(f"{describe(data_cfg)}: {tokencache.NO_TEXT}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(path)
     return tok

@@ -232,9 +232,10 @@ def positive(name: str, value: float | None) -> None:
         raise TrainwiseError(f"{name} = {value} must be positive.")
 
 
-# The most micro-batches per step a plan takes: its memory and pipeline terms replay a step's schedule
+# The most micro-batches per step `trainwise plan` takes: its memory and pipeline terms replay a step's schedule
 # micro-batch by micro-batch (cost.schedule), ~6 s for this many, and a run's global batch of sequences is
-# micro-batch x this x data-parallel ranks; a larger count is a mistyped flag, not a run to plan.
+# micro-batch x this x data-parallel ranks; a larger count is a mistyped flag, not a run to plan. (The trainer's
+# own plan of a run takes whatever train.grad_accum_steps says: that run's steps take longer still.)
 MAX_MICRO_BATCHES = 100_000
 
 
@@ -291,7 +292,6 @@ def plan_run(run: Run, *, mfu: float | None = None, price: float | None = None, 
     check_numbers(("--tokens", tokens), ("--seq-len", seq_len), ("--micro-batch", micro_batch),
                   ("--grad-accum", grad_accum), ("--tp", tp), ("--pp", pp), ("--gpus", gpus),
                   ("--params", params_count), ("--price", price), mfu=mfu)
-    check_micro_batches(grad_accum)
     if model is None and params_count is None:
         raise TrainwiseError("give a model (--model PRESET|FILE) or a parameter count (--params N).")
     if checkpointing not in FL.RECOMPUTE:
