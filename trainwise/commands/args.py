@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import PurePath
 
 from trainwise.errors import TrainwiseError
 from trainwise.units import parse_bytes
@@ -41,8 +42,7 @@ def plot_file(text: str) -> str:
     from matplotlib.backend_bases import FigureCanvasBase  # slow to import: only where a chart is asked for
 
     formats = FigureCanvasBase.get_supported_filetypes()
-    suffix = text.rpartition(".")[2].lower() if "." in text.rpartition("/")[2] else ""
-    if suffix not in formats:
+    if PurePath(text).suffix[1:].lower() not in formats:
         raise argparse.ArgumentTypeError(
             f"'{text}' needs the extension of an image format, e.g. {text.rstrip('.')}.png (or "
             f"{', '.join(sorted(f for f in formats if f != 'png'))})")
