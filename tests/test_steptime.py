@@ -408,6 +408,8 @@ def test_a_probe_reads_a_real_background_process_as_load():
 
     from trainwise.measure.reference import REFERENCE_STEPS, probe_speed
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a two-thread step (a test worker runs one): one of its threads waits on the spinner
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
@@ -415,6 +417,7 @@ def test_a_probe_reads_a_real_background_process_as_load():
     finally:
         spinner.kill()
         spinner.wait()
+        torch.set_num_threads(threads)
     assert probe["others_share"] > 0.1 and probe["load_factor"] > 1.2
 
 
