@@ -263,6 +263,29 @@ def test_sweep_cli_trains_the_grid_inside_the_budget_and_fits_it(corpus, tmp_pat
     assert time.perf_counter() - start < 1.5 * 60 * 4
 
 
+def test_a_sweep_sizes_its_grid_against_the_peak_its_runs_train_at_and_stops_after_one_run(corpus, tmp_path):
+    """The sweep at small size in the default suite: it sizes the grid, trains its first run and stops
+    there (stop_at: before a run that would end after it, at least one run per call), its plan and that run
+    in sweep.json. Each model's MFU is measured against the peak of the precision the runs train in (auto:
+    fp32 on a CPU without fast bf16, whose bf16 peak is a quarter of fp32's: against it an MFU read above 1)."""
+    import time
+
+    import torch
+
+    from trainwise.runtime.precision import resolve_precision
+    from trainwise.scale.sweep import SWEEP_STATE, SweepStopped, run_sweep, sweep_base
+
+    base = sweep_base([f"data.paths={json.dumps([str(corpus)])}", "tokenizer.vocab_size=300"])
+    said = []
+    with pytest.raises(SweepStopped, match="run the same command to continue"):
+        run_sweep(0.3, tmp_path / "sweep", base, say=said.append, stop_at=time.time())
+    precision = resolve_precision(base.train.precision, torch.device("cpu"))[0]
+    assert any(f"measured {precision} matmul peak" in line for line in said)
+    state = json.loads((tmp_path / "sweep" / SWEEP_STATE).read_text())
+    assert len(state["runs"]) >= 5 and all(0 < r["mfu"] < 1 for r in state["runs"])
+    assert [r["measured_s"] is not None for r in state["runs"]] == [True] + [False] * (len(state["runs"]) - 1)
+
+
 @pytest.mark.slow
 def test_a_sweep_stopped_between_runs_continues_where_it_stopped(corpus, tmp_path):
     """run_sweep(stop_at=...) stops before a run that would end after it (at least one run per call), keeps

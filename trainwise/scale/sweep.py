@@ -110,11 +110,16 @@ def flops_per_token(cfg: RunConfig) -> float:
     return flops_per_token_train(cfg.model, cfg.train.seq_len)
 
 
+def sweep_precision(cfg: RunConfig) -> str:
+    """The recipe the sweep's runs train in on this CPU (train.precision, auto resolved): its peak is the
+    one their MFU is measured against and their time predicted with."""
+    return resolve_precision(cfg.train.precision, resolve_device("cpu"))[0]
+
+
 def measure_mfu(cfg: RunConfig, peak_flops: float, steps: int = 3) -> float:
     """Model FLOPs per second / peak over `steps` real training steps (after one warm-up step) of this
     model on random tokens: the MFU this machine gives this size right now."""
-    device = resolve_device("cpu")
-    precision, _ = resolve_precision(cfg.train.precision, device)
+    device, precision = resolve_device("cpu"), sweep_precision(cfg)
     torch.manual_seed(0)
     step = build_step(build_model(cfg.model), cfg.train, device, precision)
     batches = random_batches(cfg.model.vocab_size, cfg.train.micro_batch, cfg.train.seq_len, 1, device)
@@ -139,7 +144,8 @@ class SweepRun:
 def predict_seconds(cfg: RunConfig, tokens: float, peak_flops: float, mfu: float) -> float:
     """The planner's time for `tokens` training tokens, plus the evaluations (forward only: 1/3 of a
     training step's FLOPs per batch)."""
-    plan = plan_run(replace(Run.of(cfg, "bf16"), tokens=tokens, machine=Machine(peak_flops=peak_flops)), mfu=mfu)
+    run = Run.of(cfg, sweep_precision(cfg))
+    plan = plan_run(replace(run, tokens=tokens, machine=Machine(peak_flops=peak_flops)), mfu=mfu)
     eval_tokens = EVALS_PER_RUN * cfg.train.eval_steps * cfg.train.micro_batch * cfg.train.seq_len
     return plan.time.seconds * (1 + eval_tokens / 3 / max(tokens, 1))
 
@@ -313,7 +319,7 @@ def _plan(minutes: float, base: RunConfig, say) -> dict:
     unique = train_tokens(ladder_config(base, *shape(SWEEP_WIDTHS[0])),  # the sweep's seq_len
                           prepare_tokenizer(base.data, base.tokenizer.vocab_size))
     cap = REPEAT_EPOCHS * unique
-    hw = device_hardware(torch.device("cpu"), "bf16")
+    hw = device_hardware(torch.device("cpu"), sweep_precision(base))
     peak, source = hw.peak_flops, hw.peak_source
     say(f"sizing the sweep for {minutes:g} minutes: peak {peak / 1e9:,.1f} GFLOP/s ({source}); the corpus has "
         f"{unique:,} training tokens, so no run gets more than {REPEAT_EPOCHS} passes: {cap:,} tokens")
