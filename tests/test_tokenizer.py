@@ -1,6 +1,5 @@
-"""Byte-level BPE: exact round trips, determinism, the end-of-text token, HF compatibility, speed."""
-
-import time
+"""Byte-level BPE: exact round trips, determinism, the end-of-text token, HF compatibility (its speed:
+benchmarks/data_scale.py, on a machine with nothing else running)."""
 
 import pytest
 from hypothesis import example, given, settings
@@ -141,16 +140,3 @@ def test_decode_command_refuses_ids_outside_the_vocabulary(tok, tmp_path, capsys
     assert f"token ids {tok.vocab_size}, -1 outside" in capsys.readouterr().err
     assert main(["tokenizer", "decode", "--tokenizer", str(path), *map(str, tok.encode("def f"))]) == 0
     assert capsys.readouterr().out == "def f\n"
-
-
-@pytest.mark.slow
-def test_encode_speed_on_builtin_corpus(tok):
-    """>= 5 MB/s with 2 cores. Marked slow because a loaded machine makes any timing flaky."""
-    texts = builtin_texts()
-    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        tok.encode_batch(texts)
-        best = min(best, time.perf_counter() - start)
-    assert n_bytes / best / 1e6 >= 5.0
