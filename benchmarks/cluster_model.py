@@ -246,7 +246,8 @@ def table_e(rows: list) -> None:
                 lambda r=r, ckpt=ckpt: plan2(S2.mpt(r.model, r.seq), r.gpus, seq=r.seq, micro_batch=r.micro_batch,
                                              grad_accum=r.grad_accum, recipe="amp", checkpointing=ckpt,
                                              machine=DGX_H100, zero=3, fsdp_copies=False,
-                                             fsdp_grad_sync="micro-batch", loss_kernel="flash-attn"))
+                                             fsdp_grad_sync="micro-batch", fsdp_prefetch="post",
+                                             loss_kernel="flash-attn"))
 
 
 def dev_set_2() -> list[dict]:

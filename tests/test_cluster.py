@@ -21,7 +21,7 @@ from trainwise.cost.gpu import (GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, 
 from trainwise.cost.layout import Layout, make_layout, param_counts, placement
 from trainwise.cost.ops import WEIGHT_CAST
 from trainwise.cost.rank import StepShape, rank_comm, rank_params
-from trainwise.cost.rank_memory import in_flight, layer_bytes_per_token, rank_peak
+from trainwise.cost.rank_memory import fsdp_block_backward, in_flight, layer_bytes_per_token, rank_peak
 from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.schedule import bubble_fraction, chunk_layers, rank_stages, schedule_seconds, stage_layers
@@ -555,7 +555,7 @@ def test_the_plans_json_holds_layout_breakdown_ops_and_comm():
                            "cp_impl": "ring", "ep_dispatch": "alltoall", "etp": 2, "ep_overlap": False,
                            "pp_schedule": "1f1b",
                            "tp_overlap": None, "pp_overlap": False, "dp_shard": 4, "fsdp_copies": True,
-                           "fsdp_grad_sync": "step"}
+                           "fsdp_grad_sync": "step", "fsdp_prefetch": "pre"}
     assert (j["hardware"]["gpus_per_node"], j["hardware"]["intra_node_bytes_per_s"],
             j["hardware"]["inter_node_bytes_per_s"]) == (8, 300e9, 25e9)
     t = j["time"]
@@ -775,6 +775,35 @@ def test_fsdp_gathers_and_scatters_per_block_as_it_runs():
     everything = ops["nccl all_gather (dp)"] + ops["nccl reduce_scatter (dp)"]
     assert 0 < p.cluster.breakdown["dp_comm_s"] <= everything
     assert step(8192).cluster.breakdown["dp_comm_s"] <= p.cluster.breakdown["dp_comm_s"]
+
+
+def test_fsdp1s_backward_post_waits_for_each_backward_gather_and_holds_one_block():
+    """Layout.fsdp_prefetch "post" (FSDP1's BACKWARD_POST): a block's backward gather is issued only once the block
+    after it has run back, so each one is exposed in full, where "pre" hides it under that block's backward. Worked
+    by hand where every block's collectives fit under its backward (a long sequence): the step grows by K x blocks
+    x one block's gather, nothing else moves; a block's backward starts with one gathered block less; --explain
+    says so; a name not in FSDP_PREFETCHES is refused."""
+    cfg = gpt(16, 2048, 8, max_seq_len=8192, dropout=0.0, tie_embeddings=False)
+    K, blocks, gpus = 2, cfg.n_layers, 16
+    run = run_of(cfg, tokens=1e9, seq_len=8192, micro_batch=1, grad_accum=K, gpus=gpus, zero=3, gpu="h100-sxm",
+                 precision="bf16", checkpointing="none")
+    lay = replace(run.layout, fsdp_copies=False, fsdp_grad_sync="micro-batch")
+    pre, post = (plan_run(replace(run, layout=replace(lay, fsdp_prefetch=f))) for f in ("pre", "post"))
+    n_block = param_counts(cfg, lay).layer
+    gather = C.collective_seconds("all_gather", n_block * 2, gpus, _tier(lay, "dp", NODES["dgx-h100"]))
+    grown = {k: post.cluster.breakdown[k] - pre.cluster.breakdown[k] for k in pre.cluster.breakdown}
+    assert grown["dp_comm_s"] == pytest.approx(K * blocks * gather, rel=1e-9)
+    assert all(v == 0 for k, v in grown.items() if k != "dp_comm_s")
+    assert pre.to_json()["comm"] == post.to_json()["comm"]  # the same collectives, run later
+    # the backward's high point: a block starts back with its activations, without the next block (2 bytes a
+    # parameter) beside it; the step's peak is the loss's here, before any block runs back
+    backward = {p.run.layout.fsdp_prefetch: fsdp_block_backward(p.run, 0, p.run.recipe, False,
+                                                                rank_params(cfg, p.run.layout, 0)) for p in (pre, post)}
+    assert backward["pre"] - backward["post"] == 2 * n_block
+    assert pre.peak_bytes == post.peak_bytes
+    assert "--fsdp-prefetch post" in explain_cluster(post) and "--fsdp-prefetch" not in explain_cluster(pre)
+    with pytest.raises(TrainwiseError, match="fsdp-prefetch 'later' must be one of pre, post"):
+        make_layout(gpus, zero=3, fsdp_prefetch="later")
 
 
 def test_fsdp2s_mixed_precision_gathers_the_weights_in_the_compute_dtype():

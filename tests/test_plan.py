@@ -113,6 +113,8 @@ def test_flags_a_plan_would_ignore_are_refused_and_named_together(capsys):
     assert "--pp-overlap hides the interleaved schedule's sends, and --vpp is 1" in err
     assert "--params 1e+09 counts a model known only by its size" in err
     for flags, text in ((["--fsdp-grad-sync", "step"], "and --zero is 0, not 3"), (["--tp-overlap"], "--tp is 1"),
+                        (["--fsdp-prefetch", "post"], "--fsdp-prefetch post is when FSDP gathers in backward, and "
+                                                      "--zero is 0, not 3"),
                         (["--sequence-parallel"], "--tp is 1"), (["--moe-imbalance", "1"], "a dense model")):
         assert main([*dense, *flags]) == 2 and text in " ".join(capsys.readouterr().err.split()), flags
 
@@ -123,7 +125,8 @@ def test_flags_a_plan_would_ignore_are_refused_and_named_together(capsys):
     assert unused("mixtral-8x7b", "--ep-overlap") == ["--ep-overlap hides expert-parallel all-to-alls, and --ep is 1"]
     for flags in (["--ep", "2", "--ep-overlap", "--etp", "1", "--ep-dispatch", "alltoall", "--moe-imbalance", "1"],
                   ["--cp", "2", "--cp-impl", "a2a"], ["--vpp", "2", "--pp-overlap"], ["--tp", "2", "--tp-overlap"],
-                  ["--tp", "2", "--sequence-parallel"], ["--zero", "3", "--fsdp-grad-sync", "step"]):
+                  ["--tp", "2", "--sequence-parallel"], ["--zero", "3", "--fsdp-grad-sync", "step"],
+                  ["--zero", "3", "--fsdp-prefetch", "post"]):
         assert unused("mixtral-8x7b", *flags) == [], flags
     assert unused("llama-3-8b", "--fit", "--pp-overlap", "--cp-impl", "allgather", "--tp-overlap") == []
     assert unused("llama-3-8b", "--fit", "--etp", "2") != []

@@ -10,7 +10,8 @@ from trainwise.commands.args import byte_size, number, positive_number, whole_nu
 from trainwise.config import CHECKPOINTING, load_config
 from trainwise.config.run import FSDP_GRAD_SYNCS, PP_SCHEDULES
 from trainwise.cost.loss import STACK_LOSSES
-from trainwise.cost.layout import ATTENTION_IMPLS, CP_IMPLS, EP_DISPATCHES, TP_OVERLAPS, Layout, make_layout
+from trainwise.cost.layout import (ATTENTION_IMPLS, CP_IMPLS, EP_DISPATCHES, FSDP_PREFETCHES, TP_OVERLAPS, Layout,
+                                   make_layout)
 from trainwise.cost.recipe import (FP8_SCALINGS, GRAD_DTYPES, OPTIMIZER_MOMENTS, RECIPE_ALIASES, RECIPES,
                                    get_recipe, with_fp8_params, with_grad_dtype)
 from trainwise.cost.run import MOE_IMBALANCE, Machine, Run
@@ -69,6 +70,10 @@ def register(sub, help_text: str) -> None:
                         "last micro-batch (their unsharded fp32 sum held until then), or each micro-batch's into the "
                         "rank's shard (default: step where trainwise would train the run, as its trainer does; "
                         "micro-batch for other stacks' recipes, as torchtitan's FSDP2 and Megatron-FSDP run them)")
+    p.add_argument("--fsdp-prefetch", choices=list(FSDP_PREFETCHES), default="pre",
+                   help="with --zero 3, when backward gathers the next block: pre, under this block's backward "
+                        "(FSDP2, FSDP1's BACKWARD_PRE; the default), or post, once it is done (FSDP1's "
+                        "BACKWARD_POST, Composer's default): each gather exposed, one block gathered at a time")
     p.add_argument("--tp", type=whole_number, default=1, help="tensor-parallel ranks (inside a node)")
     p.add_argument("--pp", type=whole_number, default=1, help="pipeline stages")
     p.add_argument("--vpp", type=whole_number, default=1, help="virtual stages per pipeline rank (interleaved 1F1B)")
@@ -214,6 +219,9 @@ def flags_not_used(args: argparse.Namespace, model) -> list[str]:
         unused.append("--pp-overlap hides the interleaved schedule's sends, and --vpp is 1")
     if args.ep_overlap and args.ep == 1 and model is not None and model.is_moe:
         unused.append("--ep-overlap hides expert-parallel all-to-alls, and --ep is 1")
+    if args.fsdp_prefetch != "pre" and args.zero != 3:
+        unused.append(f"--fsdp-prefetch {args.fsdp_prefetch} is when FSDP gathers in backward, and --zero is "
+                      f"{args.zero}, not 3")
     if args.fsdp_grad_sync is not None and args.zero != 3:
         unused.append(f"--fsdp-grad-sync {args.fsdp_grad_sync} is when FSDP reduce-scatters, and --zero is "
                       f"{args.zero}, not 3")
@@ -260,7 +268,7 @@ def run_from_args(args: argparse.Namespace, model, toml_run: Run | None, layout:
                              tp_overlap=args.tp_overlap, cp_impl=args.cp_impl or "ring", etp=args.etp,
                              ep_overlap=args.ep_overlap, pp_schedule=args.pp_schedule, pp_overlap=args.pp_overlap,
                              dp_shard=args.dp_shard, fsdp_grad_sync=args.fsdp_grad_sync,
-                             ep_dispatch=args.ep_dispatch or "alltoall")
+                             ep_dispatch=args.ep_dispatch or "alltoall", fsdp_prefetch=args.fsdp_prefetch)
     machine = Machine(gpu=args.gpu, peak_flops=args.peak_flops, bandwidth=args.bandwidth, memory=args.memory,
                       gpus_per_node=args.gpus_per_node, intra_node_bw=args.intra_node_bw,
                       inter_node_bw=args.inter_node_bw, clock_share=args.clock_share)
@@ -324,7 +332,8 @@ def _cmd_fit(args, model, toml_run) -> int:
                              cp_impl=args.cp_impl or "ring", tp_overlap=args.tp_overlap,
                              ep_overlap=args.ep_overlap, pp_overlap=args.pp_overlap,
                              ep_dispatch=args.ep_dispatch or "alltoall")
-        layout = replace(layout, fsdp_grad_sync=args.fsdp_grad_sync)  # for the candidates with ZeRO-3 and one stage
+        # for the candidates with ZeRO-3 (and one stage)
+        layout = replace(layout, fsdp_grad_sync=args.fsdp_grad_sync, fsdp_prefetch=args.fsdp_prefetch)
         return _cmd_fit_layouts(args, run_from_args(args, model, toml_run, layout), budget)
     run = run_from_args(args, model, toml_run, fit_layout(args.gpus, args.tp, args.pp))
     seq = run.seq_len

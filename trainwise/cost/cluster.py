@@ -349,8 +349,11 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
     before its backward, its gradients reduce-scattered after its backward, one block prefetched: a block's
     gather hides under the previous block's compute, its reduce-scatter under the next one's backward, and
     what a block's collectives take beyond its compute is exposed; the first gather of each pass and the last
-    reduce-scatter are not hidden. The gradients are reduce-scattered on the last micro-batch, or on each
-    (Layout.fsdp_grad_sync); the copy-in stands for the other micro-batches' sum into the fp32 gradients.
+    reduce-scatter are not hidden. With Layout.fsdp_prefetch "post" (FSDP1's BACKWARD_POST) a block's backward
+    gather is issued only when the backward after it is done: every backward gather is exposed, and the
+    reduce-scatter queued behind it hides under the block's backward. The gradients are reduce-scattered on the
+    last micro-batch, or on each (Layout.fsdp_grad_sync); the copy-in stands for the other micro-batches' sum
+    into the fp32 gradients.
     The roots (embedding, final norm and head) are gathered once per micro-batch and kept until backward.
     Blocks priced alike (the rank's layers' mean; experts over their own group, Layout.expert_dp). HSDP
     (Layout.dp_shard): the gathers and reduce-scatters over the shard group, and each reduce-scattered shard
@@ -390,8 +393,12 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
                                                   acc, log, m, blocks)
     forward, backward = mb["forward"] / blocks + copy_out, mb["backward"] / blocks + copy_out + copy_in
     exposed_forward = root_gather + gather + (blocks - 1) * max(0.0, gather - forward)
-    reducing = blocks * max(0.0, gather + scatter - backward) + scatter + root_scatter
-    exposed_backward = reduces * reducing + (m - reduces) * blocks * max(0.0, gather - backward)
+    if layout.fsdp_prefetch == "post":  # each block's gather waits for the backward after it, then its own runs
+        reducing = blocks * (gather + max(0.0, scatter - backward)) + scatter + root_scatter
+        exposed_backward = reduces * reducing + (m - reduces) * blocks * gather
+    else:
+        reducing = blocks * max(0.0, gather + scatter - backward) + scatter + root_scatter
+        exposed_backward = reduces * reducing + (m - reduces) * blocks * max(0.0, gather - backward)
     return m * (exposed_forward + blocks * (2 * copy_out + copy_in) + root_copies) + exposed_backward
 
 

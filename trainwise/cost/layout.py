@@ -40,6 +40,11 @@ ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")  # schedules that split a b
 # Llama 3 70B, the forward's share of the step); "te", Transformer Engine's userbuffers (Megatron-Core's
 # --tp-comm-overlap), every pass's collectives under the GEMMs.
 TP_OVERLAPS = ("async", "te")
+# When ZeRO-3 gathers the next block in backward: "pre", before this block's gradients are computed, so the gather
+# runs under them (FSDP2's one-block prefetch, FSDP1's BackwardPrefetch.BACKWARD_PRE, Megatron-FSDP); "post", only
+# after them, once this block is resharded (FSDP1's BACKWARD_POST, Composer's default): each block's backward waits
+# for its own gather, the reduce-scatter before it runs under that backward, and one block is gathered at a time
+FSDP_PREFETCHES = ("pre", "post")
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class Layout:
     # (FSDP2 left syncing, as torchtitan runs it; Composer's FSDP; Megatron-FSDP). With pp: "step" (torch's
     # pipeline schedules reduce at each stage's last backward). None: the stack's (cost.run.fsdp_grad_sync)
     fsdp_grad_sync: str | None = None
+    fsdp_prefetch: str = "pre"  # FSDP_PREFETCHES
 
     @property
     def reduces_each_micro_batch(self) -> bool:
@@ -155,7 +161,7 @@ class Layout:
                 "etp": self.expert_tp,
                 "ep_overlap": self.ep_overlap, "pp_schedule": self.pp_schedule, "tp_overlap": self.tp_overlap,
                 "pp_overlap": self.pp_overlap, "dp_shard": self.dp_shard or self.dp, "fsdp_copies": self.fsdp_copies,
-                "fsdp_grad_sync": self.fsdp_grad_sync}
+                "fsdp_grad_sync": self.fsdp_grad_sync, "fsdp_prefetch": self.fsdp_prefetch}
 
 
 def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1, ep: int = 1,
@@ -163,7 +169,8 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
                 dp_overlap: bool = True, attention_impl: str = "flash", tp_overlap: str | bool | None = None,
                 cp_impl: str = "ring", etp: int | None = None, ep_overlap: bool = False,
                 pp_schedule: str | None = None, pp_overlap: bool = False, dp_shard: int | None = None,
-                fsdp_copies: bool = True, fsdp_grad_sync: str | None = None, ep_dispatch: str = "alltoall") -> Layout:
+                fsdp_copies: bool = True, fsdp_grad_sync: str | None = None, ep_dispatch: str = "alltoall",
+                fsdp_prefetch: str = "pre") -> Layout:
     """The layout of `gpus` GPUs: dp = gpus / (tp x pp x cp); sequence parallelism on by default with tp > 1;
     the pipeline schedule 1F1B, or interleaved 1F1B with vpp > 1, unless `pp_schedule` names one; tp_overlap
     one of TP_OVERLAPS (True: "async", as the bare --tp-overlap). ep_overlap and pp_overlap say what the stack
@@ -200,11 +207,14 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
     dp_shard = _check_hsdp(gpus // split, dp_shard, zero, ep)
     _check_grad_sync(fsdp_grad_sync, zero, pp)
+    if fsdp_prefetch not in FSDP_PREFETCHES:
+        raise TrainwiseError(f"--fsdp-prefetch '{fsdp_prefetch}' must be one of {', '.join(FSDP_PREFETCHES)}.")
     return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=gpus // split, sequence_parallel=sp, zero=zero,
                   micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl,
                   tp_overlap=tp_overlap, pp_schedule=pp_schedule, cp_impl=cp_impl,
                   etp=None if etp is None or etp == tp else etp, ep_overlap=ep_overlap, pp_overlap=pp_overlap,
-                  dp_shard=dp_shard, fsdp_copies=fsdp_copies, fsdp_grad_sync=fsdp_grad_sync, ep_dispatch=ep_dispatch)
+                  dp_shard=dp_shard, fsdp_copies=fsdp_copies, fsdp_grad_sync=fsdp_grad_sync, ep_dispatch=ep_dispatch,
+                  fsdp_prefetch=fsdp_prefetch)
 
 
 def _check_grad_sync(sync: str | None, zero: int, pp: int) -> None:

@@ -285,7 +285,8 @@ def fsdp_block_backward(run: Run, rank: int, recipe: Recipe, megatron: bool, par
       reduce  block j resharded, its gradients copied into its fp32 reduce-scatter input and reduced into a
               sharded output, the previous input freed; gradients in a 16-bit dtype measured a second
               block-sized copy of them there (the cast's, not traced further).
-    zero2 keeps every block not yet run back gathered (from forward) in place of block j and its prefetch.
+    zero2 keeps every block not yet run back gathered (from forward) in place of block j and its prefetch;
+    Layout.fsdp_prefetch "post" gathers block j - 1 only at the reduce, not at block j's start and end.
     Activation checkpointing adds one recomputed block at each."""
     cfg, lay, K = run.model, run.layout, run.grad_accum
     sizes = units(cfg, lay, rank, megatron, params)
@@ -317,7 +318,8 @@ def fsdp_block_backward(run: Run, rank: int, recipe: Recipe, megatron: bool, par
             gathered = beside = gathered_before + n[j]
         else:
             beside = n[blocks[k - 1]] if k else 0  # the prefetched block
-            gathered = n[j] + (beside or n[j])
+            # FSDP1's BACKWARD_POST gathers the next block once this one's gradients are done: not beside it here
+            gathered = n[j] + (n[j] if not k else 0 if lay.fsdp_prefetch == "post" else beside)
         held = (4 * (root + gathered_before + n[j]) if accumulating else c * head) \
             + (g * sum(shard.values()) if K > 1 and not accumulating else shards_after) \
             + (g * sum(experts.values()) if K > 1 else experts_after) + c * root + redo + 8 * tokens

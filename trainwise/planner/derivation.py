@@ -146,6 +146,8 @@ def explain_cluster(p) -> str:
            f"({copies:.4g} s)" if copies else "")
         + (f", the gradients reduce-scattered {'each micro-batch' if lay.reduces_each_micro_batch else 'once'} "
            f"(--fsdp-grad-sync {lay.fsdp_grad_sync})" if lay.zero == 3 and m > 1 and pp == 1 else "")
+        + (", each block's backward waiting for its own gather (--fsdp-prefetch post)"
+           if lay.zero == 3 and lay.fsdp_prefetch == "post" else "")
         + f" = {b['dp_comm_s']:.4g} s")
     add(f"   optimizer  = the rank's fused update at the copy bandwidth = {b['optimizer_s']:.4g} s")
     add(f"   overhead   = {b['overhead_s']:.4g} s per step (host)")

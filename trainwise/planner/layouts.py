@@ -89,7 +89,7 @@ def fit_run_layouts(run: Run, *, global_batch: int,
                                  micro_batches=c["grad_accum"], dp_overlap=lay.dp_overlap,
                                  attention_impl=lay.attention_impl, cp_impl=lay.cp_impl, tp_overlap=lay.tp_overlap,
                                  ep_overlap=lay.ep_overlap, pp_overlap=lay.pp_overlap, fsdp_copies=lay.fsdp_copies,
-                                 ep_dispatch=lay.ep_dispatch,
+                                 ep_dispatch=lay.ep_dispatch, fsdp_prefetch=lay.fsdp_prefetch,
                                  fsdp_grad_sync=lay.fsdp_grad_sync if c["zero"] == 3 and c["pp"] == 1 else "step")
             cand = replace(run, micro_batch=c["micro_batch"], grad_accum=c["grad_accum"],
                            checkpointing=c["checkpointing"], layout=layout)
