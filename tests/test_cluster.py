@@ -802,6 +802,8 @@ def test_fsdp1s_backward_post_waits_for_each_backward_gather_and_holds_one_block
     assert backward["pre"] - backward["post"] == 2 * n_block
     assert pre.peak_bytes == post.peak_bytes
     assert "--fsdp-prefetch post" in explain_cluster(post) and "--fsdp-prefetch" not in explain_cluster(pre)
+    # BACKWARD_POST is FSDP1's: a layout that names it gathers into flat parameters, without FSDP2's copies
+    assert not make_layout(gpus, zero=3, fsdp_prefetch="post").fsdp_copies and make_layout(gpus, zero=3).fsdp_copies
     with pytest.raises(TrainwiseError, match="fsdp-prefetch 'later' must be one of pre, post"):
         make_layout(gpus, zero=3, fsdp_prefetch="later")
 

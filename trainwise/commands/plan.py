@@ -73,7 +73,8 @@ def register(sub, help_text: str) -> None:
     p.add_argument("--fsdp-prefetch", choices=list(FSDP_PREFETCHES), default="pre",
                    help="with --zero 3, when backward gathers the next block: pre, under this block's backward "
                         "(FSDP2, FSDP1's BACKWARD_PRE; the default), or post, once it is done (FSDP1's "
-                        "BACKWARD_POST, Composer's default): each gather exposed, one block gathered at a time")
+                        "BACKWARD_POST, Composer's default): each gather exposed, one block gathered at a time, "
+                        "and FSDP1's flat parameters gathered in place (no FSDP2 copies)")
     p.add_argument("--tp", type=whole_number, default=1, help="tensor-parallel ranks (inside a node)")
     p.add_argument("--pp", type=whole_number, default=1, help="pipeline stages")
     p.add_argument("--vpp", type=whole_number, default=1, help="virtual stages per pipeline rank (interleaved 1F1B)")

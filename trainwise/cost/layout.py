@@ -209,6 +209,7 @@ def make_layout(gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 
     _check_grad_sync(fsdp_grad_sync, zero, pp)
     if fsdp_prefetch not in FSDP_PREFETCHES:
         raise TrainwiseError(f"--fsdp-prefetch '{fsdp_prefetch}' must be one of {', '.join(FSDP_PREFETCHES)}.")
+    fsdp_copies = fsdp_copies and fsdp_prefetch != "post"  # BACKWARD_POST is FSDP1's: flat parameters, no copies
     return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=gpus // split, sequence_parallel=sp, zero=zero,
                   micro_batches=micro_batches, dp_overlap=dp_overlap, attention_impl=attention_impl,
                   tp_overlap=tp_overlap, pp_schedule=pp_schedule, cp_impl=cp_impl,
