@@ -332,9 +332,8 @@ def _cmd_fit(args, model, toml_run) -> int:
         layout = make_layout(args.gpus, dp_overlap=not args.no_dp_overlap, attention_impl=attention_impl(args),
                              cp_impl=args.cp_impl or "ring", tp_overlap=args.tp_overlap,
                              ep_overlap=args.ep_overlap, pp_overlap=args.pp_overlap,
-                             ep_dispatch=args.ep_dispatch or "alltoall")
-        # for the candidates with ZeRO-3 (and one stage)
-        layout = replace(layout, fsdp_grad_sync=args.fsdp_grad_sync, fsdp_prefetch=args.fsdp_prefetch)
+                             ep_dispatch=args.ep_dispatch or "alltoall", fsdp_prefetch=args.fsdp_prefetch)
+        layout = replace(layout, fsdp_grad_sync=args.fsdp_grad_sync)  # for the candidates with ZeRO-3 and one stage
         return _cmd_fit_layouts(args, run_from_args(args, model, toml_run, layout), budget)
     run = run_from_args(args, model, toml_run, fit_layout(args.gpus, args.tp, args.pp))
     seq = run.seq_len
