@@ -795,6 +795,11 @@ def test_fsdp1s_backward_post_waits_for_each_backward_gather_and_holds_one_block
     assert grown["dp_comm_s"] == pytest.approx(K * blocks * gather, rel=1e-9)
     assert all(v == 0 for k, v in grown.items() if k != "dp_comm_s")
     assert pre.to_json()["comm"] == post.to_json()["comm"]  # the same collectives, run later
+    # where a block's reduce-scatter alone outlasts its backward (32 tokens), the link is the bound either way:
+    # gather + reduce-scatter - backward exposed per block, the same step
+    short = [plan_run(replace(run, seq_len=32, layout=replace(lay, fsdp_prefetch=f))) for f in ("pre", "post")]
+    assert short[0].cluster.breakdown["dp_comm_s"] == pytest.approx(short[1].cluster.breakdown["dp_comm_s"],
+                                                                     rel=1e-12)
     # the backward's high point: a block starts back with its activations, without the next block (2 bytes a
     # parameter) beside it; the step's peak is the loss's here, before any block runs back
     backward = {p.run.layout.fsdp_prefetch: fsdp_block_backward(p.run, 0, p.run.recipe, False,
