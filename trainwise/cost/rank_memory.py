@@ -318,8 +318,8 @@ def fsdp_block_backward(run: Run, rank: int, recipe: Recipe, megatron: bool, par
             gathered = beside = gathered_before + n[j]
         else:
             beside = n[blocks[k - 1]] if k else 0  # the prefetched block
-            # FSDP1's BACKWARD_POST gathers the next block once this one's gradients are done: not beside it here
-            gathered = n[j] + (n[j] if not k else 0 if lay.fsdp_prefetch == "post" else beside)
+            ahead = 0 if lay.fsdp_prefetch == "post" else beside  # BACKWARD_POST gathers it after j's gradients
+            gathered = n[j] + (ahead if k else n[j])
         held = (4 * (root + gathered_before + n[j]) if accumulating else c * head) \
             + (g * sum(shard.values()) if K > 1 and not accumulating else shards_after) \
             + (g * sum(experts.values()) if K > 1 else experts_after) + c * root + redo + 8 * tokens
