@@ -393,12 +393,10 @@ def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_by
                                                   acc, log, m, blocks)
     forward, backward = mb["forward"] / blocks + copy_out, mb["backward"] / blocks + copy_out + copy_in
     exposed_forward = root_gather + gather + (blocks - 1) * max(0.0, gather - forward)
-    if layout.fsdp_prefetch == "post":  # each block's gather waits for the backward after it, then its own runs
-        reducing = blocks * (gather + max(0.0, scatter - backward)) + scatter + root_scatter
-        exposed_backward = reduces * reducing + (m - reduces) * blocks * gather
-    else:
-        reducing = blocks * max(0.0, gather + scatter - backward) + scatter + root_scatter
-        exposed_backward = reduces * reducing + (m - reduces) * blocks * max(0.0, gather - backward)
+    post = layout.fsdp_prefetch == "post"  # each block's gather waits for the backward after it, then its own runs
+    block = gather + max(0.0, scatter - backward) if post else max(0.0, gather + scatter - backward)
+    reducing = blocks * block + scatter + root_scatter
+    exposed_backward = reduces * reducing + (m - reduces) * blocks * (gather if post else max(0.0, gather - backward))
     return m * (exposed_forward + blocks * (2 * copy_out + copy_in) + root_copies) + exposed_backward
 
 
