@@ -813,6 +813,22 @@ def test_fsdp1s_backward_post_waits_for_each_backward_gather_and_holds_one_block
         make_layout(gpus, zero=3, fsdp_prefetch="later")
 
 
+def test_zero2_under_torchs_pipeline_reduces_after_each_stages_last_backward():
+    """FSDP2's ZeRO-2 under torch's pipeline schedules (trainwise's trainer, torchtitan) reduce-scatters a stage's
+    gradients after its last backward, not under it: the whole reduce-scatter is exposed, and the parameters'
+    gather runs under the next step's first forward. ZeRO-1 on the same layout (Megatron's distributed optimizer)
+    reduces in buckets under the last backward, which hides it here."""
+    cfg = gpt(16, 2048, 8, max_seq_len=2048, dropout=0.0, tie_embeddings=False)
+    plans = {z: plan_run(run_of(cfg, tokens=1e9, seq_len=2048, micro_batch=1, grad_accum=4, gpus=16, pp=2, zero=z,
+                                gpu="h100-sxm", precision="amp")) for z in (1, 2)}
+    ops = {z: {o["op"]: o["seconds"] for o in p.cluster.ops} for z, p in plans.items()}
+    step = {z: sum(s for name, s in o.items() if name.startswith("nccl all_reduce")) for z, o in ops.items()}
+    assert ops[2]["nccl reduce_scatter (dp)"] > 0 and ops[2]["nccl all_gather (dp)"] > 0
+    assert plans[2].cluster.breakdown["dp_comm_s"] == pytest.approx(ops[2]["nccl reduce_scatter (dp)"] + step[2])
+    assert plans[1].cluster.breakdown["dp_comm_s"] == pytest.approx(step[1])
+    assert "each stage's reduce-scatter after its last backward" in explain_cluster(plans[2])
+
+
 def test_fsdp2s_mixed_precision_gathers_the_weights_in_the_compute_dtype():
     """Under autocast over fp32 weights (amp), FSDP2's policy gathers each block in bf16 and reduce-scatters in
     fp32, and autocast finds the weights cast already: zero 3's plan has no weight casts where zero 1's (fp32

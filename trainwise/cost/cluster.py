@@ -320,13 +320,15 @@ def _data_parallel(cfg, layout: Layout, rp: ParamCounts, idx, r, backward_s, tie
                    log: _Log) -> float:
     """Exposed seconds of the data-parallel collectives of rank r per step: gradients all-reduced (ZeRO 1-2:
     reduce-scattered + parameters all-gathered once), the experts' over their own data-parallel group
-    (Layout.expert_dp: dp x cp / ep with etp = tp)."""
+    (Layout.expert_dp: dp x cp / ep with etp = tp). Under the last micro-batch's backward (DDP's and Megatron's
+    buckets), or, for FSDP2's ZeRO-2 under torch's pipeline schedules (trainwise's trainer, torchtitan), the
+    reductions after a stage's last backward, exposed, and the gathers under the next step's first forward."""
     n_moe = sum(cfg.is_moe_layer(i) for i in idx)
     dense = (len(idx) - n_moe) * rp.layer + n_moe * (rp.moe_layer - rp.moe_experts)
     first, last = _ends(layout, r)
     dense += (rp.embedding if first else 0) + (rp.head if last else 0)
     groups = [(dense, layout.dp * layout.cp), (n_moe * rp.moe_experts, layout.expert_dp)]
-    total = 0.0
+    total = reduce = 0.0
     for n_params, ranks in groups:
         if ranks <= 1 or not n_params:
             continue
@@ -338,7 +340,10 @@ def _data_parallel(cfg, layout: Layout, rp: ParamCounts, idx, r, backward_s, tie
         for kind, per, calls in kinds:
             seconds = calls * C.collective_seconds(kind, n_params * per, ranks, tiers["dp"])
             total += seconds
+            reduce += seconds if kind != "all_gather" else 0.0
             log.coll(kind, "dp", calls, seconds, calls * C.bytes_sent(kind, n_params * per, ranks))
+    if layout.zero == 2 and layout.pp > 1:  # torch's PipelineStage reduces after the stage's last backward
+        return reduce
     return max(0.0, total - backward_s) if layout.dp_overlap else total
 
 

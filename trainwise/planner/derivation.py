@@ -142,6 +142,8 @@ def explain_cluster(p) -> str:
         + (" (HSDP: ZeRO-3's per block in the shard group, then all-reduced over the replicas)" if lay.replicas > 1
            else "") + ", exposed "
         f"{'past the last backward' if lay.dp_overlap else 'in full'}"
+        + (" (ZeRO-2 under torch's pipeline schedules: each stage's reduce-scatter after its last backward, in "
+           "full)" if lay.zero == 2 and pp > 1 else "")
         + (f", with FSDP2's copies out of each gather and into each reduce-scatter on the compute stream "
            f"({copies:.4g} s)" if copies else "")
         + (f", the gradients reduce-scattered {'each micro-batch' if lay.reduces_each_micro_batch else 'once'} "
