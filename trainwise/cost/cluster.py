@@ -342,9 +342,11 @@ def _data_parallel(cfg, layout: Layout, rp: ParamCounts, idx, r, backward_s, tie
             total += seconds
             reduce += seconds if kind != "all_gather" else 0.0
             log.coll(kind, "dp", calls, seconds, calls * C.bytes_sent(kind, n_params * per, ranks))
+    if not layout.dp_overlap:
+        return total
     if layout.zero == 2 and layout.pp > 1:  # torch's PipelineStage reduces after the stage's last backward
         return reduce
-    return max(0.0, total - backward_s) if layout.dp_overlap else total
+    return max(0.0, total - backward_s)
 
 
 def _fsdp(cfg, layout: Layout, rp: ParamCounts, idx, r, mb: dict, tiers, grad_bytes, param_bytes,
