@@ -344,7 +344,7 @@ def _data_parallel(cfg, layout: Layout, rp: ParamCounts, idx, r, backward_s, tie
             log.coll(kind, "dp", calls, seconds, calls * C.bytes_sent(kind, n_params * per, ranks))
     if not layout.dp_overlap:
         return total
-    if layout.zero == 2 and layout.pp > 1:  # torch's PipelineStage reduces after the stage's last backward
+    if layout.reduces_after_pipeline:
         return reduce
     return max(0.0, total - backward_s)
 

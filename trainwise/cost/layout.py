@@ -99,6 +99,12 @@ class Layout:
         return self.fsdp_grad_sync == "micro-batch" and self.zero == 3 and self.pp == 1
 
     @property
+    def reduces_after_pipeline(self) -> bool:
+        """ZeRO-2 under torch's pipeline schedules (FSDP2: trainwise's trainer, torchtitan): each stage's gradients
+        reduce-scattered after its last backward, not under it."""
+        return self.zero == 2 and self.pp > 1
+
+    @property
     def shard(self) -> int:
         """Ranks one parameter's ZeRO / FSDP shards spread over: dp x cp, or dp_shard x cp under HSDP."""
         return (self.dp_shard or self.dp) * self.cp

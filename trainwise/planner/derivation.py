@@ -143,7 +143,7 @@ def explain_cluster(p) -> str:
            else "") + ", exposed "
         f"{'past the last backward' if lay.dp_overlap else 'in full'}"
         + (" (ZeRO-2 under torch's pipeline schedules: each stage's reduce-scatter after its last backward, in "
-           "full)" if lay.zero == 2 and pp > 1 else "")
+           "full)" if lay.reduces_after_pipeline else "")
         + (f", with FSDP2's copies out of each gather and into each reduce-scatter on the compute stream "
            f"({copies:.4g} s)" if copies else "")
         + (f", the gradients reduce-scattered {'each micro-batch' if lay.reduces_each_micro_batch else 'once'} "
