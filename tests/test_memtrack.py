@@ -1,9 +1,13 @@
 """Planner memory vs tracked memory of real CPU steps: states within 1%, peak within 10%."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from trainwise.config import ModelConfig, TrainConfig
+from trainwise.cost import loss as L
 from trainwise.cost.layout import Layout
 from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Machine, Run
@@ -293,3 +297,46 @@ def test_a_step_its_states_outweigh_peaks_where_the_plan_says(tied, precision):
     table = 4 * cfg.vocab_size * cfg.d_model  # fp32 gradients
     assert plan.peak_bytes == states + (0 if not tied else table if precision == "bf16" else 2 * table)
     assert metered == pytest.approx(plan.peak_bytes, rel=0.01)
+
+
+# One cross-entropy forward and backward on fp32 logits, vocabulary-sharded on a one-rank mesh under torch's
+# loss_parallel (as a tensor-parallel stack calls it) or plain: prints the allocator's high point above the logits
+# (the run's own allocations; a fresh process, so that no process group outlives it).
+LOSS_PEAK = """
+import sys, torch, torch.distributed as dist, torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.profiler import ProfilerActivity, profile
+from trainwise.measure.memtrack import _allocations
+N, V, parallel = 512, 4096, sys.argv[2] == "parallel"
+dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(sys.argv[1], 1))
+torch.manual_seed(0)
+labels = torch.randint(0, V, (N,))
+x = torch.randn(N, V)
+x = (distribute_tensor(x, init_device_mesh("cpu", (1,)), [Shard(-1)]) if parallel else x).requires_grad_()
+with loss_parallel() if parallel else torch.enable_grad(), profile(activities=[ProfilerActivity.CPU],
+                                                                   profile_memory=True) as prof:
+    F.cross_entropy(x, labels).backward()
+running = high = 0
+for _, nbytes, _, _ in _allocations(prof)[0]:
+    running += nbytes
+    high = max(high, running)
+print(high)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_torchs_cross_entropy_backward_holds_what_the_plan_says(tmp_path, parallel):
+    """F.cross_entropy's backward beside the saved fp32 log-probabilities (4V a token): plain, the log-softmax's
+    and the logits' gradients (8V); under loss_parallel, whose nll_loss backward makes both as (one-hot + exp(saved))
+    x the incoming gradient, three buffers at once (12V). Measured at the allocator on one rank, whose shard is the
+    whole vocabulary: the plan's bytes for the same tokens on tp ranks, times tp."""
+    kind = "parallel" if parallel else "plain"
+    out = subprocess.run([sys.executable, "-c", LOSS_PEAK, str(tmp_path / "store"), kind], capture_output=True,
+                         text=True, check=True)
+    N, V, tp = 512, 4096, 2 if parallel else 1
+    cfg, recipe = ModelConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=4), get_recipe("fp32")
+    planned = L.loss_saved_bytes_per_token(cfg, recipe) * N + L.loss_backward_bytes(cfg, recipe, N, tp) * tp
+    assert int(out.stdout.split()[-1]) == pytest.approx(planned, rel=0.005)  # + the labels' masks and indices

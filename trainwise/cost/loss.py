@@ -46,7 +46,10 @@ def loss_saved_bytes_per_token(cfg: ModelConfig, recipe: Recipe, kernel: str = "
 def loss_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int = 1, kernel: str = "torch") -> int:
     """Scratch of the cross-entropy's backward, alive at the start of backward beside the activations.
 
-    Plain F.cross_entropy: two fp32 N x V buffers (the log-softmax gradient and the logits gradient), 8V per token.
+    Plain F.cross_entropy: two fp32 N x V buffers (the log-softmax gradient and the logits gradient), 8V per token;
+    vocabulary-parallel (tp > 1: torch's loss_parallel, as another stack's tensor-parallel run calls it), three:
+    its nll_loss backward makes the log-softmax's gradient too, as (one-hot + exp(saved log-probabilities)) x the
+    incoming gradient, and holds the one-hot, the exponential and their sum at once, 12V / tp per token.
     Another stack's fused kernel (flash-attn's cross-entropy as llm-foundry calls it, not in place): one gradient as
     wide as the logits it saved, cV per token; in place (Transformer Engine's), none: the gradient is the saved
     buffer, scaled in place. Megatron's: its fp32 gradient is the saved softmax, made in place, and autograd casts
@@ -56,7 +59,7 @@ def loss_backward_bytes(cfg: ModelConfig, recipe: Recipe, tokens: int, tp: int =
     to the accumulator. N x V never appears."""
     V, H, c = cfg.vocab_size, cfg.d_model, recipe.compute_bytes
     if not cfg.loss_chunk_tokens:
-        each = {"flash-attn": c, "te": 0, "megatron": c if c != 4 else 0}.get(kernel, 8)
+        each = {"flash-attn": c, "te": 0, "megatron": c if c != 4 else 0}.get(kernel, 12 if tp > 1 else 8)
         return math.ceil(each * V * tokens / tp)
     chunk = min(cfg.loss_chunk_tokens, tokens)
     cast = c if c != 4 else 0

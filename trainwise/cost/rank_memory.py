@@ -150,7 +150,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
       backward: parameters + optimizer states + torch's pipelining's receive buffers (one per micro-batch and
         link; Megatron-Core receives into the chunk's input, an activation) + the larger of an MLP's backward
         (mlp_backward_bytes) and the cross-entropy's backward scratch on the last stage (cost.loss.loss_kernel's:
-        torch's two fp32 B T V buffers, whole on every tp rank, or 1/tp of them vocabulary-parallel; compiled,
+        torch's two fp32 B T V buffers, whole on every tp rank, or vocabulary-parallel three of 1/tp; compiled,
         compiled_loss_backward_bytes) or, under full checkpointing, one recomputed block's activations + under FSDP2
         the gathered parameters in the compute dtype (zero2: all of the rank's, kept from forward to backward; fsdp:
         the stage roots and two blocks) + the most, over the backwards of the schedule (cost.schedule.schedule_ops),
@@ -200,8 +200,7 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     if kernel == "compiled":
         scratch = L.compiled_loss_backward_bytes(cfg, acts_recipe, tokens, run.checkpointing)
     elif kernel:
-        scratch = max(scratch, L.loss_backward_bytes(cfg, acts_recipe, tokens, 1, kernel)
-                      // (lay.tp if megatron else 1))
+        scratch = max(scratch, L.loss_backward_bytes(cfg, acts_recipe, tokens, lay.tp if megatron else 1, kernel))
     if run.checkpointing in ("full", "op"):
         scratch = max(scratch, math.ceil(M.recompute_bytes(cfg, acts_recipe, tokens, 1, run.checkpointing) / lay.tp))
     gathered = accumulated = 0
