@@ -21,10 +21,11 @@ from trainwise.cost.gpu import (GEMM_K_OVERHEAD, GEMM_LAUNCH_S, attention_rate, 
 from trainwise.cost.layout import Layout, make_layout, param_counts, placement
 from trainwise.cost.ops import WEIGHT_CAST
 from trainwise.cost.rank import StepShape, rank_comm, rank_params
-from trainwise.cost.rank_memory import fsdp_block_backward, in_flight, layer_bytes_per_token, rank_peak
+from trainwise.cost.rank_memory import fsdp_block_backward, layer_bytes_per_token, rank_peak
 from trainwise.cost.recipe import get_recipe
 from trainwise.cost.run import Machine, Run
-from trainwise.cost.schedule import bubble_fraction, chunk_layers, rank_stages, schedule_seconds, stage_layers
+from trainwise.cost.schedule import (bubble_fraction, chunk_layers, in_flight, rank_stages, schedule_seconds,
+                                     stage_layers)
 from trainwise.errors import TrainwiseError
 from trainwise.hardware.table import ACCELERATORS, NODES, lookup_cuda_device
 from trainwise.planner.derivation import explain_cluster, explain_plan, plan_table
@@ -803,7 +804,8 @@ def test_fsdp1s_backward_post_waits_for_each_backward_gather_and_holds_one_block
     # the backward's high point: a block starts back with its activations, without the next block (2 bytes a
     # parameter) beside it; the step's peak is the loss's here, before any block runs back
     backward = {p.run.layout.fsdp_prefetch: fsdp_block_backward(p.run, 0, p.run.recipe, False,
-                                                                rank_params(cfg, p.run.layout, 0)) for p in (pre, post)}
+                                                                rank_params(cfg, p.run.layout, 0))[0]
+                for p in (pre, post)}
     assert backward["pre"] - backward["post"] == 2 * n_block
     assert pre.peak_bytes == post.peak_bytes
     assert "--fsdp-prefetch post" in explain_cluster(post) and "--fsdp-prefetch" not in explain_cluster(pre)
@@ -896,3 +898,25 @@ def test_context_parallelism_by_implementation():
     with pytest.raises(TrainwiseError, match="cp must divide both"):
         plan_run(run_of(gpt(12, 1536, 4, max_seq_len=32768), tokens=1e9, seq_len=32768, gpus=8, cp=8,
                         gpu="h100-sxm", cp_impl="a2a"))
+
+
+def test_fsdps_gradient_shards_are_reserved_beside_the_compute_streams_high_point():
+    """FSDP's reduce-scatter allocates the sharded gradients on its own stream, and the caching allocator lends a
+    freed block only to the stream that made it: the least it reserves (Plan.reserved_bytes, what torchtitan logs
+    as memory) is the compute stream's high point, a backward's start with none of them, plus all of them. Worked
+    where the loss's backward is the step's high point (a large vocabulary, one micro-batch): reserved - peak =
+    the rank's gradients. DDP's buckets (made once, on the compute stream) and FSDP under a pipeline (the shards
+    already in the plan's backward there) reserve their peak; the plan table and --json say it."""
+    cfg = ModelConfig(vocab_size=65536, d_model=512, n_layers=2, n_heads=8, n_kv_heads=8, max_seq_len=4096)
+    kw = dict(tokens=1e9, seq_len=4096, micro_batch=1, grad_accum=1, gpu="h100-sxm", precision="bf16",
+              checkpointing="none")
+    fsdp = plan_run(run_of(cfg, gpus=8, zero=3, **kw))
+    rp = fsdp.peak_rank[1]
+    assert rp.backward > rp.step and rp.grads > 0
+    assert fsdp.reserved_bytes == fsdp.peak_bytes + rp.grads
+    assert fsdp.to_json()["memory"]["reserved_bytes"] == fsdp.reserved_bytes
+    assert "reserved / device" in plan_table(fsdp)
+    piped = {**kw, "grad_accum": 2}
+    for other in (plan_run(run_of(cfg, gpus=8, zero=0, **kw)), plan_run(run_of(cfg, gpus=8, pp=2, zero=3, **piped))):
+        assert other.reserved_bytes == other.peak_bytes
+        assert "reserved / device" not in plan_table(other)

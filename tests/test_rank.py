@@ -13,8 +13,7 @@ from trainwise.cost import rank as R
 from trainwise.cost.comm import bytes_sent
 from trainwise.cost.layout import Layout, param_counts
 from trainwise.cost.params import params
-from trainwise.cost.rank_memory import in_flight
-from trainwise.cost.schedule import rank_stages, stage_layers
+from trainwise.cost.schedule import in_flight, rank_stages, stage_layers
 from trainwise.runtime.step import build_model
 
 TINY = dict(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)

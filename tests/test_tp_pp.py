@@ -26,7 +26,7 @@ from trainwise.cli import main
 from trainwise.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from trainwise.cost import rank as R
 from trainwise.cost.layout import Layout
-from trainwise.cost.rank_memory import in_flight
+from trainwise.cost.schedule import in_flight
 from trainwise.cost.run import Machine, Run
 from trainwise.cost.schedule import rank_stages, schedule_ops
 from trainwise.errors import TrainwiseError

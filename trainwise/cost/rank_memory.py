@@ -28,7 +28,7 @@ from trainwise.cost.layout import ZERO_BUBBLE, Layout
 from trainwise.cost.rank import divided, is_expert, rank_params, units
 from trainwise.cost.recipe import Recipe, optimizer_moments
 from trainwise.cost.run import Run, fsdp_grad_sync, routed_imbalance, trains
-from trainwise.cost.schedule import rank_stages, schedule_ops, stage_layers
+from trainwise.cost.schedule import awaiting_weights, in_flight, rank_stages, stage_layers
 
 
 def layer_bytes_per_token(cfg: ModelConfig, recipe: Recipe, layer: int, layout: Layout, seq_len: int,
@@ -139,10 +139,20 @@ class RankPeak:
     backward: int  # the high point of backward
     step: int  # the high point of the optimizer step
     held: int = 0  # FSDP2's unsharded fp32 gradient sums through the accumulation (held_grad_sums), in backward
+    # the least the caching allocator reserves over the step (torch.cuda.max_memory_reserved); 0: the peak
+    reserved_at_least: int = 0
 
     @property
     def peak(self) -> int:
         return max(self.backward, self.step)
+
+    @property
+    def reserved(self) -> int:
+        """The least the caching allocator holds at once: the peak, or, under FSDP without pp, the compute stream's
+        high point before any gradient is reduced plus the rank's sharded gradients. FSDP's reduce-scatter
+        allocates those on its own stream, and the allocator reuses a freed block only on the stream that made
+        it, so the blocks the backward frees cannot hold them. Fragmentation is not counted."""
+        return max(self.peak, self.reserved_at_least)
 
 
 def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> RankPeak:
@@ -245,10 +255,15 @@ def rank_peak(run: Run, rank: int = 0, optimizer_share: float | None = None) -> 
     backward = max(backward, resident + grads + no_sync + tied_grad_sum(run, params, recipe))
     if table and K > 1:  # a later micro-batch's whole table beside the accumulated one, at its backward's end
         backward = max(backward, resident + grads + no_sync + table - table // lay.tp + table)
+    reserved = 0
     if fsdp and lay.pp == 1:
-        backward = max(backward, resident + fsdp_block_backward(run, rank, acts_recipe, megatron, params))
+        block, compute = fsdp_block_backward(run, rank, acts_recipe, megatron, params)
+        backward = max(backward, resident + block)
+        # a backward's start without the sharded gradients (on the reduce-scatter stream's blocks, added after)
+        start = resident + max(flights) + scratch + gathered + accumulated
+        reserved = 0 if replicated else max(start, resident + compute) + grads - outside
     step = resident + grads + scratch_step + table  # the clip: the whole table, and its rows anew beside it
-    return RankPeak(params_bytes, grads, optimizer, master, max(flights), backward, step, accumulated)
+    return RankPeak(params_bytes, grads, optimizer, master, max(flights), backward, step, accumulated, reserved)
 
 
 def held_grad_sums(run: Run, rank: int = 0) -> int:
@@ -268,7 +283,7 @@ def each_micro_batch(run: Run, megatron: bool) -> bool:
     return run.layout.pp == 1 and (fsdp_grad_sync(run) == "micro-batch" if run.layout.zero == 3 else megatron)
 
 
-def fsdp_block_backward(run: Run, rank: int, recipe: Recipe, megatron: bool, params: list) -> int:
+def fsdp_block_backward(run: Run, rank: int, recipe: Recipe, megatron: bool, params: list) -> tuple[int, int]:
     """The high point of FSDP2's backward through one pipeline stage's blocks beyond the rank's resident states,
     block by block from the last. Throughout: the root units gathered, their LM-head side gradients (a tied table's,
     the final norm's, the head's) held until the root reduces last, the sharded gradients of the blocks already
@@ -286,7 +301,8 @@ def fsdp_block_backward(run: Run, rank: int, recipe: Recipe, megatron: bool, par
               block-sized copy of them there (the cast's, not traced further).
     zero2 keeps every block not yet run back gathered (from forward) in place of block j and its prefetch;
     Layout.fsdp_prefetch "post" gathers block j - 1 only at the reduce, not at block j's start and end.
-    Activation checkpointing adds one recomputed block at each."""
+    Activation checkpointing adds one recomputed block at each. Returns the high point and the same without the
+    sharded gradients, which FSDP's reduce-scatter allocates on its own stream (RankPeak.reserved)."""
     cfg, lay, K = run.model, run.layout, run.grad_accum
     sizes = units(cfg, lay, rank, megatron, params)
     root = sum(p.tp_numel for unit, ps in sizes.items() if str(unit).startswith("root") for p in ps)
@@ -310,7 +326,7 @@ def fsdp_block_backward(run: Run, rank: int, recipe: Recipe, megatron: bool, par
     acts_before = gathered_before = 0
     shards_after = g * sum(shard.values())
     experts_after = g * sum(experts.values())
-    high = 0
+    high = compute = 0
     for k, j in enumerate(blocks):
         shards_after -= g * shard[j]
         if lay.strategy != "fsdp":  # zero2, replicate: gathered from forward on
@@ -319,19 +335,20 @@ def fsdp_block_backward(run: Run, rank: int, recipe: Recipe, megatron: bool, par
             beside = n[blocks[k - 1]] if k else 0  # the prefetched block
             ahead = 0 if lay.fsdp_prefetch == "post" else beside  # BACKWARD_POST gathers it after j's gradients
             gathered = n[j] + (ahead if k else n[j])
+        shards = g * sum(shard.values()) if K > 1 and not accumulating else shards_after
         held = (4 * (root + gathered_before + n[j]) if accumulating else c * head) \
-            + (g * sum(shard.values()) if K > 1 and not accumulating else shards_after) \
             + (g * sum(experts.values()) if K > 1 else experts_after) + c * root + redo + 8 * tokens
         previous = 4 * n[blocks[k + 1]] if k + 1 < len(blocks) else 0
         start = c * gathered + acts_before + acts[k] + previous
         end = c * (gathered - (0 if k else n[j])) + c * n[j] + acts_before + previous
         reduce = c * (beside if lay.strategy == "fsdp" else gathered - n[j]) + c * n[j] * (1 if c == 4 else 2) \
-            + 4 * n[j] + 4 * shard[j] + acts_before
-        high = max(high, held + max(start, end, reduce))
+            + 4 * n[j] + acts_before
+        high = max(high, held + shards + max(start, end, reduce + 4 * shard[j]))
+        compute = max(compute, held + max(start, end, reduce))
         acts_before += acts[k]
         gathered_before += n[j]
         experts_after -= g * experts[j]
-    return high
+    return high, compute
 
 
 def fsdp_pipeline_backward(run: Run, rank: int, recipe: Recipe, params: list, acts: int, scratch: int,
@@ -454,39 +471,6 @@ def weight_grad_inputs_per_token(cfg: ModelConfig, recipe: Recipe, layer: int) -
     F = cfg.expert_ffn_hidden
     shared = mlp(cfg.n_shared_experts * F) if cfg.n_shared_experts else 0
     return c * (qkv + cfg.top_k * mlp(F) + shared) + 4 * cfg.n_experts
-
-
-def awaiting_weights(layout: Layout, pp_rank: int, micro_batches: int) -> list[list[int]]:
-    """At each backward of the rank's schedule (in_flight's order), the local stages of the micro-batches whose
-    input half has run and whose weights' half has not, the one being run included (its I keeps them at its
-    end): empty for schedules that do not split a backward."""
-    waiting, out = [], []
-    for kind, chunk in schedule_ops(layout, pp_rank, micro_batches):
-        if kind == "I":
-            waiting.append(chunk)
-        if kind in ("B", "I"):
-            out.append(list(waiting))
-        if kind == "W":
-            waiting.remove(chunk)
-    return out
-
-
-def in_flight(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple[list[int], bool]]:
-    """The micro-batches in flight on a pipeline rank at each backward of its schedule (the one being run
-    included), as the local stage index of each, and whether the weights' gradients exist by then (a backward
-    has finished), replaying cost.schedule.schedule_ops: GPipe holds all K at its first backward, 1F1B
-    min(K, pp - rank), interleaved 1F1B its warm-up forwards and one more. A zero-bubble schedule's input half
-    ("I") keeps what the weights' half ("W") needs, so a micro-batch is in flight until its W."""
-    live, out, after = [], [], False
-    for kind, chunk in schedule_ops(layout, pp_rank, micro_batches):
-        if kind == "F":
-            live.append(chunk)
-        elif kind in ("B", "I"):
-            out.append((list(live), after))
-        if kind in ("B", "W"):
-            live.remove(chunk)
-            after = True
-    return out
 
 
 def highest_peak(run: Run) -> tuple[int, RankPeak]:

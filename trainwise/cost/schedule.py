@@ -175,3 +175,36 @@ def schedule_seconds(layout: Layout, forward: list[float], backward: list[float]
     if any(pos[r] < len(ops[r]) for r in range(p)):
         raise RuntimeError(f"the {layout.pp_schedule} schedule's order does not run to its end (pp {p}, m {m})")
     return max(free)
+
+
+def awaiting_weights(layout: Layout, pp_rank: int, micro_batches: int) -> list[list[int]]:
+    """At each backward of the rank's schedule (in_flight's order), the local stages of the micro-batches whose
+    input half has run and whose weights' half has not, the one being run included (its I keeps them at its
+    end): empty for schedules that do not split a backward."""
+    waiting, out = [], []
+    for kind, chunk in schedule_ops(layout, pp_rank, micro_batches):
+        if kind == "I":
+            waiting.append(chunk)
+        if kind in ("B", "I"):
+            out.append(list(waiting))
+        if kind == "W":
+            waiting.remove(chunk)
+    return out
+
+
+def in_flight(layout: Layout, pp_rank: int, micro_batches: int) -> list[tuple[list[int], bool]]:
+    """The micro-batches in flight on a pipeline rank at each backward of its schedule (the one being run
+    included), as the local stage index of each, and whether the weights' gradients exist by then (a backward
+    has finished), replaying cost.schedule.schedule_ops: GPipe holds all K at its first backward, 1F1B
+    min(K, pp - rank), interleaved 1F1B its warm-up forwards and one more. A zero-bubble schedule's input half
+    ("I") keeps what the weights' half ("W") needs, so a micro-batch is in flight until its W."""
+    live, out, after = [], [], False
+    for kind, chunk in schedule_ops(layout, pp_rank, micro_batches):
+        if kind == "F":
+            live.append(chunk)
+        elif kind in ("B", "I"):
+            out.append((list(live), after))
+        if kind in ("B", "W"):
+            live.remove(chunk)
+            after = True
+    return out

@@ -265,6 +265,9 @@ def plan_table(plan) -> str:
     if plan.peak_rank is not None:  # the step's high point on the highest rank, as verify checks a run
         rank, _ = plan.peak_rank
         rows.append(("step peak / device", f"{fmt_bytes(mem['peak_bytes'])} (rank {rank}, the highest)"))
+        if mem["reserved_bytes"] > mem["peak_bytes"]:  # FSDP's gradient shards on their stream's own blocks
+            rows.append(("reserved / device", f"at least {fmt_bytes(mem['reserved_bytes'])} (the caching allocator: "
+                                              "the gradient shards on the reduce-scatter stream's blocks)"))
     rows += [("budget / device", fmt_bytes(mem["budget_bytes"])), ("fits", fits_text(plan))]
     if plan.hardware is None:
         rows.append(("time", t["note"]))

@@ -120,6 +120,12 @@ class Plan:
         return self.peak_rank[1].peak
 
     @property
+    def reserved_bytes(self) -> int | None:
+        """The least the caching allocator reserves on the highest rank (cost.rank_memory.RankPeak.reserved): what
+        torch.cuda.max_memory_reserved and the memory other stacks log count, at least."""
+        return None if self.peak_bytes is None else self.peak_rank[1].reserved
+
+    @property
     def budget(self) -> int | None:
         return self.memory_budget or (self.hardware.memory_bytes if self.hardware else None)
 
@@ -162,7 +168,8 @@ class Plan:
                        "states_bytes": self.states.total, "activations_bytes": self.activations_bytes,
                        "held_grad_sums_bytes": self.held_grad_sums,
                        "total_bytes": self.per_device_bytes * self.gpus, "per_device_bytes": self.per_device_bytes,
-                       "peak_bytes": self.peak_bytes, "peak_over_budget_bytes": self.peak_over_budget_bytes,
+                       "peak_bytes": self.peak_bytes, "reserved_bytes": self.reserved_bytes,
+                       "peak_over_budget_bytes": self.peak_over_budget_bytes,
                        "fits": self.fits, "over_budget_bytes": self.over_budget_bytes, "budget_bytes": self.budget,
                        "precision": self.recipe.name, "grad_bytes_per_param": self.recipe.grad_bytes,
                        "fp8_params": self.recipe.fp8_params,
