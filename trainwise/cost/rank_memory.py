@@ -149,9 +149,10 @@ class RankPeak:
     @property
     def reserved(self) -> int:
         """The least the caching allocator holds at once: the peak, or, under FSDP without pp, the compute stream's
-        high point before any gradient is reduced plus the rank's sharded gradients. FSDP's reduce-scatter
-        allocates those on its own stream, and the allocator reuses a freed block only on the stream that made
-        it, so the blocks the backward frees cannot hold them. Fragmentation is not counted."""
+        high point before any gradient is reduced plus the rank's sharded gradients. FSDP's reduce-scatter (FSDP2's,
+        FSDP1's) allocates those on its own stream, and the allocator reuses a freed block only on the stream that
+        made it, so the blocks the backward frees cannot hold them. Fragmentation is not counted. The budget holds
+        allocated memory, not this: an allocation that fails first makes the allocator free the blocks it caches."""
         return max(self.peak, self.reserved_at_least)
 
 
