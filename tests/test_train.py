@@ -240,7 +240,9 @@ def test_step_time_leaves_out_checkpoint_saves(corpus, tmp_path):
         rows = read_metrics(out)
         times = [r["step_time_s"] for r in rows[1:]]
         medians.append(statistics.median(times))
-        assert times[-1] < 5 * medians[-1], times
+        # 0.1 s beside a tiny step's 5x: what a busy machine adds to one step (0.055 s against a 7.5 ms median seen
+        # with the other test worker launching ranks); the meter's start and stop (about 0.3 s together) stay out
+        assert times[-1] < 5 * medians[-1] + 0.1, times
         # the last step ran under the meter's profiler: its row says so, and verify's step time leaves it out
         assert [r.get("metered_steps") for r in rows] == [None] * 11 + [1]
         assert steady_step_time(out) == (pytest.approx(statistics.fmean(times[:-1])), 10)
